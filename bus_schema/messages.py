@@ -1,0 +1,459 @@
+"""Every message that travels on the gearshift bus, as msgspec Structs.
+
+Conventions (see docs/architecture.md):
+- ``kw_only=True`` and ``frozen=True`` on every class; msgspec does not inherit
+  ``kw_only`` so it is repeated on each subclass.
+- Input documents we own (``JobSpec`` and its parts) forbid unknown fields so a
+  typo fails loudly; everything else ignores unknown fields so newer producers
+  stay readable by older consumers.
+- Numeric limits live in ``Annotated[..., Meta(...)]`` so that decoding alone
+  rejects out-of-range values with the JSON path of the field.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+# ---------------------------------------------------------------- limits
+MAX_NAME = 128
+MAX_STR = 256
+MAX_ARGS = 64
+MAX_ARG_LEN = 4096
+MAX_ENV = 64
+MAX_GPUS = 4096
+MAX_MESSAGE_BYTES = 256 * 1024
+
+Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+Label = Annotated[str, Meta(max_length=MAX_STR)]
+Tenant = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+JobId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+NodeName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+Arg = Annotated[str, Meta(max_length=MAX_ARG_LEN)]
+EnvKey = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+
+
+class _Input(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Base of documents written by users: unknown fields are errors."""
+
+
+class _Msg(Struct, kw_only=True, frozen=True):
+    """Base of internal messages: unknown fields are ignored (forward compatible)."""
+
+
+# ---------------------------------------------------------------- job spec
+class ModelSpec(_Input, kw_only=True, frozen=True):
+    name: Name
+    params: Annotated[float, Meta(gt=0, le=10_000_000)]  # millions of parameters
+    layers: Annotated[int, Meta(ge=1, le=4096)]
+    hidden: Annotated[int, Meta(ge=1, le=1 << 20)]
+    seq_len: Annotated[int, Meta(ge=1, le=1 << 22)]
+    heads: Annotated[int, Meta(ge=1, le=4096)] | None = None
+
+
+class Plan(_Input, kw_only=True, frozen=True):
+    """An execution plan. dp*tp*pp is the number of GPUs it runs on."""
+
+    dp: Annotated[int, Meta(ge=1, le=MAX_GPUS)] = 1
+    tp: Annotated[int, Meta(ge=1, le=64)] = 1
+    pp: Annotated[int, Meta(ge=1, le=512)] = 1
+    zero: Annotated[int, Meta(ge=0, le=3)] = 0
+    offload: bool = False
+    ga: Annotated[int, Meta(ge=1, le=4096)] = 1
+    micro_batch: Annotated[int, Meta(ge=1, le=1 << 20)] | None = None
+    grad_ckpt: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def label(self) -> str:
+        """Short human form, e.g. ``PP2-TP4-DP2`` or ``DP4-Z2-GA2-GC``."""
+        parts = []
+        if self.pp > 1:
+            parts.append(f"PP{self.pp}")
+        if self.tp > 1:
+            parts.append(f"TP{self.tp}")
+        parts.append(f"DP{self.dp}")
+        if self.zero:
+            parts.append(f"Z{self.zero}")
+        if self.offload:
+            parts.append("OFF")
+        if self.ga > 1:
+            parts.append(f"GA{self.ga}")
+        if self.grad_ckpt:
+            parts.append("GC")
+        if self.micro_batch:
+            parts.append(f"MB{self.micro_batch}")
+        return "-".join(parts)
+
+
+class JobSpec(_Input, kw_only=True, frozen=True):
+    name: Name
+    model: ModelSpec
+    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
+    steps: Annotated[int, Meta(ge=1, le=1 << 40)]
+    gpus: Annotated[int, Meta(ge=1, le=MAX_GPUS)]
+    cpus_per_gpu: Annotated[int, Meta(ge=1, le=256)] | None = None
+    plan: Plan | None = None
+    guaranteed: bool = False
+    priority: Annotated[int, Meta(ge=-1000, le=1000)] = 0
+    tenant: Tenant = "default"
+    command: Annotated[list[Arg], Meta(min_length=1, max_length=MAX_ARGS)] | None = None
+    env: Annotated[dict[EnvKey, Arg], Meta(max_length=MAX_ENV)] | None = None
+    reconfigurable: bool = True
+    # Emulated worker only (no command): seconds per step at the requested plan
+    # and GPUs. Absent: the performance model's prediction, else 0.1 s.
+    step_time: Annotated[float, Meta(gt=0, le=86_400)] | None = None
+
+
+class SubmitRequest(_Input, kw_only=True, frozen=True):
+    spec: JobSpec
+    token: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")] | None = None
+
+
+class JobRef(_Input, kw_only=True, frozen=True):
+    job_id: JobId
+
+
+class ListRequest(_Input, kw_only=True, frozen=True):
+    tenant: Tenant | None = None
+    states: list[str] | None = None
+    limit: Annotated[int, Meta(ge=1, le=100_000)] = 10_000
+
+
+# ---------------------------------------------------------------- job record
+class JobState(str, enum.Enum):
+    PENDING = "pending"  # admitted, waiting for resources
+    SCHEDULED = "scheduled"  # allocation written, agents launching
+    RUNNING = "running"
+    CANCELLING = "cancelling"  # cancel asked, processes being stopped
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+
+# The job state machine: which state may follow which. Preemption and
+# re-queueing go back to PENDING; a reconfiguration goes RUNNING -> SCHEDULED.
+ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset({JobState.SCHEDULED, JobState.CANCELLED, JobState.FAILED}),
+    JobState.SCHEDULED: frozenset(
+        {JobState.RUNNING, JobState.PENDING, JobState.SCHEDULED, JobState.CANCELLING, JobState.FAILED,
+         JobState.COMPLETED}
+    ),
+    JobState.RUNNING: frozenset(
+        {JobState.SCHEDULED, JobState.PENDING, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLING,
+         JobState.RUNNING}
+    ),
+    JobState.CANCELLING: frozenset({JobState.CANCELLED, JobState.CANCELLING}),
+    JobState.COMPLETED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class InvalidTransition(ValueError):
+    pass
+
+
+class NodePlacement(_Msg, kw_only=True, frozen=True):
+    node: NodeName
+    gpus: list[NonNegInt]  # GPU indices on that node
+    cpus: NonNegInt = 0
+
+
+class Allocation(_Msg, kw_only=True, frozen=True):
+    """What the optimizer decided for one job; agents carry it out.
+
+    ``generation`` increases with every new allocation of the job: agents
+    ignore commands and allocations older than what they already run.
+    """
+
+    job_id: JobId
+    generation: PosInt
+    plan: Plan
+    placement: list[NodePlacement]
+    reason: Label = ""
+    predicted_throughput: NonNegFloat | None = None
+    created_at: float = 0.0
+    # A copy of what a launcher needs, so agents never read gs_jobs.
+    command: list[str] | None = None
+    env: dict[str, str] | None = None
+    step_time: float | None = None
+    steps: int = 0
+    global_batch: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return sum(len(p.gpus) for p in self.placement)
+
+    def nodes(self) -> list[str]:
+        return [p.node for p in self.placement]
+
+
+class JobRecord(_Msg, kw_only=True, frozen=True):
+    """The authoritative state of one job, stored in KV ``gs_jobs`` under its id."""
+
+    job_id: JobId
+    spec: JobSpec
+    state: JobState = JobState.PENDING
+    token: str | None = None
+    submitted_at: float = 0.0
+    scheduled_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    generation: NonNegInt = 0  # generation of the current allocation, 0 = none yet
+    plan: Plan | None = None  # plan of the current allocation
+    placement: list[NodePlacement] = []
+    steps_done: NonNegInt = 0
+    restarts: NonNegInt = 0
+    exit_code: int | None = None
+    reason: str = ""  # why it is in its state (waiting reason, failure reason)
+    event_seq: NonNegInt = 0  # per-job sequence number of the last event
+    outbox: list["AnyJobEvent"] = []  # events written with the state, not yet confirmed published
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def check_transition(self, new: JobState) -> None:
+        if new not in ALLOWED_TRANSITIONS[self.state]:
+            raise InvalidTransition(f"job {self.job_id}: {self.state.value} -> {new.value} is not allowed")
+
+
+# ---------------------------------------------------------------- nodes
+class GpuProcess(_Msg, kw_only=True, frozen=True):
+    pid: int
+    used_memory: int | None = None  # bytes; None when NVML cannot tell
+
+
+class GpuReport(_Msg, kw_only=True, frozen=True):
+    index: NonNegInt
+    uuid: str
+    name: str = ""
+    memory_used: NonNegInt = 0  # bytes
+    memory_total: NonNegInt = 0  # bytes
+    utilization: Annotated[float, Meta(ge=0, le=100)] | None = None  # percent
+    processes: list[GpuProcess] = []
+
+
+class NodeReport(_Msg, kw_only=True, frozen=True):
+    node: NodeName
+    ts: float
+    gpus: list[GpuReport]
+    cpus: NonNegInt
+    memory_total: NonNegInt = 0  # host bytes
+    memory_used: NonNegInt = 0
+    probe: str = "nvml"  # nvml | fake
+    running: list[str] = []  # "<job_id>@<generation>" of the processes it runs
+    agent_version: str = ""
+    started_at: float = 0.0
+
+
+# ---------------------------------------------------------------- agent <-> services
+class RunReportKind(str, enum.Enum):
+    STARTED = "started"
+    EXITED = "exited"
+
+
+class RunReport(_Msg, kw_only=True, frozen=True):
+    """An agent's account of one job process, on the durable ``GS_REPORTS`` stream."""
+
+    job_id: JobId
+    generation: PosInt
+    node: NodeName
+    kind: RunReportKind
+    ts: float
+    rank0: bool = True
+    steps_done: NonNegInt = 0
+    exit_code: int | None = None
+    # exited because the agent stopped it (cancel, newer generation) rather
+    # than by itself
+    stopped: bool = False
+    message: str = ""
+
+
+class JobProgress(_Msg, kw_only=True, frozen=True):
+    """Live progress, published on core NATS ``gs.job.<job>.progress``."""
+
+    job_id: JobId
+    generation: PosInt
+    node: NodeName
+    ts: float
+    steps_done: NonNegInt
+    steps: NonNegInt = 0
+    samples_per_s: NonNegFloat = 0.0
+    loss: float | None = None
+
+
+class StopCommand(_Input, kw_only=True, frozen=True):
+    job_id: JobId
+    generation: PosInt
+    reason: Label = ""
+
+
+class AgentReply(_Msg, kw_only=True, frozen=True):
+    ok: bool
+    error: str = ""
+    node: str = ""
+
+
+# ---------------------------------------------------------------- replies
+class ErrorReply(_Msg, kw_only=True, frozen=True):
+    code: str  # "400" bad request, "404" not found, "409" conflict, "503" unavailable
+    error: str
+    field: str | None = None
+
+
+class SubmitReply(_Msg, kw_only=True, frozen=True):
+    job_id: str
+    created: bool  # False when the token matched an earlier submission
+    state: JobState
+
+
+class JobList(_Msg, kw_only=True, frozen=True):
+    jobs: list[JobRecord]
+
+
+class NodeList(_Msg, kw_only=True, frozen=True):
+    nodes: list[NodeReport]
+
+
+class RoundReply(_Msg, kw_only=True, frozen=True):
+    round: int
+    allocations: int
+    pending: int
+    duration_ms: float
+
+
+class ExplainEntry(_Msg, kw_only=True, frozen=True):
+    job_id: str
+    state: str
+    reason: str
+
+
+class ExplainReply(_Msg, kw_only=True, frozen=True):
+    policy: str
+    round: int
+    jobs: list[ExplainEntry]
+
+
+# ---------------------------------------------------------------- events
+class Event(_Msg, tag_field="kind", kw_only=True, frozen=True):
+    """Base of every event on the ``GS_EVENTS`` stream."""
+
+    v: int = 1
+    ts: float
+
+
+class JobEvent(Event, kw_only=True, frozen=True):
+    job_id: str
+    seq: PosInt  # per-job, gapless: 1, 2, 3, ...
+    generation: NonNegInt = 0
+
+
+class JobSubmitted(JobEvent, tag="job.submitted", kw_only=True, frozen=True):
+    name: str
+    tenant: str
+    gpus: int
+    guaranteed: bool = False
+
+
+class JobScheduled(JobEvent, tag="job.scheduled", kw_only=True, frozen=True):
+    plan: Plan
+    placement: list[NodePlacement]
+    reason: str = ""
+    predicted_throughput: float | None = None
+
+
+class JobReconfigured(JobEvent, tag="job.reconfigured", kw_only=True, frozen=True):
+    plan: Plan
+    placement: list[NodePlacement]
+    previous_plan: Plan | None = None
+    previous_gpus: int = 0
+    reason: str = ""
+    predicted_gain: float | None = None
+
+
+class JobPreempted(JobEvent, tag="job.preempted", kw_only=True, frozen=True):
+    reason: str = ""
+
+
+class JobRunning(JobEvent, tag="job.running", kw_only=True, frozen=True):
+    nodes: list[str] = []
+
+
+class JobCompleted(JobEvent, tag="job.completed", kw_only=True, frozen=True):
+    steps_done: int = 0
+
+
+class JobFailed(JobEvent, tag="job.failed", kw_only=True, frozen=True):
+    reason: str
+    exit_code: int | None = None
+
+
+class JobCancelRequested(JobEvent, tag="job.cancel_requested", kw_only=True, frozen=True):
+    pass
+
+
+class JobCancelled(JobEvent, tag="job.cancelled", kw_only=True, frozen=True):
+    pass
+
+
+class JobRequeued(JobEvent, tag="job.requeued", kw_only=True, frozen=True):
+    reason: str = ""
+
+
+class NodeJoined(Event, tag="node.joined", kw_only=True, frozen=True):
+    node: str
+    gpus: int
+    cpus: int
+
+
+class NodeLost(Event, tag="node.lost", kw_only=True, frozen=True):
+    node: str
+    reason: str = ""
+
+
+class RoundCompleted(Event, tag="round.completed", kw_only=True, frozen=True):
+    round: int
+    policy: str
+    pending: int
+    running: int
+    changes: int
+    duration_ms: float
+
+
+AnyJobEvent = (
+    JobSubmitted
+    | JobScheduled
+    | JobReconfigured
+    | JobPreempted
+    | JobRunning
+    | JobCompleted
+    | JobFailed
+    | JobCancelRequested
+    | JobCancelled
+    | JobRequeued
+)
+AnyEvent = AnyJobEvent | NodeJoined | NodeLost | RoundCompleted
+
+JOB_EVENT_TYPES: tuple[type[JobEvent], ...] = (
+    JobSubmitted, JobScheduled, JobReconfigured, JobPreempted, JobRunning, JobCompleted, JobFailed,
+    JobCancelRequested, JobCancelled, JobRequeued,
+)
+EVENT_TYPES: tuple[type[Event], ...] = (*JOB_EVENT_TYPES, NodeJoined, NodeLost, RoundCompleted)
+
+
+def event_kind(ev: Event | type[Event]) -> str:
+    cls = ev if isinstance(ev, type) else type(ev)
+    return cls.__struct_config__.tag  # type: ignore[attr-defined]
+

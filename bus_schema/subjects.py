@@ -1,0 +1,69 @@
+"""Subject, stream and bucket names: the one place that spells them."""
+
+from __future__ import annotations
+
+import re
+
+# JetStream
+EVENTS_STREAM = "GS_EVENTS"
+EVENTS_SUBJECTS = "gs.evt.>"
+REPORTS_STREAM = "GS_REPORTS"
+REPORTS_SUBJECTS = "gs.report.>"
+
+# KV buckets
+JOBS_BUCKET = "gs_jobs"
+NODES_BUCKET = "gs_nodes"
+ALLOC_BUCKET = "gs_alloc"
+MODELS_BUCKET = "gs_models"
+LEASE_BUCKET = "gs_lease"
+
+# request-reply services
+ADMISSION = "gs.admission"
+ADMISSION_SUBMIT = "gs.admission.submit"
+ADMISSION_CANCEL = "gs.admission.cancel"
+ADMISSION_GET = "gs.admission.get"
+ADMISSION_LIST = "gs.admission.list"
+ADMISSION_NODES = "gs.admission.nodes"
+OPTIMIZER = "gs.optimizer"
+OPTIMIZER_ROUND = "gs.optimizer.round"
+OPTIMIZER_EXPLAIN = "gs.optimizer.explain"
+PERFMODEL = "gs.perfmodel"
+PROFILER = "gs.profiler"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def token(value: str) -> str:
+    """A value safe to put in one subject token (ids are validated upstream)."""
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} cannot be a subject token")
+    return value
+
+
+def job_event(job_id: str, kind: str) -> str:
+    # kind "job.completed" -> gs.evt.job.<id>.completed
+    return f"gs.evt.job.{token(job_id)}.{kind.split('.', 1)[1]}"
+
+
+def node_event(node: str, kind: str) -> str:
+    return f"gs.evt.node.{token(node)}.{kind.split('.', 1)[1]}"
+
+
+def round_event(kind: str) -> str:
+    return f"gs.evt.round.{kind.split('.', 1)[1]}"
+
+
+def node_heartbeat(node: str) -> str:
+    return f"gs.node.{token(node)}.heartbeat"
+
+
+def job_progress(job_id: str) -> str:
+    return f"gs.job.{token(job_id)}.progress"
+
+
+def run_report(node: str, job_id: str) -> str:
+    return f"gs.report.{token(node)}.{token(job_id)}"
+
+
+def agent_command(node: str, verb: str) -> str:
+    return f"gs.agent.{token(node)}.{verb}"

@@ -1,0 +1,146 @@
+"""The scheduling interface shared by the optimizer service and the simulator.
+
+A policy is a pure function of (cluster, jobs, clock, performance oracle) to a
+*desired state*: the allocation every job should hold after this round. Jobs
+that hold resources now and are absent from the decision are preempted; jobs
+whose plan or placement differs are reconfigured (the caller charges the
+restart). Keeping the output declarative lets the simulator and the optimizer
+service apply it the same way, and makes invariants easy to check.
+
+Nothing here imports NATS; the simulator must stay fast, so these are slotted
+dataclasses rather than bus messages. ``bus_schema.Plan`` is reused for plans
+because a plan is the same thing on the bus and in the policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from bus_schema.messages import JobSpec, Plan
+
+
+@dataclass(slots=True)
+class NodeState:
+    name: str
+    gpus_total: int
+    gpus_free: int
+    cpus_total: int
+    cpus_free: int
+    # Locality domain (rack / switch). Nodes in one domain talk faster.
+    domain: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    """GPUs and CPUs a job holds on one node."""
+
+    node: str
+    gpus: int
+    cpus: int = 0
+
+
+@dataclass(slots=True)
+class JobView:
+    """What a policy may know about one job (never the ground-truth speed)."""
+
+    job_id: str
+    spec: JobSpec
+    submitted_at: float
+    steps_done: float = 0.0
+    # Current holding; empty when pending.
+    placement: tuple[Placement, ...] = ()
+    plan: Plan | None = None
+    attained_service: float = 0.0  # GPU-seconds received so far
+    restarts: int = 0
+    last_switch_at: float | None = None  # when its current allocation started
+    started_at: float | None = None  # first start, None if never ran
+
+    @property
+    def running(self) -> bool:
+        return bool(self.placement)
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in self.placement)
+
+    @property
+    def remaining_steps(self) -> float:
+        return max(0.0, self.spec.steps - self.steps_done)
+
+
+@dataclass(slots=True)
+class JobDecision:
+    placement: tuple[Placement, ...]
+    plan: Plan
+    reason: str = ""
+    predicted_throughput: float | None = None  # samples/s the policy expects
+
+
+@dataclass(slots=True)
+class Decision:
+    """Desired state after a round: job_id -> allocation; absent = not running."""
+
+    allocations: dict[str, JobDecision] = field(default_factory=dict)
+    # Why each job that does not run is waiting, in words.
+    waiting: dict[str, str] = field(default_factory=dict)
+
+
+class PerfOracle(Protocol):
+    """What a policy may ask about job speed: the fitted model, never ground truth."""
+
+    def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
+        """Predicted samples/s of ``plan`` on ``placement`` (0 if infeasible)."""
+        ...
+
+
+class Policy(Protocol):
+    name: str
+
+    def schedule(
+        self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None
+    ) -> Decision: ...
+
+
+def default_plan(spec: JobSpec) -> Plan:
+    """The plan a job asked for; plain data parallel over its GPUs if none."""
+    if spec.plan is not None:
+        return spec.plan
+    return Plan(dp=spec.gpus)
+
+
+class AllocationError(ValueError):
+    """A decision that the cluster cannot hold (over-allocation, unknown node...)."""
+
+
+def check_decision(decision: Decision, nodes: list[NodeState], jobs: dict[str, JobView]) -> None:
+    """Refuse a decision that over-allocates any node or names unknown things.
+
+    Capacity is checked against totals: the decision is a full desired state,
+    so what running jobs hold now does not count against it.
+    """
+    by_name = {n.name: n for n in nodes}
+    used_g: dict[str, int] = {}
+    used_c: dict[str, int] = {}
+    for job_id, d in decision.allocations.items():
+        if job_id not in jobs:
+            raise AllocationError(f"decision names unknown job {job_id!r}")
+        if not d.placement:
+            raise AllocationError(f"job {job_id}: empty placement")
+        gpus = 0
+        for p in d.placement:
+            if p.node not in by_name:
+                raise AllocationError(f"job {job_id}: unknown node {p.node!r}")
+            if p.gpus < 0 or p.cpus < 0:
+                raise AllocationError(f"job {job_id}: negative amount on {p.node}")
+            used_g[p.node] = used_g.get(p.node, 0) + p.gpus
+            used_c[p.node] = used_c.get(p.node, 0) + p.cpus
+            gpus += p.gpus
+        if gpus != d.plan.gpus:
+            raise AllocationError(f"job {job_id}: plan {d.plan.label()} needs {d.plan.gpus} GPUs, placement has {gpus}")
+    for name, g in used_g.items():
+        n = by_name[name]
+        if g > n.gpus_total:
+            raise AllocationError(f"node {name}: {g} GPUs allocated, it has {n.gpus_total}")
+        if used_c[name] > n.cpus_total:
+            raise AllocationError(f"node {name}: {used_c[name]} CPUs allocated, it has {n.cpus_total}")
