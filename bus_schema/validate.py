@@ -1,0 +1,51 @@
+"""Checks on a JobSpec that types alone cannot express (pure, shared by the
+admission service and the CLI so both say the same thing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .messages import JobSpec
+
+
+@dataclass
+class SpecError(ValueError):
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node: int | None = None) -> None:
+    """Raise SpecError naming the first field that is wrong."""
+    if max_gpus is not None and spec.gpus > max_gpus:
+        raise SpecError("gpus", f"{spec.gpus} GPUs requested but the cluster has at most {max_gpus}")
+    p = spec.plan
+    if p is not None:
+        if p.dp * p.tp * p.pp != spec.gpus:
+            raise SpecError(
+                "plan", f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {p.dp * p.tp * p.pp} differs from gpus = {spec.gpus}"
+            )
+        if p.pp > spec.model.layers:
+            raise SpecError("plan.pp", f"pp = {p.pp} exceeds the model's {spec.model.layers} layers")
+        if p.tp > spec.model.hidden:
+            raise SpecError("plan.tp", f"tp = {p.tp} exceeds the model's hidden size {spec.model.hidden}")
+        if max_gpus_per_node is not None and p.tp > max_gpus_per_node:
+            raise SpecError("plan.tp", f"tp = {p.tp} must fit in one node ({max_gpus_per_node} GPUs per node)")
+        if p.offload and p.zero == 0:
+            raise SpecError("plan.offload", "offload needs a ZeRO stage >= 1")
+        if p.micro_batch is not None:
+            if p.dp * p.ga * p.micro_batch != spec.global_batch:
+                raise SpecError(
+                    "plan.micro_batch",
+                    f"dp*ga*micro_batch = {p.dp}*{p.ga}*{p.micro_batch} differs from global_batch = {spec.global_batch}",
+                )
+        elif spec.global_batch % (p.dp * p.ga) != 0:
+            raise SpecError(
+                "plan.ga", f"global_batch = {spec.global_batch} is not divisible by dp*ga = {p.dp * p.ga}"
+            )
+    if spec.env:
+        for key in spec.env:
+            if key.startswith("GEARSHIFT_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+                raise SpecError(f"env.{key}", "is set by the agent and may not be overridden")

@@ -1,0 +1,199 @@
+"""The admission service: submit, cancel, get, list jobs (and list nodes).
+
+Thin by design: decode (the runtime turns bad input into an error reply that
+names the field), check the spec against the cluster, write the record with
+compare-and-set, publish the event through the job's outbox.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import os
+import secrets
+from typing import Any
+
+import msgspec
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import (
+    JobCancelled,
+    JobCancelRequested,
+    JobList,
+    JobRecord,
+    JobRef,
+    JobState,
+    JobSubmitted,
+    ListRequest,
+    NodeList,
+    NodeReport,
+    SubmitReply,
+    SubmitRequest,
+)
+from bus_schema.validate import SpecError, check_spec
+
+from .jobstore import JobStore, kv_snapshot, with_event
+from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, now, run_service, serve
+
+log = get_logger(service="admission")
+
+
+def job_id_for(tenant: str, token: str | None) -> str:
+    """Deterministic for a client token (idempotent submit), random otherwise."""
+    if token is None:
+        return "j" + secrets.token_hex(6)
+    return "j" + hashlib.sha256(f"{tenant}\0{token}".encode()).hexdigest()[:12]
+
+
+class Admission:
+    def __init__(self, nc: Any, *, max_gpus: int | None = None, max_jobs_per_tenant: int = 10_000):
+        self.nc = nc
+        self.store = JobStore(nc)
+        self.max_gpus = max_gpus
+        self.max_jobs_per_tenant = max_jobs_per_tenant
+        self.nodes_kv: Any = None
+
+    async def open(self) -> "Admission":
+        await self.store.open()
+        self.nodes_kv = await self.nc.jetstream().key_value(subj.NODES_BUCKET)
+        return self
+
+    async def nodes(self) -> list[NodeReport]:
+        snap = await kv_snapshot(self.nodes_kv)
+        return sorted((codec.decode(v, NodeReport) for v, _ in snap.values()), key=lambda n: n.node)
+
+    async def _capacity(self) -> tuple[int | None, int | None]:
+        """(most GPUs a job could ever get, GPUs per node) from config and registered nodes."""
+        nodes = await self.nodes()
+        if self.max_gpus is not None:
+            per_node = max((len(n.gpus) for n in nodes), default=None)
+            return self.max_gpus, per_node
+        if not nodes:
+            return None, None  # no node has registered yet: nothing to compare with
+        return sum(len(n.gpus) for n in nodes), max(len(n.gpus) for n in nodes)
+
+    # ------------------------------------------------------------ endpoints
+    async def submit(self, req: SubmitRequest) -> SubmitReply:
+        spec = req.spec
+        max_gpus, per_node = await self._capacity()
+        try:
+            check_spec(spec, max_gpus=max_gpus, max_gpus_per_node=per_node)
+        except SpecError as err:
+            raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
+        job_id = job_id_for(spec.tenant, req.token)
+        if req.token is not None:
+            existing = await self.store.get(job_id)
+            if existing is not None:
+                return self._same_submission(existing[0], req)
+        live = [r for r, _ in await self.store.all() if r.spec.tenant == spec.tenant and not r.terminal]
+        if len(live) >= self.max_jobs_per_tenant:
+            raise RequestError("429", f"tenant {spec.tenant} has {len(live)} live jobs, the limit", "spec.tenant")
+        ts = now()
+        rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted")
+        rec = with_event(
+            rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
+        )
+        if not await self.store.create(rec):
+            # a concurrent submit with the same token won the race
+            existing = await self.store.get(job_id)
+            assert existing is not None
+            return self._same_submission(existing[0], req)
+        log.info("job submitted", job_id=job_id, name=spec.name, gpus=spec.gpus, tenant=spec.tenant)
+        return SubmitReply(job_id=job_id, created=True, state=JobState.PENDING)
+
+    @staticmethod
+    def _same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
+        if rec.spec != req.spec:
+            raise RequestError("409", f"token {req.token!r} was used for a different job spec ({rec.job_id})", "token")
+        return SubmitReply(job_id=rec.job_id, created=False, state=rec.state)
+
+    async def cancel(self, ref: JobRef) -> JobRecord:
+        got = await self.store.get(ref.job_id)
+        if got is None:
+            raise RequestError("404", f"no job {ref.job_id}", "job_id")
+        conflict: list[str] = []
+
+        def change(rec: JobRecord) -> JobRecord | None:
+            ts = now()
+            if rec.terminal:
+                conflict.append(f"job {rec.job_id} is already {rec.state.value}")
+                return None
+            if rec.state == JobState.CANCELLING:
+                return None
+            if rec.state == JobState.PENDING:
+                rec = msgspec.structs.replace(rec, state=JobState.CANCELLED, finished_at=ts, reason="cancelled by user")
+                return with_event(rec, JobCancelled, ts=ts)
+            rec = msgspec.structs.replace(rec, state=JobState.CANCELLING, reason="cancel requested: stopping")
+            return with_event(rec, JobCancelRequested, ts=ts)
+
+        new = await self.store.update(ref.job_id, change)
+        if conflict:
+            raise RequestError("409", conflict[0], "job_id")
+        if new is None:  # already cancelling
+            got = await self.store.get(ref.job_id)
+            assert got is not None
+            new = got[0]
+        else:
+            # Wake the optimizer so the processes stop now, not at the next tick.
+            await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+        log.info("job cancel", job_id=ref.job_id, state=new.state.value)
+        return new
+
+    async def get(self, ref: JobRef) -> JobRecord:
+        got = await self.store.get(ref.job_id)
+        if got is None:
+            raise RequestError("404", f"no job {ref.job_id}", "job_id")
+        return got[0]
+
+    async def list(self, req: ListRequest) -> JobList:
+        states = set(req.states or [])
+        known = {s.value for s in JobState}
+        bad = states - known
+        if bad:
+            raise bad_request(f"unknown state(s) {sorted(bad)}; known: {sorted(known)}", "states")
+        recs = [r for r, _ in await self.store.all()]
+        recs = [r for r in recs if (req.tenant is None or r.spec.tenant == req.tenant)]
+        recs = [r for r in recs if not states or r.state.value in states]
+        recs.sort(key=lambda r: (r.submitted_at, r.job_id))
+        return JobList(jobs=recs[: req.limit])
+
+    async def list_nodes(self, _: None) -> NodeList:
+        return NodeList(nodes=await self.nodes())
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint("submit", subj.ADMISSION_SUBMIT, SubmitRequest, self.submit),
+            Endpoint("cancel", subj.ADMISSION_CANCEL, JobRef, self.cancel),
+            Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
+            Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
+            Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
+        ]
+
+
+async def start_admission(nc: Any, **options: Any) -> tuple[Admission, Any]:
+    await ensure_infra(nc)
+    adm = await Admission(nc, **options).open()
+    svc = await serve(nc, "admission", adm.endpoints(), "gearshift job admission")
+    return adm, svc
+
+
+async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = None) -> None:
+    nc = await connect(url, name="gearshift-admission")
+    _, svc = await start_admission(nc, max_gpus=max_gpus)
+    log.info("admission ready", url=nc.connected_url.geturl() if nc.connected_url else url)
+    await stop.wait()
+    await svc.stop()
+    await nc.drain()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="gearshift-admission")
+    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
+    ap.add_argument("--max-gpus", type=int, default=None, help="largest job the cluster could ever hold")
+    args = ap.parse_args(argv)
+    run_service(lambda stop: amain(stop, args.server, args.max_gpus))
+
+
+if __name__ == "__main__":
+    main()

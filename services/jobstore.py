@@ -1,0 +1,157 @@
+"""Job records in KV ``gs_jobs`` with compare-and-set, and their events.
+
+Every change of a job goes through ``update``: a read -> change -> CAS loop.
+The change appends the events it causes to the record's ``outbox`` in the
+same write, so state and events can never disagree; ``flush`` then publishes
+the outbox to ``GS_EVENTS`` (message id ``<job>:<seq>``, so a retried publish
+is dropped by the stream) and clears it with another CAS. A service that dies
+between the two writes leaves the outbox in KV, and the next ``flush_all``
+(leader start-up, every round) publishes it: no event is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.js.api import DeliverPolicy, Header
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import AnyJobEvent, Event, JobRecord, event_kind
+
+Change = Callable[[JobRecord], JobRecord | None]
+
+
+def with_event(rec: JobRecord, event_type: type, *, ts: float, **fields: Any) -> JobRecord:
+    """``rec`` with one more event in its outbox (sequence numbers are gapless)."""
+    seq = rec.event_seq + 1
+    ev = event_type(ts=ts, job_id=rec.job_id, seq=seq, generation=fields.pop("generation", rec.generation), **fields)
+    return msgspec.structs.replace(rec, event_seq=seq, outbox=[*rec.outbox, ev])
+
+
+def event_msg_id(ev: AnyJobEvent) -> str:
+    return f"{ev.job_id}:{ev.seq}"
+
+
+async def publish_event(js: Any, ev: Event, msg_id: str, subject: str) -> None:
+    await js.publish(subject, codec.encode(ev), headers={Header.MSG_ID: msg_id})
+
+
+async def kv_snapshot(kv: Any, keys: str = ">") -> dict[str, tuple[bytes, int]]:
+    """Current value and revision of every key, in one consumer pass (a get
+    per key would cost a round trip each).
+
+    Not ``kv.watch``: its "initial values done" marker can arrive before
+    values already in flight (a race in nats-py 2.16), so a snapshot taken
+    with it may miss keys. Here the end is the message with nothing pending.
+    """
+    js = kv._js
+    stream = kv._stream
+    info = await js.stream_info(stream)
+    out: dict[str, tuple[bytes, int]] = {}
+    if info.state.messages == 0:
+        return out
+    prefix = kv._pre
+    sub = await js.subscribe(
+        f"{prefix}{keys}", stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
+    )
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=5)
+            op = (msg.headers or {}).get("KV-Operation")
+            key = msg.subject[len(prefix):]
+            if op in ("DEL", "PURGE"):
+                out.pop(key, None)
+            else:
+                out[key] = (msg.data, msg.metadata.sequence.stream)
+            if msg.metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+class JobStore:
+    def __init__(self, nc: NATS):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.kv: Any = None
+
+    async def open(self) -> "JobStore":
+        self.kv = await self.js.key_value(subj.JOBS_BUCKET)
+        return self
+
+    async def get(self, job_id: str) -> tuple[JobRecord, int] | None:
+        try:
+            entry = await self.kv.get(job_id)
+        except KeyNotFoundError:
+            return None
+        if entry.value is None or entry.operation in ("DEL", "PURGE"):
+            return None
+        return codec.decode(entry.value, JobRecord), entry.revision
+
+    async def create(self, rec: JobRecord) -> bool:
+        """Write a new record; False if the id exists already."""
+        try:
+            await self.kv.create(rec.job_id, codec.encode(rec))
+        except KeyWrongLastSequenceError:
+            return False
+        await self.flush(rec.job_id)
+        return True
+
+    async def update(self, job_id: str, change: Change, *, flush: bool = True) -> JobRecord | None:
+        """Apply ``change`` with CAS, retrying on conflicts. Returns the new
+        record, or None when the job is unknown or ``change`` returned None."""
+        for _ in range(100):
+            got = await self.get(job_id)
+            if got is None:
+                return None
+            rec, rev = got
+            new = change(rec)
+            if new is None:
+                return None
+            try:
+                await self.kv.update(job_id, codec.encode(new), last=rev)
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(0)
+                continue
+            if flush and new.outbox:
+                new = await self.flush(job_id) or new
+            return new
+        raise RuntimeError(f"job {job_id}: too many concurrent updates")
+
+    async def flush(self, job_id: str) -> JobRecord | None:
+        """Publish a record's outbox, then remove what was published (CAS)."""
+        got = await self.get(job_id)
+        if got is None:
+            return None
+        rec, _ = got
+        if not rec.outbox:
+            return rec
+        for ev in rec.outbox:
+            await publish_event(self.js, ev, event_msg_id(ev), subj.job_event(ev.job_id, event_kind(ev)))
+        done = rec.outbox[-1].seq
+
+        def clear(r: JobRecord) -> JobRecord | None:
+            left = [e for e in r.outbox if e.seq > done]
+            if len(left) == len(r.outbox):
+                return None
+            return msgspec.structs.replace(r, outbox=left)
+
+        return await self.update(job_id, clear, flush=False) or rec
+
+    async def all(self) -> list[tuple[JobRecord, int]]:
+        snap = await kv_snapshot(self.kv)
+        return [(codec.decode(v, JobRecord), rev) for v, rev in snap.values()]
+
+    async def flush_all(self) -> int:
+        n = 0
+        for rec, _ in await self.all():
+            if rec.outbox:
+                await self.flush(rec.job_id)
+                n += 1
+        return n
