@@ -1,0 +1,367 @@
+"""The discrete-event simulator.
+
+Time jumps from event to event: the next arrival, the next completion, the next
+scheduling round (a fixed grid every ``interval`` seconds, plus, by default, a round
+right after any arrival or completion). At a round the policy gets the cluster, the
+live jobs and the belief oracle, and returns the full desired state; the simulator
+refuses (raises ``AllocationError``) a decision that over-allocates or names unknown
+jobs, then applies the difference: preempt jobs left out, start new ones, restart
+jobs whose plan or placement changed.
+
+Model of a job (and why):
+- It progresses at its ground-truth speed (``sim.truth``), only while it holds its
+  allocation, and only after the restart cost of that allocation has elapsed: every
+  (re)start, resume after preemption and reconfiguration pays ``restart_cost`` seconds
+  holding its GPUs without progress (Rubick's artifact charges 260 s).
+- Preemption and reconfiguration keep the steps done (checkpoint on SIGTERM, as
+  gearshift's agent does); the lost time is the restart.
+- It finishes exactly when its steps are done (not at the next round boundary, which is
+  where Blox observes completions).
+
+Invariants, checked at every event when ``check_invariants`` is on (the default):
+no node holds more GPUs or CPUs than it has; only jobs holding an allocation make
+progress; steps done never exceed steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time as _time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bus_schema.messages import Plan
+from policies.api import AllocationError, JobView, NodeState, Placement, Policy, check_decision
+
+from .trace import ClusterSpec, Trace, TraceJob
+from .truth import BeliefOracle, GroundTruth, Predictor
+
+FUTURE, PENDING, RUNNING, DONE = 0, 1, 2, 3
+_EPS = 1e-9
+
+
+class InvariantError(AssertionError):
+    """The simulator caught itself (or a policy) breaking a rule of the model."""
+
+
+@dataclass(slots=True)
+class SimConfig:
+    interval: float = 60.0
+    restart_cost: float = 260.0
+    seed: int = 0
+    noise: float = 0.05  # ground-truth noise where nothing was measured (log-normal sigma)
+    round_on_arrival: bool = True
+    round_on_completion: bool = True
+    horizon: float | None = None  # stop at this simulated time, report the rest unfinished
+    stop_when_tracked_done: bool = True
+    check_invariants: bool = True
+    record_timeline: bool = True
+
+
+@dataclass(slots=True)
+class JobRecord:
+    """Per-job bookkeeping; the per-job CSV is made from these."""
+
+    job: TraceJob
+    view: JobView
+    state: int = FUTURE
+    rate: float = 0.0  # steps/s of the current allocation
+    alloc_at: float = 0.0  # when the current allocation began
+    productive_from: float = 0.0  # alloc_at + restart cost
+    updated_at: float = 0.0  # progress is accounted up to here
+    version: int = 0  # invalidates stale completion events
+    gpus_held: int = 0
+    first_start: float | None = None
+    finish: float | None = None
+    starts: int = 0
+    reconfigs: int = 0
+    preemptions: int = 0
+    restart_lost: float = 0.0
+    restart_gpu_seconds: float = 0.0
+    run_time: float = 0.0  # seconds holding an allocation
+    gpu_seconds: float = 0.0
+    truth_sources: set = field(default_factory=set)
+    stalled: int = 0  # allocations on which the job could not run at all
+    min_rate_ratio: float = math.inf  # guaranteed jobs: worst rate / requested rate
+    preempted_after_start: bool = False
+    request_step_time: float = 0.0
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    trace: str
+    cluster: ClusterSpec
+    config: SimConfig
+    records: list[JobRecord]
+    tracked: frozenset[str] | None
+    end_time: float
+    rounds: int
+    events: int
+    wall_s: float
+    # Step-function samples after each event: (time, GPUs allocated, jobs queued, jobs running)
+    timeline: list[tuple[float, int, int, int]]
+
+
+class Simulator:
+    def __init__(self, trace: Trace, policy: Policy, cluster: ClusterSpec | None = None,
+                 config: SimConfig | None = None, predictor: Predictor | None = None,
+                 progress: Callable[[float, int, int], None] | None = None):
+        self.trace = trace
+        self.policy = policy
+        self.cluster = cluster or trace.cluster
+        self.cfg = config or SimConfig()
+        self.truth = GroundTruth(self.cluster.gpus_per_node, self.cfg.noise, self.cfg.seed, predictor)
+        self.oracle = BeliefOracle(self.cluster.gpus_per_node, predictor)
+        self.progress = progress
+        c = self.cluster
+        self.node_names = [f"n{i:03d}" for i in range(c.nodes)]
+        self.node_index = {n: i for i, n in enumerate(self.node_names)}
+        self.free_g = [c.gpus_per_node] * c.nodes
+        self.free_c = [c.cpus_per_node] * c.nodes
+        self.records = [JobRecord(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
+        self.by_id = {r.job.job_id: r for r in self.records}
+        self.live: dict[str, JobRecord] = {}  # pending + running, in arrival order
+        self.running: dict[str, JobRecord] = {}
+        self.heap: list[tuple[float, int, int]] = []  # (finish time, version, record index)
+        self.index = {id(r): i for i, r in enumerate(self.records)}
+        self.timeline: list[tuple[float, int, int, int]] = []
+        self.alloc_gpus = 0
+        self.now = 0.0
+        self.rounds = 0
+        self.events = 0
+        for j in trace.jobs:
+            biggest = c.gpus_per_node * c.nodes
+            if j.spec.gpus > biggest:
+                raise ValueError(f"job {j.job_id} asks for {j.spec.gpus} GPUs; the cluster has {biggest}")
+
+    # ------------------------------------------------------------ progress
+    def _advance(self, r: JobRecord, t: float) -> None:
+        """Account progress of running job ``r`` up to time ``t``."""
+        if self.cfg.check_invariants and r.state != RUNNING:
+            raise InvariantError(f"job {r.job.job_id} would progress without holding an allocation")
+        dt = t - r.updated_at
+        if dt <= 0:
+            return
+        start = max(r.updated_at, r.productive_from)
+        if t > start and r.rate > 0:
+            v = r.view
+            v.steps_done += (t - start) * r.rate
+            if v.steps_done > v.spec.steps:
+                if self.cfg.check_invariants and v.steps_done > v.spec.steps * (1 + 1e-6) + 1e-6:
+                    raise InvariantError(f"job {r.job.job_id}: {v.steps_done} steps done of {v.spec.steps}")
+                v.steps_done = float(v.spec.steps)
+        r.view.attained_service += dt * r.gpus_held
+        r.gpu_seconds += dt * r.gpus_held
+        r.run_time += dt
+        r.updated_at = t
+
+    def _finish_time(self, r: JobRecord) -> float:
+        if r.rate <= 0:
+            return math.inf
+        left = r.view.spec.steps - r.view.steps_done
+        return max(r.updated_at, r.productive_from) + left / r.rate
+
+    # ------------------------------------------------------------ allocation changes
+    def _release(self, r: JobRecord, t: float) -> None:
+        self._advance(r, t)
+        lost = max(0.0, min(t, r.productive_from) - r.alloc_at)
+        r.restart_lost += lost
+        r.restart_gpu_seconds += lost * r.gpus_held
+        self.alloc_gpus -= r.gpus_held
+        for p in r.view.placement:
+            i = self.node_index[p.node]
+            self.free_g[i] += p.gpus
+            self.free_c[i] += p.cpus
+        r.version += 1
+        r.gpus_held = 0
+        r.rate = 0.0
+        del self.running[r.job.job_id]
+
+    def _grant(self, r: JobRecord, placement: tuple[Placement, ...], plan: Plan, t: float) -> None:
+        for p in placement:
+            i = self.node_index[p.node]
+            self.free_g[i] -= p.gpus
+            self.free_c[i] -= p.cpus
+            if self.cfg.check_invariants and (self.free_g[i] < 0 or self.free_c[i] < 0):
+                raise InvariantError(f"node {p.node} over capacity after granting {r.job.job_id}")
+        step_time, source = self.truth.step_time(r.job, plan, placement)
+        r.truth_sources.add(source)
+        r.rate = 1.0 / step_time if step_time > 0 else 0.0
+        if r.rate == 0:
+            r.stalled += 1
+        if r.job.spec.guaranteed:
+            r.min_rate_ratio = min(r.min_rate_ratio, r.rate * r.request_step_time)
+        r.state = RUNNING
+        r.alloc_at = r.updated_at = t
+        r.productive_from = t + self.cfg.restart_cost
+        r.gpus_held = sum(p.gpus for p in placement)
+        self.alloc_gpus += r.gpus_held
+        r.starts += 1
+        if r.first_start is None:
+            r.first_start = t
+            r.view.started_at = t
+        v = r.view
+        v.placement = placement
+        v.plan = plan
+        v.last_switch_at = t
+        v.restarts = r.starts - 1
+        self.running[r.job.job_id] = r
+        r.version += 1
+        ft = self._finish_time(r)
+        if ft < math.inf:
+            heapq.heappush(self.heap, (ft, r.version, self.index[id(r)]))
+
+    # ------------------------------------------------------------ a round
+    def _nodes(self) -> list[NodeState]:
+        c = self.cluster
+        return [NodeState(n, c.gpus_per_node, self.free_g[i], c.cpus_per_node, self.free_c[i])
+                for i, n in enumerate(self.node_names)]
+
+    def _round(self, t: float) -> bool:
+        """Run the policy and apply its decision. True if any allocation changed."""
+        self.rounds += 1
+        for r in self.running.values():
+            self._advance(r, t)
+        views = [r.view for r in self.live.values()]
+        nodes = self._nodes()
+        decision = self.policy.schedule(t, nodes, views, self.oracle)
+        check_decision(decision, nodes, {v.job_id: v for v in views})
+        allocs = decision.allocations
+        changed = False
+        for jid in [j for j in self.running if j not in allocs]:
+            r = self.running[jid]
+            self._release(r, t)
+            r.state = PENDING
+            r.preemptions += 1
+            if r.job.spec.guaranteed:
+                r.preempted_after_start = True
+            r.view.placement = ()
+            r.view.plan = None
+            changed = True
+        starts = []
+        for jid, d in allocs.items():
+            r = self.live[jid]
+            if r.state == RUNNING:
+                cur = r.view.placement
+                same_place = d.placement is cur or d.placement == cur or sorted(d.placement, key=_pkey) == sorted(cur, key=_pkey)
+                if same_place and d.plan == r.view.plan:
+                    continue
+                self._release(r, t)
+                r.reconfigs += 1
+            starts.append((r, d))
+        # Free everything first, then grant, so swaps between jobs are legal.
+        for r, d in starts:
+            self._grant(r, tuple(d.placement), d.plan, t)
+            changed = True
+        if self.cfg.check_invariants:
+            self._check_capacity()
+        return changed
+
+    def _check_capacity(self) -> None:
+        c = self.cluster
+        used_g = [0] * c.nodes
+        used_c = [0] * c.nodes
+        for r in self.running.values():
+            for p in r.view.placement:
+                i = self.node_index[p.node]
+                used_g[i] += p.gpus
+                used_c[i] += p.cpus
+        for i in range(c.nodes):
+            if used_g[i] > c.gpus_per_node or used_c[i] > c.cpus_per_node:
+                raise InvariantError(f"node {self.node_names[i]} holds {used_g[i]} GPUs / {used_c[i]} CPUs")
+            if used_g[i] + self.free_g[i] != c.gpus_per_node or used_c[i] + self.free_c[i] != c.cpus_per_node:
+                raise InvariantError(f"node {self.node_names[i]}: free-capacity bookkeeping is off")
+
+    # ------------------------------------------------------------ the loop
+    def run(self) -> SimResult:
+        wall0 = _time.perf_counter()
+        cfg = self.cfg
+        jobs = self.records
+        n = len(jobs)
+        tracked_left = set(self.trace.tracked) if (self.trace.tracked and cfg.stop_when_tracked_done) else None
+        for r in jobs:
+            r.request_step_time = self.truth.request_step_time(r.job) if r.job.spec.guaranteed else 0.0
+        nxt = 0  # next arrival
+        interval = cfg.interval
+        next_round = jobs[0].job.submit if n else math.inf
+        next_round = math.floor(next_round / interval) * interval
+        heap = self.heap
+        done = 0
+        last_report = 0.0
+        horizon = cfg.horizon if cfg.horizon is not None else math.inf
+        while done < n:
+            while heap and (jobs[heap[0][2]].version != heap[0][1] or jobs[heap[0][2]].state != RUNNING):
+                heapq.heappop(heap)
+            t_comp = heap[0][0] if heap else math.inf
+            t_arr = jobs[nxt].job.submit if nxt < n else math.inf
+            if not self.live and nxt < n and next_round < t_arr:
+                # Idle cluster: skip empty rounds up to the grid point at or after the arrival.
+                next_round = math.ceil(t_arr / interval) * interval
+            t = min(t_comp, t_arr, next_round)
+            if t == math.inf or t > horizon:
+                break
+            self.now = t
+            self.events += 1
+            completed = arrived = False
+            while heap and heap[0][0] <= t + _EPS:
+                ft, ver, idx = heapq.heappop(heap)
+                r = jobs[idx]
+                if r.version != ver or r.state != RUNNING:
+                    continue
+                self._advance(r, ft)
+                if cfg.check_invariants and r.view.steps_done < r.view.spec.steps * (1 - 1e-6) - 1e-6:
+                    raise InvariantError(f"job {r.job.job_id} completed with {r.view.steps_done} of {r.view.spec.steps} steps")
+                r.view.steps_done = float(r.view.spec.steps)
+                self._release(r, ft)
+                r.state = DONE
+                r.finish = ft
+                del self.live[r.job.job_id]
+                done += 1
+                completed = True
+                if tracked_left is not None:
+                    tracked_left.discard(r.job.job_id)
+            while nxt < n and jobs[nxt].job.submit <= t:
+                r = jobs[nxt]
+                r.state = PENDING
+                self.live[r.job.job_id] = r
+                nxt += 1
+                arrived = True
+            if tracked_left is not None and not tracked_left:
+                break
+            run_round = t >= next_round or (arrived and cfg.round_on_arrival) or (completed and cfg.round_on_completion)
+            if run_round and self.live:
+                changed = self._round(t)
+                if not changed and not self.running and nxt >= n and not heap:
+                    break  # deadlock: nothing runs, nothing will arrive, the policy starts nothing
+            if t >= next_round:
+                next_round = (math.floor(t / interval) + 1) * interval
+            if cfg.record_timeline:
+                self._sample(t)
+            if self.progress is not None and t - last_report > 3600:
+                last_report = t
+                self.progress(t, done, n)
+        end = self.now
+        for r in list(self.running.values()):  # account partial progress of the unfinished
+            self._advance(r, end)
+        return SimResult(self.policy.name if hasattr(self.policy, "name") else type(self.policy).__name__,
+                         self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
+                         self.rounds, self.events, _time.perf_counter() - wall0, self.timeline)
+
+    def _sample(self, t: float) -> None:
+        row = (t, self.alloc_gpus, len(self.live) - len(self.running), len(self.running))
+        tl = self.timeline
+        if tl and tl[-1][0] == t:
+            tl[-1] = row
+        elif not tl or tl[-1][1:] != row[1:]:
+            tl.append(row)
+
+
+def _pkey(p: Placement) -> tuple:
+    return (p.node, p.gpus, p.cpus)
+
+
+def simulate(trace: Trace, policy: Policy, cluster: ClusterSpec | None = None, config: SimConfig | None = None,
+             predictor: Predictor | None = None, progress=None) -> SimResult:
+    return Simulator(trace, policy, cluster, config, predictor, progress).run()

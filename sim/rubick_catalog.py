@@ -1,0 +1,105 @@
+"""The Rubick artifact's models, plan strings and placement strings.
+
+The artifact names a plan with a short string and a placement with one digit per
+node; gearshift uses ``bus_schema.Plan`` and ``policies.api.Placement``. This
+module converts between the two so that trace rows and measured tables can be
+read into gearshift terms and looked up again.
+
+Plan strings (``exec_plan`` column):
+  ``zero-dp``          -> Plan(dp=N, zero=2)               (DeepSpeed ZeRO stage 2)
+  ``zero-offload``     -> Plan(dp=N, zero=2, offload=True)  (ZeRO-Offload)
+  ``zero-offload+gc``  -> the same with grad_ckpt=True
+  ``ga``               -> Plan(dp=N, ga=GA_MARKER)         (gradient accumulation)
+  ``gc``               -> Plan(dp=N, grad_ckpt=True)        (activation checkpointing)
+  ``tp+ga``            -> Plan(tp=N, ga=GA_MARKER)
+  ``PTD`` (3 digits)   -> Plan(pp=P, tp=T, dp=D)           (Megatron 3D; P*T*D = N)
+The artifact does not record how many micro-steps its ``ga`` rows used (it picks
+the largest micro-batch that fits); a gearshift plan with any ``ga > 1`` and no
+other feature belongs to the ``ga`` family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from bus_schema.messages import ModelSpec, Plan
+
+GA_MARKER = 2
+
+# Table 1 of the paper via reference/rubick.md §6.2. LLaMA-30B's config in the
+# artifact holds placeholders; the public LLaMA-30B shape is used instead.
+MODELS: dict[str, ModelSpec] = {
+    "vit": ModelSpec(name="vit", params=86.0, layers=12, hidden=768, seq_len=197, heads=12),
+    "roberta": ModelSpec(name="roberta", params=355.4, layers=24, hidden=1024, seq_len=1024, heads=16),
+    "bert": ModelSpec(name="bert", params=336.3, layers=24, hidden=1536, seq_len=1024, heads=16),
+    "t5": ModelSpec(name="t5", params=1240.0, layers=16, hidden=1280, seq_len=768, heads=20),
+    "gpt2": ModelSpec(name="gpt2", params=1560.0, layers=24, hidden=1920, seq_len=1024, heads=20),
+    "llama7": ModelSpec(name="llama7", params=6740.0, layers=32, hidden=4096, seq_len=2048, heads=32),
+    "llama30": ModelSpec(name="llama30", params=32500.0, layers=60, hidden=6656, seq_len=2048, heads=52),
+}
+
+# Global batch per model in the workloads (the placements tables are measured at it).
+GLOBAL_BATCH: dict[str, int] = {"vit": 64, "roberta": 64, "bert": 32, "t5": 16, "gpt2": 16, "llama7": 8, "llama30": 4}
+
+
+def plan_from_rubick(exec_plan: str, gpus: int) -> Plan:
+    """The gearshift plan of an artifact plan string on ``gpus`` GPUs."""
+    s = exec_plan.strip()
+    if s == "zero-dp":
+        return Plan(dp=gpus, zero=2)
+    if s == "zero-offload":
+        return Plan(dp=gpus, zero=2, offload=True)
+    if s == "zero-offload+gc":
+        return Plan(dp=gpus, zero=2, offload=True, grad_ckpt=True)
+    if s == "ga":
+        return Plan(dp=gpus, ga=GA_MARKER)
+    if s == "gc":
+        return Plan(dp=gpus, grad_ckpt=True)
+    if s == "tp+ga":
+        return Plan(tp=gpus, ga=GA_MARKER)
+    if len(s) == 3 and s.isdigit():
+        pp, tp, dp = (int(c) for c in s)
+        if pp * tp * dp != gpus:
+            raise ValueError(f"3D plan {s!r} uses {pp * tp * dp} GPUs, job has {gpus}")
+        return Plan(pp=pp, tp=tp, dp=dp)
+    raise ValueError(f"unknown Rubick plan string {exec_plan!r}")
+
+
+def rubick_family(plan: Plan) -> str | None:
+    """The artifact plan string that measures ``plan``, or None if no table row can.
+
+    3D strings exist only for single-digit degrees; a plan mixing features the
+    artifact never combined (e.g. ZeRO with TP) has no family.
+    """
+    is_3d = plan.tp > 1 or plan.pp > 1
+    if plan.offload:
+        if is_3d or plan.ga > 1:
+            return None
+        return "zero-offload+gc" if plan.grad_ckpt else "zero-offload"
+    if plan.zero:
+        return None if is_3d or plan.grad_ckpt else "zero-dp"
+    if is_3d:
+        if plan.ga > 1:
+            return "tp+ga" if plan.pp == 1 and plan.dp == 1 and not plan.grad_ckpt else None
+        if plan.grad_ckpt or max(plan.pp, plan.tp, plan.dp) > 9:
+            return None
+        return f"{plan.pp}{plan.tp}{plan.dp}"
+    if plan.ga > 1:
+        return None if plan.grad_ckpt else "ga"
+    if plan.grad_ckpt:
+        return "gc"
+    if plan.dp == 1:
+        return "111"  # one GPU, no parallelism: the 3D table's PP1-TP1-DP1 row
+    return None  # plain DP was never measured (it does not fit for these models)
+
+
+def placement_key(gpus_per_node: Iterable[int]) -> str | None:
+    """Canonical placement string: per-node GPU counts, ascending, one digit each.
+
+    The tables write the same multiset in different orders ("224", "233"); the
+    measured time does not depend on node order, so rows are matched sorted.
+    """
+    counts = sorted(g for g in gpus_per_node if g > 0)
+    if not counts or counts[-1] > 9:
+        return None
+    return "".join(str(g) for g in counts)

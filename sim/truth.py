@@ -1,0 +1,187 @@
+"""Ground truth (how fast a job really runs) and belief (what a policy may know).
+
+Ground truth, ``GroundTruth.step_time(job, plan, placement)``, in seconds per step; the
+first source that applies wins, and each result is tagged with its source:
+
+1. ``measured``: the Rubick placements table of the job's model has a row for the
+   plan's family (``rubick_catalog.rubick_family``) on this placement (per-node GPU
+   counts, order ignored) with a non-zero ``iter_time``. Used as is, no noise.
+2. ``request``: the job runs exactly the plan it asked for, on its GPU count, packed
+   onto the fewest nodes: the trace's own duration/steps (``spec.step_time``). For
+   Blox/ITP/Philly/Tiresias jobs this is the only measured point. No noise.
+3. ``perfmodel``: a predictor (the fitted performance model, when one is given) for
+   this (plan, placement), times noise (below). A predicted 0 means the plan does not
+   fit in memory; the job then holds its GPUs without progress (an OOM loop) and is
+   counted in ``stalled`` allocations.
+4. ``scaled``: no predictor: the nearest measured row of the same model and plan
+   family (same node count first, then nearest GPU count), else the job's request,
+   scaled by (GPUs_anchor / GPUs)^SCALING_EXP (sub-linear speed-up), and slowed by
+   CROSS_NODE_PENALTY per node beyond the anchor's; times noise.
+
+Noise: a log-normal factor exp(N(0, noise)) drawn from a hash of (seed, model or job,
+plan family, placement), so it is the same every time the same configuration is
+asked for and identical across runs with one seed. ``noise=0`` turns it off.
+CPU threads do not change ground-truth speed: the measured tables do not record them.
+
+Belief, ``BeliefOracle``: the ``PerfOracle`` policies get. It never reads the
+measured tables. With a predictor it returns the predictor's throughput; without
+one it uses the ``scaled`` rule anchored only at the job's own request (the speed a
+job reports for the configuration it was submitted with).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from bus_schema.messages import JobSpec, Plan
+from policies.api import JobView, Placement
+
+from .rubick_catalog import GLOBAL_BATCH, placement_key, rubick_family
+from .trace import TraceJob
+
+TABLES = Path(__file__).parent / "data" / "rubick" / "placements"
+
+SCALING_EXP = 0.8
+CROSS_NODE_PENALTY = 0.25
+
+# predictor(spec, plan, gpus_per_node: tuple[int, ...]) -> seconds per step, 0 if infeasible
+Predictor = Callable[[JobSpec, Plan, tuple[int, ...]], float]
+
+
+def load_tables(folder: Path = TABLES) -> dict[str, dict[tuple[str, str], float]]:
+    """model -> {(family, placement key): seconds per iteration} from the placements CSVs."""
+    out: dict[str, dict[tuple[str, str], float]] = {}
+    for path in sorted(folder.glob("*.csv")):
+        model = path.stem
+        if model not in GLOBAL_BATCH:  # llama7b_bsz16 / t5_3B: other batch or model than the traces use
+            continue
+        rows: dict[tuple[str, str], list[float]] = {}
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                t = float(r["iter_time"] or 0)
+                key = placement_key(int(c) for c in r["placement"].strip())
+                if t > 0 and key:
+                    rows.setdefault((r["exec_plan"].strip(), key), []).append(t)
+        # A few (plan, placement) pairs were measured twice in different node orders; average them.
+        out[model] = {k: sum(v) / len(v) for k, v in rows.items()}
+    return out
+
+
+def packed(gpus: int, gpus_per_node: int) -> tuple[int, ...]:
+    """The request's natural placement: full nodes first, the rest on one more node."""
+    full, rest = divmod(gpus, gpus_per_node)
+    return (gpus_per_node,) * full + ((rest,) if rest else ())
+
+
+def _unit_normal(*parts: object) -> float:
+    """A standard normal draw determined by ``parts`` (Box-Muller on a hash)."""
+    h = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
+    u1 = (int.from_bytes(h[:8], "big") + 1) / (2**64 + 2)
+    u2 = int.from_bytes(h[8:16], "big") / 2**64
+    return math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
+
+
+def _scaled(anchor_time: float, anchor_gpus: int, anchor_nodes: int, gpus: int, nodes: int) -> float:
+    t = anchor_time * (anchor_gpus / gpus) ** SCALING_EXP
+    return t * (1 + CROSS_NODE_PENALTY * max(0, nodes - anchor_nodes))
+
+
+class GroundTruth:
+    def __init__(self, gpus_per_node: int, noise: float = 0.05, seed: int = 0,
+                 predictor: Predictor | None = None, tables: dict | None = None):
+        self.gpus_per_node = gpus_per_node
+        self.noise = noise
+        self.seed = seed
+        self.predictor = predictor
+        self.tables = load_tables() if tables is None else tables
+        self._cache: dict[tuple, tuple[float, str]] = {}
+        # family -> rows, per model, for the nearest-row fallback
+        self._by_family: dict[str, dict[str, list[tuple[tuple[int, ...], float]]]] = {}
+        for model, rows in self.tables.items():
+            fam: dict[str, list] = {}
+            for (f, key), t in rows.items():
+                fam.setdefault(f, []).append((tuple(int(c) for c in key), t))
+            self._by_family[model] = fam
+
+    def _noise(self, *parts: object) -> float:
+        if self.noise <= 0:
+            return 1.0
+        return math.exp(self.noise * _unit_normal(self.seed, *parts))
+
+    def step_time(self, job: TraceJob, plan: Plan, placement: tuple[Placement, ...]) -> tuple[float, str]:
+        per_node = tuple(sorted((p.gpus for p in placement if p.gpus > 0)))
+        ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time if not job.truth_key else 0,
+              job.spec.plan, job.spec.gpus, plan, per_node)
+        hit = self._cache.get(ck)
+        if hit is None:
+            hit = self._compute(job, plan, per_node)
+            self._cache[ck] = hit
+        return hit
+
+    def _compute(self, job: TraceJob, plan: Plan, per_node: tuple[int, ...]) -> tuple[float, str]:
+        spec = job.spec
+        gpus, nodes = sum(per_node), len(per_node)
+        family = rubick_family(plan)
+        key = placement_key(per_node)
+        table = self.tables.get(job.truth_key)
+        if table and family and key:
+            t = table.get((family, key))
+            if t:
+                return t, "measured"
+        req_plan = spec.plan or Plan(dp=spec.gpus)
+        req_nodes = len(packed(spec.gpus, self.gpus_per_node))
+        if spec.step_time and plan == req_plan and gpus == spec.gpus and nodes <= req_nodes:
+            return spec.step_time, "request"
+        who = job.truth_key or job.job_id
+        noise = self._noise(who, family or plan.label(), key or per_node)
+        if self.predictor is not None:
+            t = self.predictor(spec, plan, per_node)
+            return (t * noise if t > 0 else 0.0), "perfmodel"
+        rows = (self._by_family.get(job.truth_key) or {}).get(family or "", [])
+        if rows:
+            shape, t = min(rows, key=lambda r: (abs(len(r[0]) - nodes), abs(math.log(sum(r[0]) / gpus)), r[0]))
+            return _scaled(t, sum(shape), len(shape), gpus, nodes) * noise, "scaled"
+        if spec.step_time:
+            return _scaled(spec.step_time, spec.gpus, req_nodes, gpus, nodes) * noise, "scaled"
+        raise ValueError(f"job {job.job_id}: no measured speed, no request speed and no predictor")
+
+    def request_step_time(self, job: TraceJob) -> float:
+        """Seconds per step of the job's own request on its natural placement (guarantee target)."""
+        plan = job.spec.plan or Plan(dp=job.spec.gpus)
+        pl = tuple(Placement(f"n{i}", g) for i, g in enumerate(packed(job.spec.gpus, self.gpus_per_node)))
+        return self.step_time(job, plan, pl)[0]
+
+
+class BeliefOracle:
+    """The ``PerfOracle`` handed to policies: the fitted model, never the tables."""
+
+    def __init__(self, gpus_per_node: int, predictor: Predictor | None = None):
+        self.gpus_per_node = gpus_per_node
+        self.predictor = predictor
+        self._cache: dict[tuple, float] = {}
+
+    def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
+        spec = job.spec
+        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        if not per_node:
+            return 0.0
+        ck = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node)
+        v = self._cache.get(ck)
+        if v is None:
+            v = self._compute(spec, plan, per_node)
+            self._cache[ck] = v
+        return v
+
+    def _compute(self, spec: JobSpec, plan: Plan, per_node: tuple[int, ...]) -> float:
+        if self.predictor is not None:
+            t = self.predictor(spec, plan, per_node)
+            return spec.global_batch / t if t > 0 else 0.0
+        if not spec.step_time:
+            return 0.0
+        req_nodes = len(packed(spec.gpus, self.gpus_per_node))
+        t = _scaled(spec.step_time, spec.gpus, req_nodes, sum(per_node), len(per_node))
+        return spec.global_batch / t
