@@ -1,5 +1,19 @@
 """The scheduling interface shared by the optimizer service and the simulator.
 
+Changes (newest first; all backward compatible, every new field has a default):
+- ``JobView.target_throughput``: a guaranteed job's promised samples/s; when
+  None, policies that need it compute "requested plan on requested GPUs" with
+  the oracle. ``JobView.cpus`` property.
+- ``JobDecision.predicted_gain``: relative throughput change vs the job's
+  current allocation (0.38 = +38%); None for starts.
+- ``SchedOptions`` (restart_cost, min_run_time): policies take them as
+  keyword options, e.g. ``make_policy("rubick", restart_cost=260,
+  min_run_time=600)``.
+- ``PerfOracle`` may also offer ``plans(job, gpus, gpus_per_node)`` (candidate
+  plans); without it policies use ``policies.plans.candidate_plans``.
+- ``check_decision`` also refuses plan/placement mismatches per job and
+  duplicate nodes within one job.
+
 A policy is a pure function of (cluster, jobs, clock, performance oracle) to a
 *desired state*: the allocation every job should hold after this round. Jobs
 that hold resources now and are absent from the decision are preempted; jobs
@@ -55,6 +69,9 @@ class JobView:
     restarts: int = 0
     last_switch_at: float | None = None  # when its current allocation started
     started_at: float | None = None  # first start, None if never ran
+    # Guaranteed jobs: promised samples/s (None: the oracle's prediction of the
+    # requested plan on the requested GPUs, compactly placed).
+    target_throughput: float | None = None
 
     @property
     def running(self) -> bool:
@@ -63,6 +80,10 @@ class JobView:
     @property
     def gpus(self) -> int:
         return sum(p.gpus for p in self.placement)
+
+    @property
+    def cpus(self) -> int:
+        return sum(p.cpus for p in self.placement)
 
     @property
     def remaining_steps(self) -> float:
@@ -75,6 +96,7 @@ class JobDecision:
     plan: Plan
     reason: str = ""
     predicted_throughput: float | None = None  # samples/s the policy expects
+    predicted_gain: float | None = None  # vs the current allocation; None for a start
 
 
 @dataclass(slots=True)
@@ -92,6 +114,25 @@ class PerfOracle(Protocol):
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
         """Predicted samples/s of ``plan`` on ``placement`` (0 if infeasible)."""
         ...
+
+
+DEFAULT_RESTART_COST = 260.0  # s; Rubick's simulator figure until a measured model replaces it
+DEFAULT_MIN_RUN_TIME = 600.0  # s
+
+
+@dataclass(slots=True, frozen=True)
+class SchedOptions:
+    """Settings every reconfiguring policy honours.
+
+    restart_cost: seconds of lost progress a (re)start costs; charged to every
+      change of plan or placement when comparing options.
+    min_run_time: a job that (re)started less than this ago is not switched by
+      an optimisation move (guaranteed admissions may still evict best-effort
+      jobs, see each policy).
+    """
+
+    restart_cost: float = DEFAULT_RESTART_COST
+    min_run_time: float = DEFAULT_MIN_RUN_TIME
 
 
 class Policy(Protocol):
@@ -127,6 +168,10 @@ def check_decision(decision: Decision, nodes: list[NodeState], jobs: dict[str, J
             raise AllocationError(f"decision names unknown job {job_id!r}")
         if not d.placement:
             raise AllocationError(f"job {job_id}: empty placement")
+        if len({p.node for p in d.placement}) != len(d.placement):
+            raise AllocationError(f"job {job_id}: a node appears twice in its placement")
+        if job_id in decision.waiting:
+            raise AllocationError(f"job {job_id}: both allocated and waiting")
         gpus = 0
         for p in d.placement:
             if p.node not in by_name:

@@ -39,3 +39,115 @@ def take(placement: tuple[Placement, ...], free_gpus: dict[str, int], free_cpus:
 
 def largest_block(free_gpus: dict[str, int]) -> int:
     return max(free_gpus.values(), default=0)
+
+
+class Ledger:
+    """Free GPUs/CPUs per node while a round builds its desired state.
+
+    ``reserved`` holds what running jobs not yet decided still occupy: other
+    jobs avoid those GPUs when they can, so deciding jobs in priority order
+    does not needlessly evict (or migrate) a lower-priority job.
+    """
+
+    def __init__(self, nodes: list[NodeState]):
+        self.nodes = nodes
+        self.order = {n.name: i for i, n in enumerate(nodes)}
+        self.domain = {n.name: n.domain for n in nodes}
+        self.free_g = {n.name: n.gpus_total for n in nodes}
+        self.free_c = {n.name: n.cpus_total for n in nodes}
+        self.res_g = {n.name: 0 for n in nodes}
+        self.res_c = {n.name: 0 for n in nodes}
+
+    # ---- bookkeeping
+    def reserve(self, placement: tuple[Placement, ...], sign: int = 1) -> None:
+        for p in placement:
+            if p.node in self.res_g:
+                self.res_g[p.node] += sign * p.gpus
+                self.res_c[p.node] += sign * p.cpus
+
+    def fits(self, placement: tuple[Placement, ...]) -> bool:
+        return all(
+            p.node in self.free_g and self.free_g[p.node] >= p.gpus and self.free_c[p.node] >= p.cpus
+            for p in placement
+        )
+
+    def take(self, placement: tuple[Placement, ...]) -> None:
+        take(placement, self.free_g, self.free_c)
+
+    def give(self, placement: tuple[Placement, ...]) -> None:
+        for p in placement:
+            self.free_g[p.node] += p.gpus
+            self.free_c[p.node] += p.cpus
+
+    def total_free(self) -> int:
+        return sum(self.free_g.values())
+
+    def largest_block(self) -> int:
+        return largest_block(self.free_g)
+
+    # ---- choosing nodes
+    def place(
+        self, gpus: int, cpus_per_gpu: int, *, nodes: int | None = None, prefer: tuple[str, ...] = ()
+    ) -> tuple[Placement, ...] | None:
+        """Find room for ``gpus`` GPUs with ``cpus_per_gpu`` CPUs each.
+
+        ``nodes=m`` asks for a symmetric shape (``gpus/m`` on each of m
+        nodes, as 3D-parallel plans need); ``None`` means consolidated: one
+        node if possible, else the fewest nodes. Preference, in order: the
+        job's own nodes (``prefer``), capacity nobody reserved, best fit (the
+        tightest node that holds the part, to keep large blocks whole), one
+        locality domain. Does not take the resources.
+        """
+        if gpus <= 0:
+            return None
+        if nodes is not None:
+            if gpus % nodes:
+                return None
+            return self._place_symmetric(gpus // nodes, cpus_per_gpu, nodes, prefer)
+        one = self._place_symmetric(gpus, cpus_per_gpu, 1, prefer)
+        if one is not None:
+            return one
+        return self._place_spread(gpus, cpus_per_gpu, prefer)
+
+    def _score(self, name: str, need_g: int, need_c: int, prefer: tuple[str, ...]) -> tuple:
+        unreserved = self.free_g[name] - self.res_g[name] >= need_g and self.free_c[name] - self.res_c[name] >= need_c
+        return (name not in prefer, not unreserved, self.free_g[name] - need_g, self.order[name])
+
+    def _place_symmetric(
+        self, per_node: int, cpus_per_gpu: int, m: int, prefer: tuple[str, ...]
+    ) -> tuple[Placement, ...] | None:
+        need_c = per_node * cpus_per_gpu
+        ok = [n for n in self.free_g if self.free_g[n] >= per_node and self.free_c[n] >= need_c]
+        if len(ok) < m:
+            return None
+        ok.sort(key=lambda n: self._score(n, per_node, need_c, prefer))
+        if m > 1:
+            # Keep a multi-node job inside one locality domain when one holds it.
+            by_dom: dict[str, list[str]] = {}
+            for n in ok:
+                by_dom.setdefault(self.domain[n], []).append(n)
+            for dom_nodes in sorted(by_dom.values(), key=lambda v: self._score(v[0], per_node, need_c, prefer)):
+                if len(dom_nodes) >= m:
+                    ok = dom_nodes
+                    break
+        return tuple(Placement(n, per_node, need_c) for n in ok[:m])
+
+    def _place_spread(self, gpus: int, cpus_per_gpu: int, prefer: tuple[str, ...]) -> tuple[Placement, ...] | None:
+        def room(n: str) -> int:
+            return min(self.free_g[n], self.free_c[n] // cpus_per_gpu if cpus_per_gpu else self.free_g[n])
+
+        order = sorted(self.free_g, key=lambda n: (n not in prefer, -room(n), self.order[n]))
+        out: list[Placement] = []
+        left = gpus
+        for n in order:
+            if left == 0:
+                break
+            g = min(room(n), left)
+            if g > 0:
+                out.append(Placement(n, g, g * cpus_per_gpu))
+                left -= g
+        return tuple(out) if left == 0 else None
+
+
+def describe(placement: tuple[Placement, ...]) -> str:
+    return ", ".join(f"{p.node}:{p.gpus}" for p in placement)

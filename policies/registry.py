@@ -1,4 +1,8 @@
-"""Named policies, registered in one place."""
+"""Named policies, registered in one place.
+
+``make_policy(name, **options)``; every policy accepts ``restart_cost`` and
+``min_run_time`` (seconds) so callers can pass one set of options to all.
+"""
 
 from __future__ import annotations
 
@@ -27,8 +31,38 @@ def policy_names() -> list[str]:
 
 def _builtin() -> None:
     from .fifo import Fifo
+    from .priority import Tiresias, make_antman, make_las, make_srtf
+    from .rubick import Rubick
 
-    register("fifo", Fifo)
+    def fifo(restart_cost: float = 0.0, min_run_time: float = 0.0, **kw):
+        return Fifo(**kw)
+
+    register("fifo", fifo)
+    register("las", make_las)
+    register("srtf", make_srtf)
+    register("tiresias", Tiresias)
+    register("antman", make_antman)
+    register("rubick", lambda **kw: Rubick(name="rubick", **kw))
+    register("rubick-n", lambda **kw: Rubick(name="rubick-n", vary_plan=False, **kw))
+    register("rubick-r", lambda **kw: Rubick(name="rubick-r", vary_cpu=False, vary_locality=False, **kw))
+    try:
+        from .sia import Sia
+
+        register("sia", Sia)
+    except ImportError:
+        pass
+    try:
+        from .synergy import Synergy
+
+        register("synergy", Synergy)
+    except ImportError:
+        pass
+    try:
+        from .gavel import Gavel
+
+        register("gavel", Gavel)
+    except ImportError:
+        pass
 
 
 _builtin()

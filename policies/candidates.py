@@ -1,0 +1,174 @@
+"""Allocation candidates: a job's sensitivity curve, made discrete.
+
+A candidate is (GPUs, CPU threads per GPU, nodes it spans, best plan,
+predicted throughput). Placements are symmetric (GPUs/nodes on each node), as
+3D-parallel plans need and as Rubick's placements are. The list for one job
+is the Pareto front of throughput against resource cost, so walking it is
+walking the job's sensitivity curve, knees included.
+
+Candidates depend only on the job's model, batch, request and the cluster
+shape, so they are cached across jobs and rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from bus_schema.messages import Plan
+
+from .api import JobView, PerfOracle, Placement, default_plan
+from .plans import candidate_plans, scaled_user_plan
+
+
+@dataclass(slots=True, frozen=True)
+class Candidate:
+    gpus: int
+    cpus_per_gpu: int
+    nodes: int
+    plan: Plan
+    throughput: float
+
+    @property
+    def per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    def placement_shape(self) -> tuple[Placement, ...]:
+        per = self.per_node
+        return tuple(Placement(f"_n{i}", per, per * self.cpus_per_gpu) for i in range(self.nodes))
+
+    def describe(self) -> str:
+        where = "1 node" if self.nodes == 1 else f"{self.nodes} nodes"
+        return f"{self.plan.label()} on {self.gpus} GPUs ({where}, {self.cpus_per_gpu} CPUs/GPU)"
+
+
+@dataclass(slots=True, frozen=True)
+class CandidateSpace:
+    """What a policy may vary. rubick: everything; rubick-r: GPUs and plan;
+    rubick-n: GPUs only, the user's plan scaled in data parallelism."""
+
+    gpus_per_node: int = 8
+    cpus_per_node: int = 96
+    total_gpus: int = 64
+    n_nodes: int = 8
+    vary_plan: bool = True
+    vary_cpu: bool = True
+    vary_locality: bool = True
+    max_scale: float = 2.0  # a job may grow to max(gpus_per_node, max_scale x request)
+    cpu_levels: tuple[int, ...] = (1, 2, 4, 8, 12, 16)
+    tolerance: float = 0.01  # a step must gain 1% to count (Rubick's knee tolerance)
+    max_candidates: int = 32
+
+    def gpu_counts(self, requested: int) -> list[int]:
+        G = self.gpus_per_node
+        cap = min(self.total_gpus, max(G, int(self.max_scale * requested)))
+        counts = {requested} if requested <= self.total_gpus else set()
+        g = 1
+        while g <= min(G, cap):
+            counts.add(g)
+            g *= 2
+        for k in (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+            if k * G <= cap:
+                counts.add(k * G)
+        return sorted(counts)
+
+    def node_options(self, gpus: int) -> list[int]:
+        G = self.gpus_per_node
+        m0 = -(-gpus // G)
+        while m0 <= self.n_nodes and gpus % m0:
+            m0 += 1
+        if m0 > self.n_nodes:
+            return []
+        out = [m0]
+        if self.vary_locality and gpus % (2 * m0) == 0 and 2 * m0 <= self.n_nodes:
+            out.append(2 * m0)
+        return out
+
+    def cpu_options(self, job: JobView, per_node: int) -> list[int]:
+        req = job.spec.cpus_per_gpu or max(1, min(4, self.cpus_per_node // self.gpus_per_node))
+        limit = self.cpus_per_node // max(per_node, 1)
+        if not self.vary_cpu:
+            return [min(req, limit)] if limit >= 1 else []
+        return sorted({c for c in (*self.cpu_levels, req) if c <= limit})
+
+
+@dataclass
+class CandidateCache:
+    space: CandidateSpace
+    store: dict = field(default_factory=dict)
+
+    def key(self, job: JobView) -> tuple:
+        s = job.spec
+        return (s.model, s.global_batch, s.gpus, s.cpus_per_gpu, default_plan(s) if not self.space.vary_plan else None)
+
+    def get(self, job: JobView, perf: PerfOracle) -> list[Candidate]:
+        k = self.key(job)
+        got = self.store.get(k)
+        if got is None:
+            got = build_candidates(job, perf, self.space)
+            self.store[k] = got
+        return got
+
+
+def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, gpus: int) -> list[Plan]:
+    if not space.vary_plan or not job.spec.reconfigurable:
+        p = scaled_user_plan(job.spec, gpus)
+        return [p] if p is not None else []
+    plans_fn = getattr(perf, "plans", None)
+    if plans_fn is not None:
+        return list(plans_fn(job, gpus, space.gpus_per_node))
+    return list(candidate_plans(job.spec.global_batch, job.spec.model.layers, gpus, space.gpus_per_node))
+
+
+def best_plan(job: JobView, perf: PerfOracle, space: CandidateSpace, gpus: int, nodes: int, cpg: int) -> tuple[Plan | None, float]:
+    per = gpus // nodes
+    shape = tuple(Placement(f"_n{i}", per, per * cpg) for i in range(nodes))
+    best, best_thr = None, 0.0
+    many = getattr(perf, "throughput_many", None)
+    plans = _plans_for(job, perf, space, gpus)
+    if many is not None and plans:
+        thrs = many(job, plans, shape)
+        for p, t in zip(plans, thrs):
+            if t > best_thr:
+                best, best_thr = p, float(t)
+        return best, best_thr
+    for p in plans:
+        t = perf.throughput(job, p, shape)
+        if t > best_thr:
+            best, best_thr = p, t
+    return best, best_thr
+
+
+def build_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
+    raw: list[Candidate] = []
+    for g in space.gpu_counts(job.spec.gpus):
+        for m in space.node_options(g):
+            per = g // m
+            for c in space.cpu_options(job, per):
+                plan, thr = best_plan(job, perf, space, g, m, c)
+                if plan is not None and thr > 0:
+                    raw.append(Candidate(g, c, m, plan, thr))
+    return pareto(raw, space)
+
+
+def resource_cost(c: Candidate, cpus_per_gpu_cluster: float) -> float:
+    """GPU-equivalents: GPUs plus CPUs weighed by how scarce they are per GPU."""
+    return c.gpus + c.gpus * c.cpus_per_gpu / cpus_per_gpu_cluster
+
+
+def pareto(raw: list[Candidate], space: CandidateSpace) -> list[Candidate]:
+    """Per node count, keep candidates that beat every cheaper one by the
+    tolerance; then keep the best ``max_candidates`` by throughput."""
+    cpg = space.cpus_per_node / space.gpus_per_node
+    out: list[Candidate] = []
+    for m in sorted({c.nodes for c in raw}):
+        group = sorted((c for c in raw if c.nodes == m), key=lambda c: (resource_cost(c, cpg), -c.throughput))
+        best = 0.0
+        for c in group:
+            if c.throughput > best * (1.0 + space.tolerance):
+                out.append(c)
+                best = c.throughput
+    if len(out) > space.max_candidates:
+        out.sort(key=lambda c: -c.throughput)
+        out = out[: space.max_candidates]
+    out.sort(key=lambda c: (resource_cost(c, cpg), c.nodes))
+    return out

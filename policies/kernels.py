@@ -1,0 +1,366 @@
+"""The allocation search's inner loops: numba kernels and a numpy reference.
+
+Problem (one round): each job j has candidates k (rows of padded arrays) with
+GPUs ``cg``, CPUs per GPU ``cc``, nodes spanned ``cm`` (symmetric: cg/cm GPUs
+on each), utility ``u`` (< 0: not allowed) and resource cost ``cost``.
+Candidate ``stay[j]`` (if >= 0) means "keep the exact current placement"
+(CSR ``hold_ptr/hold_node/hold_g/hold_c``). Choose at most one candidate per
+job and nodes for it so that no node is over-allocated, maximising the sum of
+utilities.
+
+Algorithm:
+1. Seeds, in the given order: pinned jobs keep their placement; guaranteed
+   jobs get their seed candidate or, failing that, the cheapest allowed one
+   that fits (``seed_any``). Seeded jobs marked ``fixed`` never change again.
+2. Greedy by normalised marginal gain: repeatedly take the job whose next
+   step up its curve (any candidate with higher utility) has the best
+   utility gained per unit of cost; move it there if it fits (its own
+   resources are released first), else mark that candidate dead for it.
+Node choice for a candidate: the job's own nodes first, then nodes whose
+free capacity nobody running still holds, then best fit (tightest node), then
+lowest index. Everything is deterministic, so both implementations agree
+exactly (tests check it).
+
+``greedy_allocate`` fixes dtypes and dispatches; ``greedy_numpy`` is the
+reference (vectorised per step, Python loop over steps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+EPS = 1e-12
+
+
+def _as(a, dt):
+    return np.ascontiguousarray(a, dtype=dt)
+
+
+# ---------------------------------------------------------------- numba
+@njit(cache=True)
+def _holds_fit(j, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c):
+    for t in range(hold_ptr[j], hold_ptr[j + 1]):
+        n = hold_node[t]
+        if free_g[n] < hold_g[t] or free_c[n] < hold_c[t]:
+            return False
+    return True
+
+
+@njit(cache=True)
+def _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, sign):
+    k = level[j]
+    if k < 0:
+        return
+    if k == stay[j]:
+        for t in range(hold_ptr[j], hold_ptr[j + 1]):
+            free_g[hold_node[t]] += sign * hold_g[t]
+            free_c[hold_node[t]] += sign * hold_c[t]
+    else:
+        per = cg[j, k] // cm[j, k]
+        for i in range(cm[j, k]):
+            n = out_nodes[j, i]
+            free_g[n] += sign * per
+            free_c[n] += sign * per * cc[j, k]
+
+
+@njit(cache=True)
+def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked):
+    """Fill picked[0:m] with nodes for candidate k of job j; False if none."""
+    N = free_g.shape[0]
+    m = cm[j, k]
+    per = cg[j, k] // m
+    need_c = per * cc[j, k]
+    for t in range(hold_ptr[j], hold_ptr[j + 1]):
+        own[hold_node[t]] = True
+    big = np.int64(free_g.max() + 2) * N
+    ok = True
+    for i in range(m):
+        best = np.int64(-1)
+        best_key = np.int64(0)
+        for n in range(N):
+            if free_g[n] < per or free_c[n] < need_c:
+                continue
+            taken = False
+            for q in range(i):
+                if picked[q] == n:
+                    taken = True
+                    break
+            if taken:
+                continue
+            if own[n]:
+                tier = 0
+            elif free_g[n] - res_g[n] >= per and free_c[n] - res_c[n] >= need_c:
+                tier = 1
+            else:
+                tier = 2
+            key = tier * big + (free_g[n] - per) * N + n
+            if best < 0 or key < best_key:
+                best = n
+                best_key = key
+        if best < 0:
+            ok = False
+            break
+        picked[i] = best
+    for t in range(hold_ptr[j], hold_ptr[j + 1]):
+        own[hold_node[t]] = False
+    return ok
+
+
+@njit(cache=True)
+def _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
+              free_g, free_c, res_g, res_c, own, picked, decided):
+    """Move job j to candidate k if it fits (releasing what it holds first)."""
+    if not decided[j]:
+        # From now on j's old holding is no longer "someone else's".
+        for t in range(hold_ptr[j], hold_ptr[j + 1]):
+            res_g[hold_node[t]] -= hold_g[t]
+            res_c[hold_node[t]] -= hold_c[t]
+        decided[j] = True
+    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, 1)
+    if k == stay[j]:
+        ok = _holds_fit(j, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c)
+    else:
+        ok = _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked)
+    if ok:
+        old = level[j]
+        level[j] = k
+        if k != stay[j]:
+            for i in range(cm[j, k]):
+                out_nodes[j, i] = picked[i]
+        _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1)
+        return True
+    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1)
+    return False
+
+
+@njit(cache=True)
+def _best_step(j, level, u, cost, nk, dead):
+    lv = level[j]
+    cu = 0.0 if lv < 0 else u[j, lv]
+    cc0 = 0.0 if lv < 0 else cost[j, lv]
+    best = -1.0
+    bk = -1
+    for k in range(nk[j]):
+        if dead[j, k] or u[j, k] < 0.0 or u[j, k] <= cu + EPS:
+            continue
+        dc = cost[j, k] - cc0
+        gain = u[j, k] - cu
+        r = gain / dc if dc > 1e-9 else gain * 1e9
+        if r > best:
+            best = r
+            bk = k
+    return best, bk
+
+
+@njit(cache=True)
+def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
+               seed_order, seed, seed_any, fixed, cap_g, cap_c):
+    J, K = u.shape
+    N = cap_g.shape[0]
+    free_g = cap_g.copy()
+    free_c = cap_c.copy()
+    res_g = np.zeros(N, np.int64)
+    res_c = np.zeros(N, np.int64)
+    for j in range(J):
+        for t in range(hold_ptr[j], hold_ptr[j + 1]):
+            res_g[hold_node[t]] += hold_g[t]
+            res_c[hold_node[t]] += hold_c[t]
+    M = 1
+    for j in range(J):
+        for k in range(nk[j]):
+            if cm[j, k] > M:
+                M = cm[j, k]
+    level = np.full(J, -1, np.int64)
+    out_nodes = np.full((J, M), -1, np.int64)
+    dead = np.zeros((J, K), np.bool_)
+    decided = np.zeros(J, np.bool_)
+    own = np.zeros(N, np.bool_)
+    picked = np.zeros(M, np.int64)
+    frozen = fixed.copy()
+    # 1. seeds
+    for s in range(seed_order.shape[0]):
+        j = seed_order[s]
+        k = seed[j]
+        ok = False
+        if k >= 0:
+            ok = _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
+                           free_g, free_c, res_g, res_c, own, picked, decided)
+        if not ok and seed_any[j]:
+            for k2 in range(nk[j]):
+                if u[j, k2] < 0.0 or k2 == k:
+                    continue
+                if _try_move(j, k2, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
+                             free_g, free_c, res_g, res_c, own, picked, decided):
+                    ok = True
+                    break
+        if not ok:
+            # Could not seed: a pinned job loses its pin; a guaranteed job
+            # cannot be admitted this round (it must not take less).
+            frozen[j] = seed_any[j]
+    # 2. greedy by marginal gain per cost
+    ratio = np.full(J, -1.0)
+    step = np.full(J, -1, np.int64)
+    for j in range(J):
+        if not frozen[j]:
+            ratio[j], step[j] = _best_step(j, level, u, cost, nk, dead)
+    while True:
+        j = -1
+        br = 0.0
+        for i in range(J):
+            if step[i] >= 0 and ratio[i] > br:
+                br = ratio[i]
+                j = i
+        if j < 0:
+            break
+        k = step[j]
+        if not _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
+                         free_g, free_c, res_g, res_c, own, picked, decided):
+            dead[j, k] = True
+        ratio[j], step[j] = _best_step(j, level, u, cost, nk, dead)
+    return level, out_nodes
+
+
+# ---------------------------------------------------------------- numpy reference
+def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
+                 seed_order, seed, seed_any, fixed, cap_g, cap_c):
+    J, K = u.shape
+    N = cap_g.shape[0]
+    free_g = cap_g.astype(np.int64).copy()
+    free_c = cap_c.astype(np.int64).copy()
+    res_g = np.zeros(N, np.int64)
+    res_c = np.zeros(N, np.int64)
+    np.add.at(res_g, hold_node, hold_g)
+    np.add.at(res_c, hold_node, hold_c)
+    valid_mask = np.arange(K)[None, :] < nk[:, None]
+    M = int(max(1, cm[valid_mask].max(initial=1)))
+    level = np.full(J, -1, np.int64)
+    out_nodes = np.full((J, M), -1, np.int64)
+    dead = np.zeros((J, K), bool)
+    decided = np.zeros(J, bool)
+    idx = np.arange(N, dtype=np.int64)
+
+    def hold(j):
+        s = slice(hold_ptr[j], hold_ptr[j + 1])
+        return hold_node[s], hold_g[s], hold_c[s]
+
+    def release(j, sign):
+        k = level[j]
+        if k < 0:
+            return
+        if k == stay[j]:
+            hn, hg, hc = hold(j)
+            np.add.at(free_g, hn, sign * hg)
+            np.add.at(free_c, hn, sign * hc)
+        else:
+            per = cg[j, k] // cm[j, k]
+            nodes = out_nodes[j, : cm[j, k]]
+            free_g[nodes] += sign * per
+            free_c[nodes] += sign * per * cc[j, k]
+
+    def choose(j, k):
+        m = int(cm[j, k])
+        per = cg[j, k] // m
+        need_c = per * cc[j, k]
+        ok = (free_g >= per) & (free_c >= need_c)
+        if ok.sum() < m:
+            return None
+        tier = np.where((free_g - res_g >= per) & (free_c - res_c >= need_c), 1, 2)
+        tier[hold(j)[0]] = 0
+        big = np.int64(free_g.max() + 2) * N
+        key = tier * big + (free_g - per) * N + idx
+        key = np.where(ok, key, np.iinfo(np.int64).max)
+        sel = np.argpartition(key, m - 1)[:m]
+        return sel[np.argsort(key[sel])]
+
+    def try_move(j, k):
+        if not decided[j]:
+            hn, hg, hc = hold(j)
+            np.subtract.at(res_g, hn, hg)
+            np.subtract.at(res_c, hn, hc)
+            decided[j] = True
+        release(j, 1)
+        if k == stay[j]:
+            hn, hg, hc = hold(j)
+            ok = bool(np.all(free_g[hn] >= hg) and np.all(free_c[hn] >= hc))
+            picked = None
+        else:
+            picked = choose(j, k)
+            ok = picked is not None
+        if ok:
+            level[j] = k
+            if picked is not None:
+                out_nodes[j, : len(picked)] = picked
+        release(j, -1)
+        return ok
+
+    def best_step(j):
+        lv = level[j]
+        cu = 0.0 if lv < 0 else u[j, lv]
+        c0 = 0.0 if lv < 0 else cost[j, lv]
+        n = nk[j]
+        uu = u[j, :n]
+        allowed = (~dead[j, :n]) & (uu >= 0.0) & (uu > cu + EPS)
+        if not allowed.any():
+            return -1.0, -1
+        dc = cost[j, :n] - c0
+        gain = uu - cu
+        with np.errstate(divide="ignore", invalid="ignore"):
+            r = np.where(dc > 1e-9, gain / np.where(dc > 1e-9, dc, 1.0), gain * 1e9)
+        r = np.where(allowed, r, -np.inf)
+        k = int(np.argmax(r))
+        return (float(r[k]), k) if r[k] > -1.0 else (-1.0, -1)
+
+    frozen = fixed.copy()
+    for j in seed_order:
+        k = seed[j]
+        ok = bool(k >= 0 and try_move(j, k))
+        if not ok and seed_any[j]:
+            for k2 in range(nk[j]):
+                if u[j, k2] < 0.0 or k2 == k:
+                    continue
+                if try_move(j, k2):
+                    ok = True
+                    break
+        if not ok:
+            frozen[j] = seed_any[j]
+    ratio = np.full(J, -1.0)
+    step = np.full(J, -1, np.int64)
+    for j in range(J):
+        if not frozen[j]:
+            ratio[j], step[j] = best_step(j)
+    while True:
+        cand = np.where(step >= 0, ratio, -1.0)
+        j = int(np.argmax(cand))
+        if cand[j] <= 0.0:
+            break
+        k = int(step[j])
+        if not try_move(j, k):
+            dead[j, k] = True
+        ratio[j], step[j] = best_step(j)
+    return level, out_nodes
+
+
+def greedy_allocate(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
+                    seed_order, seed, seed_any, fixed, cap_g, cap_c, *, use_numba: bool = True):
+    """Dtype-fixing front door; returns (chosen candidate per job or -1,
+    nodes per job padded with -1)."""
+    i8, f8, b1 = np.int64, np.float64, np.bool_
+    args = (
+        _as(cg, i8), _as(cc, i8), _as(cm, i8), _as(u, f8), _as(cost, f8), _as(nk, i8), _as(stay, i8),
+        _as(hold_ptr, i8), _as(hold_node, i8), _as(hold_g, i8), _as(hold_c, i8),
+        _as(seed_order, i8), _as(seed, i8), _as(seed_any, b1), _as(fixed, b1), _as(cap_g, i8), _as(cap_c, i8),
+    )
+    if use_numba:
+        return _greedy_nb(*args)
+    return greedy_numpy(*args)
+
+
+def warm_up() -> None:
+    """Compile (or load from cache) the kernels before serving rounds."""
+    one = np.ones((1, 1))
+    greedy_allocate(
+        np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)), one, one, np.ones(1), np.full(1, -1),
+        np.zeros(2), np.zeros(0), np.zeros(0), np.zeros(0), np.zeros(0), np.full(1, -1),
+        np.zeros(1), np.zeros(1), np.full(1, 8), np.full(1, 8),
+    )

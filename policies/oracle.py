@@ -1,0 +1,107 @@
+"""Performance oracles that policies can be handed.
+
+``AnalyticOracle`` is a small self-contained roofline-style model (compute,
+data-parallel sync with NVLink vs network bandwidth, tensor/pipeline costs,
+ZeRO-Offload on CPU threads, input pipeline on CPU threads, a GPU-memory
+limit). It exists so that policies, tests and load tests run without a fitted
+model; it has the shapes that matter to a scheduler (knees, saturation, CPU
+and locality sensitivity, plans that stop fitting in memory) but no fitted
+numbers. The optimizer service and the simulator should pass the fitted
+model instead (``PerfModelOracle`` once ``perfmodel`` exposes predict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bus_schema.messages import Plan
+
+from .api import JobView, Placement
+
+
+@dataclass(slots=True)
+class AnalyticOracle:
+    gpu_flops: float = 120e12  # sustained FLOP/s per GPU
+    gpu_mem_gb: float = 80.0
+    nvlink_gbs: float = 200.0
+    net_gbs: float = 12.5  # per node, inter-node
+    pcie_gbs: float = 16.0
+    hbm_gbs: float = 1500.0
+    cpu_opt_s_per_param: float = 2.0e-9  # CPU Adam step, per parameter per thread
+    data_s_per_sample: float = 0.004  # input pipeline, per sample per thread
+    gpus_per_node: int = 8
+    calls: int = 0
+
+    def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
+        self.calls += 1
+        spec = job.spec
+        m = spec.model
+        gpus = sum(p.gpus for p in placement)
+        if gpus != plan.gpus or gpus == 0:
+            return 0.0
+        nodes = len(placement)
+        cpus = sum(p.cpus for p in placement)
+        cpg = max(cpus / gpus, 0.25)
+        P = m.params * 1e6
+        B = spec.global_batch
+        dp, tp, pp, ga = plan.dp, plan.tp, plan.pp, plan.ga
+        if B % (dp * ga):
+            return 0.0
+        mb = B // (dp * ga)
+        per_node = gpus // nodes if gpus % nodes == 0 else max(p.gpus for p in placement)
+        # --- memory per GPU (bytes)
+        shard = P / (tp * pp)
+        if plan.offload:
+            states = shard * 2 + shard * 2 / dp
+        elif plan.zero >= 2:
+            states = shard * 4 + shard * 12 / dp
+        elif plan.zero == 1:
+            states = shard * 4 + shard * 12 / dp
+        else:
+            states = shard * 16
+        act = mb * m.seq_len * m.hidden * (m.layers / pp) * 34 / tp
+        if plan.grad_ckpt:
+            act *= 2.0 / max(2.0, m.layers / pp)
+        if states + act > self.gpu_mem_gb * 1e9 * 0.92:
+            return 0.0
+        # --- compute
+        tokens_mb = mb * m.seq_len
+        eff = tokens_mb / (tokens_mb + 1024.0)  # small micro-batches use the GPU poorly
+        flops = 6.0 * P * m.seq_len * B / gpus
+        t_comp = flops / (self.gpu_flops * eff) * (1.33 if plan.grad_ckpt else 1.0)
+        t_fwd_bwd = t_comp
+        if tp > 1:
+            # Narrower GEMMs run less efficiently, and every layer all-reduces
+            # its activations (4 per layer, forward and backward).
+            w = m.hidden / tp
+            t_fwd_bwd *= (m.hidden / (m.hidden + 256.0)) / (w / (w + 256.0))
+            bw = self.nvlink_gbs if tp <= per_node else self.net_gbs
+            vol = 4.0 * (m.layers / pp) * B / dp * m.seq_len * m.hidden * 2.0 * 2.0 * (tp - 1) / tp
+            t_fwd_bwd += vol / (bw * 1e9)
+        if pp > 1:
+            t_fwd_bwd *= 1.0 + (pp - 1) / ga  # pipeline bubble
+            if nodes > 1:
+                t_fwd_bwd += ga * mb * m.seq_len * m.hidden * 2 * 2 * (pp - 1) / (self.net_gbs * 1e9)
+        # --- data-parallel gradient sync, overlapped with backward
+        t_sync = 0.0
+        if dp > 1:
+            bytes_ = 2.0 * shard * 2.0 * (dp - 1) / dp
+            # Pipeline stages split across nodes keep each DP group inside a node.
+            cross = nodes > 1 and pp % nodes != 0
+            bw = self.net_gbs / max(per_node / tp, 1.0) if cross else self.nvlink_gbs
+            t_ar = bytes_ / (bw * 1e9)
+            if plan.zero >= 2:
+                t_ar *= 1.15
+            t_sync = max(0.0, t_ar - 0.5 * t_fwd_bwd)
+        # --- optimizer step
+        if plan.offload:
+            threads = max(cpg, 0.25)
+            t_opt = (shard / dp) * self.cpu_opt_s_per_param / threads * 10 + 4 * shard / dp / (self.pcie_gbs * 1e9)
+        else:
+            div = dp if plan.zero >= 1 else 1
+            t_opt = 16 * shard / div / (self.hbm_gbs * 1e9)
+        t_gpu = t_fwd_bwd + t_sync + t_opt + 0.01
+        # --- input pipeline on the host overlaps the GPU work
+        t_data = (B / gpus) * self.data_s_per_sample / cpg
+        t_iter = max(t_gpu, t_data) + 0.1 * min(t_gpu, t_data)
+        return B / t_iter

@@ -1,0 +1,314 @@
+"""Rubick: co-optimise each job's plan with its GPUs, CPUs and placement.
+
+One round:
+1. Every job's candidates (``candidates.py``): its sensitivity curve over
+   GPUs x CPU threads per GPU x nodes spanned, best plan at each point.
+2. Utility of a candidate = predicted throughput / throughput of the job's
+   own request (so 1.0 = what it asked for; jobs are compared by
+   *normalised* gains). A candidate that differs from what a running job
+   holds now (and every start) is charged the restart cost: its utility is
+   scaled by T/(T+R), the job's average speed over the rest of its run
+   (T = time to finish at that speed, R = restart cost), so switching a job
+   that is about to finish never pays.
+3. Guarantees: a guaranteed job may only take candidates at least as fast as
+   its target (requested plan on requested resources, or
+   ``JobView.target_throughput``). Running guaranteed jobs are seeded first
+   and are never shrunk below it; a pending one is admitted only if a
+   candidate meeting its target fits, so an accepted guarantee can be kept.
+4. Jobs that (re)started less than ``min_run_time`` ago keep their
+   allocation (pinned); pending guaranteed jobs are seeded before pinned
+   best-effort ones, so a guarantee can evict a best-effort job (the only
+   switch allowed inside the minimum run time; ``guarantee_evicts=False``
+   turns it off).
+5. Everything else: greedy by normalised marginal gain per unit of resource
+   (GPUs plus CPUs weighed by their scarcity), along each job's curve. A
+   running job competes from zero, its current allocation being its cheapest
+   way up (no restart charge): it is shrunk or preempted exactly when its
+   resources give more normalised throughput elsewhere, net of restart
+   costs; leftovers go to the highest marginal gains.
+The search runs in numba (``kernels.py``) with a numpy reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, DEFAULT_MIN_RUN_TIME, DEFAULT_RESTART_COST, default_plan
+from .candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
+from .kernels import greedy_allocate
+from .oracle import AnalyticOracle
+from .placement import describe
+
+
+class Rubick:
+    def __init__(
+        self,
+        *,
+        name: str = "rubick",
+        vary_plan: bool = True,
+        vary_cpu: bool = True,
+        vary_locality: bool = True,
+        restart_cost: float = DEFAULT_RESTART_COST,
+        min_run_time: float = DEFAULT_MIN_RUN_TIME,
+        guarantee_evicts: bool = True,
+        max_scale: float = 2.0,
+        use_numba: bool = True,
+    ):
+        self.name = name
+        self.vary_plan = vary_plan
+        self.vary_cpu = vary_cpu
+        self.vary_locality = vary_locality
+        self.restart_cost = restart_cost
+        self.min_run_time = min_run_time
+        self.guarantee_evicts = guarantee_evicts
+        self.max_scale = max_scale
+        self.use_numba = use_numba
+        self._cache: CandidateCache | None = None
+        self._ref: dict = {}
+        self._stay: dict = {}
+        self._fallback = AnalyticOracle()
+        self.last_stats: dict = {}
+
+    # ---------------------------------------------------------------- helpers
+    def _space(self, nodes: list[NodeState]) -> CandidateSpace:
+        g = max((n.gpus_total for n in nodes), default=8)
+        c = max((n.cpus_total for n in nodes), default=8 * g)
+        return CandidateSpace(
+            gpus_per_node=g, cpus_per_node=c, total_gpus=sum(n.gpus_total for n in nodes), n_nodes=len(nodes),
+            vary_plan=self.vary_plan, vary_cpu=self.vary_cpu, vary_locality=self.vary_locality,
+            max_scale=self.max_scale,
+        )
+
+    def _candidates(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
+        if self._cache is None or self._cache.space != space:
+            self._cache = CandidateCache(space)
+            self._ref.clear()
+            self._stay.clear()
+        if not job.spec.reconfigurable:
+            key = ("fixed", *self._cache.key(job))
+            got = self._cache.store.get(key)
+            if got is None:
+                got = _fixed_candidates(job, perf, space)
+                self._cache.store[key] = got
+            return got
+        return self._cache.get(job, perf)
+
+    def requested_throughput(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> float:
+        """The job's own plan on its own GPUs and CPUs, compactly placed."""
+        key = (self._cache.key(job) if self._cache else None, job.spec.plan, job.spec.gpus)
+        got = self._ref.get(key)
+        if got is None:
+            plan = default_plan(job.spec)
+            cpg = job.spec.cpus_per_gpu or max(1, min(4, space.cpus_per_node // space.gpus_per_node))
+            got = perf.throughput(job, plan, _compact(plan.gpus, cpg, space.gpus_per_node))
+            self._ref[key] = got
+        return got
+
+    def _stay_throughput(self, job: JobView, perf: PerfOracle) -> float:
+        plan = job.plan or default_plan(job.spec)
+        shape = tuple(sorted((p.gpus, p.cpus) for p in job.placement))
+        key = (self._cache.key(job), plan, shape)
+        got = self._stay.get(key)
+        if got is None:
+            got = perf.throughput(job, plan, tuple(Placement(f"_n{i}", g, c) for i, (g, c) in enumerate(shape)))
+            self._stay[key] = got
+        return got
+
+    def _pinned(self, j: JobView, now: float) -> bool:
+        return j.running and j.last_switch_at is not None and now - j.last_switch_at < self.min_run_time
+
+    # ---------------------------------------------------------------- round
+    def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        perf = perf or self._fallback
+        space = self._space(nodes)
+        node_ix = {n.name: i for i, n in enumerate(nodes)}
+        cpg_cluster = max(space.cpus_per_node / space.gpus_per_node, 1e-9)
+        J = len(jobs)
+        rows: list[list[Candidate]] = []
+        refs = np.zeros(J)
+        targets = np.zeros(J)
+        for i, j in enumerate(jobs):
+            cands = self._candidates(j, perf, space)
+            rows.append(cands)
+            ref = self.requested_throughput(j, perf, space)
+            if ref <= 0:  # request infeasible under the model: best it could do at its size
+                ref = max((c.throughput for c in cands if c.gpus <= j.spec.gpus), default=0.0) or (
+                    cands[0].throughput if cands else 1.0
+                )
+            refs[i] = ref
+            targets[i] = (j.target_throughput or ref) if j.spec.guaranteed else 0.0
+        K = max((len(r) for r in rows), default=0) + 1
+        cg = np.zeros((J, K), np.int64)
+        cc = np.zeros((J, K), np.int64)
+        cm = np.ones((J, K), np.int64)
+        u = np.full((J, K), -1.0)
+        cost = np.zeros((J, K))
+        thr = np.zeros((J, K))
+        nk = np.zeros(J, np.int64)
+        stay = np.full(J, -1, np.int64)
+        hold_ptr = np.zeros(J + 1, np.int64)
+        hold_node: list[int] = []
+        hold_g: list[int] = []
+        hold_c: list[int] = []
+        R = self.restart_cost
+        for i, j in enumerate(jobs):
+            cands = rows[i]
+            n = len(cands)
+            if n:
+                cg[i, :n] = [c.gpus for c in cands]
+                cc[i, :n] = [c.cpus_per_gpu for c in cands]
+                cm[i, :n] = [c.nodes for c in cands]
+                t = np.array([c.throughput for c in cands])
+                thr[i, :n] = t
+                cost[i, :n] = [resource_cost(c, cpg_cluster) for c in cands]
+                samples_left = max(j.remaining_steps, 1.0) * j.spec.global_batch
+                T = samples_left / t
+                uu = (t / refs[i]) * (T / (T + R)) if R > 0 else t / refs[i]
+                if j.spec.guaranteed:
+                    uu = np.where(t >= targets[i] * (1 - 1e-9), uu, -1.0)
+                u[i, :n] = uu
+            if j.running and all(p.node in node_ix for p in j.placement):
+                st = self._stay_throughput(j, perf)
+                ok = st > 0 and (not j.spec.guaranteed or st >= targets[i] * (1 - 1e-9))
+                stay[i] = n
+                cg[i, n] = j.gpus
+                cc[i, n] = max(1, j.cpus // max(j.gpus, 1))
+                cm[i, n] = len(j.placement)
+                thr[i, n] = st
+                cost[i, n] = j.gpus + j.cpus / cpg_cluster
+                u[i, n] = st / refs[i] if ok else (0.0 if self._pinned(j, now) else -1.0)
+                n += 1
+                for p in j.placement:
+                    hold_node.append(node_ix[p.node])
+                    hold_g.append(p.gpus)
+                    hold_c.append(p.cpus)
+            nk[i] = n
+            hold_ptr[i + 1] = len(hold_node)
+        # seeds: pinned guaranteed, running guaranteed, pending guaranteed, pinned best-effort
+        pinned = np.array([self._pinned(j, now) and stay[i] >= 0 for i, j in enumerate(jobs)], bool)
+        seed = np.full(J, -1, np.int64)
+        seed_any = np.zeros(J, bool)
+        groups: list[list[int]] = [[], [], [], []]
+        for i, j in enumerate(jobs):
+            if j.spec.guaranteed:
+                seed_any[i] = True
+                if pinned[i]:
+                    seed[i] = stay[i]
+                    groups[0].append(i)
+                elif stay[i] >= 0:
+                    seed[i] = stay[i] if u[i, stay[i]] >= 0 else -1
+                    groups[1].append(i)
+                else:
+                    groups[2].append(i)
+            elif pinned[i]:
+                seed[i] = stay[i]
+                groups[3].append(i)
+        groups[2].sort(key=lambda i: (jobs[i].submitted_at, jobs[i].job_id))
+        if not self.guarantee_evicts:
+            groups = [groups[0], groups[1], groups[3], groups[2]]
+        seed_order = np.array([i for g in groups for i in g], np.int64)
+        level, out_nodes = greedy_allocate(
+            cg, cc, cm, u, cost, nk, stay, hold_ptr, np.array(hold_node, np.int64), np.array(hold_g, np.int64),
+            np.array(hold_c, np.int64), seed_order, seed, seed_any, pinned, space_cap(nodes, "g"),
+            space_cap(nodes, "c"), use_numba=self.use_numba,
+        )
+        self.last_stats = {"jobs": J, "candidates": int(nk.sum()), "objective": float(sum(u[i, k] for i, k in enumerate(level) if k >= 0))}
+        return self._decide(jobs, nodes, rows, level, out_nodes, stay, thr, refs, targets, u, pinned)
+
+    # ---------------------------------------------------------------- output
+    def _decide(self, jobs, nodes, rows, level, out_nodes, stay, thr, refs, targets, u, pinned) -> Decision:
+        d = Decision()
+        used = {n.name: 0 for n in nodes}
+        for i, j in enumerate(jobs):
+            k = int(level[i])
+            if k < 0:
+                continue
+            if k == stay[i]:
+                plan = j.plan or default_plan(j.spec)
+                why = "kept (within minimum run time)" if pinned[i] else "kept: no better use of its resources net of the restart cost"
+                d.allocations[j.job_id] = JobDecision(j.placement, plan, f"{self.name}: {why}", float(thr[i, k]), 0.0)
+                for p in j.placement:
+                    used[p.node] += p.gpus
+                continue
+            c = rows[i][k]
+            per = c.per_node
+            placement = tuple(
+                Placement(nodes[int(out_nodes[i, q])].name, per, per * c.cpus_per_gpu) for q in range(c.nodes)
+            )
+            for p in placement:
+                used[p.node] += p.gpus
+            if j.running:
+                old = thr[i, stay[i]] if stay[i] >= 0 else 0.0
+                gain = (c.throughput / old - 1.0) if old > 0 else None
+                verb = "grew" if c.gpus > j.gpus else "shrunk" if c.gpus < j.gpus else "switched"
+                g = f"{gain:+.0%} predicted throughput" if gain is not None else "new allocation"
+                why = f"{verb} to {c.describe()}: {g} (was {j.plan.label() if j.plan else '?'} on {j.gpus} GPUs)"
+                if verb == "shrunk":
+                    why += "; its GPUs give more normalised throughput to others"
+            else:
+                gain = None
+                why = f"started with {c.describe()}: {c.throughput / refs[i]:.2f}x its request's predicted throughput"
+            if j.spec.guaranteed:
+                why += f"; guarantee {targets[i]:.3g} samples/s kept ({c.throughput:.3g})"
+            d.allocations[j.job_id] = JobDecision(placement, c.plan, f"{self.name}: {why} on {describe(placement)}", c.throughput, gain)
+        free = {n.name: n.gpus_total - used[n.name] for n in nodes}
+        block = max(free.values(), default=0)
+        total_free = sum(free.values())
+        for i, j in enumerate(jobs):
+            if j.job_id in d.allocations:
+                continue
+            allowed = [c for k, c in enumerate(rows[i]) if u[i, k] >= 0]
+            if j.spec.guaranteed:
+                if allowed:
+                    c = allowed[0]
+                    d.waiting[j.job_id] = (
+                        f"waiting: guarantee {targets[i]:.3g} samples/s needs at least {c.describe()}; "
+                        f"largest free block is {block} GPUs ({total_free} free)"
+                    )
+                else:
+                    d.waiting[j.job_id] = "waiting: no allocation in this cluster reaches its guaranteed throughput"
+            elif not allowed:
+                d.waiting[j.job_id] = "waiting: no plan of this job fits this cluster's GPUs"
+            else:
+                c = min(allowed, key=lambda c: c.gpus)
+                lead = "preempted" if j.running else "waiting"
+                if c.per_node > block:
+                    d.waiting[j.job_id] = (
+                        f"{lead}: needs {c.gpus} GPUs within {c.nodes} node(s) ({c.per_node} per node), "
+                        f"largest free block is {block}"
+                    )
+                else:
+                    d.waiting[j.job_id] = (
+                        f"{lead}: lower normalised marginal gain ({c.throughput / refs[i]:.2f}x request on "
+                        f"{c.gpus} GPUs) than the jobs given resources this round"
+                    )
+        return d
+
+
+def space_cap(nodes: list[NodeState], what: str) -> np.ndarray:
+    return np.array([n.gpus_total if what == "g" else n.cpus_total for n in nodes], np.int64)
+
+
+def _compact(gpus: int, cpg: int, per_node: int) -> tuple[Placement, ...]:
+    out = []
+    i = 0
+    while gpus > 0:
+        g = min(gpus, per_node)
+        out.append(Placement(f"_n{i}", g, g * cpg))
+        gpus -= g
+        i += 1
+    return tuple(out)
+
+
+def _fixed_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
+    """A job that may not be reconfigured: its own plan and GPUs, compact."""
+    plan = default_plan(job.spec)
+    cpg = job.spec.cpus_per_gpu or max(1, min(4, space.cpus_per_node // space.gpus_per_node))
+    m = math.ceil(plan.gpus / space.gpus_per_node)
+    if plan.gpus % m:
+        return []
+    shape = tuple(Placement(f"_n{i}", plan.gpus // m, plan.gpus // m * cpg) for i in range(m))
+    t = perf.throughput(job, plan, shape)
+    return [Candidate(plan.gpus, cpg, m, plan, t)] if t > 0 else []
