@@ -56,6 +56,9 @@ class SimConfig:
     horizon: float | None = None  # stop at this simulated time, report the rest unfinished
     stop_when_tracked_done: bool = True
     check_invariants: bool = True
+    # Also run policies.api.check_decision on every decision (slower; the simulator's own
+    # incremental check refuses the same decisions).
+    full_check: bool = False
     record_timeline: bool = True
 
 
@@ -72,6 +75,12 @@ class JobRecord:
     updated_at: float = 0.0  # progress is accounted up to here
     version: int = 0  # invalidates stale completion events
     gpus_held: int = 0
+    # Authoritative state; the policy-facing JobView is a copy the simulator writes and never reads.
+    steps_done: float = 0.0
+    attained: float = 0.0
+    placement: tuple = ()
+    plan: Plan | None = None
+    last_plan_label: str = ""
     first_start: float | None = None
     finish: float | None = None
     starts: int = 0
@@ -145,22 +154,49 @@ class Simulator:
         if dt <= 0:
             return
         start = max(r.updated_at, r.productive_from)
+        steps = r.job.spec.steps
         if t > start and r.rate > 0:
-            v = r.view
-            v.steps_done += (t - start) * r.rate
-            if v.steps_done > v.spec.steps:
-                if self.cfg.check_invariants and v.steps_done > v.spec.steps * (1 + 1e-6) + 1e-6:
-                    raise InvariantError(f"job {r.job.job_id}: {v.steps_done} steps done of {v.spec.steps}")
-                v.steps_done = float(v.spec.steps)
-        r.view.attained_service += dt * r.gpus_held
-        r.gpu_seconds += dt * r.gpus_held
+            r.steps_done += (t - start) * r.rate
+            if r.steps_done > steps:
+                if self.cfg.check_invariants and r.steps_done > steps * (1 + 1e-6) + 1e-6:
+                    raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
+                r.steps_done = float(steps)
+        g = dt * r.gpus_held
+        r.attained += g
+        r.gpu_seconds += g
         r.run_time += dt
         r.updated_at = t
+        r.view.steps_done = r.steps_done
+        r.view.attained_service = r.attained
+
+    def _advance_all(self, t: float) -> None:
+        """``_advance`` for every running job, inlined: this runs every round."""
+        check = self.cfg.check_invariants
+        for r in self.running.values():
+            dt = t - r.updated_at
+            if dt <= 0:
+                continue
+            start = r.productive_from if r.productive_from > r.updated_at else r.updated_at
+            if t > start and r.rate > 0:
+                r.steps_done += (t - start) * r.rate
+                steps = r.job.spec.steps
+                if r.steps_done > steps:
+                    if check and r.steps_done > steps * (1 + 1e-6) + 1e-6:
+                        raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
+                    r.steps_done = float(steps)
+            g = dt * r.gpus_held
+            r.attained += g
+            r.gpu_seconds += g
+            r.run_time += dt
+            r.updated_at = t
+            v = r.view
+            v.steps_done = r.steps_done
+            v.attained_service = r.attained
 
     def _finish_time(self, r: JobRecord) -> float:
         if r.rate <= 0:
             return math.inf
-        left = r.view.spec.steps - r.view.steps_done
+        left = r.job.spec.steps - r.steps_done
         return max(r.updated_at, r.productive_from) + left / r.rate
 
     # ------------------------------------------------------------ allocation changes
@@ -170,7 +206,7 @@ class Simulator:
         r.restart_lost += lost
         r.restart_gpu_seconds += lost * r.gpus_held
         self.alloc_gpus -= r.gpus_held
-        for p in r.view.placement:
+        for p in r.placement:
             i = self.node_index[p.node]
             self.free_g[i] += p.gpus
             self.free_c[i] += p.cpus
@@ -202,6 +238,9 @@ class Simulator:
         if r.first_start is None:
             r.first_start = t
             r.view.started_at = t
+        r.placement = placement
+        r.plan = plan
+        r.last_plan_label = plan.label()
         v = r.view
         v.placement = placement
         v.plan = plan
@@ -222,12 +261,13 @@ class Simulator:
     def _round(self, t: float) -> bool:
         """Run the policy and apply its decision. True if any allocation changed."""
         self.rounds += 1
-        for r in self.running.values():
-            self._advance(r, t)
+        self._advance_all(t)
         views = [r.view for r in self.live.values()]
         nodes = self._nodes()
         decision = self.policy.schedule(t, nodes, views, self.oracle)
-        check_decision(decision, nodes, {v.job_id: v for v in views})
+        if self.cfg.full_check:
+            check_decision(decision, nodes, {v.job_id: v for v in views})
+        self._validate(decision.allocations)
         allocs = decision.allocations
         changed = False
         for jid in [j for j in self.running if j not in allocs]:
@@ -237,6 +277,8 @@ class Simulator:
             r.preemptions += 1
             if r.job.spec.guaranteed:
                 r.preempted_after_start = True
+            r.placement = ()
+            r.plan = None
             r.view.placement = ()
             r.view.plan = None
             changed = True
@@ -244,9 +286,9 @@ class Simulator:
         for jid, d in allocs.items():
             r = self.live[jid]
             if r.state == RUNNING:
-                cur = r.view.placement
+                cur = r.placement
                 same_place = d.placement is cur or d.placement == cur or sorted(d.placement, key=_pkey) == sorted(cur, key=_pkey)
-                if same_place and d.plan == r.view.plan:
+                if same_place and d.plan == r.plan:
                     continue
                 self._release(r, t)
                 r.reconfigs += 1
@@ -255,16 +297,59 @@ class Simulator:
         for r, d in starts:
             self._grant(r, tuple(d.placement), d.plan, t)
             changed = True
-        if self.cfg.check_invariants:
+        if changed and self.cfg.check_invariants:
             self._check_capacity()
         return changed
+
+    def _validate(self, allocs) -> None:
+        """Refuse a decision the cluster cannot hold, before applying any of it.
+
+        Allocations identical to what a job holds were validated when granted; the
+        rest are checked in full, and capacity is checked as the desired state:
+        free now + what released/changed jobs give back - what changed jobs take.
+        """
+        free_g = self.free_g.copy()
+        free_c = self.free_c.copy()
+        idx = self.node_index
+        for jid, r in self.running.items():
+            d = allocs.get(jid)
+            if d is not None and (d.placement is r.placement or d.placement == r.placement) and d.plan == r.plan:
+                continue
+            for p in r.placement:
+                free_g[idx[p.node]] += p.gpus
+                free_c[idx[p.node]] += p.cpus
+        for jid, d in allocs.items():
+            r = self.live.get(jid)
+            if r is None:
+                raise AllocationError(f"decision names unknown or finished job {jid!r}")
+            if r.state == RUNNING and (d.placement is r.placement or d.placement == r.placement) and d.plan == r.plan:
+                continue
+            if not d.placement:
+                raise AllocationError(f"job {jid}: empty placement")
+            gpus = 0
+            for p in d.placement:
+                i = idx.get(p.node)
+                if i is None:
+                    raise AllocationError(f"job {jid}: unknown node {p.node!r}")
+                if p.gpus < 0 or p.cpus < 0:
+                    raise AllocationError(f"job {jid}: negative amount on {p.node}")
+                free_g[i] -= p.gpus
+                free_c[i] -= p.cpus
+                gpus += p.gpus
+            if gpus != d.plan.gpus:
+                raise AllocationError(f"job {jid}: plan {d.plan.label()} needs {d.plan.gpus} GPUs, placement has {gpus}")
+        for i, name in enumerate(self.node_names):
+            if free_g[i] < 0:
+                raise AllocationError(f"node {name}: {self.cluster.gpus_per_node - free_g[i]} GPUs allocated, it has {self.cluster.gpus_per_node}")
+            if free_c[i] < 0:
+                raise AllocationError(f"node {name}: {self.cluster.cpus_per_node - free_c[i]} CPUs allocated, it has {self.cluster.cpus_per_node}")
 
     def _check_capacity(self) -> None:
         c = self.cluster
         used_g = [0] * c.nodes
         used_c = [0] * c.nodes
         for r in self.running.values():
-            for p in r.view.placement:
+            for p in r.placement:
                 i = self.node_index[p.node]
                 used_g[i] += p.gpus
                 used_c[i] += p.cpus
@@ -311,9 +396,9 @@ class Simulator:
                 if r.version != ver or r.state != RUNNING:
                     continue
                 self._advance(r, ft)
-                if cfg.check_invariants and r.view.steps_done < r.view.spec.steps * (1 - 1e-6) - 1e-6:
-                    raise InvariantError(f"job {r.job.job_id} completed with {r.view.steps_done} of {r.view.spec.steps} steps")
-                r.view.steps_done = float(r.view.spec.steps)
+                if cfg.check_invariants and r.steps_done < r.job.spec.steps * (1 - 1e-6) - 1e-6:
+                    raise InvariantError(f"job {r.job.job_id} completed with {r.steps_done} of {r.job.spec.steps} steps")
+                r.steps_done = r.view.steps_done = float(r.job.spec.steps)
                 self._release(r, ft)
                 r.state = DONE
                 r.finish = ft

@@ -130,10 +130,10 @@ def per_job_rows(res: SimResult) -> list[dict]:
             "jct": "" if r.finish is None else f"{r.finish - s:.3f}",
             "queue_delay": "" if r.first_start is None else f"{r.first_start - s:.3f}",
             "gpus_requested": r.job.spec.gpus, "guaranteed": int(r.job.spec.guaranteed),
-            "steps": r.job.spec.steps, "steps_done": f"{r.view.steps_done:.3f}",
+            "steps": r.job.spec.steps, "steps_done": f"{r.steps_done:.3f}",
             "restarts": max(0, r.starts - 1), "reconfigurations": r.reconfigs, "preemptions": r.preemptions,
             "restart_lost_s": f"{r.restart_lost:.3f}", "gpu_seconds": f"{r.gpu_seconds:.3f}",
-            "final_plan": r.view.plan.label() if r.view.plan else "", "guarantee_kept": kept,
+            "final_plan": r.last_plan_label, "guarantee_kept": kept,
             "truth": "+".join(sorted(r.truth_sources)),
         })
     return out
