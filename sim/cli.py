@@ -1,0 +1,179 @@
+"""``gearshift simulate``: replay a trace through named policies and compare them.
+
+    python -m sim.cli --trace rubick-base --policies rubick,sia,synergy,antman,fifo
+    python -m sim.cli --trace-file jobs.csv --format blox --policies fifo --cluster 32x4 -o json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Sequence
+
+from .engine import SimConfig, SimResult, simulate
+from .loaders import FORMATS, load_named, load_trace_file, trace_names
+from .metrics import summarize, write_per_job_csv
+from .trace import parse_cluster
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gearshift simulate", description="Trace-driven simulation of scheduling policies.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help=f"a named trace: {', '.join(trace_names())} (synthetic:jobs=N,rate=R,...)")
+    src.add_argument("--trace-file", help="a trace file; give its --format")
+    p.add_argument("--format", choices=FORMATS, help="format of --trace-file")
+    p.add_argument("--policies", default="fifo", help="comma-separated policy names (default: fifo)")
+    p.add_argument("--cluster", help="NODESxGPUS[:CPUS], default: the trace's own (rubick: 8x8)")
+    p.add_argument("--interval", type=float, default=60.0, help="seconds between scheduling rounds (default 60)")
+    p.add_argument("--restart-cost", type=float, default=260.0, help="seconds lost per (re)start (default 260)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma of ground truth where unmeasured")
+    p.add_argument("--jobs", type=int, help="only the first N jobs of the trace")
+    p.add_argument("--horizon", type=float, help="stop at this simulated time (s); the rest is reported unfinished")
+    p.add_argument("--no-event-rounds", action="store_true",
+                   help="schedule only on the interval grid (Blox semantics), not on arrival/completion")
+    p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    p.add_argument("--per-job-csv", help="write one row per job and policy here")
+    p.add_argument("--plots", help="write PNG plots (JCT CDF, GPU utilisation, queue length) into this folder")
+    p.add_argument("--no-progress", action="store_true", help="no progress line even on a terminal")
+    return p
+
+
+def make_named_policy(name: str, seed: int):
+    """``policies.registry.make_policy``, passing the seed to policies that take one."""
+    from policies.registry import make_policy
+
+    try:
+        return make_policy(name, seed=seed)
+    except TypeError as e:
+        if "seed" not in str(e):
+            raise
+    return make_policy(name)
+
+
+def _progress_printer(policy: str, total_jobs: int):
+    def show(t: float, done: int, n: int) -> None:
+        width = 30
+        fill = int(width * done / max(n, 1))
+        sys.stderr.write(f"\r{policy:>12} [{'#' * fill}{'.' * (width - fill)}] {done}/{n} jobs, t={t / 3600:7.1f} h")
+        sys.stderr.flush()
+
+    return show
+
+
+def ratios(summaries: list[dict]) -> dict[str, dict[str, float]]:
+    """Per policy: best baseline's avg JCT / its avg JCT, same for makespan (>1 = better).
+
+    Baselines are the policies not named ``rubick*``; if every policy run is a
+    baseline (or none is), each is compared with the best of all.
+    """
+    base = [s for s in summaries if not s["policy"].startswith("rubick")] or summaries
+    out = {}
+    for key, name in (("avg_jct_s", "jct_x"), ("makespan_s", "makespan_x")):
+        vals = [s[key] for s in base if s["unfinished"] == 0 and not math.isnan(s[key])]
+        best = min(vals) if vals else math.nan
+        for s in summaries:
+            v = s[key]
+            out.setdefault(s["policy"], {})[name] = best / v if v and not math.isnan(v) and not math.isnan(best) else math.nan
+    return out
+
+
+def _h(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x / 3600:.2f}"
+
+
+def format_table(summaries: list[dict], rat: dict) -> str:
+    head = ["policy", "avgJCT h", "medJCT h", "p99JCT h", "makespan h", "queue h", "util %",
+            "reconf", "restartGPUh", "guar kept", "unfin", "JCT x", "mksp x", "wall s"]
+    rows = []
+    for s in summaries:
+        r = rat.get(s["policy"], {})
+        guar = f"{s['guarantees_kept']}/{s['guaranteed_accepted']}" if s["guaranteed_jobs"] else "-"
+        rows.append([s["policy"], _h(s["avg_jct_s"]), _h(s["median_jct_s"]), _h(s["p99_jct_s"]), _h(s["makespan_s"]),
+                     _h(s["avg_queue_delay_s"]), f"{100 * s['gpu_util']:.1f}", str(s["reconfigurations"]),
+                     f"{s['restart_lost_gpu_h']:.1f}", guar, str(s["unfinished"]),
+                     "-" if math.isnan(r.get("jct_x", math.nan)) else f"{r['jct_x']:.2f}",
+                     "-" if math.isnan(r.get("makespan_x", math.nan)) else f"{r['makespan_x']:.2f}",
+                     f"{s['wall_s']:.1f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _clean(x):
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
+    return x
+
+
+def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
+    if args.trace:
+        trace = load_named(args.trace, seed=args.seed)
+    else:
+        if not args.format:
+            raise SystemExit("--trace-file needs --format (" + "|".join(FORMATS) + ")")
+        trace = load_trace_file(args.trace_file, args.format)
+    if args.jobs:
+        trace = trace.head(args.jobs)
+    cluster = parse_cluster(args.cluster) if args.cluster else trace.cluster
+    cfg = SimConfig(interval=args.interval, restart_cost=args.restart_cost, seed=args.seed, noise=args.noise,
+                    horizon=args.horizon, round_on_arrival=not args.no_event_rounds,
+                    round_on_completion=not args.no_event_rounds)
+    from .perfmodel_bridge import find_predictor
+
+    predictor = find_predictor(cluster.gpus_per_node)
+    tty = sys.stderr.isatty() and not args.no_progress
+    results = []
+    for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
+        policy = make_named_policy(name, args.seed)
+        res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None)
+        res.policy = name
+        if tty:
+            sys.stderr.write("\r" + " " * 78 + "\r")
+        results.append(res)
+    summaries = [summarize(r) for r in results]
+    return results, summaries, ratios(summaries)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        results, summaries, rat = run(args)
+    except (ValueError, OSError) as e:
+        print(f"gearshift simulate: {e}", file=sys.stderr)
+        return 2
+    if args.per_job_csv:
+        write_per_job_csv(results, args.per_job_csv)
+    if args.plots:
+        from .plots import write_plots
+
+        write_plots(results, args.plots)
+    if args.output == "json":
+        r0 = results[0] if results else None
+        doc = {
+            "trace": r0.trace if r0 else None,
+            "cluster": r0.cluster.label() if r0 else None,
+            "config": {"interval": args.interval, "restart_cost": args.restart_cost, "seed": args.seed,
+                       "noise": args.noise, "event_rounds": not args.no_event_rounds},
+            "results": summaries,
+            "ratios_vs_best_baseline": rat,
+        }
+        print(json.dumps(_clean(doc), indent=2))
+    else:
+        r0 = results[0] if results else None
+        if r0:
+            print(f"trace {r0.trace}: {len(r0.records)} jobs on {r0.cluster.label()} "
+                  f"({r0.cluster.gpus} GPUs), rounds every {args.interval:g} s, restart {args.restart_cost:g} s, seed {args.seed}")
+        print(format_table(summaries, rat))
+        print("JCT x / mksp x: best baseline's value / this policy's (higher is better; baselines = policies not named rubick*)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
