@@ -48,32 +48,42 @@ def _holds_fit(j, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c):
 
 
 @njit(cache=True)
-def _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, sign):
+def _adjust(n, dg, dc, free_g, free_c, hist):
+    hist[free_g[n]] -= 1
+    free_g[n] += dg
+    free_c[n] += dc
+    hist[free_g[n]] += 1
+
+
+@njit(cache=True)
+def _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, sign, hist):
     k = level[j]
     if k < 0:
         return
     if k == stay[j]:
         for t in range(hold_ptr[j], hold_ptr[j + 1]):
-            free_g[hold_node[t]] += sign * hold_g[t]
-            free_c[hold_node[t]] += sign * hold_c[t]
+            _adjust(hold_node[t], sign * hold_g[t], sign * hold_c[t], free_g, free_c, hist)
     else:
         per = cg[j, k] // cm[j, k]
         for i in range(cm[j, k]):
-            n = out_nodes[j, i]
-            free_g[n] += sign * per
-            free_c[n] += sign * per * cc[j, k]
+            _adjust(out_nodes[j, i], sign * per, sign * per * cc[j, k], free_g, free_c, hist)
 
 
 @njit(cache=True)
-def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked):
+def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked, hist, big):
     """Fill picked[0:m] with nodes for candidate k of job j; False if none."""
     N = free_g.shape[0]
     m = cm[j, k]
     per = cg[j, k] // m
     need_c = per * cc[j, k]
+    # Quick reject from the free-GPU histogram: fewer than m nodes have room.
+    enough = 0
+    for f in range(per, hist.shape[0]):
+        enough += hist[f]
+    if enough < m:
+        return False
     for t in range(hold_ptr[j], hold_ptr[j + 1]):
         own[hold_node[t]] = True
-    big = np.int64(free_g.max() + 2) * N
     ok = True
     for i in range(m):
         best = np.int64(-1)
@@ -109,7 +119,7 @@ def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, 
 
 @njit(cache=True)
 def _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-              free_g, free_c, res_g, res_c, own, picked, decided):
+              free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
     """Move job j to candidate k if it fits (releasing what it holds first)."""
     if not decided[j]:
         # From now on j's old holding is no longer "someone else's".
@@ -117,20 +127,20 @@ def _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hol
             res_g[hold_node[t]] -= hold_g[t]
             res_c[hold_node[t]] -= hold_c[t]
         decided[j] = True
-    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, 1)
+    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, 1, hist)
     if k == stay[j]:
         ok = _holds_fit(j, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c)
     else:
-        ok = _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked)
+        ok = _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked, hist, big)
     if ok:
         old = level[j]
         level[j] = k
         if k != stay[j]:
             for i in range(cm[j, k]):
                 out_nodes[j, i] = picked[i]
-        _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1)
+        _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1, hist)
         return True
-    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1)
+    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1, hist)
     return False
 
 
@@ -178,6 +188,10 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
     own = np.zeros(N, np.bool_)
     picked = np.zeros(M, np.int64)
     frozen = fixed.copy()
+    hist = np.zeros(cap_g.max() + 1, np.int64)
+    for n in range(N):
+        hist[free_g[n]] += 1
+    big = np.int64(cap_g.max() + 2) * N
     # 1. seeds
     for s in range(seed_order.shape[0]):
         j = seed_order[s]
@@ -185,13 +199,13 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
         ok = False
         if k >= 0:
             ok = _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-                           free_g, free_c, res_g, res_c, own, picked, decided)
+                           free_g, free_c, res_g, res_c, own, picked, decided, hist, big)
         if not ok and seed_any[j]:
             for k2 in range(nk[j]):
                 if u[j, k2] < 0.0 or k2 == k:
                     continue
                 if _try_move(j, k2, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-                             free_g, free_c, res_g, res_c, own, picked, decided):
+                             free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
                     ok = True
                     break
         if not ok:
@@ -215,7 +229,7 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
             break
         k = step[j]
         if not _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-                         free_g, free_c, res_g, res_c, own, picked, decided):
+                         free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
             dead[j, k] = True
         ratio[j], step[j] = _best_step(j, level, u, cost, nk, dead)
     return level, out_nodes
@@ -267,7 +281,7 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
             return None
         tier = np.where((free_g - res_g >= per) & (free_c - res_c >= need_c), 1, 2)
         tier[hold(j)[0]] = 0
-        big = np.int64(free_g.max() + 2) * N
+        big = np.int64(cap_g.max() + 2) * N
         key = tier * big + (free_g - per) * N + idx
         key = np.where(ok, key, np.iinfo(np.int64).max)
         sel = np.argpartition(key, m - 1)[:m]

@@ -32,6 +32,7 @@ The search runs in numba (``kernels.py``) with a numpy reference.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -121,6 +122,16 @@ class Rubick:
 
     # ---------------------------------------------------------------- round
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        pb = self.build_problem(now, nodes, jobs, perf)
+        level, out_nodes = self.solve(pb)
+        self.last_stats = {"jobs": len(jobs), "candidates": int(pb.nk.sum()), "objective": pb.objective(level)}
+        return self._decide(jobs, nodes, pb.rows, level, out_nodes, pb.stay, pb.thr, pb.refs, pb.targets, pb.u, pb.pinned)
+
+    def solve(self, pb: "Problem"):
+        return greedy_allocate(*pb.kernel_args(), use_numba=self.use_numba)
+
+    def build_problem(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> "Problem":
+        """The round as arrays: candidates, utilities, costs, holdings, seeds."""
         perf = perf or self._fallback
         space = self._space(nodes)
         node_ix = {n.name: i for i, n in enumerate(nodes)}
@@ -209,13 +220,13 @@ class Rubick:
         if not self.guarantee_evicts:
             groups = [groups[0], groups[1], groups[3], groups[2]]
         seed_order = np.array([i for g in groups for i in g], np.int64)
-        level, out_nodes = greedy_allocate(
-            cg, cc, cm, u, cost, nk, stay, hold_ptr, np.array(hold_node, np.int64), np.array(hold_g, np.int64),
-            np.array(hold_c, np.int64), seed_order, seed, seed_any, pinned, space_cap(nodes, "g"),
-            space_cap(nodes, "c"), use_numba=self.use_numba,
+        return Problem(
+            cg=cg, cc=cc, cm=cm, u=u, cost=cost, nk=nk, stay=stay, hold_ptr=hold_ptr,
+            hold_node=np.array(hold_node, np.int64), hold_g=np.array(hold_g, np.int64),
+            hold_c=np.array(hold_c, np.int64), seed_order=seed_order, seed=seed, seed_any=seed_any, pinned=pinned,
+            cap_g=space_cap(nodes, "g"), cap_c=space_cap(nodes, "c"), rows=rows, thr=thr, refs=refs, targets=targets,
+            guaranteed=np.array([j.spec.guaranteed for j in jobs], bool),
         )
-        self.last_stats = {"jobs": J, "candidates": int(nk.sum()), "objective": float(sum(u[i, k] for i, k in enumerate(level) if k >= 0))}
-        return self._decide(jobs, nodes, rows, level, out_nodes, stay, thr, refs, targets, u, pinned)
 
     # ---------------------------------------------------------------- output
     def _decide(self, jobs, nodes, rows, level, out_nodes, stay, thr, refs, targets, u, pinned) -> Decision:
@@ -285,6 +296,43 @@ class Rubick:
                         f"{c.gpus} GPUs) than the jobs given resources this round"
                     )
         return d
+
+
+@dataclass
+class Problem:
+    """One round's allocation problem (see ``kernels.py`` for the fields)."""
+
+    cg: np.ndarray
+    cc: np.ndarray
+    cm: np.ndarray
+    u: np.ndarray
+    cost: np.ndarray
+    nk: np.ndarray
+    stay: np.ndarray
+    hold_ptr: np.ndarray
+    hold_node: np.ndarray
+    hold_g: np.ndarray
+    hold_c: np.ndarray
+    seed_order: np.ndarray
+    seed: np.ndarray
+    seed_any: np.ndarray
+    pinned: np.ndarray
+    cap_g: np.ndarray
+    cap_c: np.ndarray
+    rows: list = field(default_factory=list)
+    thr: np.ndarray | None = None
+    refs: np.ndarray | None = None
+    targets: np.ndarray | None = None
+    guaranteed: np.ndarray | None = None
+
+    def kernel_args(self) -> tuple:
+        return (
+            self.cg, self.cc, self.cm, self.u, self.cost, self.nk, self.stay, self.hold_ptr, self.hold_node,
+            self.hold_g, self.hold_c, self.seed_order, self.seed, self.seed_any, self.pinned, self.cap_g, self.cap_c,
+        )
+
+    def objective(self, level: np.ndarray) -> float:
+        return float(sum(self.u[i, k] for i, k in enumerate(level) if k >= 0))
 
 
 def space_cap(nodes: list[NodeState], what: str) -> np.ndarray:
