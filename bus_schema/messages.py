@@ -256,6 +256,7 @@ class NodeReport(_Msg, kw_only=True, frozen=True):
     running: list[str] = []  # "<job_id>@<generation>" of the processes it runs
     agent_version: str = ""
     started_at: float = 0.0
+    address: str = ""  # where other nodes reach this one (MASTER_ADDR when it holds rank 0)
 
 
 # ---------------------------------------------------------------- agent <-> services

@@ -1,0 +1,5 @@
+import sys
+
+from agent.agent import main
+
+sys.exit(main())

@@ -1,0 +1,620 @@
+"""The per-node agent: makes the job processes on this node match ``gs_alloc``.
+
+Level-triggered: a KV watch keeps ``desired`` (the allocations that place a
+job on this node) up to date, and every change wakes one reconcile pass that
+compares it with ``runs`` (what this agent started). A pass never waits for a
+process: stops run as their own tasks and, when a process ends, its
+supervisor wakes the reconciler again, so a job whose old generation is still
+stopping gets its new generation on the pass after the old one is gone.
+
+Fencing: ``launched`` holds the highest generation this agent started (or
+was told to stop) per job; a generation at or below it is never launched, so a
+stale allocation, a replay of an old value, or one that already ran to its
+end cannot start anything.
+
+Hooks for plan switches with checkpoint-restore (issue 6): ``_begin_stop``
+is the single place that asks a run to checkpoint and leave (SIGTERM, grace,
+SIGKILL) and ``_supervise`` the single place that learns how it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.js.api import Header
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import (
+    AgentReply,
+    Allocation,
+    JobProgress,
+    NodeReport,
+    RunReport,
+    RunReportKind,
+    StopCommand,
+)
+from services.runtime import VERSION, Endpoint, get_logger, serve
+
+from . import worker as wk
+from .probe import GpuProbe
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+EMULATED_COMMAND = [sys.executable, "-m", "agent.emulated_worker"]
+DEFAULT_GRACE_S = 10.0
+
+
+def master_port(job_id: str, generation: int) -> int:
+    """The same on every node of the job without talking; differs per
+    generation so a relaunch never races the old rendezvous socket."""
+    return 20000 + zlib.crc32(f"{job_id}:{generation}".encode()) % 30000
+
+
+def exit_status(returncode: int) -> int:
+    """Shell convention: killed by signal N reads as 128 + N (SIGTERM -> 143)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclass
+class Run:
+    """One job@generation on this node: its processes and how it is ending."""
+
+    alloc: Allocation
+    node_rank: int
+    gpus: list[int]
+    run_dir: Path
+    ckpt_dir: Path
+    procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+    progress_file: Path | None = None  # global rank 0's, when it runs here
+    stopping: bool = False  # SIGTERM sent (by the agent, or after a rank failed)
+    stopped_by_agent: bool = False
+    reason: str = ""
+    exit_codes: list[int] = field(default_factory=list)  # in the order the ranks ended
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def job_id(self) -> str:
+        return self.alloc.job_id
+
+    @property
+    def generation(self) -> int:
+        return self.alloc.generation
+
+
+class Agent:
+    def __init__(
+        self,
+        nc: NATS,
+        node: str,
+        probe: GpuProbe,
+        workdir: str | os.PathLike,
+        *,
+        cpus: int | None = None,
+        heartbeat: float = 1.0,
+        grace: float = DEFAULT_GRACE_S,
+        address: str = "127.0.0.1",
+        progress_interval: float = 1.0,
+        ckpt_root: str | os.PathLike | None = None,
+    ):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.node = subj.token(node)
+        self.probe = probe
+        self.workdir = Path(workdir)
+        # Checkpoints must outlive a move to another node: on a cluster this is
+        # shared storage, in `gearshift up` one folder for all agents.
+        self.ckpt_root = Path(ckpt_root) if ckpt_root is not None else self.workdir / "ckpt"
+        self.cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+        self.heartbeat = heartbeat
+        self.grace = grace
+        self.address = address
+        self.progress_interval = progress_interval
+        self.log = get_logger(agent=self.node)
+        self.desired: dict[str, Allocation] = {}
+        self.runs: dict[str, Run] = {}
+        self.launched: dict[str, int] = {}
+        self.started_at = time.time()
+        self._dirty = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._side_tasks: set[asyncio.Task] = set()  # stops and supervisors
+        self._closing = False
+        self._watcher: Any = None
+        self._svc: Any = None
+        self._alloc_kv: Any = None
+        self._nodes_kv: Any = None
+
+    # ------------------------------------------------------------ life cycle
+    async def start(self) -> "Agent":
+        await self.probe.open()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
+        self._nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
+        await self._beat()  # capacity visible before the first allocation can arrive
+        self._svc = await serve(
+            self.nc,
+            f"agent-{self.node}",
+            [Endpoint("stop", subj.agent_command(self.node, "stop"), StopCommand, self._on_stop)],
+            description=f"gearshift agent on {self.node}",
+            metadata={"node": self.node},
+        )
+        self._watcher = await self._alloc_kv.watchall()
+        self._tasks = [
+            asyncio.create_task(self._watch_loop(), name="agent-watch"),
+            asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
+            asyncio.create_task(self._heartbeat_loop(), name="agent-heartbeat"),
+            asyncio.create_task(self._progress_loop(), name="agent-progress"),
+        ]
+        self.log.info("agent started", probe=self.probe.kind, gpus=len(await self.probe.sample()), cpus=self.cpus)
+        return self
+
+    async def stop(self) -> None:
+        """Stop every job process (checkpoint grace included), then leave."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:
+                pass
+        for t in self._tasks[:2]:  # no more launches
+            t.cancel()
+        for run in list(self.runs.values()):
+            self._begin_stop(run, "agent stopping", by_agent=True)
+        while self._side_tasks:  # supervisors publish the EXITED reports
+            await asyncio.gather(*list(self._side_tasks), return_exceptions=True)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._svc is not None:
+            try:
+                await self._svc.stop()
+            except Exception:
+                pass
+        try:  # a node that left on purpose is gone now, not after a timeout
+            await asyncio.wait_for(self._nodes_kv.delete(self.node), 2)
+        except Exception:
+            pass
+        await self.probe.close()
+        self.log.info("agent stopped")
+
+    # ------------------------------------------------------------ desired state
+    async def _watch_loop(self) -> None:
+        async for entry in self._watcher:
+            if entry is None:  # "initial values done" marker
+                continue
+            self._apply_entry(entry.key, entry.value, entry.operation)
+
+    def _apply_entry(self, key: str, value: bytes | None, op: str | None) -> None:
+        if op in ("DEL", "PURGE") or not value:
+            if self.desired.pop(key, None) is not None:
+                self._dirty.set()
+            return
+        try:
+            alloc = codec.decode(value, Allocation)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            self.log.error("undecodable allocation ignored", key=key, error=str(exc))
+            return
+        if self.node in alloc.nodes():
+            self.desired[key] = alloc
+        else:
+            self.desired.pop(key, None)
+        self._dirty.set()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            try:
+                await self._reconcile_once()
+            except Exception:  # one bad allocation must not stop the agent
+                self.log.exception("reconcile failed")
+
+    async def _reconcile_once(self) -> None:
+        for job_id, run in list(self.runs.items()):
+            if run.stopping:
+                continue
+            want = self.desired.get(job_id)
+            if want is None:
+                self._begin_stop(run, "allocation removed", by_agent=True)
+            elif want.generation > run.generation:
+                self._begin_stop(run, f"generation {want.generation} replaces {run.generation}", by_agent=True)
+            # an older generation than the running one is stale: keep running
+        for job_id, want in list(self.desired.items()):
+            if self._closing:
+                return
+            if job_id in self.runs:  # running, or stopping: its end wakes us again
+                continue
+            if want.generation <= self.launched.get(job_id, 0):
+                continue
+            await self._launch(want)
+
+    # ------------------------------------------------------------ launching
+    async def _launch(self, alloc: Allocation) -> None:
+        self.launched[alloc.job_id] = alloc.generation
+        nodes = alloc.nodes()
+        node_rank = nodes.index(self.node)
+        mine = alloc.placement[node_rank]
+        run = Run(
+            alloc=alloc,
+            node_rank=node_rank,
+            gpus=list(mine.gpus),
+            run_dir=self.workdir / "run" / alloc.job_id / f"g{alloc.generation}",
+            ckpt_dir=self.ckpt_root / alloc.job_id,
+        )
+        log = self.log.bind(job_id=alloc.job_id, generation=alloc.generation)
+        try:
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+            master = await self._master_addr(nodes[0])
+            for spec in self._rank_specs(alloc, node_rank):
+                env = self._environment(alloc, run, master, **spec)
+                if spec["rank"] == 0:
+                    run.progress_file = Path(env["GEARSHIFT_PROGRESS_FILE"])
+                command = list(alloc.command) if alloc.command else EMULATED_COMMAND
+                with open(run.run_dir / f"rank-{spec['rank']}.log", "ab") as out:
+                    proc = await asyncio.create_subprocess_exec(
+                        *command,
+                        env=env,
+                        cwd=run.run_dir,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True,  # own process group: one signal reaches its children
+                    )
+                run.procs.append(proc)
+        except Exception as exc:
+            log.error("launch failed", error=str(exc))
+            for proc in run.procs:
+                _signal_group(proc.pid, signal.SIGKILL)
+            self._spawn(self._report_launch_failure(run, exc))
+            return
+        if alloc.command is None:  # one emulated process stands for all local GPUs
+            self.probe.claim(run.gpus, [run.procs[0].pid])
+        else:
+            for gpu, proc in zip(run.gpus, run.procs):
+                self.probe.claim([gpu], [proc.pid])
+        self.runs[alloc.job_id] = run
+        log.info("launched", pids=[p.pid for p in run.procs], gpus=run.gpus, plan=alloc.plan.label())
+        self._spawn(self._supervise(run))
+
+    def _rank_specs(self, alloc: Allocation, node_rank: int) -> list[dict[str, int]]:
+        """Rank numbers of the processes this node starts: one per GPU slot
+        (torchrun style), or one per node for the emulated worker."""
+        slots = [max(1, len(p.gpus)) for p in alloc.placement]
+        first = sum(slots[:node_rank])
+        local = slots[node_rank]
+        common = dict(world_size=sum(slots), local_world_size=local, node_rank=node_rank, nnodes=len(slots))
+        if alloc.command is None:
+            return [dict(rank=first, local_rank=0, **common)]
+        return [dict(rank=first + i, local_rank=i, **common) for i in range(local)]
+
+    def _environment(self, alloc: Allocation, run: Run, master: str, **r: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(alloc.env or {})
+        # Ours come last: a job's env may not break the launch contract.
+        gpus = run.gpus if alloc.command is None else run.gpus[r["local_rank"]: r["local_rank"] + 1]
+        if alloc.command is None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        env.update(
+            WORLD_SIZE=str(r["world_size"]),
+            RANK=str(r["rank"]),
+            LOCAL_RANK=str(r["local_rank"]),
+            LOCAL_WORLD_SIZE=str(r["local_world_size"]),
+            MASTER_ADDR=master,
+            MASTER_PORT=str(master_port(alloc.job_id, alloc.generation)),
+            GEARSHIFT_JOB_ID=alloc.job_id,
+            GEARSHIFT_GENERATION=str(alloc.generation),
+            GEARSHIFT_PLAN=codec.encode(alloc.plan).decode(),
+            GEARSHIFT_NODE=self.node,
+            GEARSHIFT_NODE_RANK=str(r["node_rank"]),
+            GEARSHIFT_NNODES=str(r["nnodes"]),
+            GEARSHIFT_CKPT_DIR=str(run.ckpt_dir),
+            GEARSHIFT_PROGRESS_FILE=str(run.run_dir / f"progress-{r['rank']}.json"),
+            GEARSHIFT_STEPS=str(alloc.steps),
+            GEARSHIFT_GLOBAL_BATCH=str(alloc.global_batch),
+            GEARSHIFT_STEP_TIME=str(alloc.step_time if alloc.step_time else 0.1),
+            CUDA_DEVICE_ORDER="PCI_BUS_ID",  # so CUDA's indices are NVML's
+            CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
+        )
+        return env
+
+    async def _master_addr(self, first_node: str) -> str:
+        if first_node == self.node:
+            return self.address
+        try:
+            entry = await self._nodes_kv.get(first_node)
+            addr = codec.decode(entry.value, NodeReport).address
+        except Exception:
+            addr = ""
+        return addr or "127.0.0.1"
+
+    # ------------------------------------------------------------ running and ending
+    async def _supervise(self, run: Run) -> None:
+        await self._report(run, RunReportKind.STARTED)
+
+        async def wait_rank(i: int, proc: asyncio.subprocess.Process) -> None:
+            code = exit_status(await proc.wait())
+            run.exit_codes.append(code)
+            if code != 0 and not run.stopping:
+                # torchrun semantics: one rank failing ends the others
+                self._begin_stop(run, f"local rank {i} exited with code {code}", by_agent=False)
+
+        await asyncio.gather(*(wait_rank(i, p) for i, p in enumerate(run.procs)))
+        for proc in run.procs:  # leave no grandchild behind
+            _signal_group(proc.pid, signal.SIGKILL)
+        run.done.set()
+        self.probe.release(run.gpus)
+        self.runs.pop(run.job_id, None)
+        code = next((c for c in run.exit_codes if c != 0), 0)
+        self.log.info("exited", job_id=run.job_id, generation=run.generation, exit_code=code, reason=run.reason)
+        await self._report(run, RunReportKind.EXITED, exit_code=code)
+        self._dirty.set()
+
+    def _begin_stop(self, run: Run, reason: str, *, by_agent: bool) -> None:
+        if run.stopping:
+            return
+        run.stopping = True
+        run.stopped_by_agent = by_agent
+        run.reason = reason
+        self._spawn(self._terminate(run))
+
+    async def _terminate(self, run: Run) -> None:
+        """SIGTERM (checkpoint and exit), then SIGKILL after the grace period."""
+        self.log.info("stopping", job_id=run.job_id, generation=run.generation, reason=run.reason)
+        for proc in run.procs:
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(run.done.wait(), self.grace)
+        except asyncio.TimeoutError:
+            self.log.warning("grace period over, killing", job_id=run.job_id, grace=self.grace)
+            for proc in run.procs:
+                if proc.returncode is None:
+                    _signal_group(proc.pid, signal.SIGKILL)
+
+    def _steps_done(self, run: Run, exit_code: int | None) -> int:
+        """What the job has achieved: the checkpoint is what a restart resumes
+        from; after a clean finish the last progress counts too."""
+        manifest = wk.latest_manifest(run.ckpt_dir)
+        ckpt = int(manifest["step"]) if manifest and manifest.get("job_id") == run.job_id else None
+        prog = wk.read_json(run.progress_file) or {}
+        progress = int(prog.get("step", 0))
+        if exit_code == 0:
+            return max(ckpt or 0, progress)
+        return ckpt if ckpt is not None else progress
+
+    async def _report(self, run: Run, kind: RunReportKind, exit_code: int | None = None) -> None:
+        exited = kind == RunReportKind.EXITED
+        report = RunReport(
+            job_id=run.job_id,
+            generation=run.generation,
+            node=self.node,
+            kind=kind,
+            ts=time.time(),
+            rank0=run.node_rank == 0,
+            steps_done=self._steps_done(run, exit_code) if exited else 0,
+            exit_code=exit_code,
+            stopped=exited and run.stopped_by_agent,
+            message=run.reason if exited else "",
+        )
+        await self._publish_report(report)
+
+    async def _report_launch_failure(self, run: Run, exc: Exception) -> None:
+        run.reason = f"launch failed: {exc}"
+        await self._report(run, RunReportKind.EXITED, exit_code=127)
+
+    async def _publish_report(self, report: RunReport) -> None:
+        """Durable and deduplicated, so retrying across a reconnect is safe."""
+        msg_id = f"{report.node}:{report.job_id}:{report.generation}:{report.kind.value}"
+        subject = subj.run_report(report.node, report.job_id)
+        delay = 0.2
+        deadline = time.monotonic() + (2.0 if self._closing else 60.0)
+        while True:
+            try:
+                await self.js.publish(subject, codec.encode(report), headers={Header.MSG_ID: msg_id}, timeout=2)
+                return
+            except Exception as exc:
+                if time.monotonic() >= deadline:
+                    self.log.error("run report lost", msg_id=msg_id, error=str(exc))
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    # ------------------------------------------------------------ periodic
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            try:
+                await self._beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # disconnected: the next beat tries again
+                self.log.warning("heartbeat failed", error=str(exc))
+
+    async def node_report(self) -> NodeReport:
+        mem_total, mem_used = _host_memory()
+        return NodeReport(
+            node=self.node,
+            ts=time.time(),
+            gpus=await self.probe.sample(),
+            cpus=self.cpus,
+            memory_total=mem_total,
+            memory_used=mem_used,
+            probe=self.probe.kind,
+            running=[f"{r.job_id}@{r.generation}" for r in self.runs.values()],
+            agent_version=VERSION,
+            started_at=self.started_at,
+            address=self.address,
+        )
+
+    async def _beat(self) -> None:
+        data = codec.encode(await self.node_report())
+        await self.nc.publish(subj.node_heartbeat(self.node), data)
+        await self._nodes_kv.put(self.node, data)
+
+    async def _progress_loop(self) -> None:
+        last: dict[tuple[str, int], tuple[int, float]] = {}
+        while True:
+            await asyncio.sleep(self.progress_interval)
+            for run in list(self.runs.values()):
+                if run.node_rank != 0 or run.progress_file is None:
+                    continue
+                prog = wk.read_json(run.progress_file)
+                if prog is None:
+                    continue
+                step, now = int(prog.get("step", 0)), time.time()
+                rate = prog.get("samples_per_s")
+                key = (run.job_id, run.generation)
+                if rate is None and key in last and now > last[key][1]:
+                    prev_step, prev_ts = last[key]
+                    rate = max(0, step - prev_step) * run.alloc.global_batch / (now - prev_ts)
+                last[key] = (step, now)
+                msg = JobProgress(
+                    job_id=run.job_id,
+                    generation=run.generation,
+                    node=self.node,
+                    ts=now,
+                    steps_done=step,
+                    steps=run.alloc.steps,
+                    samples_per_s=float(rate or 0.0),
+                    loss=prog.get("loss"),
+                )
+                try:
+                    await self.nc.publish(subj.job_progress(run.job_id), codec.encode(msg))
+                except Exception as exc:
+                    self.log.warning("progress publish failed", error=str(exc))
+            live = {(r.job_id, r.generation) for r in self.runs.values()}
+            for key in list(last):
+                if key not in live:
+                    del last[key]
+
+    # ------------------------------------------------------------ commands
+    async def _on_stop(self, cmd: StopCommand) -> AgentReply:
+        # Fence first: this generation (and older) must never start again here.
+        self.launched[cmd.job_id] = max(self.launched.get(cmd.job_id, 0), cmd.generation)
+        run = self.runs.get(cmd.job_id)
+        if run is not None and run.generation > cmd.generation:
+            return AgentReply(ok=False, node=self.node, error=f"stale: running generation {run.generation}")
+        if run is not None:
+            self._begin_stop(run, cmd.reason or "stop command", by_agent=True)
+        return AgentReply(ok=True, node=self.node)
+
+    # ------------------------------------------------------------ helpers
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _host_memory() -> tuple[int, int]:
+    """(total, used) host bytes from /proc/meminfo; zeros where it is absent."""
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                info[name] = int(rest.split()[0]) * 1024
+        total = info.get("MemTotal", 0)
+        return total, total - info.get("MemAvailable", total)
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
+
+# ------------------------------------------------------------------ entry point
+def _bytes(text: str) -> int:
+    """``85899345920``, ``80GiB``, ``80G`` or ``512MiB`` -> bytes."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def parse_args(argv: list[str] | None):
+    import argparse
+    import socket
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="python -m agent", description="gearshift node agent")
+    p.add_argument("--server", default=None, help="NATS URL (default: $GEARSHIFT_NATS_URL or nats://127.0.0.1:4222)")
+    p.add_argument("--node", default=socket.gethostname().split(".")[0].replace("_", "-"), help="node name")
+    p.add_argument("--fake-gpus", type=int, default=None, metavar="N", help="emulate N GPUs instead of NVML")
+    p.add_argument("--gpu-memory", type=_bytes, default=80 * 2**30, help="memory per fake GPU (e.g. 80GiB)")
+    p.add_argument("--gpu-name", default="Fake GPU", help="name of the fake GPUs")
+    p.add_argument("--cpus", type=int, default=None, help="CPUs to offer (default: all)")
+    p.add_argument("--workdir", default=None, help="run and checkpoint directory")
+    p.add_argument("--ckpt-root", default=None, help="checkpoint root shared by all nodes (default: WORKDIR/ckpt)")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds from SIGTERM to SIGKILL")
+    p.add_argument("--address", default="127.0.0.1", help="address other nodes use to reach this one")
+    args = p.parse_args(argv)
+    args.node = subj.token(args.node) if args.node else "node"
+    if args.workdir is None:
+        args.workdir = str(Path(tempfile.gettempdir()) / f"gearshift-agent-{args.node}")
+    return args
+
+
+async def run_agent(args, stop: asyncio.Event) -> int:
+    from services.runtime import ServerUnavailable, connect
+
+    from .probe import FakeProbe, NoGpuDriver, NvmlProbe
+
+    log = get_logger(agent=args.node)
+    if args.fake_gpus is not None:
+        probe: GpuProbe = FakeProbe(args.fake_gpus, args.gpu_memory, args.gpu_name, node=args.node)
+    else:
+        probe = NvmlProbe()
+        try:
+            await probe.open()  # before connecting: refuse early and in one line
+        except NoGpuDriver as exc:
+            log.error(f"no usable NVIDIA driver ({exc}); refusing to start: pass --fake-gpus N to emulate GPUs")
+            return 2
+    try:
+        nc = await connect(args.server, name=f"agent-{args.node}")
+    except ServerUnavailable as exc:
+        log.error(str(exc))
+        await probe.close()
+        return 3
+    agent = Agent(
+        nc, args.node, probe, args.workdir,
+        cpus=args.cpus, heartbeat=args.heartbeat, grace=args.grace, address=args.address, ckpt_root=args.ckpt_root,
+    )
+    try:
+        await agent.start()
+        await stop.wait()
+    finally:
+        await agent.stop()
+        await nc.drain()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from services.runtime import run_service
+
+    args = parse_args(argv)
+    rc = 0
+
+    async def body(stop: asyncio.Event) -> None:
+        nonlocal rc
+        rc = await run_agent(args, stop)
+
+    run_service(body)
+    return rc

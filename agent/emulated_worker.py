@@ -1,0 +1,79 @@
+"""A stand-in for training when a job has no command: a real process that
+advances ``GEARSHIFT_STEPS`` steps at ``GEARSHIFT_STEP_TIME`` seconds each.
+
+It keeps the whole worker contract so the agent cannot tell it from a real
+job: progress through the progress file, resume from the manifest in
+``GEARSHIFT_CKPT_DIR``, checkpoint + exit 143 on SIGTERM, exit 0 when done.
+The agent runs one per node (not one per GPU) to spare CPUs. Only rank 0
+advances; the others wait until stopped or until rank 0's manifest says done.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from agent.worker import (
+    EXIT_CHECKPOINTED,
+    EXIT_DONE,
+    ProgressReporter,
+    StopSignal,
+    WorkerEnv,
+    latest_manifest,
+    write_manifest,
+)
+
+# Periodic checkpoints bound what a crash or a lost node costs.
+CKPT_INTERVAL_S = float(os.environ.get("GEARSHIFT_CKPT_INTERVAL", "5"))
+
+
+def run_rank0(env: WorkerEnv, stop: StopSignal) -> int:
+    manifest = latest_manifest(env.ckpt_dir) or {}
+    step = int(manifest.get("step", 0))
+    steps = env.steps
+    reporter = ProgressReporter(env.progress_file, steps=steps)
+    rate = env.global_batch / env.step_time if env.step_time > 0 else 0.0
+    print(f"rank 0 of {env.job_id}@{env.generation}: resuming from step {step} of {steps}", flush=True)
+
+    def checkpoint(done: bool = False) -> None:
+        write_manifest(env.ckpt_dir, job_id=env.job_id, generation=env.generation, step=step, done=done)
+
+    reporter.report(step, samples_per_s=0.0, force=True)
+    last_ckpt = time.monotonic()
+    next_at = time.monotonic() + env.step_time
+    while step < steps:
+        # sleep to the next step boundary on an absolute schedule, so the rate
+        # holds even when writes take time
+        if stop.wait(next_at - time.monotonic()):
+            checkpoint()
+            reporter.report(step, samples_per_s=0.0, force=True)
+            return EXIT_CHECKPOINTED
+        step += 1
+        next_at += env.step_time
+        reporter.report(step, samples_per_s=rate, force=step == steps)
+        if time.monotonic() - last_ckpt >= CKPT_INTERVAL_S:
+            checkpoint()
+            last_ckpt = time.monotonic()
+    checkpoint(done=True)
+    return EXIT_DONE
+
+
+def run_follower(env: WorkerEnv, stop: StopSignal) -> int:
+    while not stop.wait(0.2):
+        if (latest_manifest(env.ckpt_dir) or {}).get("done"):
+            return EXIT_DONE
+    return EXIT_CHECKPOINTED
+
+
+def main() -> int:
+    stop = StopSignal()
+    env = WorkerEnv.from_env()
+    env.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if (latest_manifest(env.ckpt_dir) or {}).get("done"):
+        return EXIT_DONE  # an earlier generation finished the job
+    return run_rank0(env, stop) if env.rank == 0 else run_follower(env, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

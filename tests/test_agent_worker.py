@@ -1,0 +1,145 @@
+"""The worker-side library, the emulated worker as a plain process, and the GPU probes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from agent import worker as wk
+from agent.probe import FakeProbe, GpuProbe, NoGpuDriver, NvmlProbe
+
+PY = sys.executable
+
+
+def test_manifest_and_progress_files_round_trip(tmp_path):
+    assert wk.latest_manifest(tmp_path) is None
+    wk.write_manifest(tmp_path, job_id="j", generation=3, step=41)
+    m = wk.latest_manifest(tmp_path)
+    assert m["step"] == 41 and m["generation"] == 3 and m["done"] is False
+    assert [p.name for p in tmp_path.iterdir()] == [wk.MANIFEST]  # no temp file left behind
+
+    rep = wk.ProgressReporter(tmp_path / "p.json", steps=100, min_interval=60)
+    rep.report(1, loss=2.5, force=True)
+    rep.report(2)  # throttled
+    assert wk.read_json(tmp_path / "p.json")["step"] == 1
+    rep.report(3, samples_per_s=10.0, phases={"forward": 0.1}, force=True)
+    got = wk.read_json(tmp_path / "p.json")
+    assert got["step"] == 3 and got["steps"] == 100 and got["samples_per_s"] == 10.0 and got["phases"]["forward"] == 0.1
+    (tmp_path / "bad.json").write_text("{half")
+    assert wk.read_json(tmp_path / "bad.json") is None
+
+
+def test_worker_env_reads_the_contract():
+    env = wk.WorkerEnv.from_env({
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "2345",
+        "GEARSHIFT_JOB_ID": "j1", "GEARSHIFT_GENERATION": "5", "GEARSHIFT_PLAN": '{"dp": 4, "ga": 2}',
+        "GEARSHIFT_CKPT_DIR": "/ck", "GEARSHIFT_STEPS": "10", "GEARSHIFT_STEP_TIME": "0.5",
+    })
+    assert (env.rank, env.world_size, env.local_rank, env.generation, env.master_port) == (3, 4, 1, 5, 2345)
+    assert env.plan == {"dp": 4, "ga": 2} and str(env.ckpt_dir) == "/ck" and env.step_time == 0.5
+    assert env.progress_file is None
+
+
+def _emulated(tmp_path, gen: int, steps: int, step_time: float) -> subprocess.Popen:
+    env = {
+        **os.environ, "PYTHONPATH": os.getcwd(), "RANK": "0", "GEARSHIFT_JOB_ID": "e", "GEARSHIFT_GENERATION": str(gen),
+        "GEARSHIFT_CKPT_DIR": str(tmp_path / "ckpt"), "GEARSHIFT_PROGRESS_FILE": str(tmp_path / f"p{gen}.json"),
+        "GEARSHIFT_STEPS": str(steps), "GEARSHIFT_STEP_TIME": str(step_time), "GEARSHIFT_GLOBAL_BATCH": "4",
+    }
+    return subprocess.Popen([PY, "-m", "agent.emulated_worker"], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_emulated_worker_checkpoints_on_sigterm_and_finishes_from_there(tmp_path):
+    proc = _emulated(tmp_path, 1, steps=1000, step_time=0.01)
+    _wait_for(lambda: (wk.read_json(tmp_path / "p1.json") or {}).get("step", 0) >= 5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == wk.EXIT_CHECKPOINTED
+    first = wk.latest_manifest(tmp_path / "ckpt")["step"]
+    assert first >= 5 and wk.read_json(tmp_path / "p1.json")["step"] == first
+
+    proc = _emulated(tmp_path, 2, steps=first + 5, step_time=0.01)
+    assert proc.wait(10) == wk.EXIT_DONE
+    assert f"resuming from step {first}" in proc.stdout.read()
+    done = wk.latest_manifest(tmp_path / "ckpt")
+    assert done["done"] and done["step"] == first + 5 and done["generation"] == 2
+    # a later generation of a finished job ends at once
+    assert _emulated(tmp_path, 3, steps=first + 5, step_time=10).wait(10) == wk.EXIT_DONE
+
+
+async def test_fake_probe_shows_claimed_gpus_as_used():
+    probe = FakeProbe(3, 1000, "F", node="x")
+    assert isinstance(probe, GpuProbe)
+    probe.claim([1], [42])
+    gpus = await probe.sample()
+    assert [g.memory_used > 0 for g in gpus] == [False, True, False]
+    assert gpus[1].processes[0].pid == 42 and gpus[1].memory_total == 1000
+    probe.release([1])
+    assert all(g.memory_used == 0 and not g.processes for g in await probe.sample())
+
+
+def _scripted_nvml():
+    """A stand-in for the NVML library (not for NATS): two GPUs, the second
+    supports neither utilisation nor per-process memory."""
+    import pynvml
+
+    def not_supported(*_):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    return SimpleNamespace(
+        NVMLError=pynvml.NVMLError,
+        NVMLError_Uninitialized=pynvml.NVMLError_Uninitialized,
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
+        nvmlDeviceGetName=lambda h: b"H200",
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=100, used=10 * h, free=100 - 10 * h),
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=55, memory=1) if h == 0 else not_supported(),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [SimpleNamespace(pid=7, usedGpuMemory=None if h else 5)],
+    )
+
+
+async def test_nvml_probe_turns_unsupported_metrics_into_none():
+    probe = NvmlProbe()
+    probe._nvml, probe._handles = _scripted_nvml(), [0, 1]
+    g0, g1 = await probe.sample()
+    assert (g0.uuid, g0.name, g0.utilization, g0.processes[0].used_memory) == ("GPU-0", "H200", 55.0, 5)
+    assert g1.utilization is None and g1.processes[0].used_memory is None and g1.memory_used == 10
+
+
+async def test_nvml_probe_without_driver_raises_no_gpu_driver():
+    probe = NvmlProbe()
+    try:
+        await probe.open()
+    except NoGpuDriver as exc:
+        assert "NVML" in str(exc)
+    else:
+        await probe.close()
+        pytest.skip("this machine has an NVIDIA driver")
+
+
+@pytest.mark.gpu
+async def test_nvml_probe_on_real_hardware():
+    probe = NvmlProbe()
+    try:
+        await probe.open()
+    except NoGpuDriver:
+        pytest.skip("no NVIDIA driver")
+    try:
+        gpus = await probe.sample()
+        assert gpus and all(g.memory_total > 0 and g.uuid.startswith(("GPU-", "MIG-")) for g in gpus)
+        print(json.dumps([{"index": g.index, "name": g.name, "used": g.memory_used, "total": g.memory_total,
+                           "util": g.utilization, "procs": len(g.processes)} for g in gpus]))
+    finally:
+        await probe.close()
