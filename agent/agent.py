@@ -22,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,23 +43,10 @@ from bus_schema.messages import (
 )
 from services.runtime import VERSION, Endpoint, get_logger, serve
 
-from . import worker as wk
+from . import launch, worker as wk
 from .probe import GpuProbe
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-EMULATED_COMMAND = [sys.executable, "-m", "agent.emulated_worker"]
 DEFAULT_GRACE_S = 10.0
-
-
-def master_port(job_id: str, generation: int) -> int:
-    """The same on every node of the job without talking; differs per
-    generation so a relaunch never races the old rendezvous socket."""
-    return 20000 + zlib.crc32(f"{job_id}:{generation}".encode()) % 30000
-
-
-def exit_status(returncode: int) -> int:
-    """Shell convention: killed by signal N reads as 128 + N (SIGTERM -> 143)."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 @dataclass
@@ -166,8 +151,10 @@ class Agent:
                 await self._watcher.stop()
             except Exception:
                 pass
-        for t in self._tasks[:2]:  # no more launches
-            t.cancel()
+        if self._tasks:  # absent when start() failed half-way
+            self._tasks[0].cancel()
+            self._dirty.set()  # the reconciler finishes its pass (a launch in flight included) and ends
+            await asyncio.gather(self._tasks[1], return_exceptions=True)
         for run in list(self.runs.values()):
             self._begin_stop(run, "agent stopping", by_agent=True)
         while self._side_tasks:  # supervisors publish the EXITED reports
@@ -211,7 +198,7 @@ class Agent:
         self._dirty.set()
 
     async def _reconcile_loop(self) -> None:
-        while True:
+        while not self._closing:
             await self._dirty.wait()
             self._dirty.clear()
             try:
@@ -252,18 +239,21 @@ class Agent:
             ckpt_dir=self.ckpt_root / alloc.job_id,
         )
         log = self.log.bind(job_id=alloc.job_id, generation=alloc.generation)
+        self.runs[alloc.job_id] = run  # visible to a stop command while it launches
         try:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             run.ckpt_dir.mkdir(parents=True, exist_ok=True)
             master = await self._master_addr(nodes[0])
-            for spec in self._rank_specs(alloc, node_rank):
-                env = self._environment(alloc, run, master, **spec)
-                if spec["rank"] == 0:
-                    run.progress_file = Path(env["GEARSHIFT_PROGRESS_FILE"])
-                command = list(alloc.command) if alloc.command else EMULATED_COMMAND
-                with open(run.run_dir / f"rank-{spec['rank']}.log", "ab") as out:
+            for spec in launch.rank_specs(alloc, self.node):
+                progress_file = run.run_dir / f"progress-{spec.rank}.json"
+                if spec.rank == 0:
+                    run.progress_file = progress_file
+                env = launch.environment(
+                    alloc, spec, node=self.node, master_addr=master, ckpt_dir=run.ckpt_dir, progress_file=progress_file
+                )
+                with open(run.run_dir / f"rank-{spec.rank}.log", "ab") as out:
                     proc = await asyncio.create_subprocess_exec(
-                        *command,
+                        *launch.command(alloc),
                         env=env,
                         cwd=run.run_dir,
                         stdin=asyncio.subprocess.DEVNULL,
@@ -272,61 +262,21 @@ class Agent:
                         start_new_session=True,  # own process group: one signal reaches its children
                     )
                 run.procs.append(proc)
+                self.probe.claim(list(spec.gpus), [proc.pid])
         except Exception as exc:
             log.error("launch failed", error=str(exc))
             for proc in run.procs:
                 _signal_group(proc.pid, signal.SIGKILL)
+            self.probe.release(run.gpus)
+            self.runs.pop(alloc.job_id, None)
+            run.done.set()
             self._spawn(self._report_launch_failure(run, exc))
             return
-        if alloc.command is None:  # one emulated process stands for all local GPUs
-            self.probe.claim(run.gpus, [run.procs[0].pid])
-        else:
-            for gpu, proc in zip(run.gpus, run.procs):
-                self.probe.claim([gpu], [proc.pid])
-        self.runs[alloc.job_id] = run
+        if run.stopping:  # stopped while launching: reach the ranks started since
+            for proc in run.procs:
+                _signal_group(proc.pid, signal.SIGTERM)
         log.info("launched", pids=[p.pid for p in run.procs], gpus=run.gpus, plan=alloc.plan.label())
         self._spawn(self._supervise(run))
-
-    def _rank_specs(self, alloc: Allocation, node_rank: int) -> list[dict[str, int]]:
-        """Rank numbers of the processes this node starts: one per GPU slot
-        (torchrun style), or one per node for the emulated worker."""
-        slots = [max(1, len(p.gpus)) for p in alloc.placement]
-        first = sum(slots[:node_rank])
-        local = slots[node_rank]
-        common = dict(world_size=sum(slots), local_world_size=local, node_rank=node_rank, nnodes=len(slots))
-        if alloc.command is None:
-            return [dict(rank=first, local_rank=0, **common)]
-        return [dict(rank=first + i, local_rank=i, **common) for i in range(local)]
-
-    def _environment(self, alloc: Allocation, run: Run, master: str, **r: int) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(alloc.env or {})
-        # Ours come last: a job's env may not break the launch contract.
-        gpus = run.gpus if alloc.command is None else run.gpus[r["local_rank"]: r["local_rank"] + 1]
-        if alloc.command is None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-        env.update(
-            WORLD_SIZE=str(r["world_size"]),
-            RANK=str(r["rank"]),
-            LOCAL_RANK=str(r["local_rank"]),
-            LOCAL_WORLD_SIZE=str(r["local_world_size"]),
-            MASTER_ADDR=master,
-            MASTER_PORT=str(master_port(alloc.job_id, alloc.generation)),
-            GEARSHIFT_JOB_ID=alloc.job_id,
-            GEARSHIFT_GENERATION=str(alloc.generation),
-            GEARSHIFT_PLAN=codec.encode(alloc.plan).decode(),
-            GEARSHIFT_NODE=self.node,
-            GEARSHIFT_NODE_RANK=str(r["node_rank"]),
-            GEARSHIFT_NNODES=str(r["nnodes"]),
-            GEARSHIFT_CKPT_DIR=str(run.ckpt_dir),
-            GEARSHIFT_PROGRESS_FILE=str(run.run_dir / f"progress-{r['rank']}.json"),
-            GEARSHIFT_STEPS=str(alloc.steps),
-            GEARSHIFT_GLOBAL_BATCH=str(alloc.global_batch),
-            GEARSHIFT_STEP_TIME=str(alloc.step_time if alloc.step_time else 0.1),
-            CUDA_DEVICE_ORDER="PCI_BUS_ID",  # so CUDA's indices are NVML's
-            CUDA_VISIBLE_DEVICES=",".join(str(g) for g in gpus),
-        )
-        return env
 
     async def _master_addr(self, first_node: str) -> str:
         if first_node == self.node:
@@ -340,16 +290,16 @@ class Agent:
 
     # ------------------------------------------------------------ running and ending
     async def _supervise(self, run: Run) -> None:
-        await self._report(run, RunReportKind.STARTED)
-
         async def wait_rank(i: int, proc: asyncio.subprocess.Process) -> None:
-            code = exit_status(await proc.wait())
+            code = launch.exit_status(await proc.wait())
             run.exit_codes.append(code)
             if code != 0 and not run.stopping:
                 # torchrun semantics: one rank failing ends the others
                 self._begin_stop(run, f"local rank {i} exited with code {code}", by_agent=False)
 
-        await asyncio.gather(*(wait_rank(i, p) for i, p in enumerate(run.procs)))
+        ranks = asyncio.gather(*(wait_rank(i, p) for i, p in enumerate(run.procs)))
+        await self._report(run, RunReportKind.STARTED)  # always before EXITED
+        await ranks
         for proc in run.procs:  # leave no grandchild behind
             _signal_group(proc.pid, signal.SIGKILL)
         run.done.set()
@@ -432,6 +382,7 @@ class Agent:
 
     # ------------------------------------------------------------ periodic
     async def _heartbeat_loop(self) -> None:
+        failing = False
         while True:
             await asyncio.sleep(self.heartbeat)
             try:
@@ -439,7 +390,13 @@ class Agent:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # disconnected: the next beat tries again
-                self.log.warning("heartbeat failed", error=str(exc))
+                if not failing:  # one line per outage, not one per beat
+                    self.log.warning("heartbeat failed", error=str(exc) or type(exc).__name__)
+                failing = True
+            else:
+                if failing:
+                    self.log.info("heartbeat restored")
+                failing = False
 
     async def node_report(self) -> NodeReport:
         mem_total, mem_used = _host_memory()

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from nats.js.api import DeliverPolicy
 
-from agent.agent import Agent, master_port
+from agent.agent import Agent
+from agent.launch import master_port
 from agent.probe import FakeProbe
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
@@ -283,6 +284,14 @@ async def test_one_failing_rank_ends_the_others_and_reports_its_code(nc, agents,
     await put(nc, alloc("crashy", 1, [("n1", [0, 1])], [PY, "-c", crash_rank1]))
     ex = await reports.wait("crashy", EXITED, 1)
     assert ex.exit_code == 3 and not ex.stopped and "exited with code 3" in ex.message
+
+
+async def test_a_command_that_cannot_start_is_reported_as_exited(nc, agents, reports, tmp_path):
+    await agents("n1")
+    await put(nc, alloc("nocmd", 1, [("n1", [0])], [str(tmp_path / "no-such-program")]))
+    ex = await reports.wait("nocmd", EXITED, 1)
+    assert ex.exit_code == 127 and not ex.stopped and "launch failed" in ex.message
+    assert not reports.find("nocmd", STARTED, 1)
 
 
 # ------------------------------------------------------------------ generations

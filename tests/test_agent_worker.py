@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from agent import worker as wk
+from agent import launch, worker as wk
 from agent.probe import FakeProbe, GpuProbe, NoGpuDriver, NvmlProbe
+from bus_schema.messages import Allocation, NodePlacement, Plan
 
 PY = sys.executable
 
@@ -143,3 +144,27 @@ async def test_nvml_probe_on_real_hardware():
                            "util": g.utilization, "procs": len(g.processes)} for g in gpus]))
     finally:
         await probe.close()
+
+
+def _alloc(command, placement):
+    return Allocation(
+        job_id="j", generation=4, plan=Plan(dp=4), command=command,
+        placement=[NodePlacement(node=n, gpus=g) for n, g in placement],
+    )
+
+
+def test_rank_layout_follows_the_placement():
+    a = _alloc(["train"], [("a", [5, 6]), ("b", []), ("c", [0])])  # b is CPU-only: one slot
+    b = launch.rank_specs(a, "b")
+    assert [(s.rank, s.local_rank, s.gpus) for s in b] == [(2, 0, ())]
+    c = launch.rank_specs(a, "c")
+    assert [(s.rank, s.world_size, s.node_rank, s.nnodes, s.gpus) for s in c] == [(3, 4, 2, 3, (0,))]
+    assert [s.gpus for s in launch.rank_specs(a, "a")] == [(5,), (6,)]
+    emulated = launch.rank_specs(_alloc(None, [("a", [5, 6]), ("c", [0])]), "a")
+    assert [(s.rank, s.local_world_size, s.gpus) for s in emulated] == [(0, 2, (5, 6))]  # one process per node
+    env = launch.environment(a, c[0], node="c", master_addr="10.0.0.1", ckpt_dir="/ck", progress_file="/p",
+                             base={"PATH": "/bin"})
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["MASTER_ADDR"] == "10.0.0.1" and env["PATH"] == "/bin"
+    assert 20000 <= launch.master_port("j", 4) < 50000 and launch.master_port("j", 4) == int(env["MASTER_PORT"])
+    assert launch.master_port("j", 4) != launch.master_port("j", 5)
+    assert (launch.exit_status(-15), launch.exit_status(-9), launch.exit_status(3)) == (143, 137, 3)

@@ -1,0 +1,105 @@
+"""What a node launches for an allocation: ranks, environment, command.
+
+Pure functions (no NATS, no processes), so the rank arithmetic and the
+launch contract of ``agent/worker.py`` can be checked on their own, and a plan
+switch (issue 6) relaunches through exactly the same code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from bus_schema import codec
+from bus_schema.messages import Allocation
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+EMULATED_COMMAND = (sys.executable, "-m", "agent.emulated_worker")
+DEFAULT_STEP_TIME = 0.1
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One process this node starts for a job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    nnodes: int
+    gpus: tuple[int, ...]  # the GPU indices it sees (CUDA_VISIBLE_DEVICES)
+
+
+def master_port(job_id: str, generation: int) -> int:
+    """The same on every node of the job without talking; differs per
+    generation so a relaunch never races the old rendezvous socket."""
+    return 20000 + zlib.crc32(f"{job_id}:{generation}".encode()) % 30000
+
+
+def exit_status(returncode: int) -> int:
+    """Shell convention: killed by signal N reads as 128 + N (SIGTERM -> 143)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def rank_specs(alloc: Allocation, node: str) -> list[RankSpec]:
+    """The processes ``node`` starts: one per GPU slot (torchrun style; a node
+    placed without GPUs counts as one slot), or a single one for the emulated
+    worker, which stands for all the node's slots to spare CPUs. Global ranks
+    follow the placement order, so rank 0 is on the first node."""
+    slots = [max(1, len(p.gpus)) for p in alloc.placement]
+    node_rank = alloc.nodes().index(node)
+    gpus = tuple(alloc.placement[node_rank].gpus)
+    first, local = sum(slots[:node_rank]), slots[node_rank]
+    common = dict(world_size=sum(slots), local_world_size=local, node_rank=node_rank, nnodes=len(slots))
+    if alloc.command is None:
+        return [RankSpec(rank=first, local_rank=0, gpus=gpus, **common)]
+    return [RankSpec(rank=first + i, local_rank=i, gpus=gpus[i: i + 1], **common) for i in range(local)]
+
+
+def command(alloc: Allocation) -> list[str]:
+    return list(alloc.command) if alloc.command else list(EMULATED_COMMAND)
+
+
+def environment(
+    alloc: Allocation,
+    spec: RankSpec,
+    *,
+    node: str,
+    master_addr: str,
+    ckpt_dir: Path,
+    progress_file: Path,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of one rank: the agent's own, then the job's ``env``,
+    then the contract variables, which a job's env may not override."""
+    env = dict(os.environ if base is None else base)
+    env.update(alloc.env or {})
+    if alloc.command is None:  # the emulated worker must import this package
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+    env.update(
+        WORLD_SIZE=str(spec.world_size),
+        RANK=str(spec.rank),
+        LOCAL_RANK=str(spec.local_rank),
+        LOCAL_WORLD_SIZE=str(spec.local_world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port(alloc.job_id, alloc.generation)),
+        GEARSHIFT_JOB_ID=alloc.job_id,
+        GEARSHIFT_GENERATION=str(alloc.generation),
+        GEARSHIFT_PLAN=codec.encode(alloc.plan).decode(),
+        GEARSHIFT_NODE=node,
+        GEARSHIFT_NODE_RANK=str(spec.node_rank),
+        GEARSHIFT_NNODES=str(spec.nnodes),
+        GEARSHIFT_CKPT_DIR=str(ckpt_dir),
+        GEARSHIFT_PROGRESS_FILE=str(progress_file),
+        GEARSHIFT_STEPS=str(alloc.steps),
+        GEARSHIFT_GLOBAL_BATCH=str(alloc.global_batch),
+        GEARSHIFT_STEP_TIME=str(alloc.step_time or DEFAULT_STEP_TIME),
+        CUDA_DEVICE_ORDER="PCI_BUS_ID",  # so CUDA's indices are NVML's
+        CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus),
+    )
+    return env
