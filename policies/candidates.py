@@ -91,14 +91,23 @@ class CandidateSpace:
         return sorted({c for c in (*self.cpu_levels, req) if c <= limit})
 
 
+def spec_key(spec) -> object:
+    """What an oracle's answer may depend on: the spec minus identity and
+    progress fields (name, steps, tenant, priority, guarantee, command)."""
+    import msgspec
+
+    return msgspec.structs.replace(
+        spec, name="_", steps=1, guaranteed=False, tenant="default", priority=0, command=None, env=None
+    )
+
+
 @dataclass
 class CandidateCache:
     space: CandidateSpace
     store: dict = field(default_factory=dict)
 
     def key(self, job: JobView) -> tuple:
-        s = job.spec
-        return (s.model, s.global_batch, s.gpus, s.cpus_per_gpu, default_plan(s) if not self.space.vary_plan else None)
+        return spec_key(job.spec)
 
     def get(self, job: JobView, perf: PerfOracle) -> list[Candidate]:
         k = self.key(job)

@@ -109,7 +109,7 @@ class PriorityPolicy:
                 continue
             ledger.take(placement)
             for v in victims:
-                preempted[v.job_id] = f"preempted by {j.job_id} (higher {self.name} priority{why})"
+                preempted[v.job_id] = f"preempted by {j.job_id}, ahead in {self.name} order{self.describe_key(v)}"
             verb = "moved to" if j.running else "started on"
             decision.allocations[j.job_id] = JobDecision(
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"

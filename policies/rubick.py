@@ -88,7 +88,7 @@ class Rubick:
             self._ref.clear()
             self._stay.clear()
         if not job.spec.reconfigurable:
-            key = ("fixed", *self._cache.key(job))
+            key = ("fixed", self._cache.key(job))
             got = self._cache.store.get(key)
             if got is None:
                 got = _fixed_candidates(job, perf, space)
@@ -98,7 +98,7 @@ class Rubick:
 
     def requested_throughput(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> float:
         """The job's own plan on its own GPUs and CPUs, compactly placed."""
-        key = (self._cache.key(job) if self._cache else None, job.spec.plan, job.spec.gpus)
+        key = self._cache.key(job) if self._cache else None
         got = self._ref.get(key)
         if got is None:
             plan = default_plan(job.spec)

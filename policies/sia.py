@@ -1,0 +1,188 @@
+"""Sia (SOSP'23) as a gearshift policy: a goodput-maximising choice of one
+configuration per job per round, solved as a 0/1 MILP with scipy's HiGHS.
+
+Faithful to Sia's ILP (``sia-simulator/sia.py``) on one GPU type:
+- configurations: 1, 2, 4, ... GPUs on one node (powers of two up to a node)
+  and whole nodes (k x GPUs-per-node); at most ``max_scale`` x the request
+  (and at least a node), and never below the smallest the plan allows;
+- utility A[j,c] = (goodput(j,c) / goodput(j,min config))^p with p = -0.5,
+  minimised; an unallocated job costs lambda_n = 1.1; changing a running
+  job's configuration costs lambda_a = 0.01 and scales its goodput by Sia's
+  re-allocation factor (age - restarts x delta) / (age + delta), delta =
+  restart cost;
+- total GPUs <= capacity; then a greedy placement that keeps running jobs on
+  their nodes and places the rest largest first; a job that does not fit
+  falls back to the largest smaller configuration that does.
+Adaptations, as Rubick ran Sia: the job's own plan is kept and only its data
+parallel degree scales with the GPUs (``plans.scaled_user_plan``); the global
+batch is fixed, so goodput = predicted throughput (no statistical-efficiency
+term); CPUs are the job's requested CPUs per GPU. Jobs still restoring from
+their last restart (started less than the restart cost ago) are pinned, as
+Sia pins jobs in checkpoint-restore.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from .api import DEFAULT_RESTART_COST, Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
+from .oracle import AnalyticOracle
+from .placement import Ledger, describe
+from .candidates import spec_key
+from .plans import scaled_user_plan
+
+
+class Sia:
+    def __init__(self, p: float = -0.5, lambda_n: float = 1.1, lambda_a: float = 0.01, max_scale: float = 2.0,
+                 restart_cost: float = DEFAULT_RESTART_COST, min_run_time: float | None = None,
+                 time_limit: float = 10.0):
+        self.name = "sia"
+        self.p = p
+        self.lambda_n = lambda_n
+        self.lambda_a = lambda_a
+        self.max_scale = max_scale
+        self.restart_cost = restart_cost
+        self.pin_time = restart_cost if min_run_time is None else min_run_time
+        self.time_limit = time_limit
+        self._thr: dict = {}
+
+    def configs(self, job: JobView, gpn: int, total: int) -> list[int]:
+        unit = default_plan(job.spec).tp * default_plan(job.spec).pp
+        cap = min(total, max(gpn, int(self.max_scale * job.spec.gpus)))
+        out = []
+        g = 1
+        while g <= min(gpn, cap):
+            out.append(g)
+            g *= 2
+        k = 2
+        while k * gpn <= cap:
+            out.append(k * gpn)
+            k += 1
+        if job.spec.gpus <= cap and job.spec.gpus not in out and (job.spec.gpus <= gpn or job.spec.gpus % gpn == 0):
+            out.append(job.spec.gpus)
+        return sorted(g for g in out if g % unit == 0 and g >= unit)
+
+    def goodput(self, job: JobView, perf: PerfOracle, gpus: int, gpn: int) -> tuple[float, object]:
+        plan = scaled_user_plan(job.spec, gpus)
+        if plan is None:
+            return 0.0, None
+        cpg = job.spec.cpus_per_gpu or 1
+        key = (spec_key(job.spec), gpus, cpg, gpn)
+        t = self._thr.get(key)
+        if t is None:
+            m = -(-gpus // gpn)
+            per = gpus // m
+            t = perf.throughput(job, plan, tuple(Placement(f"_n{i}", per, per * cpg) for i in range(m)))
+            self._thr[key] = t
+        return t, plan
+
+    def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        perf = perf or AnalyticOracle()
+        gpn = max((n.gpus_total for n in nodes), default=8)
+        total = sum(n.gpus_total for n in nodes)
+        d = Decision()
+        var: list[tuple[int, int, object, float]] = []  # (job, gpus, plan, goodput)
+        cost: list[float] = []
+        pinned: dict[int, int] = {}
+        for i, j in enumerate(jobs):
+            cur = j.gpus if j.running else 0
+            if j.running and j.last_switch_at is not None and now - j.last_switch_at < self.pin_time:
+                pinned[i] = cur
+            opts = []
+            for g in self.configs(j, gpn, total):
+                t, plan = self.goodput(j, perf, g, gpn)
+                if t > 0:
+                    opts.append((g, plan, t))
+            if cur and cur not in [o[0] for o in opts]:
+                t = perf.throughput(j, j.plan or default_plan(j.spec), j.placement)
+                if t > 0:
+                    opts.append((cur, j.plan or default_plan(j.spec), t))
+            if not opts:
+                d.waiting[j.job_id] = "waiting: no configuration of its plan is feasible on this cluster"
+                continue
+            base = min(opts, key=lambda o: o[0])[2]
+            age = max(now - j.submitted_at, 0.0)
+            factor = (age - j.restarts * self.restart_cost) / (age + self.restart_cost) if self.restart_cost else 1.0
+            for g, plan, t in opts:
+                if i in pinned and g != pinned[i]:
+                    continue
+                # Only re-allocating a running job pays the restart factor; a first start does not.
+                eff = t if (not cur or g == cur) else t * max(factor, 1e-3)
+                a = min((eff / base) ** self.p, 3000.0)
+                c = a - self.lambda_n + (self.lambda_a if (cur and g != cur) else 0.0)
+                var.append((i, g, plan, t))
+                cost.append(c)
+        chosen = self._solve(jobs, var, np.array(cost), total, pinned)
+        self._place(now, nodes, jobs, var, chosen, d, gpn)
+        return d
+
+    def _solve(self, jobs, var, cost, total, pinned) -> dict[int, int]:
+        if not var:
+            return {}
+        nv = len(var)
+        rows, cols, vals, lo, hi = [], [], [], [], []
+        by_job: dict[int, list[int]] = {}
+        for v, (i, g, _, _) in enumerate(var):
+            by_job.setdefault(i, []).append(v)
+        r = 0
+        for i, vs in by_job.items():
+            for v in vs:
+                rows.append(r)
+                cols.append(v)
+                vals.append(1.0)
+            lo.append(1.0 if i in pinned else 0.0)
+            hi.append(1.0)
+            r += 1
+        for v, (i, g, _, _) in enumerate(var):
+            rows.append(r)
+            cols.append(v)
+            vals.append(float(g))
+        lo.append(0.0)
+        hi.append(float(total))
+        r += 1
+        A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
+        res = milp(cost, constraints=LinearConstraint(A, lo, hi), integrality=np.ones(nv), bounds=Bounds(0, 1),
+                   options={"time_limit": self.time_limit, "disp": False})
+        if res.x is None:
+            return {}
+        return {var[v][0]: v for v in range(nv) if res.x[v] > 0.5}
+
+    def _place(self, now, nodes, jobs, var, chosen, d: Decision, gpn: int) -> None:
+        ledger = Ledger(nodes)
+        order = []
+        for i, v in chosen.items():
+            j = jobs[i]
+            g = var[v][1]
+            if j.running and g == j.gpus and ledger.fits(j.placement):
+                ledger.take(j.placement)
+                d.allocations[j.job_id] = JobDecision(j.placement, j.plan or default_plan(j.spec), "sia: kept its configuration")
+            else:
+                order.append((i, v))
+        order.sort(key=lambda iv: -var[iv[1]][1])
+        for i, v in order:
+            j = jobs[i]
+            cpg = j.spec.cpus_per_gpu or 1
+            opts = sorted((w for w, x in enumerate(var) if x[0] == i and x[1] <= var[v][1]), key=lambda w: -var[w][1])
+            placed = False
+            for w in opts:
+                _, g, plan, t = var[w]
+                m = -(-g // gpn)
+                pl = ledger.place(g, cpg, nodes=m, prefer=tuple(p.node for p in j.placement))
+                if pl is None:
+                    continue
+                ledger.take(pl)
+                verb = "resized to" if j.running else "started with"
+                note = "" if w == v else f" (ILP chose {var[v][1]} GPUs; placement fell back)"
+                d.allocations[j.job_id] = JobDecision(
+                    pl, plan, f"sia: {verb} {g} GPUs ({plan.label()}) on {describe(pl)}{note}", t
+                )
+                placed = True
+                break
+            if not placed:
+                d.waiting[j.job_id] = f"waiting: ILP gave it {var[v][1]} GPUs but no placement fits (fragmentation)"
+        for i, j in enumerate(jobs):
+            if j.job_id not in d.allocations and j.job_id not in d.waiting:
+                lead = "preempted" if j.running else "waiting"
+                d.waiting[j.job_id] = f"{lead}: the goodput ILP gave its GPUs to other jobs this round"

@@ -1,0 +1,103 @@
+"""Baselines on hand-made scenarios whose right answer is known."""
+
+from bus_schema.messages import Plan
+from policies import check_decision, make_policy
+from policies.api import Placement
+from policy_helpers import CurveOracle, job, nodes
+
+
+def run(name, ns, js, now=10_000.0, perf=None, **opts):
+    pol = make_policy(name, **opts)
+    d = pol.schedule(now, ns, js, perf)
+    check_decision(d, ns, {j.job_id: j for j in js})
+    for j in js:  # every job is either allocated or has a reason
+        assert (j.job_id in d.allocations) != (j.job_id in d.waiting)
+        assert d.allocations[j.job_id].reason if j.job_id in d.allocations else d.waiting[j.job_id]
+    return d
+
+
+def test_fifo_head_of_line_blocks():
+    ns = nodes(1)
+    d = run("fifo", ns, [job("a", 4, t=0), job("big", 8, t=1), job("small", 2, t=2)])
+    assert set(d.allocations) == {"a"}
+    assert "behind big" in d.waiting["small"]
+
+
+def test_las_preempts_job_with_more_service():
+    ns = nodes(1)
+    old = job("old", 8, t=0, attained=50_000, running_on=(Placement("n0", 8, 16),), since=0)
+    new = job("new", 8, t=100)
+    d = run("las", ns, [old, new])
+    assert "new" in d.allocations and "old" in d.waiting and "preempted" in d.waiting["old"]
+
+
+def test_las_respects_min_run_time():
+    ns = nodes(1)
+    old = job("old", 8, t=0, attained=50_000, running_on=(Placement("n0", 8, 16),), since=9_900)
+    d = run("las", ns, [old, job("new", 8, t=100)], now=10_000.0, min_run_time=300)
+    assert "old" in d.allocations and "new" in d.waiting
+
+
+def test_tiresias_demotes_job_past_threshold():
+    ns = nodes(1)
+    thr = (3600.0,)
+    # 'a' arrived first; while under the threshold it keeps the GPUs (FIFO in queue 0)
+    a = job("a", 8, t=0, attained=3000, running_on=(Placement("n0", 8, 16),), since=0)
+    b = job("b", 8, t=50)
+    d = run("tiresias", ns, [a, b], thresholds=thr)
+    assert "a" in d.allocations and "b" in d.waiting
+    # once it passes the threshold it drops to queue 1 and 'b' (queue 0) preempts it
+    a.attained_service = 3700
+    d = run("tiresias", ns, [a, b], thresholds=thr)
+    assert "b" in d.allocations and "a" in d.waiting
+    assert "queue 1" in d.waiting["a"]
+
+
+def test_antman_never_delays_guaranteed_for_opportunistic():
+    ns = nodes(2)
+    opp = [job(f"o{i}", 4, t=i, running_on=(Placement(f"n{i // 2}", 4, 8),), since=9_990) for i in range(4)]
+    g = job("g", 8, t=100, guaranteed=True)
+    d = run("antman", ns, [*opp, g], min_run_time=600)
+    assert "g" in d.allocations
+    assert sum(1 for o in opp if o.job_id in d.waiting) == 2  # exactly one node's worth evicted
+
+
+def test_antman_guaranteed_does_not_evict_guaranteed():
+    ns = nodes(1)
+    g1 = job("g1", 8, t=0, guaranteed=True, running_on=(Placement("n0", 8, 16),), since=0)
+    g2 = job("g2", 8, t=1, guaranteed=True)
+    o = job("o", 1, t=2)
+    d = run("antman", ns, [g1, g2, o])
+    assert "g1" in d.allocations and "g2" in d.waiting and "o" in d.waiting
+
+
+def test_synergy_best_case_then_proportional_then_shrinks_peers():
+    ns = nodes(1, gpus=8, cpus=32)  # proportional share 4 CPUs/GPU
+    perf = CurveOracle(cpu_knee=8)  # every job wants 8 CPUs/GPU
+    hog = job("hog", 4, t=0, running_on=(Placement("n0", 4, 32),), since=0)  # holds all CPUs
+    new = job("new", 4, t=1)
+    d = run("synergy", ns, [hog, new], perf=perf)
+    assert "new" in d.allocations
+    assert d.allocations["new"].placement[0].cpus == 16  # proportional 4/GPU
+    assert d.allocations["hog"].placement[0].cpus == 16  # cut back to its share
+    assert "CPUs cut" in d.allocations["hog"].reason
+    # alone, a job gets its best case
+    d = run("synergy", nodes(1, gpus=8, cpus=64), [job("solo", 4)], perf=perf)
+    assert d.allocations["solo"].placement[0].cpus == 32
+
+
+def test_sia_gives_gpus_to_the_job_that_scales():
+    ns = nodes(1)
+    # p = -0.5: lin on 8 GPUs scores (8/1)^-0.5 - 1.1 = -0.75; lin on 4 plus flat
+    # on anything scores (4)^-0.5 - 1.1 + 1 - 1.1 = -0.70: the ILP gives lin all 8.
+    perf = CurveOracle({"lin": {1: 1, 2: 2, 4: 4, 8: 8}, "flat": {1: 1, 2: 1, 4: 1, 8: 1}})
+    d = run("sia", ns, [job("lin", 4, cpg=1, curve="lin"), job("flat", 4, cpg=1, curve="flat")], perf=perf)
+    assert d.allocations["lin"].plan.gpus == 8 and "flat" in d.waiting
+
+
+def test_sia_keeps_user_plan_family():
+    ns = nodes(2)
+    p = Plan(dp=1, tp=2, pp=2, ga=4)
+    d = run("sia", ns, [job("j", 4, plan=p, batch=64, cpg=1)], perf=CurveOracle())
+    got = d.allocations["j"].plan
+    assert (got.tp, got.pp) == (2, 2) and got.gpus % 4 == 0
