@@ -1,0 +1,193 @@
+"""Optimizer against a real nats-server: rounds, allocations, reports, leases.
+
+Agents are stood in for by writing their node reports and run reports on
+the bus, exactly as an agent would (the agent itself has its own tests and
+the end-to-end test runs both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import (
+    Allocation, ExplainReply, GpuReport, JobRecord, JobState, NodeReport, RoundReply, RunReport, RunReportKind,
+    SubmitReply,
+)
+from services.admission import start_admission
+from services.jobstore import kv_snapshot
+from services.optimizer import Optimizer
+from services.runtime import call
+
+MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}
+
+
+async def register_nodes(nc, n=2, gpus=4, cpus=32):
+    kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
+    for i in range(n):
+        rep = NodeReport(node=f"n{i}", ts=time.time(), gpus=[GpuReport(index=g, uuid=f"GPU-{i}-{g}") for g in range(gpus)], cpus=cpus)
+        await kv.put(f"n{i}", codec.encode(rep))
+
+
+async def submit(nc, name, gpus, steps=10):
+    spec = {"name": name, "model": MODEL, "global_batch": 8, "steps": steps, "gpus": gpus}
+    return (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": spec}).encode(), SubmitReply)).job_id
+
+
+async def report(nc, job_id, gen, node, kind, **kw):
+    r = RunReport(job_id=job_id, generation=gen, node=node, kind=kind, ts=time.time(), **kw)
+    await nc.jetstream().publish(subj.run_report(node, job_id), codec.encode(r),
+                                 headers={"Nats-Msg-Id": f"{node}:{job_id}:{gen}:{kind.value}"})
+
+
+async def wait_for(pred, timeout=10.0, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = await pred()
+        if got:
+            return got
+        await asyncio.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+async def job(nc, job_id) -> JobRecord:
+    return await call(nc, subj.ADMISSION_GET, {"job_id": job_id}, JobRecord)
+
+
+@pytest.fixture
+async def cluster(nc):
+    _, svc = await start_admission(nc)
+    await register_nodes(nc)
+    opt = await Optimizer(nc, interval=0.5, lease_ttl=2).open()
+    stop = asyncio.Event()
+    task = asyncio.create_task(opt.run(stop))
+    await wait_for(lambda: asyncio.sleep(0, opt.is_leader))
+    yield opt
+    stop.set()
+    await task
+    await svc.stop()
+
+
+async def test_fifo_schedules_in_order_and_reports_move_states(nc, cluster):
+    a = await submit(nc, "a", 4)
+    b = await submit(nc, "b", 8)  # cannot fit beside a: waits (head of line)
+    c = await submit(nc, "c", 2)  # behind b in FIFO order
+    rec_a = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))
+    assert rec_a.generation == 1 and len(rec_a.placement) == 1 and len(rec_a.placement[0].gpus) == 4
+    alloc_kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
+    alloc = codec.decode((await alloc_kv.get(a)).value, Allocation)
+    assert alloc.generation == 1 and alloc.plan.dp == 4 and alloc.steps == 10
+    await call(nc, subj.OPTIMIZER_ROUND, None, RoundReply)
+    assert (await job(nc, b)).state == JobState.PENDING
+    rec_c = await job(nc, c)
+    assert rec_c.state == JobState.PENDING and "behind" in rec_c.reason
+    explain = await call(nc, subj.OPTIMIZER_EXPLAIN, None, ExplainReply)
+    assert any(e.job_id == b and "needs 8 GPUs" in e.reason for e in explain.jobs)
+
+    node = rec_a.placement[0].node
+    await report(nc, a, 1, node, RunReportKind.STARTED)
+    await wait_for(lambda: _state(nc, a, JobState.RUNNING))
+    await report(nc, a, 1, node, RunReportKind.EXITED, exit_code=0, steps_done=10)
+    done = await wait_for(lambda: _state(nc, a, JobState.COMPLETED))
+    assert done.steps_done == 10
+    # completion frees the GPUs: b then c get scheduled, allocation of a is gone
+    await wait_for(lambda: _state(nc, b, JobState.SCHEDULED))
+    await wait_for(lambda: _state(nc, c, JobState.SCHEDULED)) if False else None
+    snap = await kv_snapshot(alloc_kv)
+    assert a not in snap and b in snap
+
+
+async def test_stale_generation_report_is_ignored_and_crash_fails_job(nc, cluster):
+    a = await submit(nc, "a", 2)
+    rec = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))
+    node = rec.placement[0].node
+    await report(nc, a, 7, node, RunReportKind.EXITED, exit_code=0)  # not its generation
+    await report(nc, a, 1, node, RunReportKind.STARTED)
+    await wait_for(lambda: _state(nc, a, JobState.RUNNING))
+    await report(nc, a, 1, node, RunReportKind.EXITED, exit_code=3, message="boom")
+    failed = await wait_for(lambda: _state(nc, a, JobState.FAILED))
+    assert "code 3" in failed.reason and failed.exit_code == 3
+
+
+async def test_cancel_running_job_deletes_allocation_then_cancelled_on_exit(nc, cluster):
+    a = await submit(nc, "a", 4)
+    rec = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))
+    node = rec.placement[0].node
+    await report(nc, a, 1, node, RunReportKind.STARTED)
+    await wait_for(lambda: _state(nc, a, JobState.RUNNING))
+    assert (await call(nc, subj.ADMISSION_CANCEL, {"job_id": a}, JobRecord)).state == JobState.CANCELLING
+    alloc_kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
+
+    async def alloc_gone():
+        return a not in await kv_snapshot(alloc_kv)
+
+    await wait_for(alloc_gone)
+    # its GPUs stay held until the process exits: an 8-GPU job cannot start yet
+    b = await submit(nc, "b", 8)
+    await call(nc, subj.OPTIMIZER_ROUND, None, RoundReply)
+    assert (await job(nc, b)).state == JobState.PENDING
+    await report(nc, a, 1, node, RunReportKind.EXITED, exit_code=143, stopped=True)
+    await wait_for(lambda: _state(nc, a, JobState.CANCELLED))
+    await wait_for(lambda: _state(nc, b, JobState.SCHEDULED))
+
+
+async def test_allocation_rewritten_when_missing(nc, cluster):
+    """The record is the truth: a lost allocation write heals next round."""
+    a = await submit(nc, "a", 2)
+    await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))
+    alloc_kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
+    await alloc_kv.delete(a)
+    await call(nc, subj.OPTIMIZER_ROUND, None, RoundReply)
+    assert a in await kv_snapshot(alloc_kv)
+
+
+async def _state(nc, job_id, state):
+    rec = await job(nc, job_id)
+    return rec if rec.state == state else None
+
+
+async def test_standby_takes_over_when_active_is_killed(nc, nats_url):
+    _, svc = await start_admission(nc)
+    await register_nodes(nc)
+    env = {**os.environ, "GEARSHIFT_NATS_URL": nats_url}
+    active = subprocess.Popen([sys.executable, "-m", "services.optimizer", "--interval", "0.5"], env=env)
+    try:
+        lease_kv = await nc.jetstream().key_value(subj.LEASE_BUCKET)
+
+        async def leased():
+            try:
+                return await lease_kv.get("optimizer")
+            except Exception:
+                return None
+
+        first = await wait_for(leased, timeout=15)
+        standby = await Optimizer(nc, interval=0.5).open()  # default ttl 6 s
+        stop = asyncio.Event()
+        task = asyncio.create_task(standby.run(stop))
+        await asyncio.sleep(1.0)
+        assert not standby.is_leader
+        a = await submit(nc, "a", 2)
+        await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))  # the subprocess schedules
+        active.send_signal(signal.SIGKILL)
+        active.wait()
+        killed_at = time.monotonic()
+        await wait_for(lambda: asyncio.sleep(0, standby.is_leader), timeout=12)
+        took = time.monotonic() - killed_at
+        assert took < 10, f"takeover took {took:.1f}s"
+        assert (await lease_kv.get("optimizer")).value.split()[0].decode() == standby.instance != first.value.split()[0].decode()
+        b = await submit(nc, "b", 2)
+        await wait_for(lambda: _state(nc, b, JobState.SCHEDULED))  # the new leader schedules
+        stop.set()
+        await task
+    finally:
+        if active.poll() is None:
+            active.kill()
+        await svc.stop()
