@@ -3,9 +3,13 @@
 One round:
 1. Every job's candidates (``candidates.py``): its sensitivity curve over
    GPUs x CPU threads per GPU x nodes spanned, best plan at each point.
-2. Utility of a candidate = predicted throughput / throughput of the job's
-   own request (so 1.0 = what it asked for; jobs are compared by
-   *normalised* gains). A candidate that differs from what a running job
+2. Utility of a candidate = (predicted throughput / throughput of the job's
+   own request) ** alpha (so 1.0 = what it asked for; jobs are compared by
+   *normalised* gains). alpha = 0.5 (``utility_exponent``) makes the value
+   of growing concave: running one more job at its request beats doubling
+   another job past its own, so a job is not starved or preempted just so a
+   newcomer can run at twice its request (alpha = 1 maximises the plain sum
+   of normalised throughputs). A candidate that differs from what a running job
    holds now (and every start) is charged the restart cost: its utility is
    scaled by T/(T+R), the job's average speed over the rest of its run
    (T = time to finish at that speed, R = restart cost), so switching a job
@@ -55,6 +59,7 @@ class Rubick:
         min_run_time: float = DEFAULT_MIN_RUN_TIME,
         guarantee_evicts: bool = True,
         max_scale: float = 2.0,
+        utility_exponent: float = 0.5,
         use_numba: bool = True,
     ):
         self.name = name
@@ -65,11 +70,13 @@ class Rubick:
         self.min_run_time = min_run_time
         self.guarantee_evicts = guarantee_evicts
         self.max_scale = max_scale
+        self.alpha = utility_exponent
         self.use_numba = use_numba
         self._cache: CandidateCache | None = None
         self._ref: dict = {}
         self._stay: dict = {}
         self._fallback = AnalyticOracle()
+        self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
         self.last_stats: dict = {}
 
     # ---------------------------------------------------------------- helpers
@@ -120,12 +127,25 @@ class Rubick:
     def _pinned(self, j: JobView, now: float) -> bool:
         return j.running and j.last_switch_at is not None and now - j.last_switch_at < self.min_run_time
 
+    def _held_out(self, j: JobView, now: float) -> bool:
+        """A best-effort job preempted less than min_run_time ago stays out:
+        preempting and restarting it would be two switches in that window."""
+        if j.running or j.spec.guaranteed:
+            return False
+        last = max(self._preempted.get(j.job_id, -math.inf), j.last_switch_at if j.started_at is not None and j.last_switch_at is not None else -math.inf)
+        return now - last < self.min_run_time
+
     # ---------------------------------------------------------------- round
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         pb = self.build_problem(now, nodes, jobs, perf)
         level, out_nodes = self.solve(pb)
+        live = {j.job_id for j in jobs}
+        self._preempted = {k: v for k, v in self._preempted.items() if k in live and now - v < self.min_run_time}
+        for i, j in enumerate(jobs):
+            if j.running and level[i] < 0:
+                self._preempted[j.job_id] = now
         self.last_stats = {"jobs": len(jobs), "candidates": int(pb.nk.sum()), "objective": pb.objective(level)}
-        return self._decide(jobs, nodes, pb.rows, level, out_nodes, pb.stay, pb.thr, pb.refs, pb.targets, pb.u, pb.pinned)
+        return self._decide(jobs, nodes, pb.rows, level, out_nodes, pb.stay, pb.thr, pb.refs, pb.targets, pb.u, pb.pinned, now)
 
     def solve(self, pb: "Problem"):
         return greedy_allocate(*pb.kernel_args(), use_numba=self.use_numba)
@@ -176,9 +196,11 @@ class Rubick:
                 cost[i, :n] = [resource_cost(c, cpg_cluster) for c in cands]
                 samples_left = max(j.remaining_steps, 1.0) * j.spec.global_batch
                 T = samples_left / t
-                uu = (t / refs[i]) * (T / (T + R)) if R > 0 else t / refs[i]
+                uu = (t / refs[i]) ** self.alpha * (T / (T + R)) if R > 0 else (t / refs[i]) ** self.alpha
                 if j.spec.guaranteed:
                     uu = np.where(t >= targets[i] * (1 - 1e-9), uu, -1.0)
+                if self._held_out(j, now):
+                    uu = np.full_like(uu, -1.0)
                 u[i, :n] = uu
             if j.running and all(p.node in node_ix for p in j.placement):
                 st = self._stay_throughput(j, perf)
@@ -189,7 +211,7 @@ class Rubick:
                 cm[i, n] = len(j.placement)
                 thr[i, n] = st
                 cost[i, n] = j.gpus + j.cpus / cpg_cluster
-                u[i, n] = st / refs[i] if ok else (0.0 if self._pinned(j, now) else -1.0)
+                u[i, n] = (st / refs[i]) ** self.alpha if ok else (0.0 if self._pinned(j, now) else -1.0)
                 n += 1
                 for p in j.placement:
                     hold_node.append(node_ix[p.node])
@@ -229,7 +251,7 @@ class Rubick:
         )
 
     # ---------------------------------------------------------------- output
-    def _decide(self, jobs, nodes, rows, level, out_nodes, stay, thr, refs, targets, u, pinned) -> Decision:
+    def _decide(self, jobs, nodes, rows, level, out_nodes, stay, thr, refs, targets, u, pinned, now=0.0) -> Decision:
         d = Decision()
         used = {n.name: 0 for n in nodes}
         for i, j in enumerate(jobs):
@@ -280,6 +302,11 @@ class Rubick:
                     )
                 else:
                     d.waiting[j.job_id] = "waiting: no allocation in this cluster reaches its guaranteed throughput"
+            elif not allowed and self._held_out(j, now):
+                d.waiting[j.job_id] = (
+                    f"waiting: preempted less than the minimum run time ({self.min_run_time:.0f} s) ago; "
+                    "not restarted yet so it does not thrash"
+                )
             elif not allowed:
                 d.waiting[j.job_id] = "waiting: no plan of this job fits this cluster's GPUs"
             else:

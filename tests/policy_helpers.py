@@ -59,3 +59,29 @@ class CurveOracle:
             cpg = sum(p.cpus for p in placement) / g
             t *= min(1.0, 0.5 + 0.5 * cpg / self.cpu_knee)
         return t
+
+
+def apply(decision, jobs: list[JobView], now: float, dt: float = 0.0, perf=None) -> list[str]:
+    """Carry a decision out on the job views, as a simulator would; return the
+    ids of jobs whose allocation changed (started, switched or preempted)."""
+    changed = []
+    for j in jobs:
+        d = decision.allocations.get(j.job_id)
+        if d is None:
+            if j.running:
+                j.placement, j.plan = (), None
+                j.last_switch_at = now
+                changed.append(j.job_id)
+            continue
+        if d.placement != j.placement or d.plan != j.plan:
+            changed.append(j.job_id)
+            if j.running:
+                j.restarts += 1
+            j.placement, j.plan = d.placement, d.plan
+            j.last_switch_at = now
+            if j.started_at is None:
+                j.started_at = now
+        if perf is not None and dt:
+            j.steps_done += perf.throughput(j, j.plan, j.placement) * dt / j.spec.global_batch
+        j.attained_service += j.gpus * dt
+    return changed
