@@ -158,6 +158,7 @@ class Optimizer:
         stop_w = asyncio.create_task(stop.wait())
         lost_w = asyncio.create_task(lost.wait())
         await asyncio.wait([stop_w, lost_w], return_when=asyncio.FIRST_COMPLETED)
+        self.is_leader = False
         for t in (stop_w, lost_w, *self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -174,22 +175,26 @@ class Optimizer:
             stream=subj.REPORTS_STREAM,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30),
         )
-        while True:
-            try:
-                msgs = await psub.fetch(64, timeout=1)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # timeout: nothing to do
-                continue
-            for msg in msgs:
+        try:
+            while self.is_leader:  # nats-py's fetch can swallow a cancel: check a flag too
                 try:
-                    report = codec.decode(msg.data, RunReport)
-                except msgspec.MsgspecError:
-                    log.warning("dropping malformed run report", subject=msg.subject)
-                    await msg.term()
+                    msgs = await psub.fetch(64, timeout=1)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # timeout: nothing to do
                     continue
-                await self.apply_report(report)
-                await msg.ack()
+                for msg in msgs:
+                    try:
+                        report = codec.decode(msg.data, RunReport)
+                    except msgspec.MsgspecError:
+                        log.warning("dropping malformed run report", subject=msg.subject)
+                        await msg.term()
+                        continue
+                    await self.apply_report(report)
+                    await msg.ack()
+        finally:
+            # a pull subscription left open blocks drain() on shutdown
+            await psub.unsubscribe()
 
     async def apply_report(self, r: RunReport) -> None:
         """Move the job's state for one agent report; stale generations are ignored."""
@@ -242,7 +247,7 @@ class Optimizer:
 
     # ------------------------------------------------------------ rounds
     async def _round_loop(self) -> None:
-        while True:
+        while self.is_leader:
             try:
                 await asyncio.wait_for(self.kick.wait(), timeout=self.interval)
             except asyncio.TimeoutError:

@@ -142,7 +142,9 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
 
 
 def get_logger(**bind: Any) -> Any:
-    return structlog.get_logger().bind(**bind)
+    # get_logger(**initial) stays lazy: binding now would freeze the
+    # configuration in force at import time.
+    return structlog.get_logger(**bind)
 
 
 # ------------------------------------------------------------------ request handling

@@ -1,0 +1,138 @@
+"""An embedded local cluster: a real nats-server, every service and N
+emulated GPU nodes, each as its own process (what ``gearshift up``, the demo
+and the end-to-end tests run).
+
+Stopping sends SIGTERM to every child and waits; anything that does not leave
+within the grace period is killed with its process group, so nothing is left
+behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.natsd import NatsServer
+
+
+@dataclass
+class LocalCluster:
+    nodes: int = 2
+    gpus_per_node: int = 4
+    cpus_per_node: int = 32
+    gpu_memory: str = "80GiB"
+    port: int = -1
+    data_dir: str | None = None
+    policy: str = "fifo"
+    interval: float = 2.0
+    heartbeat: float = 1.0
+    node_timeout: float = 10.0
+    grace: float = 10.0
+    log_dir: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.server: NatsServer | None = None
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._logs: list = []
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None and self.server.url
+        return self.server.url
+
+    def start(self) -> str:
+        if self.data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="gearshift-")
+            self.data_dir = self._tmp.name
+        root = Path(self.data_dir)
+        self.log_dir = self.log_dir or str(root / "logs")
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        self.server = NatsServer(root / "jetstream", port=self.port)
+        self.server.start()
+        env = {**os.environ, "GEARSHIFT_NATS_URL": self.url, "GEARSHIFT_LOG_FORMAT": "json", **self.extra_env}
+        py = sys.executable
+        self._spawn("admission", [py, "-m", "services.admission", "--max-gpus", str(self.nodes * self.gpus_per_node)], env)
+        self._spawn(
+            "optimizer",
+            [py, "-m", "services.optimizer", "--policy", self.policy, "--interval", str(self.interval),
+             "--node-timeout", str(self.node_timeout)],
+            env,
+        )
+        if _has_module("services.perfmodel_service"):
+            self._spawn("perfmodel", [py, "-m", "services.perfmodel_service"], env)
+        ckpt = root / "ckpt"  # stands in for the cluster's shared storage
+        for i in range(self.nodes):
+            name = f"node{i}"
+            self._spawn(
+                name,
+                [py, "-m", "agent", "--node", name, "--fake-gpus", str(self.gpus_per_node), "--gpu-memory",
+                 self.gpu_memory, "--cpus", str(self.cpus_per_node), "--workdir", str(root / "agents" / name),
+                 "--ckpt-root", str(ckpt), "--heartbeat", str(self.heartbeat), "--grace", str(self.grace)],
+                env,
+            )
+        return self.url
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        assert self.log_dir is not None
+        log = open(Path(self.log_dir) / f"{name}.log", "ab")
+        self._logs.append(log)
+        # own session: a Ctrl-C on the terminal reaches only us, and we stop
+        # the children in order
+        self.procs[name] = subprocess.Popen(args, env=env, stdout=log, stderr=log, start_new_session=True)
+
+    def check_alive(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def stop(self, timeout: float | None = None) -> None:
+        timeout = timeout if timeout is not None else self.grace + 5
+        # agents first (they stop their jobs), then the services, then the server
+        order = [n for n in self.procs if n.startswith("node")] + [n for n in self.procs if not n.startswith("node")]
+        for n in order:
+            p = self.procs[n]
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for n in order:
+            p = self.procs[n]
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        if self.server:
+            self.server.stop()
+        for f in self._logs:
+            f.close()
+        if self._tmp:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> "LocalCluster":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
