@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all bench clean
+.PHONY: venv demo test test-all bench clean schema
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,3 +25,6 @@ test-all: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .numba_cache .pytest_cache build *.egg-info
+
+schema: $(STAMP)
+	$(BIN)/python -m gearshift.cli schema > schema/bus.json

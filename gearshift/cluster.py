@@ -48,7 +48,7 @@ class LocalCluster:
         assert self.server is not None and self.server.url
         return self.server.url
 
-    def start(self) -> str:
+    def start(self, wait: bool = True) -> str:
         if self.data_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="gearshift-")
             self.data_dir = self._tmp.name
@@ -78,7 +78,15 @@ class LocalCluster:
                  "--ckpt-root", str(ckpt), "--heartbeat", str(self.heartbeat), "--grace", str(self.grace)],
                 env,
             )
+        if wait:
+            self.wait_ready()
         return self.url
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Block until admission and the optimizer answer and every node has reported."""
+        import asyncio
+
+        asyncio.run(_wait_ready(self.url, self.nodes, timeout, self))
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         assert self.log_dir is not None
@@ -136,3 +144,35 @@ def _has_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:
         return False
+
+
+async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalCluster") -> None:
+    from bus_schema import subjects as subj
+    from bus_schema.messages import NodeList
+    from services.runtime import ServiceCallError, call, connect
+
+    nc = await connect(url, name="gearshift-up", retry_for=10)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            dead = cluster.check_alive()
+            if dead:
+                raise RuntimeError(f"process(es) exited during start-up: {', '.join(dead)}; see {cluster.log_dir}")
+            try:
+                have = len((await call(nc, subj.ADMISSION_NODES, None, NodeList, timeout=2)).nodes)
+                leader = await nc.request("$SRV.PING.optimizer", b"", timeout=1)
+                if have >= nodes and leader:
+                    return
+            except (ServiceCallError, Exception):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"local cluster not ready after {timeout:.0f}s; see {cluster.log_dir}")
+            await asyncio_sleep(0.2)
+    finally:
+        await nc.drain()
+
+
+async def asyncio_sleep(s: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(s)
