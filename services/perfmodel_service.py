@@ -1,0 +1,286 @@
+"""The perfmodel service: fit, predict and sensitivity curves over NATS.
+
+  gs.perfmodel.fit      samples -> fitted parameters, stored in KV `gs_models`
+  gs.perfmodel.predict  plans x resources -> iteration time, throughput, memory, feasibility
+  gs.perfmodel.curve    a job's best throughput / plan / knee over GPUs
+
+A thin shell over `perfmodel`: decode, look the model up (KV first, then the
+shipped Rubick fits), call the core, reply.  Unknown model keys, bad shapes
+and bad resources become error replies; infeasible plans are answered with
+`feasible=false` and a reason per plan.
+
+The request/reply structs live here until they move into `bus_schema`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+from msgspec import Meta, Struct
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import ModelSpec, Plan
+
+from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, run_service, serve
+
+log = get_logger(service="perfmodel")
+
+PERFMODEL_FIT = f"{subj.PERFMODEL}.fit"
+PERFMODEL_PREDICT = f"{subj.PERFMODEL}.predict"
+PERFMODEL_CURVE = f"{subj.PERFMODEL}.curve"
+MAX_CANDIDATES = 100_000
+
+PosFloat = Annotated[float, Meta(gt=0)]
+GpuShares = Annotated[list[Annotated[int, Meta(ge=1, le=64)]], Meta(min_length=1, max_length=1024)]
+
+
+class _In(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+class ResourceSpec(_In):
+    gpus_per_node: GpuShares
+    cpu_threads_per_gpu: Annotated[float, Meta(gt=0, le=256)] = 4.0
+
+
+class ProfileSample(_In):
+    plan: Plan
+    resources: ResourceSpec
+    iter_ms: PosFloat
+    fwd_ms: PosFloat | None = None
+    tcc_ms: PosFloat | None = None  # backward + gradient sync
+    opt_ms: PosFloat | None = None
+
+
+class FitRequest(_In):
+    model: ModelSpec
+    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
+    samples: Annotated[list[ProfileSample], Meta(min_length=1, max_length=1000)]
+
+
+class FitReply(Struct, kw_only=True, frozen=True):
+    model_key: str
+    kv_key: str
+    revision: int
+    samples: int
+    params: dict[str, float]
+    cluster: dict[str, float]
+    train_error: float  # mean relative error of iteration time on the samples
+
+
+class PredictRequest(_In):
+    model: ModelSpec
+    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
+    plans: Annotated[list[Plan], Meta(min_length=1, max_length=MAX_CANDIDATES)]
+    # One offer for every plan, or one per plan.
+    resources: Annotated[list[ResourceSpec], Meta(min_length=1, max_length=MAX_CANDIDATES)]
+
+
+class PredictReply(Struct, kw_only=True, frozen=True):
+    model_key: str
+    source: str  # "kv" (fitted via gs.perfmodel.fit) or "catalog" (shipped Rubick fit)
+    iter_time_s: list[float | None]
+    throughput: list[float]
+    mem_gb: list[float]
+    feasible: list[bool]
+    reason: list[str | None]
+
+
+class CurveRequest(_In):
+    model: ModelSpec
+    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
+    max_gpus: Annotated[int, Meta(ge=1, le=1024)] = 64
+    gpus_per_node: Annotated[int, Meta(ge=1, le=64)] = 8
+    max_nodes: Annotated[int, Meta(ge=1, le=128)] = 8
+    cpu_threads_per_gpu: Annotated[float, Meta(gt=0, le=256)] = 4.0
+
+
+class CurvePoint(Struct, kw_only=True, frozen=True):
+    gpus: int
+    throughput: float  # envelope (best with at most this many GPUs)
+    knee_gpus: int  # smallest allocation within 1% of that level
+    knee_nodes: int
+    plan: Plan | None  # best plan at the knee
+
+
+class CurveReply(Struct, kw_only=True, frozen=True):
+    model_key: str
+    source: str
+    points: list[CurvePoint]
+    saturation: CurvePoint | None
+
+
+def kv_key(model_key: str) -> str:
+    """KV keys allow [-/_=.A-Za-z0-9]."""
+    return "".join(c if (c.isalnum() or c in "-_=.") else "_" for c in model_key)
+
+
+def _shape(model: ModelSpec):
+    from perfmodel.catalog import shape_from_spec
+
+    try:
+        return shape_from_spec(model)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"bad model shape: {exc}", "model") from None
+
+
+def _resources(specs: list[ResourceSpec]):
+    from perfmodel.plans import Resources
+
+    return [Resources(tuple(r.gpus_per_node), float(r.cpu_threads_per_gpu)) for r in specs]
+
+
+def _bus_plan(p) -> Plan:
+    return Plan(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, offload=p.offload, ga=p.ga,
+                micro_batch=p.micro_batch, grad_ckpt=p.grad_ckpt)
+
+
+class PerfmodelService:
+    def __init__(self, nc: Any):
+        self.nc = nc
+        self.kv: Any = None
+
+    async def open(self) -> "PerfmodelService":
+        self.kv = await self.nc.jetstream().key_value(subj.MODELS_BUCKET)
+        from perfmodel.kernels import warm_up
+
+        warm_up()  # compile before answering
+        return self
+
+    async def _params(self, shape):
+        """(params, source): the KV entry for this model key, else the shipped fit."""
+        from nats.js.errors import KeyNotFoundError
+
+        from perfmodel.catalog import params_for_shape
+        from perfmodel.model import PerfParams
+        from perfmodel.rubick import MODELS
+
+        try:
+            entry = await self.kv.get(kv_key(shape.key))
+            if entry is not None and entry.value:
+                return PerfParams.from_dict(msgspec.json.decode(entry.value)), "kv"
+        except KeyNotFoundError:
+            pass
+        if shape.name in MODELS:
+            return params_for_shape(shape), "catalog"
+        raise RequestError("404", f"unknown model key {shape.key!r}: fit it first ({PERFMODEL_FIT})", "model")
+
+    # ------------------------------------------------------------ endpoints
+    async def fit(self, req: FitRequest) -> FitReply:
+        from perfmodel.fit import Sample, fit
+        from perfmodel.plans import as_plan
+        from perfmodel.predict import plan_validity, predict
+        from perfmodel.plans import PlanArray, ResourceArray
+
+        shape = _shape(req.model)
+        samples = []
+        for i, s in enumerate(req.samples):
+            plan = as_plan(s.plan, req.global_batch)
+            res = _resources([s.resources])[0]
+            ok = plan_validity(shape, req.global_batch, PlanArray.from_plans([plan]), ResourceArray.broadcast(res, 1))
+            if not ok[0]:
+                raise bad_request(
+                    f"sample {i}: plan {plan.label} is not valid for global batch {req.global_batch} "
+                    f"on {res.n_gpus} GPUs {list(res.gpus_per_node)}", f"samples[{i}].plan")
+            nan = float("nan")
+            samples.append(Sample(plan, res, req.global_batch, s.iter_ms, s.fwd_ms or nan, s.tcc_ms or nan, s.opt_ms or nan))
+        params = await asyncio.to_thread(fit, shape, samples)
+        pr = predict(params, shape, req.global_batch, [s.plan for s in samples], [s.resources for s in samples])
+        y = np.array([s.iter_ms for s in samples]) / 1000.0
+        err = float(np.mean(np.abs(pr.iter_time_s - y) / y))
+        key = kv_key(shape.key)
+        rev = await self.kv.put(key, msgspec.json.encode(params.to_dict()))
+        d = params.to_dict()
+        log.info("fitted", model_key=shape.key, samples=len(samples), train_error=round(err, 4))
+        return FitReply(model_key=shape.key, kv_key=key, revision=int(rev), samples=len(samples),
+                        params=d["params"], cluster=d["cluster"], train_error=err)
+
+    async def predict(self, req: PredictRequest) -> PredictReply:
+        from perfmodel.predict import predict
+
+        shape = _shape(req.model)
+        if len(req.resources) not in (1, len(req.plans)):
+            raise bad_request(f"{len(req.resources)} resources for {len(req.plans)} plans: give 1 or one per plan",
+                              "resources")
+        params, source = await self._params(shape)
+        res = _resources(req.resources)
+        res_arg = res[0] if len(res) == 1 else res
+        pr = predict(params, shape, req.global_batch, req.plans, res_arg)
+        reasons: list[str | None] = []
+        for i in range(len(pr)):
+            r = res[0] if len(res) == 1 else res[i]
+            p = req.plans[i]
+            if pr.feasible[i]:
+                reasons.append(None)
+            elif not pr.valid[i]:
+                reasons.append(f"plan uses {p.dp * p.tp * p.pp} GPUs and batch "
+                               f"{p.dp * p.ga * (p.micro_batch or max(1, req.global_batch // (p.dp * p.ga)))}; "
+                               f"offer has {r.n_gpus} GPUs (max {max(r.gpus_per_node)}/node), "
+                               f"global batch is {req.global_batch}")
+            else:
+                reasons.append(f"does not fit in GPU memory: {pr.mem_gb[i]:.1f} GiB > {params.gpu_mem_gb:.0f} GiB")
+        return PredictReply(
+            model_key=shape.key, source=source,
+            iter_time_s=[float(t) if np.isfinite(t) else None for t in pr.iter_time_s],
+            throughput=pr.throughput.tolist(), mem_gb=pr.mem_gb.tolist(), feasible=pr.feasible.tolist(),
+            reason=reasons,
+        )
+
+    async def curve(self, req: CurveRequest) -> CurveReply:
+        from perfmodel.curve import curve
+
+        shape = _shape(req.model)
+        params, source = await self._params(shape)
+        c = await asyncio.to_thread(curve, params, shape, req.global_batch, max_gpus=req.max_gpus,
+                                    gpus_per_node=req.gpus_per_node, max_nodes=req.max_nodes,
+                                    threads=sorted({1.0, 2.0, 4.0, 8.0, float(req.cpu_threads_per_gpu)}))
+        th = float(req.cpu_threads_per_gpu)
+        points = []
+        for g in range(1, c.max_gpus + 1):
+            k = c.knee(g, threads=th)
+            points.append(CurvePoint(gpus=g, throughput=c.throughput(g, threads=th),
+                                     knee_gpus=k.gpus if k else 0, knee_nodes=k.nodes if k else 0,
+                                     plan=_bus_plan(k.plan) if k and k.plan else None))
+        s = c.saturation
+        sat = None if s is None else CurvePoint(gpus=s.gpus, throughput=s.throughput, knee_gpus=s.gpus,
+                                               knee_nodes=s.nodes, plan=_bus_plan(s.plan) if s.plan else None)
+        return CurveReply(model_key=shape.key, source=source, points=points, saturation=sat)
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint("fit", PERFMODEL_FIT, FitRequest, self.fit),
+            Endpoint("predict", PERFMODEL_PREDICT, PredictRequest, self.predict),
+            Endpoint("curve", PERFMODEL_CURVE, CurveRequest, self.curve),
+        ]
+
+
+async def start_perfmodel(nc: Any) -> tuple[PerfmodelService, Any]:
+    await ensure_infra(nc)
+    svc_obj = await PerfmodelService(nc).open()
+    svc = await serve(nc, "perfmodel", svc_obj.endpoints(), "gearshift performance model")
+    return svc_obj, svc
+
+
+async def amain(stop: asyncio.Event, url: str | None = None) -> None:
+    nc = await connect(url, name="gearshift-perfmodel")
+    _, svc = await start_perfmodel(nc)
+    log.info("perfmodel ready", url=nc.connected_url.geturl() if nc.connected_url else url)
+    await stop.wait()
+    await svc.stop()
+    await nc.drain()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="gearshift-perfmodel")
+    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
+    args = ap.parse_args(argv)
+    run_service(lambda stop: amain(stop, args.server))
+
+
+if __name__ == "__main__":
+    main()
