@@ -121,8 +121,9 @@ class Agent:
     async def start(self) -> "Agent":
         await self.probe.open()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
-        self._nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
+        # The buckets belong to the control plane; an agent started first waits for them.
+        self._alloc_kv = await _bucket(self.js, subj.ALLOC_BUCKET)
+        self._nodes_kv = await _bucket(self.js, subj.NODES_BUCKET)
         await self._beat()  # capacity visible before the first allocation can arrive
         self._svc = await serve(
             self.nc,
@@ -471,6 +472,20 @@ class Agent:
         task = asyncio.create_task(coro)
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
+
+
+async def _bucket(js: Any, name: str, wait: float = 60.0) -> Any:
+    from nats.js.errors import BucketNotFoundError
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return await js.key_value(name)
+        except BucketNotFoundError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"KV bucket {name} does not exist: is the control plane up?") from None
+            get_logger().info("waiting for bucket", bucket=name)
+            await asyncio.sleep(0.5)
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -57,6 +57,7 @@ class LocalCluster:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         self.server = NatsServer(root / "jetstream", port=self.port)
         self.server.start()
+        _ensure_infra(self.url)  # streams and buckets exist before any process needs them
         env = {**os.environ, "GEARSHIFT_NATS_URL": self.url, "GEARSHIFT_LOG_FORMAT": "json", **self.extra_env}
         py = sys.executable
         self._spawn("admission", [py, "-m", "services.admission", "--max-gpus", str(self.nodes * self.gpus_per_node)], env)
@@ -176,3 +177,18 @@ async def asyncio_sleep(s: float) -> None:
     import asyncio
 
     await asyncio.sleep(s)
+
+
+def _ensure_infra(url: str) -> None:
+    import asyncio
+
+    from services.runtime import connect, ensure_infra
+
+    async def go() -> None:
+        nc = await connect(url, name="gearshift-up", retry_for=10)
+        try:
+            await ensure_infra(nc)
+        finally:
+            await nc.drain()
+
+    asyncio.run(go())
