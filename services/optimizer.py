@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import time
@@ -80,10 +81,11 @@ class Optimizer:
         node_timeout: float = 10.0,
         instance: str | None = None,
         lease_ttl: float = 6.0,
+        policy_options: dict[str, Any] | None = None,
     ):
         self.nc = nc
         self.js = nc.jetstream()
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, **(policy_options or {}))
         self.interval = interval
         self.node_timeout = node_timeout
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -506,7 +508,10 @@ class Optimizer:
 async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
     nc = await connect(args.server, name="gearshift-optimizer")
     await ensure_infra(nc)
-    opt = await Optimizer(nc, policy=args.policy, interval=args.interval, node_timeout=args.node_timeout).open()
+    opt = await Optimizer(
+        nc, policy=args.policy, interval=args.interval, node_timeout=args.node_timeout,
+        policy_options=json.loads(args.policy_options) if args.policy_options else None,
+    ).open()
     await opt.run(stop)
     await nc.drain()
 
@@ -515,6 +520,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="gearshift-optimizer")
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
     ap.add_argument("--policy", default=os.environ.get("GEARSHIFT_POLICY", "fifo"))
+    ap.add_argument("--policy-options", default=os.environ.get("GEARSHIFT_POLICY_OPTIONS"),
+                    help='JSON keyword arguments for the policy, e.g. {"restart_cost": 5}')
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between timer rounds")
     ap.add_argument("--node-timeout", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
     args = ap.parse_args(argv)

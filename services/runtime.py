@@ -47,15 +47,27 @@ class ServerUnavailable(RuntimeError):
     pass
 
 
+def auth_options() -> dict[str, Any]:
+    """Credentials from the environment: ``GEARSHIFT_CREDS`` (a file with
+    ``user``/``password`` lines, see ``services.auth``), ``GEARSHIFT_USER`` +
+    ``GEARSHIFT_PASSWORD``; TLS from ``GEARSHIFT_TLS_CA``. None set: no auth."""
+    from . import auth
+
+    return auth.connect_options()
+
+
 async def connect(url: str | None = None, name: str = "gearshift", *, retry_for: float = 5.0, **kw: Any) -> NATS:
     """Connect, retrying for ``retry_for`` seconds; then reconnect forever."""
     url = server_url(url)
+    # "nats://a:1,nats://b:2": a server list (a cluster); the client fails over
+    servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
+    kw = {**auth_options(), **kw}
     deadline = time.monotonic() + retry_for
     last: Exception | None = None
     while True:
         try:
             return await nats.connect(
-                url,
+                servers,
                 name=name,
                 connect_timeout=2,
                 max_reconnect_attempts=-1,
@@ -84,8 +96,14 @@ BUCKETS = {
 }
 
 
-async def ensure_infra(nc: NATS, replicas: int = 1) -> None:
+def default_replicas() -> int:
+    """Stream and bucket replicas: 1, or 3 on a NATS cluster (``GEARSHIFT_REPLICAS``)."""
+    return int(os.environ.get("GEARSHIFT_REPLICAS") or 1)
+
+
+async def ensure_infra(nc: NATS, replicas: int | None = None) -> None:
     """Create or update the streams and buckets; safe to call from every service."""
+    replicas = replicas or default_replicas()
     js = nc.jetstream()
     for name, cfg in STREAMS.items():
         config = StreamConfig(
