@@ -9,8 +9,10 @@ Changes (newest first; all backward compatible, every new field has a default):
 - ``SchedOptions`` (restart_cost, min_run_time): policies take them as
   keyword options, e.g. ``make_policy("rubick", restart_cost=260,
   min_run_time=600)``.
-- ``PerfOracle`` may also offer ``plans(job, gpus, gpus_per_node)`` (candidate
-  plans); without it policies use ``policies.plans.candidate_plans``.
+- ``PerfOracle`` may also offer ``plans(job, placement)`` (candidate plans for
+  that shape) and ``throughput_many(job, plans, placement)`` (vectorised);
+  without them policies use ``policies.plans.candidate_plans`` and loop.
+  ``policies.oracle.PerfModelOracle`` implements all three on ``perfmodel``.
 - ``check_decision`` also refuses plan/placement mismatches per job and
   duplicate nodes within one job.
 

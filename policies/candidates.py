@@ -105,12 +105,29 @@ def spec_key(spec) -> object:
 class CandidateCache:
     space: CandidateSpace
     store: dict = field(default_factory=dict)
+    _keys: dict = field(default_factory=dict)  # id(spec) -> (spec, key): specs outlive rounds
 
-    def key(self, job: JobView) -> tuple:
-        return spec_key(job.spec)
+    def key(self, job: JobView, perf: PerfOracle | None = None) -> object:
+        """An oracle may say what its answers depend on (``perf.spec_key(spec)``);
+        jobs with equal keys share candidates."""
+        hit = self._keys.get(id(job.spec))
+        if hit is not None and hit[0] is job.spec and hit[1] is perf:
+            return hit[2]
+        k = self._key(job, perf)
+        if len(self._keys) > 100_000:
+            self._keys.clear()
+        self._keys[id(job.spec)] = (job.spec, perf, k)
+        return k
+
+    def _key(self, job: JobView, perf: PerfOracle | None) -> object:
+        own = getattr(perf, "spec_key", None) if perf is not None else None
+        if own is None:
+            return spec_key(job.spec)
+        s = job.spec  # what the candidate grid itself depends on, besides speed
+        return ("oracle", own(s), s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable)
 
     def get(self, job: JobView, perf: PerfOracle) -> list[Candidate]:
-        k = self.key(job)
+        k = self.key(job, perf)
         got = self.store.get(k)
         if got is None:
             got = build_candidates(job, perf, self.space)
@@ -118,44 +135,72 @@ class CandidateCache:
         return got
 
 
-def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, gpus: int) -> list[Plan]:
+def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, shape: tuple[Placement, ...]) -> list[Plan]:
+    gpus = sum(p.gpus for p in shape)
     if not space.vary_plan or not job.spec.reconfigurable:
         p = scaled_user_plan(job.spec, gpus)
         return [p] if p is not None else []
     plans_fn = getattr(perf, "plans", None)
     if plans_fn is not None:
-        return list(plans_fn(job, gpus, space.gpus_per_node))
+        return list(plans_fn(job, shape))
     return list(candidate_plans(job.spec.global_batch, job.spec.model.layers, gpus, space.gpus_per_node))
 
 
-def best_plan(job: JobView, perf: PerfOracle, space: CandidateSpace, gpus: int, nodes: int, cpg: int) -> tuple[Plan | None, float]:
-    per = gpus // nodes
-    shape = tuple(Placement(f"_n{i}", per, per * cpg) for i in range(nodes))
-    best, best_thr = None, 0.0
+def _evaluate(job: JobView, perf: PerfOracle, plans: list[Plan], shape: tuple[Placement, ...]) -> list[float]:
     many = getattr(perf, "throughput_many", None)
-    plans = _plans_for(job, perf, space, gpus)
     if many is not None and plans:
-        thrs = many(job, plans, shape)
-        for p, t in zip(plans, thrs):
-            if t > best_thr:
-                best, best_thr = p, float(t)
-        return best, best_thr
-    for p in plans:
-        t = perf.throughput(job, p, shape)
+        return [float(t) for t in many(job, plans, shape)]
+    return [perf.throughput(job, p, shape) for p in plans]
+
+
+def _shape(gpus: int, nodes: int, cpg: int) -> tuple[Placement, ...]:
+    per = gpus // nodes
+    return tuple(Placement(f"_n{i}", per, per * cpg) for i in range(nodes))
+
+
+def best_plan(job: JobView, perf: PerfOracle, space: CandidateSpace, gpus: int, nodes: int, cpg: int) -> tuple[Plan | None, float]:
+    shape = _shape(gpus, nodes, cpg)
+    plans = _plans_for(job, perf, space, shape)
+    best, best_thr = None, 0.0
+    for p, t in zip(plans, _evaluate(job, perf, plans, shape)):
         if t > best_thr:
             best, best_thr = p, t
     return best, best_thr
 
 
-def build_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
+def build_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace, top_plans: int = 3) -> list[Candidate]:
+    """Every (GPUs, nodes, CPUs/GPU) point with its best plan. The plan space
+    is searched in full at the first CPU level; other CPU levels re-rank only
+    the ``top_plans`` best plans there plus the best CPU-offload plan (CPU
+    threads change the ranking mostly through offload), which keeps the
+    oracle calls per job small."""
     raw: list[Candidate] = []
     for g in space.gpu_counts(job.spec.gpus):
         for m in space.node_options(g):
             per = g // m
-            for c in space.cpu_options(job, per):
-                plan, thr = best_plan(job, perf, space, g, m, c)
-                if plan is not None and thr > 0:
-                    raw.append(Candidate(g, c, m, plan, thr))
+            levels = space.cpu_options(job, per)
+            if not levels:
+                continue
+            req = job.spec.cpus_per_gpu or 4
+            first = min(levels, key=lambda c: (abs(c - req), c))
+            shape = _shape(g, m, first)
+            plans = _plans_for(job, perf, space, shape)
+            thr = _evaluate(job, perf, plans, shape)
+            ranked = sorted(range(len(plans)), key=lambda i: -thr[i])
+            keep = [plans[i] for i in ranked[:top_plans] if thr[i] > 0]
+            off = [plans[i] for i in ranked if plans[i].offload]
+            if off and off[0] not in keep:
+                keep.append(off[0])
+            if ranked and thr[ranked[0]] > 0:
+                raw.append(Candidate(g, first, m, plans[ranked[0]], thr[ranked[0]]))
+            for c in levels:
+                if c == first or not keep:
+                    continue
+                sh = _shape(g, m, c)
+                tt = _evaluate(job, perf, keep, sh)
+                i = max(range(len(keep)), key=lambda i: tt[i])
+                if tt[i] > 0:
+                    raw.append(Candidate(g, c, m, keep[i], tt[i]))
     return pareto(raw, space)
 
 

@@ -105,3 +105,77 @@ class AnalyticOracle:
         t_data = (B / gpus) * self.data_s_per_sample / cpg
         t_iter = max(t_gpu, t_data) + 0.1 * min(t_gpu, t_data)
         return B / t_iter
+
+
+class PerfModelOracle:
+    """``PerfOracle`` backed by the fitted performance model (``perfmodel``).
+
+    Parameters come from ``perfmodel.params_for_shape`` (the Rubick fit by
+    model name, else the nearest Rubick model scaled) unless a fitted
+    ``PerfParams`` is registered for the model with ``set_params`` (what the
+    optimizer service should do with the parameters in KV ``gs_models``).
+    CPU threads per GPU = the placement's CPUs / GPUs (the request's, or 4,
+    when the placement carries no CPUs). Plans come from
+    ``perfmodel.enumerate_plans``, so plan choice and memory feasibility are
+    the model's.
+    """
+
+    def __init__(self, gpu_mem_gb: float | None = None, default_threads: float = 4.0, max_ga: int | None = 16):
+        import perfmodel
+
+        self._pm = perfmodel
+        self.default_threads = default_threads
+        self.max_ga = max_ga
+        self.gpu_mem_gb = gpu_mem_gb
+        self._params: dict = {}
+        self._shapes: dict = {}
+        self._plans: dict = {}
+
+    def set_params(self, model_name: str, params) -> None:
+        self._params[model_name] = params
+
+    def _model(self, spec):
+        key = spec.model
+        got = self._shapes.get(key)
+        if got is None:
+            shape = self._pm.shape_from_spec(spec.model)
+            params = self._params.get(spec.model.name) or self._pm.params_for_shape(shape)
+            if self.gpu_mem_gb is not None:
+                params = self._pm.PerfParams(params.model_key, params.theta, params.cluster, self.gpu_mem_gb)
+            got = (shape, params)
+            self._shapes[key] = got
+        return got
+
+    def _resources(self, job: JobView, placement: tuple[Placement, ...]):
+        shares = tuple(int(p.gpus) for p in placement if p.gpus > 0)
+        g = sum(shares)
+        cpus = sum(p.cpus for p in placement)
+        threads = cpus / g if cpus > 0 and g else float(job.spec.cpus_per_gpu or self.default_threads)
+        return self._pm.Resources(shares, max(threads, 0.25))
+
+    def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
+        if sum(p.gpus for p in placement) != plan.gpus:
+            return 0.0
+        return float(self.throughput_many(job, [plan], placement)[0])
+
+    def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
+        shape, params = self._model(job.spec)
+        res = self._resources(job, placement)
+        B = int(job.spec.global_batch)
+        pm_plans = [self._pm.as_plan(p, B) for p in plans]
+        return self._pm.predict(params, shape, B, pm_plans, res).throughput
+
+    def plans(self, job: JobView, placement: tuple[Placement, ...]) -> list[Plan]:
+        shape, _ = self._model(job.spec)
+        res = self._resources(job, placement)
+        key = (shape.key, job.spec.global_batch, res.gpus_per_node)
+        got = self._plans.get(key)
+        if got is None:
+            pa = self._pm.enumerate_plans(shape, int(job.spec.global_batch), res, max_ga=self.max_ga)
+            got = [
+                Plan(dp=p.dp, tp=p.tp, pp=p.pp, zero=p.zero, offload=p.offload, ga=p.ga, micro_batch=p.micro_batch,
+                     grad_ckpt=p.grad_ckpt)
+                for p in pa.to_plans()
+            ]
+            self._plans[key] = got
+        return got

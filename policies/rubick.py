@@ -76,7 +76,8 @@ class Rubick:
         self._ref: dict = {}
         self._stay: dict = {}
         self._fallback = AnalyticOracle()
-        self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
+        self._preempted: dict[str, float] = {}
+        self._tables: dict[int, tuple] = {}  # job -> when this policy last preempted it
         self.last_stats: dict = {}
 
     # ---------------------------------------------------------------- helpers
@@ -92,10 +93,11 @@ class Rubick:
     def _candidates(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
         if self._cache is None or self._cache.space != space:
             self._cache = CandidateCache(space)
+            self._tables.clear()
             self._ref.clear()
             self._stay.clear()
         if not job.spec.reconfigurable:
-            key = ("fixed", self._cache.key(job))
+            key = ("fixed", self._cache.key(job, perf))
             got = self._cache.store.get(key)
             if got is None:
                 got = _fixed_candidates(job, perf, space)
@@ -103,9 +105,22 @@ class Rubick:
             return got
         return self._cache.get(job, perf)
 
+    def _candidate_table(self, job: JobView, perf: PerfOracle, space: CandidateSpace, cpg_cluster: float):
+        """Candidates and their (gpus, cpus/gpu, nodes, throughput, cost) rows, cached with them."""
+        cands = self._candidates(job, perf, space)
+        tab = self._tables.get(id(cands))
+        if tab is None or tab[0] is not cands:
+            arr = np.array(
+                [(c.gpus, c.cpus_per_gpu, c.nodes, c.throughput, resource_cost(c, cpg_cluster)) for c in cands],
+                float,
+            ).reshape(-1, 5)
+            tab = (cands, arr)
+            self._tables[id(cands)] = tab
+        return cands, tab[1]
+
     def requested_throughput(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> float:
         """The job's own plan on its own GPUs and CPUs, compactly placed."""
-        key = self._cache.key(job) if self._cache else None
+        key = (self._cache.key(job, perf), job.spec.plan, job.spec.gpus, job.spec.cpus_per_gpu)
         got = self._ref.get(key)
         if got is None:
             plan = default_plan(job.spec)
@@ -117,7 +132,7 @@ class Rubick:
     def _stay_throughput(self, job: JobView, perf: PerfOracle) -> float:
         plan = job.plan or default_plan(job.spec)
         shape = tuple(sorted((p.gpus, p.cpus) for p in job.placement))
-        key = (self._cache.key(job), plan, shape)
+        key = (self._cache.key(job, perf), plan, shape)
         got = self._stay.get(key)
         if got is None:
             got = perf.throughput(job, plan, tuple(Placement(f"_n{i}", g, c) for i, (g, c) in enumerate(shape)))
@@ -158,66 +173,75 @@ class Rubick:
         cpg_cluster = max(space.cpus_per_node / space.gpus_per_node, 1e-9)
         J = len(jobs)
         rows: list[list[Candidate]] = []
+        tabs: list[np.ndarray] = []
         refs = np.zeros(J)
         targets = np.zeros(J)
+        guar = np.zeros(J, bool)
+        held = np.zeros(J, bool)
+        left = np.zeros(J)
         for i, j in enumerate(jobs):
-            cands = self._candidates(j, perf, space)
+            cands, tab = self._candidate_table(j, perf, space, cpg_cluster)
             rows.append(cands)
+            tabs.append(tab)
             ref = self.requested_throughput(j, perf, space)
             if ref <= 0:  # request infeasible under the model: best it could do at its size
                 ref = max((c.throughput for c in cands if c.gpus <= j.spec.gpus), default=0.0) or (
                     cands[0].throughput if cands else 1.0
                 )
             refs[i] = ref
-            targets[i] = (j.target_throughput or ref) if j.spec.guaranteed else 0.0
+            guar[i] = j.spec.guaranteed
+            targets[i] = (j.target_throughput or ref) if guar[i] else 0.0
+            held[i] = self._held_out(j, now)
+            left[i] = max(j.remaining_steps, 1.0) * j.spec.global_batch
         K = max((len(r) for r in rows), default=0) + 1
-        cg = np.zeros((J, K), np.int64)
-        cc = np.zeros((J, K), np.int64)
-        cm = np.ones((J, K), np.int64)
-        u = np.full((J, K), -1.0)
-        cost = np.zeros((J, K))
-        thr = np.zeros((J, K))
+        # rows of (gpus, cpus/gpu, nodes, throughput, cost), padded; column K-1 at most is "stay"
+        table = np.zeros((J, K, 5))
+        table[:, :, 2] = 1
         nk = np.zeros(J, np.int64)
+        for i, tab in enumerate(tabs):
+            n = tab.shape[0]
+            if n:
+                table[i, :n] = tab
+            nk[i] = n
+        thr = table[:, :, 3].copy()
+        with np.errstate(divide="ignore", invalid="ignore"):
+            u = (thr / refs[:, None]) ** self.alpha
+            R = self.restart_cost
+            if R > 0:  # average speed over the rest of the run, restart included
+                T = left[:, None] / thr
+                u = u * (T / (T + R))
+        valid = np.arange(K)[None, :] < nk[:, None]
+        valid &= thr > 0
+        valid &= ~(guar[:, None] & (thr < targets[:, None] * (1 - 1e-9)))
+        valid &= ~held[:, None]
+        u = np.where(valid, u, -1.0)
+        cg = table[:, :, 0].astype(np.int64)
+        cc = table[:, :, 1].astype(np.int64)
+        cm = table[:, :, 2].astype(np.int64)
+        cost = table[:, :, 4].copy()
         stay = np.full(J, -1, np.int64)
         hold_ptr = np.zeros(J + 1, np.int64)
         hold_node: list[int] = []
         hold_g: list[int] = []
         hold_c: list[int] = []
-        R = self.restart_cost
         for i, j in enumerate(jobs):
-            cands = rows[i]
-            n = len(cands)
-            if n:
-                cg[i, :n] = [c.gpus for c in cands]
-                cc[i, :n] = [c.cpus_per_gpu for c in cands]
-                cm[i, :n] = [c.nodes for c in cands]
-                t = np.array([c.throughput for c in cands])
-                thr[i, :n] = t
-                cost[i, :n] = [resource_cost(c, cpg_cluster) for c in cands]
-                samples_left = max(j.remaining_steps, 1.0) * j.spec.global_batch
-                T = samples_left / t
-                uu = (t / refs[i]) ** self.alpha * (T / (T + R)) if R > 0 else (t / refs[i]) ** self.alpha
-                if j.spec.guaranteed:
-                    uu = np.where(t >= targets[i] * (1 - 1e-9), uu, -1.0)
-                if self._held_out(j, now):
-                    uu = np.full_like(uu, -1.0)
-                u[i, :n] = uu
             if j.running and all(p.node in node_ix for p in j.placement):
+                n = nk[i]
                 st = self._stay_throughput(j, perf)
-                ok = st > 0 and (not j.spec.guaranteed or st >= targets[i] * (1 - 1e-9))
+                ok = st > 0 and (not guar[i] or st >= targets[i] * (1 - 1e-9))
+                gpus, cpus = j.gpus, j.cpus
                 stay[i] = n
-                cg[i, n] = j.gpus
-                cc[i, n] = max(1, j.cpus // max(j.gpus, 1))
+                cg[i, n] = gpus
+                cc[i, n] = max(1, cpus // max(gpus, 1))
                 cm[i, n] = len(j.placement)
                 thr[i, n] = st
-                cost[i, n] = j.gpus + j.cpus / cpg_cluster
+                cost[i, n] = gpus + cpus / cpg_cluster
                 u[i, n] = (st / refs[i]) ** self.alpha if ok else (0.0 if self._pinned(j, now) else -1.0)
-                n += 1
+                nk[i] = n + 1
                 for p in j.placement:
                     hold_node.append(node_ix[p.node])
                     hold_g.append(p.gpus)
                     hold_c.append(p.cpus)
-            nk[i] = n
             hold_ptr[i + 1] = len(hold_node)
         # seeds: pinned guaranteed, running guaranteed, pending guaranteed, pinned best-effort
         pinned = np.array([self._pinned(j, now) and stay[i] >= 0 for i, j in enumerate(jobs)], bool)

@@ -101,3 +101,16 @@ def test_sia_keeps_user_plan_family():
     d = run("sia", ns, [job("j", 4, plan=p, batch=64, cpg=1)], perf=CurveOracle())
     got = d.allocations["j"].plan
     assert (got.tp, got.pp) == (2, 2) and got.gpus % 4 == 0
+
+
+def test_gavel_max_min_shares_and_rotation():
+    ns = nodes(1)
+    js = [job(f"j{i}", 4, t=0) for i in range(4)]  # 16 GPUs of demand on 8
+    pol = make_policy("gavel")
+    x = pol.shares(js, 8)
+    assert x == __import__("pytest").approx([0.5] * 4)
+    # jobs that ran less than their share come first
+    for i, j in enumerate(js):
+        j.attained_service = 4 * (1000 if i < 2 else 0)
+    d = run("gavel", ns, js, now=4000.0)
+    assert {"j2", "j3"} == set(d.allocations)
