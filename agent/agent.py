@@ -132,6 +132,9 @@ class Agent:
             description=f"gearshift agent on {self.node}",
             metadata={"node": self.node},
         )
+        # A predecessor killed with SIGKILL left its job processes running: stop
+        # them before launching anything, or one generation would run twice.
+        await _reap_orphans(self.workdir / "run", self.grace, self.log)
         self._watcher = await self._alloc_kv.watchall()
         self._tasks = [
             asyncio.create_task(self._watch_loop(), name="agent-watch"),
@@ -263,6 +266,7 @@ class Agent:
                         start_new_session=True,  # own process group: one signal reaches its children
                     )
                 run.procs.append(proc)
+                _remember_pid(run.run_dir, proc.pid)
                 self.probe.claim(list(spec.gpus), [proc.pid])
         except Exception as exc:
             log.error("launch failed", error=str(exc))
@@ -486,6 +490,73 @@ async def _bucket(js: Any, name: str, wait: float = 60.0) -> Any:
                 raise RuntimeError(f"KV bucket {name} does not exist: is the control plane up?") from None
             get_logger().info("waiting for bucket", bucket=name)
             await asyncio.sleep(0.5)
+
+
+PIDS_FILE = "pids"
+
+
+def _remember_pid(run_dir: Path, pid: int) -> None:
+    with open(run_dir / PIDS_FILE, "a") as f:
+        f.write(f"{pid}\n")
+
+
+def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
+    """Guards against pid reuse: the process must carry the job's contract variables."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: trust the pid file
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
+    return f"GEARSHIFT_JOB_ID={job_id}".encode() in env and f"GEARSHIFT_GENERATION={generation}".encode() in env
+
+
+async def _reap_orphans(run_root: Path, grace: float, log: Any) -> int:
+    """SIGTERM (checkpoint), then SIGKILL, every job process a previous agent
+    on this workdir started and left behind; returns how many there were."""
+    found: list[int] = []
+    for pids_file in run_root.glob(f"*/g*/{PIDS_FILE}"):
+        job_id, generation = pids_file.parent.parent.name, pids_file.parent.name[1:]
+        try:
+            pids = [int(x) for x in pids_file.read_text().split()]
+        except (OSError, ValueError):
+            pids = []
+        for pid in pids:
+            if _is_our_process(pid, job_id, generation):
+                log.warning("stopping a job process left by a previous agent", job_id=job_id,
+                            generation=generation, pid=pid)
+                _signal_group(pid, signal.SIGTERM)
+                found.append(pid)
+        try:
+            pids_file.unlink()
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    while found and time.monotonic() < deadline:
+        found = [p for p in found if _pid_alive(p)]
+        await asyncio.sleep(0.05)
+    for pid in found:
+        _signal_group(pid, signal.SIGKILL)
+    return len(found)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+            return True
+        except OSError:
+            return False
 
 
 def _signal_group(pid: int, sig: int) -> None:
