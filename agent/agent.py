@@ -12,9 +12,21 @@ was told to stop) per job; a generation at or below it is never launched, so a
 stale allocation, a replay of an old value, or one that already ran to its
 end cannot start anything.
 
-Hooks for plan switches with checkpoint-restore (issue 6): ``_begin_stop``
-is the single place that asks a run to checkpoint and leave (SIGTERM, grace,
-SIGKILL) and ``_supervise`` the single place that learns how it ended.
+Plan switches (checkpoint-restore): the optimizer withdraws generation g's
+allocation; ``_begin_stop`` asks the run to checkpoint and leave (SIGTERM to
+each rank's process group, ``grace`` seconds, then SIGKILL); ``_supervise``
+learns how it ended and reports EXITED with the checkpoint it left (step and
+time from the manifest) and how far it had got. The optimizer writes g+1
+only once every node of g reported EXITED (gang barrier), so all ranks stop
+before any restarts; the agent then launches g+1, which resumes from the
+manifest, and reports STARTED and, once rank 0's progress file shows its
+first step, STEPPED with the restore and first-step times. The optimizer
+turns those timestamps into a ``job.switched`` event with the cost by phase.
+
+Commands: ``stop`` (fence a generation), ``checkpoint`` (SIGUSR1: checkpoint
+at the next agreed step and go on), ``profile`` (run a plan for a few steps
+on free GPUs, reply with its per-phase times; those GPUs show as
+``reserved`` in the heartbeats so the optimizer does not hand them out).
 """
 
 from __future__ import annotations
@@ -35,8 +47,12 @@ from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
     AgentReply,
     Allocation,
+    CheckpointCommand,
     JobProgress,
+    NodePlacement,
     NodeReport,
+    ProfileCommand,
+    ProfileResult,
     RunReport,
     RunReportKind,
     StopCommand,
@@ -65,6 +81,9 @@ class Run:
     reason: str = ""
     exit_codes: list[int] = field(default_factory=list)  # in the order the ranks ended
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    launched_at: float | None = None
+    stop_sent_at: float | None = None
+    stepped: bool = False  # STEPPED reported
 
     @property
     def job_id(self) -> str:
@@ -116,6 +135,8 @@ class Agent:
         self._svc: Any = None
         self._alloc_kv: Any = None
         self._nodes_kv: Any = None
+        self.reserved: set[int] = set()  # GPUs of profiling runs
+        self._gpu_count = 0
 
     # ------------------------------------------------------------ life cycle
     async def start(self) -> "Agent":
@@ -128,7 +149,12 @@ class Agent:
         self._svc = await serve(
             self.nc,
             f"agent-{self.node}",
-            [Endpoint("stop", subj.agent_command(self.node, "stop"), StopCommand, self._on_stop)],
+            [
+                Endpoint("stop", subj.agent_command(self.node, "stop"), StopCommand, self._on_stop),
+                Endpoint("checkpoint", subj.agent_command(self.node, "checkpoint"), CheckpointCommand,
+                         self._on_checkpoint),
+                Endpoint("profile", subj.agent_command(self.node, "profile"), ProfileCommand, self._on_profile),
+            ],
             description=f"gearshift agent on {self.node}",
             metadata={"node": self.node},
         )
@@ -245,29 +271,7 @@ class Agent:
         log = self.log.bind(job_id=alloc.job_id, generation=alloc.generation)
         self.runs[alloc.job_id] = run  # visible to a stop command while it launches
         try:
-            run.run_dir.mkdir(parents=True, exist_ok=True)
-            run.ckpt_dir.mkdir(parents=True, exist_ok=True)
-            master = await self._master_addr(nodes[0])
-            for spec in launch.rank_specs(alloc, self.node):
-                progress_file = run.run_dir / f"progress-{spec.rank}.json"
-                if spec.rank == 0:
-                    run.progress_file = progress_file
-                env = launch.environment(
-                    alloc, spec, node=self.node, master_addr=master, ckpt_dir=run.ckpt_dir, progress_file=progress_file
-                )
-                with open(run.run_dir / f"rank-{spec.rank}.log", "ab") as out:
-                    proc = await asyncio.create_subprocess_exec(
-                        *launch.command(alloc),
-                        env=env,
-                        cwd=run.run_dir,
-                        stdin=asyncio.subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True,  # own process group: one signal reaches its children
-                    )
-                run.procs.append(proc)
-                _remember_pid(run.run_dir, proc.pid)
-                self.probe.claim(list(spec.gpus), [proc.pid])
+            await self._spawn_ranks(run, nodes[0])
         except Exception as exc:
             log.error("launch failed", error=str(exc))
             for proc in run.procs:
@@ -282,6 +286,35 @@ class Agent:
                 _signal_group(proc.pid, signal.SIGTERM)
         log.info("launched", pids=[p.pid for p in run.procs], gpus=run.gpus, plan=alloc.plan.label())
         self._spawn(self._supervise(run))
+
+    async def _spawn_ranks(self, run: Run, first_node: str, extra_env: dict[str, str] | None = None) -> None:
+        alloc = run.alloc
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        master = await self._master_addr(first_node)
+        run.launched_at = time.time()
+        for spec in launch.rank_specs(alloc, self.node):
+            progress_file = run.run_dir / f"progress-{spec.rank}.json"
+            if spec.rank == 0:
+                run.progress_file = progress_file
+            env = launch.environment(
+                alloc, spec, node=self.node, master_addr=master, ckpt_dir=run.ckpt_dir, progress_file=progress_file,
+                launched_at=run.launched_at,
+            )
+            env.update(extra_env or {})
+            with open(run.run_dir / f"rank-{spec.rank}.log", "ab") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *launch.command(alloc),
+                    env=env,
+                    cwd=run.run_dir,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,  # own process group: one signal reaches its children
+                )
+            run.procs.append(proc)
+            _remember_pid(run.run_dir, proc.pid)
+            self.probe.claim(list(spec.gpus), [proc.pid])
 
     async def _master_addr(self, first_node: str) -> str:
         if first_node == self.node:
@@ -326,6 +359,7 @@ class Agent:
     async def _terminate(self, run: Run) -> None:
         """SIGTERM (checkpoint and exit), then SIGKILL after the grace period."""
         self.log.info("stopping", job_id=run.job_id, generation=run.generation, reason=run.reason)
+        run.stop_sent_at = time.time()
         for proc in run.procs:
             if proc.returncode is None:
                 _signal_group(proc.pid, signal.SIGTERM)
@@ -348,8 +382,16 @@ class Agent:
             return max(ckpt or 0, progress)
         return ckpt if ckpt is not None else progress
 
-    async def _report(self, run: Run, kind: RunReportKind, exit_code: int | None = None) -> None:
+    async def _report(self, run: Run, kind: RunReportKind, exit_code: int | None = None, **extra: Any) -> None:
         exited = kind == RunReportKind.EXITED
+        if exited:
+            manifest = wk.latest_manifest(run.ckpt_dir) or {}
+            if manifest.get("job_id") == run.job_id and "step" in manifest:
+                extra.update(checkpoint_step=int(manifest["step"]), checkpoint_at=manifest.get("wall_time"))
+            prog = wk.read_json(run.progress_file) or {}
+            extra.update(progress_step=int(prog.get("step", 0)), stop_sent_at=run.stop_sent_at)
+        elif kind == RunReportKind.STARTED:
+            extra.setdefault("launched_at", run.launched_at)
         report = RunReport(
             job_id=run.job_id,
             generation=run.generation,
@@ -361,6 +403,7 @@ class Agent:
             exit_code=exit_code,
             stopped=exited and run.stopped_by_agent,
             message=run.reason if exited else "",
+            **extra,
         )
         await self._publish_report(report)
 
@@ -414,6 +457,7 @@ class Agent:
             memory_used=mem_used,
             probe=self.probe.kind,
             running=[f"{r.job_id}@{r.generation}" for r in self.runs.values()],
+            reserved=sorted(self.reserved),
             agent_version=VERSION,
             started_at=self.started_at,
             address=self.address,
@@ -434,6 +478,13 @@ class Agent:
                 prog = wk.read_json(run.progress_file)
                 if prog is None:
                     continue
+                if not run.stepped and prog.get("first_step_s") is not None:
+                    run.stepped = True
+                    self._spawn(self._report(
+                        run, RunReportKind.STEPPED, launched_at=run.launched_at,
+                        start_step=int(prog.get("start_step") or 0), restore_s=prog.get("restore_s"),
+                        first_step_s=prog.get("first_step_s"),
+                    ))
                 step, now = int(prog.get("step", 0)), time.time()
                 rate = prog.get("samples_per_s")
                 key = (run.job_id, run.generation)
@@ -470,6 +521,79 @@ class Agent:
         if run is not None:
             self._begin_stop(run, cmd.reason or "stop command", by_agent=True)
         return AgentReply(ok=True, node=self.node)
+
+    async def _on_checkpoint(self, cmd: CheckpointCommand) -> AgentReply:
+        run = self.runs.get(cmd.job_id)
+        if run is None or run.generation != cmd.generation or run.stopping:
+            return AgentReply(ok=False, node=self.node, error=f"{cmd.job_id}@{cmd.generation} is not running here")
+        for proc in run.procs:
+            if proc.returncode is None:
+                _signal_group(proc.pid, signal.SIGUSR1)
+        return AgentReply(ok=True, node=self.node)
+
+    def _free_gpus(self) -> list[int]:
+        """GPU indices no run, allocation or profiling run of this node uses."""
+        busy = set(self.reserved)
+        for run in self.runs.values():
+            busy.update(run.gpus)
+        for a in self.desired.values():
+            for p in a.placement:
+                if p.node == self.node:
+                    busy.update(p.gpus)
+        return [i for i in range(self._gpu_count) if i not in busy]
+
+    async def _on_profile(self, cmd: ProfileCommand) -> ProfileResult:
+        """Run one plan for a few steps on GPUs no allocation uses; reply with
+        the per-phase means (ms per step) from rank 0's progress file."""
+        need = cmd.plan.dp * cmd.plan.tp * cmd.plan.pp
+        self._gpu_count = len(await self.probe.sample())
+        free = self._free_gpus()
+        if len(free) < need:
+            return ProfileResult(ok=False, node=self.node, plan=cmd.plan,
+                                 error=f"{need} GPUs wanted, {len(free)} free on {self.node}")
+        gpus = free[:need]
+        self.reserved.update(gpus)
+        alloc = Allocation(
+            job_id=cmd.run_id, generation=1, plan=cmd.plan, placement=[NodePlacement(node=self.node, gpus=gpus)],
+            command=cmd.command, env=cmd.env, step_time=cmd.step_time, steps=10**9, global_batch=cmd.global_batch,
+        )
+        run = Run(alloc=alloc, node_rank=0, gpus=gpus, run_dir=self.workdir / "profile" / cmd.run_id,
+                  ckpt_dir=self.workdir / "profile" / cmd.run_id / "ckpt")
+        t0 = time.monotonic()
+        log = self.log.bind(profile=cmd.run_id, plan=cmd.plan.label())
+        try:
+            await self._beat()  # the reservation is visible before the run starts
+            await self._spawn_ranks(run, self.node, {"GEARSHIFT_PROFILE_STEPS": str(cmd.steps)})
+            waits = [asyncio.create_task(p.wait()) for p in run.procs]
+            done, pending = await asyncio.wait(waits, timeout=cmd.timeout)
+            codes = [launch.exit_status(p.returncode) for p in run.procs if p.returncode is not None]
+            if pending or any(codes):
+                why = "timed out" if pending else f"exit codes {codes}"
+                log.warning("profiling run failed", error=why)
+                return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus, error=why,
+                                     wall_s=time.monotonic() - t0)
+            prog = wk.read_json(run.progress_file) or {}
+            ph = prog.get("phases") or {}
+            if "iteration" not in ph:
+                return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus,
+                                     error="the run reported no phase times", wall_s=time.monotonic() - t0)
+            log.info("profiled", iter_ms=round(ph["iteration"], 2))
+            return ProfileResult(
+                ok=True, node=self.node, plan=cmd.plan, gpus=gpus, steps=int(prog.get("profiled") or cmd.steps),
+                iter_ms=ph.get("iteration"), fwd_ms=ph.get("forward"), bwd_ms=ph.get("backward"),
+                opt_ms=ph.get("optimizer"), wall_s=time.monotonic() - t0,
+            )
+        finally:
+            for proc in run.procs:
+                _signal_group(proc.pid, signal.SIGKILL)
+            for proc in run.procs:
+                try:
+                    await asyncio.wait_for(proc.wait(), 5)
+                except asyncio.TimeoutError:
+                    pass
+            self.probe.release(gpus)
+            self.reserved.difference_update(gpus)
+            self._dirty.set()
 
     # ------------------------------------------------------------ helpers
     def _spawn(self, coro) -> None:

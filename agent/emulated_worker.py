@@ -28,18 +28,39 @@ from agent.worker import (
 CKPT_INTERVAL_S = float(os.environ.get("GEARSHIFT_CKPT_INTERVAL", "5"))
 
 
+def run_profile(env: WorkerEnv, stop: StopSignal) -> int:
+    """A profiling run: the step time split 30/60/10 into forward, backward+sync, optimizer."""
+    reporter = ProgressReporter(env.progress_file, steps=env.profile_steps)
+    for _ in range(env.profile_steps):
+        if stop.wait(env.step_time):
+            return EXIT_CHECKPOINTED
+    ms = env.step_time * 1e3
+    reporter.report(env.profile_steps, phases={"forward": 0.3 * ms, "backward": 0.6 * ms, "optimizer": 0.1 * ms,
+                                               "iteration": ms}, profiled=env.profile_steps, force=True)
+    return EXIT_DONE
+
+
 def run_rank0(env: WorkerEnv, stop: StopSignal) -> int:
     manifest = latest_manifest(env.ckpt_dir) or {}
     step = int(manifest.get("step", 0))
+    start_step = step
+    ready = time.time()
+    restore_s = ready - env.launched_at if env.launched_at else None
+    first_step_s = None
+    crash_at = int(os.environ.get("GEARSHIFT_CRASH_AT") or 0)
     steps = env.steps
     reporter = ProgressReporter(env.progress_file, steps=steps)
     rate = env.global_batch / env.step_time if env.step_time > 0 else 0.0
     print(f"rank 0 of {env.job_id}@{env.generation}: resuming from step {step} of {steps}", flush=True)
 
     def checkpoint(done: bool = False) -> None:
-        write_manifest(env.ckpt_dir, job_id=env.job_id, generation=env.generation, step=step, done=done)
+        write_manifest(env.ckpt_dir, job_id=env.job_id, generation=env.generation, step=step, done=done,
+                       requested_at=stop.requested_at)
 
-    reporter.report(step, samples_per_s=0.0, force=True)
+    def report(force: bool = False, **kw) -> None:
+        reporter.report(step, start_step=start_step, restore_s=restore_s, first_step_s=first_step_s, force=force, **kw)
+
+    report(samples_per_s=0.0, force=True)
     last_ckpt = time.monotonic()
     next_at = time.monotonic() + env.step_time
     while step < steps:
@@ -47,13 +68,23 @@ def run_rank0(env: WorkerEnv, stop: StopSignal) -> int:
         # holds even when writes take time
         if stop.wait(next_at - time.monotonic()):
             checkpoint()
-            reporter.report(step, samples_per_s=0.0, force=True)
+            report(samples_per_s=0.0, force=True)
             return EXIT_CHECKPOINTED
+        if crash_at and step == crash_at:
+            marker = env.ckpt_dir / f".crashed-at-{step}"
+            if not marker.exists():  # crash once, so a retry gets past it
+                marker.write_text("x")
+                print(f"crashing on purpose at step {step}", file=sys.stderr, flush=True)
+                return 1
         step += 1
         next_at += env.step_time
-        reporter.report(step, samples_per_s=rate, force=step == steps)
-        if time.monotonic() - last_ckpt >= CKPT_INTERVAL_S:
+        first = first_step_s is None
+        if first:
+            first_step_s = time.time() - ready
+        report(samples_per_s=rate, force=step == steps or first)
+        if time.monotonic() - last_ckpt >= CKPT_INTERVAL_S or stop.checkpoint_requested:
             checkpoint()
+            stop.checkpoint_done()
             last_ckpt = time.monotonic()
     checkpoint(done=True)
     return EXIT_DONE
@@ -70,6 +101,8 @@ def main() -> int:
     stop = StopSignal()
     env = WorkerEnv.from_env()
     env.ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if env.profile_steps:
+        return run_profile(env, stop) if env.rank == 0 else EXIT_DONE
     if (latest_manifest(env.ckpt_dir) or {}).get("done"):
         return EXIT_DONE  # an earlier generation finished the job
     return run_rank0(env, stop) if env.rank == 0 else run_follower(env, stop)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ def environment(
     ckpt_dir: Path,
     progress_file: Path,
     base: Mapping[str, str] | None = None,
+    launched_at: float | None = None,
 ) -> dict[str, str]:
     """The environment of one rank: the agent's own, then the job's ``env``,
     then the contract variables, which a job's env may not override."""
@@ -99,6 +101,7 @@ def environment(
         GEARSHIFT_STEPS=str(alloc.steps),
         GEARSHIFT_GLOBAL_BATCH=str(alloc.global_batch),
         GEARSHIFT_STEP_TIME=str(alloc.step_time or DEFAULT_STEP_TIME),
+        GEARSHIFT_LAUNCHED_AT=repr(launched_at if launched_at is not None else time.time()),
         CUDA_DEVICE_ORDER="PCI_BUS_ID",  # so CUDA's indices are NVML's
         CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus),
     )

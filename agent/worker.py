@@ -19,12 +19,28 @@ exit report wants.
 
 Signals and exit codes (reference/ecosystem.md section 6): SIGTERM asks for a
 checkpoint at the next step boundary and an exit with ``EXIT_CHECKPOINTED``
-(143); 0 means the job is done; ``EXIT_TEMPFAIL`` (75) a checkpoint that
-failed but may be retried; anything else is a crash.
+(143); SIGUSR1 (what the agent sends for a ``gs.agent.<node>.checkpoint`` bus
+command) asks for a checkpoint at the next step boundary and keeps training;
+0 means the job is done; ``EXIT_TEMPFAIL`` (75) a checkpoint that failed but
+may be retried; anything else is a crash (the optimizer retries the job from
+its last checkpoint up to a limit).
 
-Checkpoints: rank 0 writes ``manifest.json`` in ``GEARSHIFT_CKPT_DIR`` last
-and atomically, so a manifest always names a complete checkpoint; a restart
-resumes from ``latest_manifest``.
+Agreement: a signal reaches the ranks at slightly different times, so a
+multi-rank script turns its local flags into one decision per step with a
+collective (``StopSignal.flags()`` -> all-reduce MAX -> ``agreed``); every
+rank then checkpoints after the same step and none trains past it.
+
+Checkpoints: data goes into ``step-<n>.tmp-*`` and is renamed to
+``step-<n>`` (``CheckpointWriter``); then rank 0 writes ``manifest.json`` in
+``GEARSHIFT_CKPT_DIR`` last and atomically, so a manifest always names a
+complete checkpoint; a restart resumes from ``latest_manifest``. Older step
+folders are pruned, the newest ``keep`` stay.
+
+Progress fields the agent understands: ``step``, ``steps``, ``loss``,
+``samples_per_s``, ``phases`` (ms per step: ``forward``, ``backward``
+(backward + gradient sync), ``optimizer``, ``iteration``), ``start_step``
+(the step this process resumed from), ``restore_s`` (launch -> state
+restored), ``first_step_s`` (restored -> first step done).
 """
 
 from __future__ import annotations
@@ -64,6 +80,33 @@ class WorkerEnv:
     steps: int = 0
     global_batch: int = 0
     step_time: float = 0.1
+    launched_at: float = 0.0  # wall time the agent spawned this process
+    profile_steps: int = 0  # > 0: a profiling run, measure this many steps and exit
+
+    # plan accessors (the bus Plan as JSON; absent fields take their defaults)
+    @property
+    def dp(self) -> int:
+        return int(self.plan.get("dp") or 1)
+
+    @property
+    def ga(self) -> int:
+        return int(self.plan.get("ga") or 1)
+
+    @property
+    def zero(self) -> int:
+        return int(self.plan.get("zero") or 0)
+
+    @property
+    def grad_ckpt(self) -> bool:
+        return bool(self.plan.get("grad_ckpt"))
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per micro-step per replica; derived from the fixed global batch."""
+        mb = self.plan.get("micro_batch")
+        if mb:
+            return int(mb)
+        return max(1, self.global_batch // (self.dp * self.ga))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
@@ -86,6 +129,8 @@ class WorkerEnv:
             steps=int(e.get("GEARSHIFT_STEPS", "0")),
             global_batch=int(e.get("GEARSHIFT_GLOBAL_BATCH", "0")),
             step_time=float(e.get("GEARSHIFT_STEP_TIME") or 0.1),
+            launched_at=float(e.get("GEARSHIFT_LAUNCHED_AT") or 0.0),
+            profile_steps=int(e.get("GEARSHIFT_PROFILE_STEPS") or 0),
         )
 
 
@@ -138,6 +183,7 @@ class ProgressReporter:
         loss: float | None = None,
         phases: dict[str, float] | None = None,
         force: bool = False,
+        **extra: Any,
     ) -> None:
         if self.path is None:
             return
@@ -151,8 +197,51 @@ class ProgressReporter:
         if loss is not None:
             obj["loss"] = float(loss)
         if phases:
-            obj["phases"] = phases  # seconds per phase, for the profiler (issue 6)
+            obj["phases"] = phases  # ms per step by phase, for the profiler
+        obj.update(extra)
         write_json_atomic(self.path, obj)
+
+
+class PhaseTimer:
+    """Wall time per phase, accumulated over a step and averaged over steps:
+    ``with timer("forward"): ...``; ``end_step()`` closes a step."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = {}
+        self.total: dict[str, float] = {}
+        self.steps = 0
+        self._t0 = time.perf_counter()
+
+    def __call__(self, phase: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self_inner):
+                self_inner.t = time.perf_counter()
+
+            def __exit__(self_inner, *exc):
+                timer.current[phase] = timer.current.get(phase, 0.0) + time.perf_counter() - self_inner.t
+
+        return _Ctx()
+
+    def start_step(self) -> None:
+        self.current = {}
+        self._t0 = time.perf_counter()
+
+    def end_step(self) -> dict[str, float]:
+        """This step's phases in ms (``iteration`` = the whole step)."""
+        self.current["iteration"] = time.perf_counter() - self._t0
+        for k, v in self.current.items():
+            self.total[k] = self.total.get(k, 0.0) + v
+        self.steps += 1
+        return {k: v * 1e3 for k, v in self.current.items()}
+
+    def mean_ms(self) -> dict[str, float]:
+        return {k: v * 1e3 / max(1, self.steps) for k, v in self.total.items()}
+
+    def reset(self) -> None:
+        self.total = {}
+        self.steps = 0
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -188,30 +277,110 @@ def latest_manifest(ckpt_dir: Path | None) -> dict | None:
     return read_json(Path(ckpt_dir) / MANIFEST)
 
 
+class CheckpointWriter:
+    """Atomic checkpoint folders: ``with writer.stage(step) as tmp: write into tmp``
+    renames ``tmp`` to ``step-<n>`` only when the block succeeds, then prunes."""
+
+    def __init__(self, ckpt_dir: Path, keep: int = 2):
+        self.ckpt_dir = Path(ckpt_dir)
+        self.keep = keep
+
+    def path(self, step: int) -> Path:
+        return self.ckpt_dir / f"step-{int(step):08d}"
+
+    def stage(self, step: int):
+        writer = self
+
+        class _Stage:
+            def __enter__(self_inner) -> Path:
+                writer.ckpt_dir.mkdir(parents=True, exist_ok=True)
+                self_inner.tmp = Path(tempfile.mkdtemp(prefix=f"step-{int(step):08d}.tmp-", dir=writer.ckpt_dir))
+                return self_inner.tmp
+
+            def __exit__(self_inner, exc_type, exc, tb) -> None:
+                import shutil
+
+                if exc_type is not None:
+                    shutil.rmtree(self_inner.tmp, ignore_errors=True)
+                    return
+                final = writer.path(step)
+                if final.exists():  # the same step again (a repeated stop): replace it
+                    shutil.rmtree(final, ignore_errors=True)
+                os.replace(self_inner.tmp, final)
+
+        return _Stage()
+
+    def prune(self, current: int) -> None:
+        """Remove step folders older than the newest ``keep`` (never ``current``)
+        and temp folders a crash left behind."""
+        import shutil
+
+        if not self.ckpt_dir.exists():
+            return
+        steps = sorted(p for p in self.ckpt_dir.iterdir() if p.is_dir() and p.name.startswith("step-"))
+        done = [p for p in steps if ".tmp-" not in p.name]
+        for p in done[: -self.keep] if self.keep else []:
+            if p != self.path(current):
+                shutil.rmtree(p, ignore_errors=True)
+        for p in steps:
+            if ".tmp-" in p.name and not p.name.startswith(f"step-{int(current):08d}."):
+                shutil.rmtree(p, ignore_errors=True)
+
+
 # ------------------------------------------------------------------ stop requests
 class StopSignal:
     """SIGTERM (and SIGINT) as a flag the training loop checks at step
     boundaries, plus ``wait`` that sleeps but wakes at once on the signal.
+    SIGUSR1 sets ``checkpoint_requested`` (checkpoint, keep running).
 
     The handler only sets a flag and writes one byte to a pipe; ``wait``
     selects on that pipe, so no lock is ever taken inside a signal handler.
     """
 
-    def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+    def __init__(
+        self,
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT),
+        checkpoint_signals: tuple[int, ...] = (signal.SIGUSR1,),
+    ):
         self.requested = False
+        self.checkpoint_requested = False
         self.signum: int | None = None
+        self.requested_at: float | None = None  # wall time of the first stop request
         self._r, self._w = os.pipe()
         os.set_blocking(self._w, False)
         for s in signals:
             signal.signal(s, self._handle)
+        for s in checkpoint_signals:
+            signal.signal(s, self._handle_checkpoint)
 
     def _handle(self, signum, frame) -> None:
         self.requested = True
         self.signum = signum
+        if self.requested_at is None:
+            self.requested_at = time.time()
         try:
             os.write(self._w, b"x")
         except BlockingIOError:
             pass
+
+    def _handle_checkpoint(self, signum, frame) -> None:
+        self.checkpoint_requested = True
+
+    def flags(self) -> tuple[int, int]:
+        """(stop, checkpoint) as ints, to all-reduce with MAX across ranks."""
+        return int(self.requested), int(self.checkpoint_requested)
+
+    def agreed(self, stop: int, checkpoint: int) -> None:
+        """Adopt the all-ranks decision (a rank that missed the signal stops too)."""
+        if stop and not self.requested:
+            self.requested = True
+            self.requested_at = self.requested_at or time.time()
+        if not checkpoint:
+            return
+        self.checkpoint_requested = True
+
+    def checkpoint_done(self) -> None:
+        self.checkpoint_requested = False
 
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` s; True as soon as a stop was requested."""

@@ -164,6 +164,36 @@ class InvalidTransition(ValueError):
     pass
 
 
+class NodeShare(_Msg, kw_only=True, frozen=True):
+    node: NodeName
+    gpus: PosInt
+
+
+class PinnedPlan(_Msg, kw_only=True, frozen=True):
+    """A plan (and optionally where) an operator fixed for a job; the
+    optimizer applies it instead of the policy's choice while it is set."""
+
+    plan: "Plan"
+    placement: list[NodeShare] = []  # empty: first fit
+    reason: str = ""
+
+
+class SwitchTiming(_Msg, kw_only=True, frozen=True):
+    """Timestamps (wall clock) of one plan switch, filled in as it happens."""
+
+    from_generation: NonNegInt
+    to_generation: NonNegInt
+    from_plan: "Plan | None" = None
+    from_gpus: NonNegInt = 0
+    started: float  # drain began (allocation of the old generation withdrawn)
+    checkpointed: float | None = None  # last rank's checkpoint written
+    checkpoint_step: NonNegInt = 0
+    progress_step: NonNegInt = 0  # furthest step the old generation reached
+    drained: float | None = None  # every rank of the old generation exited
+    released: float | None = None  # allocation of the new generation written
+    launched: float | None = None  # processes of the new generation started (rank 0's node)
+
+
 class NodePlacement(_Msg, kw_only=True, frozen=True):
     node: NodeName
     gpus: list[NonNegInt]  # GPU indices on that node
@@ -219,6 +249,16 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     reason: str = ""  # why it is in its state (waiting reason, failure reason)
     event_seq: NonNegInt = 0  # per-job sequence number of the last event
     outbox: list["AnyJobEvent"] = []  # events written with the state, not yet confirmed published
+    # Gang barrier: the placement of generation ``drain_generation`` whose
+    # processes have not all exited yet. Its GPUs stay held, and the next
+    # generation's allocation is written only once it is empty.
+    draining: list[NodePlacement] = []
+    drain_generation: NonNegInt = 0
+    drain_started: float | None = None
+    switch: "SwitchTiming | None" = None  # the plan switch in progress, for its JobSwitched event
+    failures: NonNegInt = 0  # crashes retried from the last checkpoint
+    checkpoint_step: NonNegInt = 0  # step of the last checkpoint an agent reported
+    pinned: "PinnedPlan | None" = None  # operator override (gs.optimizer.reconfigure)
 
     @property
     def terminal(self) -> bool:
@@ -253,6 +293,7 @@ class NodeReport(_Msg, kw_only=True, frozen=True):
     memory_total: NonNegInt = 0  # host bytes
     memory_used: NonNegInt = 0
     probe: str = "nvml"  # nvml | fake
+    reserved: list[NonNegInt] = []  # GPU indices busy outside any allocation (profiling runs)
     running: list[str] = []  # "<job_id>@<generation>" of the processes it runs
     agent_version: str = ""
     started_at: float = 0.0
@@ -263,6 +304,7 @@ class NodeReport(_Msg, kw_only=True, frozen=True):
 class RunReportKind(str, enum.Enum):
     STARTED = "started"
     EXITED = "exited"
+    STEPPED = "stepped"  # rank 0 finished the first step of this generation
 
 
 class RunReport(_Msg, kw_only=True, frozen=True):
@@ -280,6 +322,16 @@ class RunReport(_Msg, kw_only=True, frozen=True):
     # than by itself
     stopped: bool = False
     message: str = ""
+    # EXITED: the checkpoint the job resumes from and how far it had got
+    checkpoint_step: int | None = None
+    checkpoint_at: float | None = None  # wall time the checkpoint was complete
+    progress_step: int = 0
+    stop_sent_at: float | None = None  # when the agent sent SIGTERM
+    # STARTED / STEPPED: timings of the new generation
+    launched_at: float | None = None  # processes spawned
+    start_step: int = 0
+    restore_s: float | None = None  # spawn -> state restored (interpreter, imports, rendezvous, load)
+    first_step_s: float | None = None  # restored -> first step done
 
 
 class JobProgress(_Msg, kw_only=True, frozen=True):
@@ -305,6 +357,57 @@ class AgentReply(_Msg, kw_only=True, frozen=True):
     ok: bool
     error: str = ""
     node: str = ""
+
+
+class CheckpointCommand(_Input, kw_only=True, frozen=True):
+    """Ask a running job to checkpoint at the next agreed step and go on (SIGUSR1)."""
+
+    job_id: JobId
+    generation: PosInt
+
+
+class ProfileCommand(_Input, kw_only=True, frozen=True):
+    """Run a job's workload on this node for a few steps with one plan and
+    report its per-phase times (``gs.agent.<node>.profile``)."""
+
+    run_id: JobId
+    plan: Plan
+    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
+    command: Annotated[list[Arg], Meta(min_length=1, max_length=MAX_ARGS)] | None = None
+    env: Annotated[dict[EnvKey, Arg], Meta(max_length=MAX_ENV)] | None = None
+    steps: Annotated[int, Meta(ge=1, le=10_000)] = 5
+    step_time: Annotated[float, Meta(gt=0, le=86_400)] | None = None  # emulated worker
+    timeout: Annotated[float, Meta(gt=0, le=3600)] = 120.0
+
+
+class ProfileResult(_Msg, kw_only=True, frozen=True):
+    ok: bool
+    node: str = ""
+    error: str = ""
+    plan: Plan | None = None
+    gpus: list[int] = []
+    steps: int = 0
+    iter_ms: float | None = None
+    fwd_ms: float | None = None
+    bwd_ms: float | None = None  # backward + gradient sync
+    opt_ms: float | None = None
+    wall_s: float = 0.0
+
+
+class ReconfigureRequest(_Input, kw_only=True, frozen=True):
+    """Operator override (``gs.optimizer.reconfigure``): run ``job_id`` with
+    ``plan`` (on ``placement`` if given) until cleared with ``plan: null``."""
+
+    job_id: JobId
+    plan: Plan | None = None
+    placement: list[NodeShare] = []
+    reason: Label = ""
+
+
+class ReconfigureReply(_Msg, kw_only=True, frozen=True):
+    job_id: str
+    pinned: bool
+    generation: int = 0
 
 
 # ---------------------------------------------------------------- replies
@@ -411,6 +514,39 @@ class JobCancelled(JobEvent, tag="job.cancelled", kw_only=True, frozen=True):
 
 class JobRequeued(JobEvent, tag="job.requeued", kw_only=True, frozen=True):
     reason: str = ""
+    retry: int = 0  # crash retries so far (0: not a crash)
+    checkpoint_step: int = 0  # where it resumes
+
+
+class JobSwitched(JobEvent, tag="job.switched", kw_only=True, frozen=True):
+    """A plan switch is complete (the new generation made its first step),
+    with its cost by phase in seconds:
+    checkpoint (drain start -> checkpoint written), teardown (-> every rank
+    of the old generation exited and the new allocation written), launch
+    (-> new processes spawned), restore (-> state loaded), first_step
+    (-> first step done); total is drain start -> first step done."""
+
+    from_generation: int = 0
+    from_plan: Plan | None = None
+    plan: Plan | None = None
+    from_gpus: int = 0
+    gpus: int = 0
+    nodes: list[str] = []
+    checkpoint_s: float = 0.0
+    teardown_s: float = 0.0
+    launch_s: float = 0.0
+    restore_s: float = 0.0
+    first_step_s: float = 0.0
+    total_s: float = 0.0
+    checkpoint_step: int = 0
+    resumed_step: int = 0
+    steps_lost: int = 0  # reached by the old generation but not in its checkpoint
+
+
+class JobProfiled(JobEvent, tag="job.profiled", kw_only=True, frozen=True):
+    model_key: str = ""
+    plans: int = 0
+    train_error: float | None = None
 
 
 class NodeJoined(Event, tag="node.joined", kw_only=True, frozen=True):
@@ -444,12 +580,14 @@ AnyJobEvent = (
     | JobCancelRequested
     | JobCancelled
     | JobRequeued
+    | JobSwitched
+    | JobProfiled
 )
 AnyEvent = AnyJobEvent | NodeJoined | NodeLost | RoundCompleted
 
 JOB_EVENT_TYPES: tuple[type[JobEvent], ...] = (
     JobSubmitted, JobScheduled, JobReconfigured, JobPreempted, JobRunning, JobCompleted, JobFailed,
-    JobCancelRequested, JobCancelled, JobRequeued,
+    JobCancelRequested, JobCancelled, JobRequeued, JobSwitched, JobProfiled,
 )
 EVENT_TYPES: tuple[type[Event], ...] = (*JOB_EVENT_TYPES, NodeJoined, NodeLost, RoundCompleted)
 

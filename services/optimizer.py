@@ -11,6 +11,28 @@ Only the lease holder acts. As leader it
 - reconciles ``gs_alloc`` with ``gs_jobs`` every round, so a crash between
   the two writes heals by itself: the record is the truth, the allocation
   is derived from it.
+
+Plan switches are a gang barrier. A running job whose plan or placement
+changes gets generation g+1 in its record at once, but its old placement
+goes into ``draining`` and only generation g's allocation is withdrawn:
+every agent of g checkpoints and stops its ranks. Each EXITED report of g
+removes its node from ``draining``; when none is left the allocation of g+1
+is written, so no rank of g+1 starts before every rank of g has stopped.
+Preempted, re-queued and crashed jobs drain the same way. While a placement
+drains its GPUs count as held: no other job gets them. A drain that never
+hears from a node (node lost, or ``drain_timeout`` over) is settled by the
+round. The switch's timestamps ride in the record (``switch``) and become a
+``job.switched`` event with the cost by phase once the new rank 0 reports
+its first step (STEPPED).
+
+Crashes: an EXITED report with a non-zero code the agent did not cause
+re-queues the job (it resumes from its last checkpoint) up to
+``max_retries`` times, then fails it with the reason.
+
+Operators can pin a plan (``gs.optimizer.reconfigure``): while pinned the
+optimizer uses that plan (and placement, if given) instead of the policy's.
+With ``wait_for_models`` a job whose model has no fitted parameters (KV
+``gs_models``) and no shipped fit waits for the profiler and says so.
 """
 
 from __future__ import annotations
@@ -30,6 +52,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
     Allocation,
+    JobSwitched,
+    NodeShare,
+    PinnedPlan,
+    ReconfigureReply,
+    ReconfigureRequest,
+    SwitchTiming,
     ExplainEntry,
     ExplainReply,
     JobCancelled,
@@ -62,6 +90,9 @@ log = get_logger(service="optimizer")
 
 ACTIVE = (JobState.SCHEDULED, JobState.RUNNING)
 DEFAULT_STEP_TIME = 0.1
+DEFAULT_MAX_RETRIES = 3
+DEFAULT_DRAIN_TIMEOUT = 120.0
+OPTIMIZER_RECONFIGURE = subj.OPTIMIZER + ".reconfigure"
 
 
 def emulated_step_time(rec: JobRecord, plan: Plan) -> float:
@@ -82,6 +113,9 @@ class Optimizer:
         instance: str | None = None,
         lease_ttl: float = 6.0,
         policy_options: dict[str, Any] | None = None,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
+        wait_for_models: bool = False,
     ):
         self.nc = nc
         self.js = nc.jetstream()
@@ -90,6 +124,9 @@ class Optimizer:
         self.node_timeout = node_timeout
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.lease_ttl = lease_ttl
+        self.max_retries = max_retries
+        self.drain_timeout = drain_timeout
+        self.wait_for_models = wait_for_models
         self.store = JobStore(nc)
         self.round_no = 0
         self.last_explain: list[ExplainEntry] = []
@@ -106,6 +143,7 @@ class Optimizer:
         await self.store.open()
         self.alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
+        self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.lease = Lease(
             await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
             renew=self.lease_ttl / 4,
@@ -140,6 +178,7 @@ class Optimizer:
             [
                 Endpoint("round", subj.OPTIMIZER_ROUND, None, self._round_endpoint),
                 Endpoint("explain", subj.OPTIMIZER_EXPLAIN, None, self._explain_endpoint),
+                Endpoint("reconfigure", OPTIMIZER_RECONFIGURE, ReconfigureRequest, self._reconfigure_endpoint),
             ],
             "gearshift scheduling rounds",
             {"policy": self.policy.name, "instance": self.instance},
@@ -201,21 +240,38 @@ class Optimizer:
     async def apply_report(self, r: RunReport) -> None:
         """Move the job's state for one agent report; stale generations are ignored."""
         ended = False
+        released = False
 
         def change(rec: JobRecord) -> JobRecord | None:
-            nonlocal ended
+            nonlocal ended, released
+            ended = released = False
+            if (r.kind == RunReportKind.EXITED and rec.draining and r.generation == rec.drain_generation
+                    and r.node in {p.node for p in rec.draining}):
+                new, released, ended = self._drained(rec, [r.node], r)
+                return new
             if rec.generation != r.generation or rec.terminal:
                 return None
             ts = r.ts
             if r.kind == RunReportKind.STARTED:
+                new = rec
+                if rec.switch is not None and rec.switch.to_generation == r.generation and r.rank0:
+                    new = msgspec.structs.replace(
+                        new, switch=msgspec.structs.replace(rec.switch, launched=r.launched_at or ts))
                 if rec.state == JobState.SCHEDULED and r.rank0:
                     new = msgspec.structs.replace(
-                        rec, state=JobState.RUNNING, started_at=rec.started_at or ts, reason="running"
+                        new, state=JobState.RUNNING, started_at=rec.started_at or ts, reason="running"
                     )
                     return with_event(new, JobRunning, ts=ts, nodes=[p.node for p in rec.placement])
+                return new if new is not rec else None
+            if r.kind == RunReportKind.STEPPED:
+                if rec.switch is None or rec.switch.to_generation != r.generation or not r.rank0:
+                    return None
+                return self._switched(rec, r)
+            if r.kind != RunReportKind.EXITED:
                 return None
-            # EXITED
             steps = max(rec.steps_done, r.steps_done)
+            if r.checkpoint_step is not None:
+                rec = msgspec.structs.replace(rec, checkpoint_step=max(rec.checkpoint_step, r.checkpoint_step))
             if rec.state == JobState.CANCELLING:
                 ended = True
                 new = msgspec.structs.replace(
@@ -231,21 +287,91 @@ class Optimizer:
                     exit_code=0, reason="completed",
                 )
                 return with_event(new, JobCompleted, ts=ts, steps_done=new.steps_done)
-            if r.stopped:
-                return None  # the agent stopped it on our request; nothing to learn
+            if r.stopped or r.exit_code == 0:
+                return None  # stopped on our request, or a follower that finished: nothing to learn
             ended = True
             why = f"process on {r.node} exited with code {r.exit_code}" + (f": {r.message}" if r.message else "")
+            others = [p for p in rec.placement if p.node != r.node]
+            if rec.failures < self.max_retries:
+                # retry from the last checkpoint; the other nodes' ranks drain first
+                retry = rec.failures + 1
+                new = msgspec.structs.replace(
+                    rec, state=JobState.PENDING, placement=[], steps_done=steps, failures=retry,
+                    restarts=rec.restarts + 1, switch=None, reason=f"retry {retry}/{self.max_retries}: {why}",
+                    draining=others, drain_generation=rec.generation, drain_started=now() if others else None,
+                )
+                return with_event(new, JobRequeued, ts=ts, reason=new.reason, retry=retry,
+                                  checkpoint_step=rec.checkpoint_step)
+            why = f"{why} (after {rec.failures} retries)" if rec.failures else why
             new = msgspec.structs.replace(
-                rec, state=JobState.FAILED, finished_at=ts, steps_done=steps, exit_code=r.exit_code, reason=why
+                rec, state=JobState.FAILED, finished_at=ts, steps_done=steps, exit_code=r.exit_code, reason=why,
+                draining=others, drain_generation=rec.generation, drain_started=now() if others else None,
+                switch=None,
             )
             return with_event(new, JobFailed, ts=ts, reason=why, exit_code=r.exit_code)
 
         new = await self.store.update(r.job_id, change)
         if new is not None:
-            log.info("job state", job_id=r.job_id, state=new.state.value, generation=r.generation)
-        if ended:
-            await self._delete_alloc(r.job_id)
+            log.info("job state", job_id=r.job_id, state=new.state.value, generation=r.generation,
+                     kind=r.kind.value, draining=[p.node for p in new.draining])
+        if released and new is not None:
+            await self._put_alloc(new)
+        if ended or released:
+            if ended and new is not None and new.state not in ACTIVE:
+                await self._delete_alloc(r.job_id)
             self.kick.set()
+
+    def _drained(self, rec: JobRecord, nodes: list[str], r: RunReport | None) -> tuple[JobRecord, bool, bool]:
+        """``rec`` with ``nodes`` no longer draining -> (record, release the next
+        generation's allocation, job ended)."""
+        ts = now()
+        left = [p for p in rec.draining if p.node not in nodes]
+        new = msgspec.structs.replace(rec, draining=left, drain_started=rec.drain_started if left else None)
+        if r is not None and r.checkpoint_step is not None:
+            new = msgspec.structs.replace(new, checkpoint_step=max(rec.checkpoint_step, r.checkpoint_step))
+        sw = rec.switch
+        if sw is not None and r is not None:
+            ck = sw.checkpointed
+            if r.checkpoint_at is not None and r.checkpoint_at >= sw.started - 1:
+                ck = max(ck or 0.0, r.checkpoint_at)
+            sw = msgspec.structs.replace(
+                sw, checkpointed=ck, checkpoint_step=max(sw.checkpoint_step, r.checkpoint_step or 0),
+                progress_step=max(sw.progress_step, r.progress_step))
+        if left:
+            return msgspec.structs.replace(new, switch=sw), False, False
+        if sw is not None:
+            sw = msgspec.structs.replace(sw, drained=ts)
+        if rec.state == JobState.CANCELLING and rec.switch is not None:
+            # cancelled while switching: the new generation never started
+            new = msgspec.structs.replace(new, state=JobState.CANCELLED, finished_at=ts, switch=None,
+                                          reason="cancelled by user")
+            return with_event(new, JobCancelled, ts=ts), False, True
+        if rec.state in ACTIVE:
+            if sw is not None:
+                sw = msgspec.structs.replace(sw, released=ts)
+            return msgspec.structs.replace(new, switch=sw), True, False
+        return msgspec.structs.replace(new, switch=sw), False, False
+
+    def _switched(self, rec: JobRecord, r: RunReport) -> JobRecord:
+        """The new generation made its first step: the switch's cost by phase."""
+        sw = rec.switch
+        assert sw is not None
+        started = sw.started
+        ckpt = sw.checkpointed or started
+        released = sw.released or ckpt
+        launched = sw.launched or r.launched_at or released
+        restore = max(0.0, r.restore_s or 0.0)
+        first = max(0.0, r.first_step_s or 0.0)
+        done_at = launched + restore + first
+        new = msgspec.structs.replace(rec, switch=None)
+        return with_event(
+            new, JobSwitched, ts=r.ts, from_generation=sw.from_generation, from_plan=sw.from_plan, plan=rec.plan,
+            from_gpus=sw.from_gpus, gpus=sum(len(p.gpus) for p in rec.placement), nodes=[p.node for p in rec.placement],
+            checkpoint_s=max(0.0, ckpt - started), teardown_s=max(0.0, released - ckpt),
+            launch_s=max(0.0, launched - released), restore_s=restore, first_step_s=first,
+            total_s=max(0.0, done_at - started), checkpoint_step=sw.checkpoint_step, resumed_step=r.start_step,
+            steps_lost=max(0, sw.progress_step - sw.checkpoint_step),
+        )
 
     # ------------------------------------------------------------ rounds
     async def _round_loop(self) -> None:
@@ -306,17 +432,24 @@ class Optimizer:
         # Jobs on lost nodes go back to the queue.
         for rec in list(records.values()):
             if rec.state in ACTIVE and any(p.node not in alive for p in rec.placement) and self._grace_over():
-                new = await self._requeue(rec, "node lost: " + ",".join(p.node for p in rec.placement if p.node not in alive))
+                new = await self._requeue(rec, "node lost: " + ",".join(p.node for p in rec.placement if p.node not in alive), alive)
                 if new:
                     records[rec.job_id] = new
                     changes += 1
+        changes += await self._settle_drains(records, alive)
 
-        # Capacity: what cancelling jobs still hold is not free until they exit.
+        # Capacity: what cancelling and draining jobs still hold is not free
+        # until their processes exited; neither are GPUs agents profile on.
         held: dict[str, set[int]] = {}
         for rec in records.values():
             if rec.state == JobState.CANCELLING:
                 for p in rec.placement:
                     held.setdefault(p.node, set()).update(p.gpus)
+            for p in rec.draining:
+                held.setdefault(p.node, set()).update(p.gpus)
+        for n in nodes:
+            if n.reserved:
+                held.setdefault(n.node, set()).update(n.reserved)
         node_states = [
             NodeState(
                 name=n.node,
@@ -327,10 +460,15 @@ class Optimizer:
             )
             for n in nodes
         ]
-        views = [self._view(r) for r in records.values() if r.state in (JobState.PENDING, *ACTIVE)]
+        unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
+        views = [self._view(r) for r in records.values()
+                 if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
         views = [v for v in views if all(p.node in alive for p in v.placement)]
         decision: Decision = self.policy.schedule(now(), node_states, views, None)
+        self._apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
+        for job_id, key in unmodelled.items():
+            decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
 
         gpu_count = {n.node: len(n.gpus) for n in nodes}
         changes += await self._apply(decision, records, gpu_count, held)
@@ -375,15 +513,19 @@ class Optimizer:
         self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
     ) -> int:
         changes = 0
-        # GPU indices in use by jobs that keep their placement.
+        # GPU indices in use: held (cancelling, draining, profiling) and every
+        # active job's current placement: a job that is switched or preempted
+        # now drains first, so nobody else may take its GPUs this round.
         used: dict[str, set[int]] = {k: set(v) for k, v in held.items()}
         keep: set[str] = set()
+        for rec in records.values():
+            if rec.state in ACTIVE:
+                for p in rec.placement:
+                    used.setdefault(p.node, set()).update(p.gpus)
         for job_id, d in decision.allocations.items():
             rec = records[job_id]
             if rec.state in ACTIVE and self._same_shape(rec, d):
                 keep.add(job_id)
-                for p in rec.placement:
-                    used.setdefault(p.node, set()).update(p.gpus)
         # Preemptions first, so their GPUs are free for what follows.
         for rec in list(records.values()):
             if rec.state in ACTIVE and rec.job_id not in decision.allocations:
@@ -395,14 +537,25 @@ class Optimizer:
             if job_id in keep:
                 continue
             rec = records[job_id]
+            own = {p.node: set(p.gpus) for p in rec.placement} if rec.state in ACTIVE else {}
             placement = []
             for p in d.placement:
-                taken = used.setdefault(p.node, set())
+                # a switching job may reuse its own GPUs: its ranks stop before the new ones start
+                taken = used.get(p.node, set()) - own.get(p.node, set())
+                taken |= {g for q in placement if q.node == p.node for g in q.gpus}
                 free = [i for i in range(gpu_count[p.node]) if i not in taken][: p.gpus]
                 if len(free) < p.gpus:
-                    raise RuntimeError(f"node {p.node}: policy placed {p.gpus} GPUs, only {len(free)} free indices")
-                taken.update(free)
+                    placement = None
+                    break
                 placement.append(NodePlacement(node=p.node, gpus=free, cpus=p.cpus))
+            if placement is None:
+                # the policy counted GPUs that are still draining: next round
+                log.info("allocation deferred: GPUs still held", job_id=job_id)
+                decision.allocations.pop(job_id)
+                decision.waiting[job_id] = "waiting for GPUs that other jobs are still releasing"
+                continue
+            for p in placement:
+                used.setdefault(p.node, set()).update(p.gpus)
             new = await self._allocate(rec, d, placement)
             if new:
                 records[job_id] = new
@@ -422,11 +575,19 @@ class Optimizer:
         def change(r: JobRecord) -> JobRecord | None:
             if r.state not in (JobState.PENDING, *ACTIVE) or r.generation != rec.generation:
                 return None  # changed under us (cancelled, completed): skip this round
+            if reconfig and r.draining:
+                return None  # one switch at a time
             gen = r.generation + 1
             new = msgspec.structs.replace(
                 r, state=JobState.SCHEDULED, generation=gen, plan=d.plan, placement=placement,
                 scheduled_at=r.scheduled_at or ts, reason=d.reason, restarts=r.restarts + (1 if reconfig else 0),
             )
+            if reconfig:  # gang barrier: generation gen starts once every rank of r.generation exited
+                new = msgspec.structs.replace(
+                    new, draining=list(r.placement), drain_generation=r.generation, drain_started=ts,
+                    switch=SwitchTiming(from_generation=r.generation, to_generation=gen, from_plan=r.plan,
+                                        from_gpus=sum(len(p.gpus) for p in r.placement), started=ts),
+                )
             if reconfig:
                 return with_event(
                     new, JobReconfigured, ts=ts, generation=gen, plan=d.plan, placement=placement,
@@ -439,9 +600,12 @@ class Optimizer:
 
         new = await self.store.update(rec.job_id, change)
         if new is not None:
-            await self._put_alloc(new)
+            if new.draining:
+                await self._delete_alloc(new.job_id)  # the old generation checkpoints and stops
+            else:
+                await self._put_alloc(new)
             log.info("job scheduled", job_id=new.job_id, generation=new.generation, plan=d.plan.label(),
-                     nodes=[p.node for p in placement])
+                     nodes=[p.node for p in placement], draining=[p.node for p in new.draining])
         return new
 
     async def _preempt(self, rec: JobRecord, why: str) -> JobRecord | None:
@@ -450,7 +614,10 @@ class Optimizer:
         def change(r: JobRecord) -> JobRecord | None:
             if r.state not in ACTIVE or r.generation != rec.generation:
                 return None
-            new = msgspec.structs.replace(r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1)
+            new = msgspec.structs.replace(
+                r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
+                **_drain_fields(r, ts),
+            )
             return with_event(new, JobPreempted, ts=ts, reason=why)
 
         new = await self.store.update(rec.job_id, change)
@@ -458,20 +625,146 @@ class Optimizer:
             await self._delete_alloc(rec.job_id)
         return new
 
-    async def _requeue(self, rec: JobRecord, why: str) -> JobRecord | None:
+    async def _requeue(self, rec: JobRecord, why: str, alive: set[str]) -> JobRecord | None:
         ts = now()
 
         def change(r: JobRecord) -> JobRecord | None:
             if r.state not in ACTIVE or r.generation != rec.generation:
                 return None
-            new = msgspec.structs.replace(r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1)
-            return with_event(new, JobRequeued, ts=ts, reason=why)
+            # ranks on the nodes still alive must stop before the job restarts
+            new = msgspec.structs.replace(
+                r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
+                **_drain_fields(r, ts, alive),
+            )
+            return with_event(new, JobRequeued, ts=ts, reason=why, checkpoint_step=r.checkpoint_step)
 
         new = await self.store.update(rec.job_id, change)
         if new is not None:
             await self._delete_alloc(rec.job_id)
             log.warning("job requeued", job_id=rec.job_id, reason=why)
         return new
+
+    # ------------------------------------------------------------ drains, pins, models
+    async def _settle_drains(self, records: dict[str, JobRecord], alive: set[str]) -> int:
+        """End drains that cannot finish: nodes that are gone, or a drain older
+        than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
+        changes = 0
+        t = now()
+        for rec in list(records.values()):
+            if not rec.draining:
+                continue
+            timed_out = rec.drain_started is not None and t - rec.drain_started > self.drain_timeout
+            gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
+            if not gone:
+                continue
+            released = False
+
+            def change(r: JobRecord, gone=gone) -> JobRecord | None:
+                nonlocal released
+                if not r.draining:
+                    return None
+                new, released, _ = self._drained(r, gone, None)
+                return new
+
+            new = await self.store.update(rec.job_id, change)
+            if new is not None:
+                log.warning("drain settled without reports", job_id=rec.job_id, nodes=gone, timed_out=timed_out)
+                records[rec.job_id] = new
+                changes += 1
+                if released:
+                    await self._put_alloc(new)
+        return changes
+
+    def _apply_pins(
+        self, decision: Decision, records: dict[str, JobRecord], nodes: list[NodeState], eligible: set[str]
+    ) -> None:
+        """Operator-pinned plans replace the policy's choice for their jobs,
+        where the GPUs the other jobs leave allow it."""
+        pinned = [r for r in records.values() if r.pinned is not None and r.job_id in eligible]
+        if not pinned:
+            return
+        policy_choice = {rec.job_id: decision.allocations.pop(rec.job_id, None) for rec in pinned}
+        for rec in sorted(pinned, key=lambda r: r.submitted_at):
+            pin = rec.pinned
+            assert pin is not None
+            free = {n.name: n.gpus_total for n in nodes}
+            for d in decision.allocations.values():
+                for p in d.placement:
+                    free[p.node] = free.get(p.node, 0) - p.gpus
+            shares = [(s.node, s.gpus) for s in pin.placement]
+            if not shares:  # first fit: one node if possible, else fill nodes in order
+                need = pin.plan.gpus
+                one = next((n for n in sorted(free) if free[n] >= need), None)
+                if one is not None:
+                    shares = [(one, need)]
+                else:
+                    for n in sorted(free):
+                        take = min(need, max(0, free[n]))
+                        if take:
+                            shares.append((n, take))
+                            need -= take
+                    if need:
+                        shares = []
+            if not shares or any(free.get(n, -1) < g for n, g in shares):
+                if policy_choice[rec.job_id] is not None:  # keep what the policy chose meanwhile
+                    decision.allocations[rec.job_id] = policy_choice[rec.job_id]
+                else:
+                    decision.waiting[rec.job_id] = f"pinned plan {pin.plan.label()} waits for {pin.plan.gpus} GPUs"
+                continue
+            decision.waiting.pop(rec.job_id, None)
+            cur = {p.node: p.cpus for p in rec.placement}
+            decision.allocations[rec.job_id] = JobDecision(
+                placement=tuple(Placement(n, g, cur.get(n, 0)) for n, g in shares), plan=pin.plan,
+                reason=f"pinned by operator{': ' + pin.reason if pin.reason else ''}",
+            )
+
+    async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
+        """Pending jobs whose model has neither a fitted entry in gs_models nor
+        a shipped fit: job id -> model key."""
+        from perfmodel.catalog import shape_from_spec
+        from perfmodel.rubick import MODELS
+
+        from .perfmodel_service import kv_key
+
+        try:
+            have = set(await self.models_kv.keys())
+        except Exception:  # no keys yet
+            have = set()
+        out = {}
+        for rec in records.values():
+            if rec.state != JobState.PENDING or rec.spec.model.name in MODELS:
+                continue
+            try:
+                key = shape_from_spec(rec.spec.model).key
+            except (ValueError, TypeError):
+                continue
+            if kv_key(key) not in have:
+                out[rec.job_id] = key
+        return out
+
+    async def _reconfigure_endpoint(self, req: ReconfigureRequest) -> ReconfigureReply:
+        from .runtime import RequestError, bad_request
+
+        if req.plan is not None:
+            if req.placement and sum(s.gpus for s in req.placement) != req.plan.gpus:
+                raise bad_request(f"placement has {sum(s.gpus for s in req.placement)} GPUs, plan "
+                                  f"{req.plan.label()} needs {req.plan.gpus}", "placement")
+        pin = None if req.plan is None else PinnedPlan(plan=req.plan, placement=req.placement, reason=req.reason)
+
+        def change(r: JobRecord) -> JobRecord | None:
+            if r.terminal:
+                return None
+            return msgspec.structs.replace(r, pinned=pin)
+
+        got = await self.store.get(req.job_id)
+        if got is None:
+            raise RequestError("404", f"no job {req.job_id}", "job_id")
+        new = await self.store.update(req.job_id, change)
+        if new is None:
+            raise RequestError("409", f"job {req.job_id} has ended", "job_id")
+        self.kick.set()
+        log.info("plan pinned" if pin else "pin cleared", job_id=req.job_id, plan=req.plan.label() if req.plan else None)
+        return ReconfigureReply(job_id=req.job_id, pinned=pin is not None, generation=new.generation)
 
     # ------------------------------------------------------------ allocations
     def allocation_for(self, rec: JobRecord) -> Allocation:
@@ -496,7 +789,7 @@ class Optimizer:
         allocs = {k: codec.decode(v, Allocation) for k, (v, _) in (await kv_snapshot(self.alloc_kv)).items()}
         for job_id, rec in records.items():
             a = allocs.get(job_id)
-            if rec.state in ACTIVE:
+            if rec.state in ACTIVE and not rec.draining:
                 if a is None or a.generation != rec.generation:
                     await self._put_alloc(rec)
             elif a is not None:
@@ -505,12 +798,28 @@ class Optimizer:
             await self._delete_alloc(job_id)
 
 
+def _drain_fields(r: JobRecord, ts: float, alive: set[str] | None = None) -> dict[str, Any]:
+    """What must stop before ``r`` may start again: the drain already under way
+    (its new generation never started), else its current placement; only
+    nodes in ``alive`` when given (a lost node reports nothing)."""
+    if r.draining:
+        drain, gen = list(r.draining), r.drain_generation
+    else:
+        drain, gen = list(r.placement), r.generation
+    if alive is not None:
+        drain = [p for p in drain if p.node in alive]
+    if not drain:
+        return {"draining": [], "drain_generation": 0, "drain_started": None}
+    return {"draining": drain, "drain_generation": gen, "drain_started": r.drain_started or ts}
+
+
 async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
     nc = await connect(args.server, name="gearshift-optimizer")
     await ensure_infra(nc)
     opt = await Optimizer(
         nc, policy=args.policy, interval=args.interval, node_timeout=args.node_timeout,
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
+        max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
     ).open()
     await opt.run(stop)
     await nc.drain()
@@ -524,6 +833,13 @@ def main(argv: list[str] | None = None) -> None:
                     help='JSON keyword arguments for the policy, e.g. {"restart_cost": 5}')
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between timer rounds")
     ap.add_argument("--node-timeout", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
+    ap.add_argument("--max-retries", type=int, default=DEFAULT_MAX_RETRIES,
+                    help="crashes retried from the last checkpoint before a job fails")
+    ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
+                    help="seconds a switch waits for the old ranks' exit reports before it goes on")
+    ap.add_argument("--wait-for-models", action="store_true",
+                    default=os.environ.get("GEARSHIFT_WAIT_FOR_MODELS", "") not in ("", "0"),
+                    help="jobs without a fitted or shipped performance model wait for the profiler")
     args = ap.parse_args(argv)
     run_service(lambda stop: amain(stop, args))
 

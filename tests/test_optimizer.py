@@ -66,7 +66,7 @@ async def job(nc, job_id) -> JobRecord:
 async def cluster(nc):
     _, svc = await start_admission(nc)
     await register_nodes(nc)
-    opt = await Optimizer(nc, interval=0.5, lease_ttl=2).open()
+    opt = await Optimizer(nc, interval=0.5, lease_ttl=2, max_retries=1).open()
     stop = asyncio.Event()
     task = asyncio.create_task(opt.run(stop))
     await wait_for(lambda: asyncio.sleep(0, opt.is_leader))
@@ -112,9 +112,15 @@ async def test_stale_generation_report_is_ignored_and_crash_fails_job(nc, cluste
     await report(nc, a, 7, node, RunReportKind.EXITED, exit_code=0)  # not its generation
     await report(nc, a, 1, node, RunReportKind.STARTED)
     await wait_for(lambda: _state(nc, a, JobState.RUNNING))
-    await report(nc, a, 1, node, RunReportKind.EXITED, exit_code=3, message="boom")
+    await report(nc, a, 1, node, RunReportKind.EXITED, exit_code=3, message="boom", checkpoint_step=4)
+    # a crash is retried from the last checkpoint (max_retries=1 here) ...
+    again = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED, generation=2))
+    assert again.failures == 1 and again.checkpoint_step == 4 and not again.draining
+    node = again.placement[0].node
+    await report(nc, a, 2, node, RunReportKind.EXITED, exit_code=3, message="boom")
+    # ... then the job fails with the reason
     failed = await wait_for(lambda: _state(nc, a, JobState.FAILED))
-    assert "code 3" in failed.reason and failed.exit_code == 3
+    assert "code 3" in failed.reason and "after 1 retries" in failed.reason and failed.exit_code == 3
 
 
 async def test_cancel_running_job_deletes_allocation_then_cancelled_on_exit(nc, cluster):
@@ -149,9 +155,9 @@ async def test_allocation_rewritten_when_missing(nc, cluster):
     assert a in await kv_snapshot(alloc_kv)
 
 
-async def _state(nc, job_id, state):
+async def _state(nc, job_id, state, generation=None):
     rec = await job(nc, job_id)
-    return rec if rec.state == state else None
+    return rec if rec.state == state and generation in (None, rec.generation) else None
 
 
 async def test_standby_takes_over_when_active_is_killed(nc, nats_url):

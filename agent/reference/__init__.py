@@ -1,0 +1,77 @@
+"""The reference training workload (PyTorch on CPU, gloo): ``python -m agent.reference.train``.
+
+Helpers here do not import torch: a job spec that runs the workload, and an
+uninterrupted local run to compare a switched run with.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+# The model as the scheduler sees it (perfmodel shape): ~0.9M parameters.
+DIM, HIDDEN, LAYERS, CLASSES = 64, 192, 3, 10
+
+
+def params_m(dim: int = DIM, hidden: int = HIDDEN, layers: int = LAYERS, classes: int = CLASSES) -> float:
+    per_block = 2 * hidden + hidden * 4 * hidden + 4 * hidden + 4 * hidden * hidden + hidden
+    return (dim * hidden + hidden + layers * per_block + hidden * classes + classes) / 1e6
+
+
+def model_spec(name: str = "torchref") -> dict[str, Any]:
+    return {"name": name, "params": round(params_m(), 4), "layers": LAYERS, "hidden": HIDDEN, "seq_len": 1}
+
+
+def have_torch() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def command(*extra: str, python: str | None = None) -> list[str]:
+    return [python or sys.executable, "-m", "agent.reference.train", *extra]
+
+
+def job_spec(name: str, *, steps: int, global_batch: int = 64, gpus: int = 1, plan: dict | None = None,
+             extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name, "model": model_spec(), "global_batch": global_batch, "steps": steps, "gpus": gpus,
+        "plan": plan or {"dp": gpus}, "command": command(*extra_args), **kw,
+    }
+    if env:
+        spec["env"] = env
+    return spec
+
+
+def run_local(plan: dict, steps: int, global_batch: int, ckpt_dir: str | os.PathLike, *,
+              extra_args: tuple[str, ...] = (), timeout: float = 600, port: int | None = None) -> dict:
+    """Train without the cluster (the ranks as local processes); returns the final manifest."""
+    import socket
+
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    dp = int(plan.get("dp", 1))
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="torchref-")
+    procs = []
+    for r in range(dp):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(dp), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "GEARSHIFT_JOB_ID": "local", "GEARSHIFT_PLAN": json.dumps(plan), "GEARSHIFT_CKPT_DIR": str(ckpt_dir),
+               "GEARSHIFT_STEPS": str(steps), "GEARSHIFT_GLOBAL_BATCH": str(global_batch),
+               "GEARSHIFT_PROGRESS_FILE": os.path.join(work, f"progress-{r}.json"),
+               "GEARSHIFT_LAUNCHED_AT": repr(time.time())}
+        procs.append(subprocess.Popen(command(*extra_args), env=env, stdout=subprocess.DEVNULL))
+    codes = [p.wait(timeout=timeout) for p in procs]
+    if any(codes):
+        raise RuntimeError(f"local reference run failed: exit codes {codes}")
+    with open(Path(ckpt_dir) / "manifest.json") as f:
+        return json.load(f)
