@@ -2,3 +2,4 @@
 
 from . import codec, subjects
 from .messages import *  # noqa: F401,F403
+from .perfmodel import *  # noqa: F401,F403

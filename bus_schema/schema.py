@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from . import messages as m
+from . import perfmodel as pm
 from . import subjects as s
 
 BUS_VERSION = 1
@@ -13,7 +14,7 @@ MESSAGE_TYPES = [
     m.JobSpec, m.SubmitRequest, m.SubmitReply, m.JobRef, m.ListRequest, m.JobRecord, m.JobList,
     m.Plan, m.ModelSpec, m.Allocation, m.NodePlacement, m.NodeReport, m.NodeList, m.GpuReport,
     m.RunReport, m.JobProgress, m.StopCommand, m.AgentReply, m.ErrorReply, m.RoundReply,
-    m.ExplainReply, *m.EVENT_TYPES,
+    m.ExplainReply, *m.EVENT_TYPES, *pm.PERFMODEL_TYPES,
 ]
 
 SUBJECT_MAP = {
@@ -24,6 +25,9 @@ SUBJECT_MAP = {
     s.ADMISSION_NODES: {"kind": "request", "request": "", "reply": "NodeList"},
     s.OPTIMIZER_ROUND: {"kind": "request", "request": "", "reply": "RoundReply"},
     s.OPTIMIZER_EXPLAIN: {"kind": "request", "request": "", "reply": "ExplainReply"},
+    pm.PERFMODEL_FIT: {"kind": "request", "request": "FitRequest", "reply": "FitReply"},
+    pm.PERFMODEL_PREDICT: {"kind": "request", "request": "PredictRequest", "reply": "PredictReply"},
+    pm.PERFMODEL_CURVE: {"kind": "request", "request": "CurveRequest", "reply": "CurveReply"},
     "gs.agent.<node>.stop": {"kind": "request", "request": "StopCommand", "reply": "AgentReply"},
     "gs.node.<node>.heartbeat": {"kind": "publish", "message": "NodeReport"},
     "gs.job.<job>.progress": {"kind": "publish", "message": "JobProgress"},

@@ -9,7 +9,7 @@ shipped Rubick fits), call the core, reply.  Unknown model keys, bad shapes
 and bad resources become error replies; infeasible plans are answered with
 `feasible=false` and a reason per plan.
 
-The request/reply structs live here until they move into `bus_schema`.
+The request/reply structs are in `bus_schema.perfmodel`.
 """
 
 from __future__ import annotations
@@ -17,102 +17,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import numpy as np
-from msgspec import Meta, Struct
 
-from bus_schema import codec, subjects as subj
+from bus_schema import subjects as subj
 from bus_schema.messages import ModelSpec, Plan
+# The request/reply structs live in bus_schema; re-exported for callers that
+# import them from the service module.
+from bus_schema.perfmodel import (  # noqa: F401
+    MAX_CANDIDATES, PERFMODEL_CURVE, PERFMODEL_FIT, PERFMODEL_PREDICT, CurvePoint, CurveReply, CurveRequest, FitReply,
+    FitRequest, PredictReply, PredictRequest, ProfileSample, ResourceSpec,
+)
 
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, run_service, serve
 
 log = get_logger(service="perfmodel")
-
-PERFMODEL_FIT = f"{subj.PERFMODEL}.fit"
-PERFMODEL_PREDICT = f"{subj.PERFMODEL}.predict"
-PERFMODEL_CURVE = f"{subj.PERFMODEL}.curve"
-MAX_CANDIDATES = 100_000
-
-PosFloat = Annotated[float, Meta(gt=0)]
-GpuShares = Annotated[list[Annotated[int, Meta(ge=1, le=64)]], Meta(min_length=1, max_length=1024)]
-
-
-class _In(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    pass
-
-
-class ResourceSpec(_In):
-    gpus_per_node: GpuShares
-    cpu_threads_per_gpu: Annotated[float, Meta(gt=0, le=256)] = 4.0
-
-
-class ProfileSample(_In):
-    plan: Plan
-    resources: ResourceSpec
-    iter_ms: PosFloat
-    fwd_ms: PosFloat | None = None
-    tcc_ms: PosFloat | None = None  # backward + gradient sync
-    opt_ms: PosFloat | None = None
-
-
-class FitRequest(_In):
-    model: ModelSpec
-    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
-    samples: Annotated[list[ProfileSample], Meta(min_length=1, max_length=1000)]
-
-
-class FitReply(Struct, kw_only=True, frozen=True):
-    model_key: str
-    kv_key: str
-    revision: int
-    samples: int
-    params: dict[str, float]
-    cluster: dict[str, float]
-    train_error: float  # mean relative error of iteration time on the samples
-
-
-class PredictRequest(_In):
-    model: ModelSpec
-    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
-    plans: Annotated[list[Plan], Meta(min_length=1, max_length=MAX_CANDIDATES)]
-    # One offer for every plan, or one per plan.
-    resources: Annotated[list[ResourceSpec], Meta(min_length=1, max_length=MAX_CANDIDATES)]
-
-
-class PredictReply(Struct, kw_only=True, frozen=True):
-    model_key: str
-    source: str  # "kv" (fitted via gs.perfmodel.fit) or "catalog" (shipped Rubick fit)
-    iter_time_s: list[float | None]
-    throughput: list[float]
-    mem_gb: list[float]
-    feasible: list[bool]
-    reason: list[str | None]
-
-
-class CurveRequest(_In):
-    model: ModelSpec
-    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
-    max_gpus: Annotated[int, Meta(ge=1, le=1024)] = 64
-    gpus_per_node: Annotated[int, Meta(ge=1, le=64)] = 8
-    max_nodes: Annotated[int, Meta(ge=1, le=128)] = 8
-    cpu_threads_per_gpu: Annotated[float, Meta(gt=0, le=256)] = 4.0
-
-
-class CurvePoint(Struct, kw_only=True, frozen=True):
-    gpus: int
-    throughput: float  # envelope (best with at most this many GPUs)
-    knee_gpus: int  # smallest allocation within 1% of that level
-    knee_nodes: int
-    plan: Plan | None  # best plan at the knee
-
-
-class CurveReply(Struct, kw_only=True, frozen=True):
-    model_key: str
-    source: str
-    points: list[CurvePoint]
-    saturation: CurvePoint | None
 
 
 def kv_key(model_key: str) -> str:

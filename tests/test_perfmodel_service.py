@@ -9,9 +9,8 @@ import pytest
 
 from bus_schema import subjects as subj
 from perfmodel import Resources, enumerate_plans, fitted_model_for, predict, rubick_job
-from services.perfmodel_service import (
-    PERFMODEL_CURVE, PERFMODEL_FIT, PERFMODEL_PREDICT, CurveReply, FitReply, PredictReply, kv_key, start_perfmodel,
-)
+from bus_schema import PERFMODEL_CURVE, PERFMODEL_FIT, PERFMODEL_PREDICT, CurveReply, FitReply, PredictReply
+from services.perfmodel_service import kv_key, start_perfmodel
 from services.runtime import ServiceCallError, call
 
 GPT2 = {"name": "gpt2", "params": 1557.686, "layers": 48, "hidden": 1600, "seq_len": 1024, "heads": 25}
@@ -23,6 +22,25 @@ async def perfmodel(nc):
     obj, svc = await start_perfmodel(nc)
     yield obj
     await svc.stop()
+
+
+def test_messages_live_in_bus_schema():
+    import services.perfmodel_service as svc
+    from bus_schema import CurveRequest, FitRequest, PredictRequest, codec
+    from bus_schema.schema import SUBJECT_MAP, bus_schema
+
+    assert svc.FitRequest is FitRequest and svc.PERFMODEL_FIT == PERFMODEL_FIT == "gs.perfmodel.fit"
+    assert SUBJECT_MAP[PERFMODEL_PREDICT]["request"] == "PredictRequest"
+    assert {"FitRequest", "PredictReply", "CurveRequest"} <= set(bus_schema()["components"]["schemas"])
+    body = {"model": GPT2, "global_batch": 16}
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        codec.decode(json.dumps({**body, "max_gpus": 8, "colour": 1}).encode(), CurveRequest)
+    with pytest.raises(AttributeError):
+        codec.decode(json.dumps({**body, "max_gpus": 8}).encode(), CurveRequest).max_gpus = 9  # frozen
+    # Replies tolerate fields a newer service may add.
+    reply = msgspec.json.decode(b'{"model_key":"k","source":"kv","points":[],"saturation":null,"new":1}', type=CurveReply)
+    assert reply.model_key == "k"
+    assert PredictRequest.__struct_config__.forbid_unknown_fields
 
 
 def _plan_dict(p):
