@@ -57,6 +57,7 @@ from bus_schema.messages import (
     RunReportKind,
     StopCommand,
 )
+from services.auth_alloc import node_alloc_watch
 from services.runtime import VERSION, Endpoint, get_logger, serve
 
 from . import launch, worker as wk
@@ -161,7 +162,8 @@ class Agent:
         # A predecessor killed with SIGKILL left its job processes running: stop
         # them before launching anything, or one generation would run twice.
         await _reap_orphans(self.workdir / "run", self.grace, self.log)
-        self._watcher = await self._alloc_kv.watchall()
+        # only this node's allocations (<node>.<job> keys): see services.auth_alloc
+        self._watcher = await node_alloc_watch(self.js, self.node)
         self._tasks = [
             asyncio.create_task(self._watch_loop(), name="agent-watch"),
             asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
@@ -311,6 +313,7 @@ class Agent:
                     stdout=out,
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,  # own process group: one signal reaches its children
+                    preexec_fn=_die_with_agent,  # no orphan outlives a crashed agent
                 )
             run.procs.append(proc)
             _remember_pid(run.run_dir, proc.pid)
@@ -681,6 +684,18 @@ def _pid_alive(pid: int) -> bool:
             return True
         except OSError:
             return False
+
+
+def _die_with_agent() -> None:
+    """In the child before exec: SIGTERM (checkpoint and leave) when the agent
+    dies, as systemd's KillMode=control-group would; an agent killed with
+    SIGKILL must not leave a generation running that nobody fences."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass  # not Linux: the next agent's _reap_orphans stops them
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from bus_schema import codec
@@ -183,7 +184,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     configure_logging("console")
     cluster = LocalCluster(
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_node=args.cpus_per_node, port=args.port,
-        data_dir=args.data_dir, policy=args.policy, interval=args.interval,
+        data_dir=args.data_dir, policy=args.policy, interval=args.interval, auth=not args.no_auth,
+        tenants=args.tenants.split(","),
     )
     stopping = False
 
@@ -196,8 +198,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         url = cluster.start()
         print(url, flush=True)
+        export = f"export GEARSHIFT_NATS_URL={url}"
+        if cluster.auth_dir is not None:
+            from services.auth import well_known_file
+
+            admin = cluster.admin_creds
+            assert admin is not None
+            # the CLI finds the admin credentials for this URL here when GEARSHIFT_CREDS is unset
+            known = well_known_file(url)
+            known.parent.mkdir(parents=True, exist_ok=True)
+            known.write_text(Path(admin).read_text())
+            known.chmod(0o600)
+            export += f" GEARSHIFT_CREDS={admin}"
+            print(f"gearshift up: authorisation on; credentials (one per role) in {cluster.auth_dir.root}",
+                  file=sys.stderr, flush=True)
         print(f"gearshift up: {args.nodes} nodes x {args.gpus_per_node} GPUs, policy {args.policy}; "
-              f"logs in {cluster.log_dir}. export GEARSHIFT_NATS_URL={url}; Ctrl-C stops.", file=sys.stderr, flush=True)
+              f"logs in {cluster.log_dir}. Ctrl-C stops.\n{export}", file=sys.stderr, flush=True)
         while not stopping:
             dead = cluster.check_alive()
             if dead:
@@ -212,6 +228,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gearshift", description="GPU-cluster scheduler that reconfigures training plans")
     ap.add_argument("--server", default=None, help="NATS URL (default $GEARSHIFT_NATS_URL or nats://127.0.0.1:4222)")
+    ap.add_argument("--creds", default=None,
+                    help="credentials file (default $GEARSHIFT_CREDS, else the one `gearshift up` left for the server)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     up = sub.add_parser("up", help="run a local cluster: nats-server, services, emulated GPU nodes")
@@ -222,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--data-dir", default=None, help="JetStream and job files (default: a temp dir)")
     up.add_argument("--policy", default="fifo")
     up.add_argument("--interval", type=float, default=2.0, help="seconds between timer rounds")
+    up.add_argument("--no-auth", action="store_true", help="no users or permissions (anyone may do anything)")
+    up.add_argument("--tenants", default="default,vision,nlp,llm", help="tenants to make users for (comma-separated)")
 
     s = sub.add_parser("submit", help="submit a job spec (JSON or YAML); prints the job id")
     s.add_argument("file")
@@ -259,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.server:
         os.environ["GEARSHIFT_NATS_URL"] = args.server
+    if args.creds:
+        os.environ["GEARSHIFT_CREDS"] = args.creds
+    elif args.cmd != "up" and not os.environ.get("GEARSHIFT_CREDS") and not os.environ.get("GEARSHIFT_USER"):
+        from services.auth import well_known_file
+
+        known = well_known_file(server_url())
+        if known.exists():
+            os.environ["GEARSHIFT_CREDS"] = str(known)
     try:
         if args.cmd == "up":
             return cmd_up(args)

@@ -15,6 +15,7 @@ from bus_schema.messages import (
     JobList, JobRecord, JobSpec, ListRequest, NodeList, SubmitReply, SubmitRequest,
 )
 from bus_schema.validate import SpecError, check_spec
+from services.auth import current_creds, tenant_subject
 from services.runtime import call, connect
 
 
@@ -51,28 +52,36 @@ def load_spec(path: str | Path) -> JobSpec:
 
 
 class Client:
-    def __init__(self, nc: Any, timeout: float = 5.0):
+    def __init__(self, nc: Any, timeout: float = 5.0, tenant: str | None = None):
         self.nc = nc
         self.timeout = timeout
+        # a tenant identity asks on gs.admission.<verb>.<tenant> (services.auth)
+        self.tenant = tenant
 
     @classmethod
     async def connect(cls, url: str | None = None, retry_for: float = 3.0) -> "Client":
-        return cls(await connect(url, name="gearshift-cli", retry_for=retry_for))
+        tenant = current_creds().get("tenant")
+        return cls(await connect(url, name="gearshift-cli", retry_for=retry_for), tenant=tenant)
+
+    def _subject(self, subject: str) -> str:
+        return tenant_subject(subject, self.tenant)
 
     async def close(self) -> None:
         await self.nc.drain()
 
     async def submit(self, spec: JobSpec, token: str | None = None) -> SubmitReply:
-        return await call(self.nc, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec, token=token), SubmitReply, self.timeout)
+        return await call(self.nc, self._subject(subj.ADMISSION_SUBMIT), SubmitRequest(spec=spec, token=token),
+                          SubmitReply, self.timeout)
 
     async def jobs(self, tenant: str | None = None) -> list[JobRecord]:
-        return (await call(self.nc, subj.ADMISSION_LIST, ListRequest(tenant=tenant), JobList, self.timeout)).jobs
+        return (await call(self.nc, self._subject(subj.ADMISSION_LIST), ListRequest(tenant=tenant), JobList,
+                           self.timeout)).jobs
 
     async def job(self, job_id: str) -> JobRecord:
-        return await call(self.nc, subj.ADMISSION_GET, {"job_id": job_id}, JobRecord, self.timeout)
+        return await call(self.nc, self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, self.timeout)
 
     async def cancel(self, job_id: str) -> JobRecord:
-        return await call(self.nc, subj.ADMISSION_CANCEL, {"job_id": job_id}, JobRecord, self.timeout)
+        return await call(self.nc, self._subject(subj.ADMISSION_CANCEL), {"job_id": job_id}, JobRecord, self.timeout)
 
     async def nodes(self) -> NodeList:
         return await call(self.nc, subj.ADMISSION_NODES, None, NodeList, self.timeout)
@@ -84,7 +93,7 @@ class Client:
         info = await js.stream_info(subj.EVENTS_STREAM)
         if info.state.messages == 0 and not follow:
             return
-        sub = await js.subscribe(subject, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        sub = await js.subscribe(subject, stream=subj.EVENTS_STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
         try:
             while True:
                 try:

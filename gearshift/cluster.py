@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.natsd import NatsServer
 
@@ -36,12 +37,16 @@ class LocalCluster:
     grace: float = 10.0
     log_dir: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    # authorisation: one NATS user per role, credentials written to <data_dir>/auth
+    auth: bool = False
+    tenants: list[str] = field(default_factory=lambda: ["default"])
 
     def __post_init__(self) -> None:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs: list = []
+        self.auth_dir: Any = None  # services.auth.AuthDir when auth is on
 
     @property
     def url(self) -> str:
@@ -55,20 +60,34 @@ class LocalCluster:
         root = Path(self.data_dir)
         self.log_dir = self.log_dir or str(root / "logs")
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-        self.server = NatsServer(root / "jetstream", port=self.port)
+        config = None
+        if self.auth:
+            from services.auth import write_auth_dir
+
+            self.auth_dir = write_auth_dir(root / "auth", [f"node{i}" for i in range(self.nodes)], self.tenants)
+            config = self.auth_dir.config
+        self.server = NatsServer(root / "jetstream", port=self.port, config=config)
         self.server.start()
-        _ensure_infra(self.url)  # streams and buckets exist before any process needs them
+        if self.auth_dir is not None:
+            from services.auth import set_url
+
+            set_url(self.auth_dir, self.url)
+        _ensure_infra(self.url, self.admin_creds)  # streams and buckets exist before any process needs them
         env = {**os.environ, "GEARSHIFT_NATS_URL": self.url, "GEARSHIFT_LOG_FORMAT": "json", **self.extra_env}
+        env.pop("GEARSHIFT_CREDS", None)
         py = sys.executable
-        self._spawn("admission", [py, "-m", "services.admission", "--max-gpus", str(self.nodes * self.gpus_per_node)], env)
+        self._spawn("admission", [py, "-m", "services.admission", "--max-gpus", str(self.nodes * self.gpus_per_node)],
+                    self._env_for(env, "admission"))
         self._spawn(
             "optimizer",
             [py, "-m", "services.optimizer", "--policy", self.policy, "--interval", str(self.interval),
-             "--node-timeout", str(self.node_timeout)],
-            env,
+             "--node-timeout", str(self.node_timeout), "--wait-for-models"],
+            self._env_for(env, "optimizer"),
         )
         if _has_module("services.perfmodel_service"):
-            self._spawn("perfmodel", [py, "-m", "services.perfmodel_service"], env)
+            self._spawn("perfmodel", [py, "-m", "services.perfmodel_service"], self._env_for(env, "perfmodel"))
+        if _has_module("services.profiler"):  # fits models of jobs nobody profiled yet
+            self._spawn("profiler", [py, "-m", "services.profiler"], self._env_for(env, "profiler"))
         ckpt = root / "ckpt"  # stands in for the cluster's shared storage
         for i in range(self.nodes):
             name = f"node{i}"
@@ -77,7 +96,7 @@ class LocalCluster:
                 [py, "-m", "agent", "--node", name, "--fake-gpus", str(self.gpus_per_node), "--gpu-memory",
                  self.gpu_memory, "--cpus", str(self.cpus_per_node), "--workdir", str(root / "agents" / name),
                  "--ckpt-root", str(ckpt), "--heartbeat", str(self.heartbeat), "--grace", str(self.grace)],
-                env,
+                self._env_for(env, f"agent-{name}"),
             )
         if wait:
             self.wait_ready()
@@ -88,6 +107,15 @@ class LocalCluster:
         import asyncio
 
         asyncio.run(_wait_ready(self.url, self.nodes, timeout, self))
+
+    @property
+    def admin_creds(self) -> str | None:
+        return str(self.auth_dir.creds("admin")) if self.auth_dir is not None else None
+
+    def _env_for(self, env: dict[str, str], user: str) -> dict[str, str]:
+        if self.auth_dir is None:
+            return env
+        return {**env, "GEARSHIFT_CREDS": str(self.auth_dir.creds(user))}
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> None:
         assert self.log_dir is not None
@@ -152,7 +180,7 @@ async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalClust
     from bus_schema.messages import NodeList
     from services.runtime import ServiceCallError, call, connect
 
-    nc = await connect(url, name="gearshift-up", retry_for=10)
+    nc = await connect(url, name="gearshift-up", retry_for=10, **_creds_options(cluster.admin_creds))
     deadline = time.monotonic() + timeout
     try:
         while True:
@@ -179,13 +207,21 @@ async def asyncio_sleep(s: float) -> None:
     await asyncio.sleep(s)
 
 
-def _ensure_infra(url: str) -> None:
+def _creds_options(path: str | None) -> dict:
+    if path is None:
+        return {}
+    from services.auth import connect_options, load_creds
+
+    return connect_options(load_creds(path))
+
+
+def _ensure_infra(url: str, creds: str | None = None) -> None:
     import asyncio
 
     from services.runtime import connect, ensure_infra
 
     async def go() -> None:
-        nc = await connect(url, name="gearshift-up", retry_for=10)
+        nc = await connect(url, name="gearshift-up", retry_for=10, **_creds_options(creds))
         try:
             await ensure_infra(nc)
         finally:

@@ -161,6 +161,39 @@ class Admission:
     async def list_nodes(self, _: None) -> NodeList:
         return NodeList(nodes=await self.nodes())
 
+    # ------------------------------------------------------------ tenant endpoints
+    # ``gs.admission.<verb>.<tenant>``: with authorisation on, the server lets
+    # only that tenant's user (and the admin) publish there, so the last token
+    # says who asks. A job of another tenant reads as absent (no leak of ids).
+    @staticmethod
+    def _tenant_of(subject: str) -> str:
+        return subject.rsplit(".", 1)[1]
+
+    async def _own(self, job_id: str, tenant: str) -> JobRecord:
+        got = await self.store.get(job_id)
+        if got is None or got[0].spec.tenant != tenant:
+            raise RequestError("404", f"no job {job_id}", "job_id")
+        return got[0]
+
+    async def submit_as(self, req: SubmitRequest, subject: str) -> SubmitReply:
+        tenant = self._tenant_of(subject)
+        if req.spec.tenant != tenant:
+            raise RequestError("403", f"tenant {tenant} may not submit jobs of tenant {req.spec.tenant}", "spec.tenant")
+        return await self.submit(req)
+
+    async def get_as(self, ref: JobRef, subject: str) -> JobRecord:
+        return await self._own(ref.job_id, self._tenant_of(subject))
+
+    async def cancel_as(self, ref: JobRef, subject: str) -> JobRecord:
+        await self._own(ref.job_id, self._tenant_of(subject))
+        return await self.cancel(ref)
+
+    async def list_as(self, req: ListRequest, subject: str) -> JobList:
+        tenant = self._tenant_of(subject)
+        if req.tenant not in (None, tenant):
+            raise RequestError("403", f"tenant {tenant} may not list jobs of tenant {req.tenant}", "tenant")
+        return await self.list(msgspec.structs.replace(req, tenant=tenant))
+
     def endpoints(self) -> list[Endpoint]:
         return [
             Endpoint("submit", subj.ADMISSION_SUBMIT, SubmitRequest, self.submit),
@@ -168,6 +201,10 @@ class Admission:
             Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
             Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
             Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
+            Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True),
+            Endpoint("cancel-tenant", subj.ADMISSION_CANCEL + ".*", JobRef, self.cancel_as, with_subject=True),
+            Endpoint("get-tenant", subj.ADMISSION_GET + ".*", JobRef, self.get_as, with_subject=True),
+            Endpoint("list-tenant", subj.ADMISSION_LIST + ".*", ListRequest, self.list_as, with_subject=True),
         ]
 
 
@@ -178,9 +215,10 @@ async def start_admission(nc: Any, **options: Any) -> tuple[Admission, Any]:
     return adm, svc
 
 
-async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = None) -> None:
+async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = None,
+                max_jobs_per_tenant: int = 1000) -> None:
     nc = await connect(url, name="gearshift-admission")
-    _, svc = await start_admission(nc, max_gpus=max_gpus)
+    _, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant)
     log.info("admission ready", url=nc.connected_url.geturl() if nc.connected_url else url)
     await stop.wait()
     await svc.stop()
@@ -191,8 +229,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="gearshift-admission")
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
     ap.add_argument("--max-gpus", type=int, default=None, help="largest job the cluster could ever hold")
+    ap.add_argument("--max-jobs-per-tenant", type=int,
+                    default=int(os.environ.get("GEARSHIFT_MAX_JOBS_PER_TENANT") or 1000),
+                    help="live (not finished) jobs a tenant may have; more are refused with 429")
     args = ap.parse_args(argv)
-    run_service(lambda stop: amain(stop, args.server, args.max_gpus))
+    run_service(lambda stop: amain(stop, args.server, args.max_gpus, args.max_jobs_per_tenant))
 
 
 if __name__ == "__main__":

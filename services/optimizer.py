@@ -82,6 +82,7 @@ from bus_schema.messages import (
 from policies import Decision, JobView, NodeState, Placement, check_decision, make_policy
 from policies.api import JobDecision
 
+from . import auth_alloc
 from .jobstore import JobStore, kv_snapshot, publish_event, with_event
 from .lease import Lease
 from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
@@ -776,17 +777,21 @@ class Optimizer:
         )
 
     async def _put_alloc(self, rec: JobRecord) -> None:
-        await self.alloc_kv.put(rec.job_id, codec.encode(self.allocation_for(rec)))
+        data = codec.encode(self.allocation_for(rec))
+        await self.alloc_kv.put(rec.job_id, data)
+        await auth_alloc.put(self.alloc_kv, rec.job_id, data, [p.node for p in rec.placement])
 
     async def _delete_alloc(self, job_id: str) -> None:
         try:
             await self.alloc_kv.delete(job_id)
         except Exception:
             pass
+        await auth_alloc.delete(self.alloc_kv, job_id)  # the per-node copies agents read
 
     async def _reconcile_allocs(self, records: dict[str, JobRecord]) -> None:
         """Make gs_alloc agree with gs_jobs (heals a crash between the two writes)."""
-        allocs = {k: codec.decode(v, Allocation) for k, (v, _) in (await kv_snapshot(self.alloc_kv)).items()}
+        allocs = {k: codec.decode(v, Allocation) for k, (v, _) in (await kv_snapshot(self.alloc_kv)).items()
+                  if "." not in k}  # <node>.<job> keys are per-node copies (services.auth_alloc)
         for job_id, rec in records.items():
             a = allocs.get(job_id)
             if rec.state in ACTIVE and not rec.draining:
@@ -796,6 +801,7 @@ class Optimizer:
                 await self._delete_alloc(job_id)
         for job_id in allocs.keys() - records.keys():
             await self._delete_alloc(job_id)
+        await auth_alloc.reconcile(self.alloc_kv)
 
 
 def _drain_fields(r: JobRecord, ts: float, alive: set[str] | None = None) -> dict[str, Any]:

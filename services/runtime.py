@@ -200,6 +200,7 @@ class Endpoint:
     subject: str
     request_type: Any
     handler: Handler
+    with_subject: bool = False  # handler(payload, subject): the subject carries who asks
 
 
 def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
@@ -220,7 +221,7 @@ def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
                         raise bad_request(str(exc), codec.error_field(exc)) from None
                     except msgspec.DecodeError as exc:
                         raise bad_request(f"invalid JSON: {exc}") from None
-                result = await ep.handler(payload)
+                result = await (ep.handler(payload, req.subject) if ep.with_subject else ep.handler(payload))
                 await req.respond(codec.encode(result))
                 log.debug("request", ms=round((time.perf_counter() - started) * 1e3, 2))
             except RequestError as err:

@@ -26,6 +26,7 @@ from bus_schema.messages import (
     RunReportKind,
     StopCommand,
 )
+from services import auth_alloc
 from services.runtime import call
 
 PY = sys.executable
@@ -130,12 +131,15 @@ def alloc(job: str, gen: int, placement: list[tuple[str, list[int]]], command=No
 
 async def put(nc, a: Allocation) -> None:
     kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
-    await kv.put(a.job_id, codec.encode(a))
+    data = codec.encode(a)
+    await kv.put(a.job_id, data)
+    await auth_alloc.put(kv, a.job_id, data, a.nodes())  # what agents watch: <node>.<job>
 
 
 async def delete(nc, job: str) -> None:
     kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
     await kv.delete(job)
+    await auth_alloc.delete(kv, job)
 
 
 async def node_report(nc, node: str) -> NodeReport | None:

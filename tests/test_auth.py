@@ -1,0 +1,96 @@
+"""Authorisation: one NATS user per role, against real processes.
+
+The full suite (``loadtest.authz``: every forbidden action of every role
+refused, every allowed one working) runs on a local cluster with
+authorisation on; the tenant endpoints of admission are also checked on a
+plain server, where they must hold by themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bus_schema import subjects as subj
+from bus_schema.messages import JobList, JobRecord, JobSpec, ListRequest, SubmitReply, SubmitRequest
+from services import auth
+from services.runtime import ServiceCallError, call
+
+SPEC = {"name": "t", "model": {"name": "m", "params": 10, "layers": 2, "hidden": 64, "seq_len": 16},
+        "global_batch": 4, "steps": 5, "gpus": 1, "tenant": "nlp"}
+
+
+def spec(tenant: str, name: str = "t") -> JobSpec:
+    return msgspec.convert({**SPEC, "tenant": tenant, "name": name}, JobSpec)
+
+
+async def test_tenant_endpoints_keep_tenants_apart(nc):
+    from services.admission import start_admission
+
+    _, svc = await start_admission(nc)
+    try:
+        mine = (await call(nc, subj.ADMISSION_SUBMIT + ".nlp", SubmitRequest(spec=spec("nlp")), SubmitReply)).job_id
+        theirs = (await call(nc, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec("vision")), SubmitReply)).job_id
+        with pytest.raises(ServiceCallError) as e:
+            await call(nc, subj.ADMISSION_SUBMIT + ".nlp", SubmitRequest(spec=spec("vision")), SubmitReply)
+        assert e.value.code == "403" and e.value.field == "spec.tenant"
+        assert (await call(nc, subj.ADMISSION_GET + ".nlp", {"job_id": mine}, JobRecord)).job_id == mine
+        for verb in ("get", "cancel"):
+            with pytest.raises(ServiceCallError) as e:
+                await call(nc, f"{subj.ADMISSION}.{verb}.nlp", {"job_id": theirs}, JobRecord)
+            assert e.value.code == "404"  # another tenant's job reads as absent
+        other = (await call(nc, subj.ADMISSION_GET, {"job_id": theirs}, JobRecord))
+        assert other.state.value == "pending"  # the refused cancel did nothing
+        jobs = (await call(nc, subj.ADMISSION_LIST + ".nlp", ListRequest(), JobList)).jobs
+        assert [j.job_id for j in jobs] == [mine]
+        with pytest.raises(ServiceCallError) as e:
+            await call(nc, subj.ADMISSION_LIST + ".nlp", ListRequest(tenant="vision"), JobList)
+        assert e.value.code == "403"
+    finally:
+        await svc.stop()
+
+
+async def test_jobs_per_tenant_limit(nc):
+    from services.admission import start_admission
+
+    _, svc = await start_admission(nc, max_jobs_per_tenant=3)
+    try:
+        for i in range(3):
+            await call(nc, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec("nlp", f"j{i}")), SubmitReply)
+        with pytest.raises(ServiceCallError) as e:
+            await call(nc, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec("nlp", "one-more")), SubmitReply)
+        assert e.value.code == "429"
+        await call(nc, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec("vision", "other")), SubmitReply)
+    finally:
+        await svc.stop()
+
+
+def test_server_config_and_creds(tmp_path):
+    d = auth.write_auth_dir(tmp_path / "auth", ["node0"], ["nlp"], url="nats://127.0.0.1:1")
+    assert (d.config.stat().st_mode & 0o777) == 0o600
+    text = d.config.read_text()
+    for user in ("admin", "tools", "admission", "optimizer", "agent-node0", "tenant-nlp"):
+        assert f'user: "{user}"' in text
+        creds = json.loads(d.creds(user).read_text())
+        assert creds["inbox_prefix"] == f"_INBOX_{user}" and creds["password"]
+    assert "$KV.gs_alloc.node0.>" in text and '"gs.admission.submit.nlp"' in text
+
+
+def test_authz_suite_on_a_cluster(tmp_path):
+    """Every forbidden action of every role refused, every allowed one working."""
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    env.pop("GEARSHIFT_CREDS", None)
+    p = subprocess.run([sys.executable, "-m", "loadtest.authz", "--json"], capture_output=True, text=True, env=env,
+                       timeout=110, cwd=Path(__file__).resolve().parent.parent)
+    report = json.loads(p.stdout)
+    assert report["failures"] == [], report["failures"]
+    s = report["summary"]
+    assert s["ok"] and s["forbidden_refused"] == s["forbidden_tried"] >= 50
+    assert s["allowed_worked"] == s["allowed_tried"] >= 10
+    assert {"agent-node0", "tenant-nlp", "tools", "admission"} <= set(s["roles"])
