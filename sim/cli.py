@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-cost", type=float, default=260.0, help="seconds lost per (re)start (default 260)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma of ground truth where unmeasured")
+    p.add_argument("--unmeasured-slowdown", type=float, default=1.0,
+                   help="multiply ground-truth step time where nothing was measured (robustness check; default 1)")
     p.add_argument("--jobs", type=int, help="only the first N jobs of the trace")
     p.add_argument("--horizon", type=float, help="stop at this simulated time (s); the rest is reported unfinished")
     p.add_argument("--no-event-rounds", action="store_true",
@@ -37,20 +39,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", choices=("table", "json"), default="table")
     p.add_argument("--per-job-csv", help="write one row per job and policy here")
     p.add_argument("--plots", help="write PNG plots (JCT CDF, GPU utilisation, queue length) into this folder")
+    p.add_argument("--perfmodel", choices=("auto", "off"), default="auto",
+                   help="auto: the fitted performance model is the policies' belief and the ground truth "
+                        "where nothing was measured (if perfmodel provides one); off: tables and scaling only")
     p.add_argument("--no-progress", action="store_true", help="no progress line even on a terminal")
     return p
 
 
-def make_named_policy(name: str, seed: int):
-    """``policies.registry.make_policy``, passing the seed to policies that take one."""
+def make_named_policy(name: str, seed: int, restart_cost: float):
+    """``policies.registry.make_policy`` with the run's restart cost and seed, for the
+    policies that take them (a policy that charges restarts must know their price)."""
     from policies.registry import make_policy
 
-    try:
-        return make_policy(name, seed=seed)
-    except TypeError as e:
-        if "seed" not in str(e):
-            raise
-    return make_policy(name)
+    opts = {"restart_cost": restart_cost, "seed": seed}
+    while True:
+        try:
+            return make_policy(name, **opts)
+        except TypeError as e:
+            dropped = [k for k in opts if repr(k) in str(e) or f"'{k}'" in str(e)]
+            if not dropped:
+                raise
+            for k in dropped:
+                opts.pop(k)
 
 
 def _progress_printer(policy: str, total_jobs: int):
@@ -86,7 +96,7 @@ def _h(x: float) -> str:
 
 def format_table(summaries: list[dict], rat: dict) -> str:
     head = ["policy", "avgJCT h", "medJCT h", "p99JCT h", "makespan h", "queue h", "util %",
-            "reconf", "restartGPUh", "guar kept", "unfin", "JCT x", "mksp x", "wall s"]
+            "reconf", "restartGPUh", "guar kept", "unfin", "meas %", "JCT x", "mksp x", "wall s"]
     rows = []
     for s in summaries:
         r = rat.get(s["policy"], {})
@@ -94,6 +104,7 @@ def format_table(summaries: list[dict], rat: dict) -> str:
         rows.append([s["policy"], _h(s["avg_jct_s"]), _h(s["median_jct_s"]), _h(s["p99_jct_s"]), _h(s["makespan_s"]),
                      _h(s["avg_queue_delay_s"]), f"{100 * s['gpu_util']:.1f}", str(s["reconfigurations"]),
                      f"{s['restart_lost_gpu_h']:.1f}", guar, str(s["unfinished"]),
+                     "-" if math.isnan(s["measured_share"]) else f"{100 * s['measured_share']:.0f}",
                      "-" if math.isnan(r.get("jct_x", math.nan)) else f"{r['jct_x']:.2f}",
                      "-" if math.isnan(r.get("makespan_x", math.nan)) else f"{r['makespan_x']:.2f}",
                      f"{s['wall_s']:.1f}"])
@@ -123,15 +134,15 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
         trace = trace.head(args.jobs)
     cluster = parse_cluster(args.cluster) if args.cluster else trace.cluster
     cfg = SimConfig(interval=args.interval, restart_cost=args.restart_cost, seed=args.seed, noise=args.noise,
-                    horizon=args.horizon, round_on_arrival=not args.no_event_rounds,
+                    horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, round_on_arrival=not args.no_event_rounds,
                     round_on_completion=not args.no_event_rounds)
     from .perfmodel_bridge import find_predictor
 
-    predictor = find_predictor(cluster.gpus_per_node)
+    predictor = find_predictor(cluster.gpus_per_node) if args.perfmodel == "auto" else None
     tty = sys.stderr.isatty() and not args.no_progress
     results = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        policy = make_named_policy(name, args.seed)
+        policy = make_named_policy(name, args.seed, args.restart_cost)
         res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None)
         res.policy = name
         if tty:
@@ -160,7 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "trace": r0.trace if r0 else None,
             "cluster": r0.cluster.label() if r0 else None,
             "config": {"interval": args.interval, "restart_cost": args.restart_cost, "seed": args.seed,
-                       "noise": args.noise, "event_rounds": not args.no_event_rounds},
+                       "noise": args.noise, "event_rounds": not args.no_event_rounds,
+                       "unmeasured_slowdown": args.unmeasured_slowdown, "perfmodel": args.perfmodel},
             "results": summaries,
             "ratios_vs_best_baseline": rat,
         }
@@ -171,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"trace {r0.trace}: {len(r0.records)} jobs on {r0.cluster.label()} "
                   f"({r0.cluster.gpus} GPUs), rounds every {args.interval:g} s, restart {args.restart_cost:g} s, seed {args.seed}")
         print(format_table(summaries, rat))
-        print("JCT x / mksp x: best baseline's value / this policy's (higher is better; baselines = policies not named rubick*)")
+        print("JCT x / mksp x: best baseline's value / this policy's (higher is better; baselines = policies not named rubick*);"
+              " meas %: allocations whose speed was measured, the rest from the performance model")
     return 0
 
 

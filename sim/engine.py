@@ -51,9 +51,16 @@ class SimConfig:
     restart_cost: float = 260.0
     seed: int = 0
     noise: float = 0.05  # ground-truth noise where nothing was measured (log-normal sigma)
+    # Ground truth where nothing was measured = prediction x noise x this factor (>1 =
+    # slower than the fitted model believes; a robustness check for plan-choosing policies).
+    unmeasured_slowdown: float = 1.0
     round_on_arrival: bool = True
     round_on_completion: bool = True
     horizon: float | None = None  # stop at this simulated time, report the rest unfinished
+    # Stop when no job could make progress for this long (a policy that never starts a
+    # job, or keeps launching plans that do not fit, would loop forever); the rest is
+    # reported unfinished.
+    stall_limit: float = 2 * 86400.0
     stop_when_tracked_done: bool = True
     check_invariants: bool = True
     # Also run policies.api.check_decision on every decision (slower; the simulator's own
@@ -90,8 +97,8 @@ class JobRecord:
     restart_gpu_seconds: float = 0.0
     run_time: float = 0.0  # seconds holding an allocation
     gpu_seconds: float = 0.0
-    truth_sources: set = field(default_factory=set)
-    stalled: int = 0  # allocations on which the job could not run at all
+    truth_sources: dict = field(default_factory=dict)  # source -> allocations
+    stalled: int = 0  # allocations on which the job could not run at all (out of memory)
     min_rate_ratio: float = math.inf  # guaranteed jobs: worst rate / requested rate
     preempted_after_start: bool = False
     request_step_time: float = 0.0
@@ -121,7 +128,8 @@ class Simulator:
         self.policy = policy
         self.cluster = cluster or trace.cluster
         self.cfg = config or SimConfig()
-        self.truth = GroundTruth(self.cluster.gpus_per_node, self.cfg.noise, self.cfg.seed, predictor)
+        self.truth = GroundTruth(self.cluster.gpus_per_node, self.cfg.noise, self.cfg.seed, predictor,
+                                 unmeasured_slowdown=self.cfg.unmeasured_slowdown)
         self.oracle = BeliefOracle(self.cluster.gpus_per_node, predictor)
         self.progress = progress
         c = self.cluster
@@ -137,6 +145,7 @@ class Simulator:
         self.index = {id(r): i for i, r in enumerate(self.records)}
         self.timeline: list[tuple[float, int, int, int]] = []
         self.alloc_gpus = 0
+        self.n_progressing = 0  # running jobs whose allocation lets them train
         self.now = 0.0
         self.rounds = 0
         self.events = 0
@@ -195,7 +204,7 @@ class Simulator:
 
     def _finish_time(self, r: JobRecord) -> float:
         if r.rate <= 0:
-            return math.inf
+            return r.productive_from  # it fails (out of memory) when it would start training
         left = r.job.spec.steps - r.steps_done
         return max(r.updated_at, r.productive_from) + left / r.rate
 
@@ -212,6 +221,8 @@ class Simulator:
             self.free_c[i] += p.cpus
         r.version += 1
         r.gpus_held = 0
+        if r.rate > 0:
+            self.n_progressing -= 1
         r.rate = 0.0
         del self.running[r.job.job_id]
 
@@ -223,10 +234,12 @@ class Simulator:
             if self.cfg.check_invariants and (self.free_g[i] < 0 or self.free_c[i] < 0):
                 raise InvariantError(f"node {p.node} over capacity after granting {r.job.job_id}")
         step_time, source = self.truth.step_time(r.job, plan, placement)
-        r.truth_sources.add(source)
+        r.truth_sources[source] = r.truth_sources.get(source, 0) + 1
         r.rate = 1.0 / step_time if step_time > 0 else 0.0
         if r.rate == 0:
             r.stalled += 1
+        else:
+            self.n_progressing += 1
         if r.job.spec.guaranteed:
             r.min_rate_ratio = min(r.min_rate_ratio, r.rate * r.request_step_time)
         r.state = RUNNING
@@ -376,6 +389,7 @@ class Simulator:
         done = 0
         last_report = 0.0
         horizon = cfg.horizon if cfg.horizon is not None else math.inf
+        last_change = 0.0
         while done < n:
             while heap and (jobs[heap[0][2]].version != heap[0][1] or jobs[heap[0][2]].state != RUNNING):
                 heapq.heappop(heap)
@@ -387,6 +401,10 @@ class Simulator:
             t = min(t_comp, t_arr, next_round)
             if t == math.inf or t > horizon:
                 break
+            if self.n_progressing or nxt < n and t_arr <= t:
+                last_change = t
+            elif t - last_change > cfg.stall_limit:
+                break
             self.now = t
             self.events += 1
             completed = arrived = False
@@ -394,6 +412,13 @@ class Simulator:
                 ft, ver, idx = heapq.heappop(heap)
                 r = jobs[idx]
                 if r.version != ver or r.state != RUNNING:
+                    continue
+                if r.rate <= 0:  # its plan does not fit: the launch fails, the job is re-queued
+                    self._release(r, ft)
+                    r.state = PENDING
+                    r.placement, r.plan = (), None
+                    r.view.placement, r.view.plan = (), None
+                    completed = True
                     continue
                 self._advance(r, ft)
                 if cfg.check_invariants and r.steps_done < r.job.spec.steps * (1 - 1e-6) - 1e-6:

@@ -11,6 +11,8 @@ Definitions (all over the tracked jobs; every job unless the trace names a windo
   preemptions = running job stopped; restarts = every (re)start after the first;
   restart time lost = seconds a job held GPUs while restarting (job-seconds, and
   GPU-hours).
+- measured share = allocations whose ground-truth speed was measured (the Rubick
+  tables, or the trace's own duration for the job's request) / all allocations.
 - guarantee attainment, for guaranteed jobs that started (accepted): ``rate ratio`` =
   worst ground-truth speed over its allocations / the speed of its own request on
   its natural placement; ``kept`` = rate ratio >= 0.99 and never preempted after it
@@ -65,8 +67,10 @@ def summarize(res: SimResult) -> dict:
                  for r in accepted if r.finish is not None and r.request_step_time > 0]
     sources: dict[str, int] = {}
     for r in recs:
-        for s in r.truth_sources:
-            sources[s] = sources.get(s, 0) + 1
+        for src, k in r.truth_sources.items():
+            sources[src] = sources.get(src, 0) + k
+    n_alloc = sum(sources.values())
+    measured_share = (sources.get("measured", 0) + sources.get("request", 0)) / n_alloc if n_alloc else math.nan
     return {
         "policy": res.policy,
         "trace": res.trace,
@@ -93,7 +97,8 @@ def summarize(res: SimResult) -> dict:
         "guarantees_kept": len(kept),
         "guarantee_attainment": len(kept) / len(accepted) if accepted else math.nan,
         "guaranteed_avg_jct_ratio": sum(jct_ratio) / len(jct_ratio) if jct_ratio else math.nan,
-        "truth_sources": dict(sorted(sources.items())),
+        "truth_sources": dict(sorted(sources.items())),  # allocations by ground-truth source
+        "measured_share": measured_share,
         "rounds": res.rounds,
         "events": res.events,
         "sim_end_s": res.end_time,
@@ -134,7 +139,7 @@ def per_job_rows(res: SimResult) -> list[dict]:
             "restarts": max(0, r.starts - 1), "reconfigurations": r.reconfigs, "preemptions": r.preemptions,
             "restart_lost_s": f"{r.restart_lost:.3f}", "gpu_seconds": f"{r.gpu_seconds:.3f}",
             "final_plan": r.last_plan_label, "guarantee_kept": kept,
-            "truth": "+".join(sorted(r.truth_sources)),
+            "truth": "+".join(f"{k}:{v}" for k, v in sorted(r.truth_sources.items())),
         })
     return out
 

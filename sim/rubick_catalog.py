@@ -66,31 +66,59 @@ def plan_from_rubick(exec_plan: str, gpus: int) -> Plan:
 
 
 def rubick_family(plan: Plan) -> str | None:
-    """The artifact plan string that measures ``plan``, or None if no table row can.
+    """The artifact plan string that measures exactly ``plan``'s kind, or None.
 
-    3D strings exist only for single-digit degrees; a plan mixing features the
-    artifact never combined (e.g. ZeRO with TP) has no family.
+    The artifact's strings do not record micro-batch or GA steps for ZeRO and 3D
+    plans (its ZeRO-DP rows are "ZeRO-DP+GA", Megatron runs several micro-batches
+    per pipeline), so those are ignored there. 3D strings exist only for
+    single-digit degrees; ZeRO was never combined with TP/PP.
     """
     is_3d = plan.tp > 1 or plan.pp > 1
     if plan.offload:
-        if is_3d or plan.ga > 1:
+        if is_3d:
             return None
         return "zero-offload+gc" if plan.grad_ckpt else "zero-offload"
     if plan.zero:
         return None if is_3d or plan.grad_ckpt else "zero-dp"
     if is_3d:
-        if plan.ga > 1:
-            return "tp+ga" if plan.pp == 1 and plan.dp == 1 and not plan.grad_ckpt else None
         if plan.grad_ckpt or max(plan.pp, plan.tp, plan.dp) > 9:
             return None
+        if plan.pp == 1 and plan.dp == 1 and plan.ga > 1:
+            return "tp+ga"
         return f"{plan.pp}{plan.tp}{plan.dp}"
     if plan.ga > 1:
         return None if plan.grad_ckpt else "ga"
     if plan.grad_ckpt:
         return "gc"
-    if plan.dp == 1:
-        return "111"  # one GPU, no parallelism: the 3D table's PP1-TP1-DP1 row
-    return None  # plain DP was never measured (it does not fit for these models)
+    return None  # plain DP was never measured
+
+
+def proxy_families(plan: Plan) -> tuple[list[str], float]:
+    """Measured families that bound an unmeasured plan kind, and a slow-down factor.
+
+    Used when ``rubick_family`` is None: the ground truth takes the slowest of these
+    rows (times the factor). Plain DP runs like GA with one micro-step, so the GA row
+    (which includes accumulation overhead) bounds it from the slow side; a plan with
+    several features is bounded by the slowest feature's row; activation
+    checkpointing on a 3D plan recomputes the forward pass (+1/3 of forward+backward).
+    """
+    is_3d = plan.tp > 1 or plan.pp > 1
+    if is_3d:
+        base = Plan(pp=plan.pp, tp=plan.tp, dp=plan.dp)
+        fam = rubick_family(base)
+        if plan.zero or plan.offload or fam is None:
+            return [], 1.0
+        return [fam], (4 / 3 if plan.grad_ckpt else 1.0)
+    fams = []
+    if plan.offload:
+        fams.append("zero-offload")
+    elif plan.zero:
+        fams.append("zero-dp")
+    if plan.grad_ckpt:
+        fams.append("gc")
+    if plan.ga > 1 or not fams:
+        fams.append("ga")
+    return fams, 1.0
 
 
 def placement_key(gpus_per_node: Iterable[int]) -> str | None:

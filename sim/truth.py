@@ -18,15 +18,20 @@ first source that applies wins, and each result is tagged with its source:
    scaled by (GPUs_anchor / GPUs)^SCALING_EXP (sub-linear speed-up), and slowed by
    CROSS_NODE_PENALTY per node beyond the anchor's; times noise.
 
+Every source other than ``measured`` and ``request`` is also multiplied by
+``unmeasured_slowdown`` (default 1; >1 makes unmeasured configurations slower than
+the model believes, to test how much a policy's result leans on the model).
+
 Noise: a log-normal factor exp(N(0, noise)) drawn from a hash of (seed, model or job,
 plan family, placement), so it is the same every time the same configuration is
 asked for and identical across runs with one seed. ``noise=0`` turns it off.
 CPU threads do not change ground-truth speed: the measured tables do not record them.
 
 Belief, ``BeliefOracle``: the ``PerfOracle`` policies get. It never reads the
-measured tables. With a predictor it returns the predictor's throughput; without
-one it uses the ``scaled`` rule anchored only at the job's own request (the speed a
-job reports for the configuration it was submitted with).
+measured tables. With a predictor (the fitted performance model) it returns the
+predictor's throughput; without one it delegates to ``policies.oracle.AnalyticOracle``
+(a roofline model with no fitted numbers, plan- and memory-aware), so that
+plan-choosing policies still see plans differ.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ import csv
 import hashlib
 import math
 from collections.abc import Callable
+
+import msgspec
 from pathlib import Path
 
 from bus_schema.messages import JobSpec, Plan
 from policies.api import JobView, Placement
 
-from .rubick_catalog import GLOBAL_BATCH, placement_key, rubick_family
+from .rubick_catalog import GLOBAL_BATCH, placement_key, proxy_families, rubick_family
 from .trace import TraceJob
 
 TABLES = Path(__file__).parent / "data" / "rubick" / "placements"
@@ -48,8 +55,28 @@ TABLES = Path(__file__).parent / "data" / "rubick" / "placements"
 SCALING_EXP = 0.8
 CROSS_NODE_PENALTY = 0.25
 
-# predictor(spec, plan, gpus_per_node: tuple[int, ...]) -> seconds per step, 0 if infeasible
+# predictor(spec, plan, gpus_per_node: tuple[int, ...]) -> seconds per step, 0 if infeasible.
+# CPU threads per GPU travel in ``spec.cpus_per_gpu`` (``with_threads``).
 Predictor = Callable[[JobSpec, Plan, tuple[int, ...]], float]
+
+_THREADED: dict[tuple[int, int], JobSpec] = {}
+
+
+def with_threads(spec: JobSpec, placement: tuple[Placement, ...]) -> JobSpec:
+    """``spec`` with ``cpus_per_gpu`` = the CPU threads per GPU the placement gives
+    (the spec's own value when the placement carries no CPUs)."""
+    gpus = sum(p.gpus for p in placement)
+    cpus = sum(p.cpus for p in placement)
+    if not cpus or not gpus:
+        return spec
+    threads = max(1, cpus // gpus)
+    if threads == spec.cpus_per_gpu:
+        return spec
+    key = (id(spec), threads)
+    hit = _THREADED.get(key)
+    if hit is None or hit.name != spec.name:
+        hit = _THREADED[key] = msgspec.structs.replace(spec, cpus_per_gpu=threads)
+    return hit
 
 
 def load_tables(folder: Path = TABLES) -> dict[str, dict[tuple[str, str], float]]:
@@ -85,6 +112,11 @@ def _unit_normal(*parts: object) -> float:
     return math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
 
 
+def _same_kind(a: Plan, b: Plan) -> bool:
+    """Same plan up to the micro-batch size (which the trace's plans leave open)."""
+    return (a.dp, a.tp, a.pp, a.zero, a.offload, a.ga, a.grad_ckpt) == (b.dp, b.tp, b.pp, b.zero, b.offload, b.ga, b.grad_ckpt)
+
+
 def _scaled(anchor_time: float, anchor_gpus: int, anchor_nodes: int, gpus: int, nodes: int) -> float:
     t = anchor_time * (anchor_gpus / gpus) ** SCALING_EXP
     return t * (1 + CROSS_NODE_PENALTY * max(0, nodes - anchor_nodes))
@@ -92,13 +124,17 @@ def _scaled(anchor_time: float, anchor_gpus: int, anchor_nodes: int, gpus: int, 
 
 class GroundTruth:
     def __init__(self, gpus_per_node: int, noise: float = 0.05, seed: int = 0,
-                 predictor: Predictor | None = None, tables: dict | None = None):
+                 predictor: Predictor | None = None, tables: dict | None = None, unmeasured_slowdown: float = 1.0):
+        if unmeasured_slowdown <= 0:
+            raise ValueError("unmeasured_slowdown must be > 0")
+        self.unmeasured_slowdown = unmeasured_slowdown
         self.gpus_per_node = gpus_per_node
         self.noise = noise
         self.seed = seed
         self.predictor = predictor
         self.tables = load_tables() if tables is None else tables
         self._cache: dict[tuple, tuple[float, str]] = {}
+        self._placement: tuple[Placement, ...] = ()
         # family -> rows, per model, for the nearest-row fallback
         self._by_family: dict[str, dict[str, list[tuple[tuple[int, ...], float]]]] = {}
         for model, rows in self.tables.items():
@@ -114,11 +150,15 @@ class GroundTruth:
 
     def step_time(self, job: TraceJob, plan: Plan, placement: tuple[Placement, ...]) -> tuple[float, str]:
         per_node = tuple(sorted((p.gpus for p in placement if p.gpus > 0)))
+        threads = sum(p.cpus for p in placement) // max(1, sum(per_node))
         ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time if not job.truth_key else 0,
-              job.spec.plan, job.spec.gpus, plan, per_node)
+              job.spec.plan, job.spec.gpus, plan, per_node, threads)
         hit = self._cache.get(ck)
         if hit is None:
+            self._placement = placement
             hit = self._compute(job, plan, per_node)
+            if hit[1] not in ("measured", "request"):
+                hit = (hit[0] * self.unmeasured_slowdown, hit[1])
             self._cache[ck] = hit
         return hit
 
@@ -134,20 +174,49 @@ class GroundTruth:
                 return t, "measured"
         req_plan = spec.plan or Plan(dp=spec.gpus)
         req_nodes = len(packed(spec.gpus, self.gpus_per_node))
-        if spec.step_time and plan == req_plan and gpus == spec.gpus and nodes <= req_nodes:
+        if spec.step_time and _same_kind(plan, req_plan) and gpus == spec.gpus and nodes <= req_nodes:
             return spec.step_time, "request"
         who = job.truth_key or job.job_id
         noise = self._noise(who, family or plan.label(), key or per_node)
         if self.predictor is not None:
-            t = self.predictor(spec, plan, per_node)
+            t = self.predictor(with_threads(spec, self._placement), plan, per_node)
             return (t * noise if t > 0 else 0.0), "perfmodel"
-        rows = (self._by_family.get(job.truth_key) or {}).get(family or "", [])
-        if rows:
-            shape, t = min(rows, key=lambda r: (abs(len(r[0]) - nodes), abs(math.log(sum(r[0]) / gpus)), r[0]))
-            return _scaled(t, sum(shape), len(shape), gpus, nodes) * noise, "scaled"
+        if table is not None:
+            return self._from_tables(job.truth_key, plan, family, per_node, key, noise)
         if spec.step_time:
             return _scaled(spec.step_time, spec.gpus, req_nodes, gpus, nodes) * noise, "scaled"
         raise ValueError(f"job {job.job_id}: no measured speed, no request speed and no predictor")
+
+    def _from_tables(self, model: str, plan: Plan, family: str | None, per_node: tuple[int, ...],
+                     key: str | None, noise: float) -> tuple[float, str]:
+        """Ground truth for a Rubick model from related measured rows (no predictor)."""
+        gpus, nodes = sum(per_node), len(per_node)
+        table = self.tables[model]
+        fams, factor = ([family], 1.0) if family else proxy_families(plan)
+        if not fams:
+            return 0.0, "infeasible"
+        if family is None and key:
+            ts = [table.get((f, key)) for f in fams]
+            if all(ts):
+                return max(ts) * factor * noise, "proxy"
+        rows_by_fam = self._by_family.get(model, {})
+        is_3d = plan.tp > 1 or plan.pp > 1
+        times = []
+        for f in fams:
+            rows = rows_by_fam.get(f, [])
+            if is_3d:
+                # Another 3D shape of this model that shards the model no finer than this
+                # plan is evidence that this one fits; its time, scaled, stands in.
+                shard = plan.tp * plan.pp
+                rows = [r for g, rs in rows_by_fam.items() if len(g) == 3 and g.isdigit()
+                        and int(g[0]) * int(g[1]) <= shard for r in rs] if not rows else rows
+            elif f in ("zero-dp", "zero-offload", "zero-offload+gc"):
+                rows = [r for r in rows if sum(r[0]) <= gpus]  # ZeRO memory per GPU falls with GPUs
+            if not rows:
+                return 0.0, "infeasible"  # never measured running: no evidence it fits in memory
+            shape, t = min(rows, key=lambda r: (abs(math.log(sum(r[0]) / gpus)), abs(len(r[0]) - nodes), -r[1]))
+            times.append(_scaled(t, sum(shape), len(shape), gpus, nodes))
+        return max(times) * factor * noise, "scaled"
 
     def request_step_time(self, job: TraceJob) -> float:
         """Seconds per step of the job's own request on its natural placement (guarantee target)."""
@@ -163,25 +232,27 @@ class BeliefOracle:
         self.gpus_per_node = gpus_per_node
         self.predictor = predictor
         self._cache: dict[tuple, float] = {}
+        self._analytic = None
+        if predictor is None:
+            from policies.oracle import AnalyticOracle
+
+            self._analytic = AnalyticOracle(gpus_per_node=gpus_per_node)
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
         spec = job.spec
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         if not per_node:
             return 0.0
-        ck = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node)
+        if self._analytic is not None:
+            return self._analytic.throughput(job, plan, placement)
+        threads = sum(p.cpus for p in placement) // sum(per_node)
+        ck = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node, threads)
         v = self._cache.get(ck)
         if v is None:
-            v = self._compute(spec, plan, per_node)
+            v = self._compute(with_threads(spec, placement), plan, per_node)
             self._cache[ck] = v
         return v
 
     def _compute(self, spec: JobSpec, plan: Plan, per_node: tuple[int, ...]) -> float:
-        if self.predictor is not None:
-            t = self.predictor(spec, plan, per_node)
-            return spec.global_batch / t if t > 0 else 0.0
-        if not spec.step_time:
-            return 0.0
-        req_nodes = len(packed(spec.gpus, self.gpus_per_node))
-        t = _scaled(spec.step_time, spec.gpus, req_nodes, sum(per_node), len(per_node))
-        return spec.global_batch / t
+        t = self.predictor(spec, plan, per_node)
+        return spec.global_batch / t if t > 0 else 0.0
