@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all bench clean schema
+.PHONY: venv demo test test-all bench clean schema chaos authz fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,16 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m pytest -q -m ''
+
+# issue 7: fault injection, authorisation and the full fuzz run (see README "Guarantees")
+chaos: $(STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m loadtest.chaos --jobs 50 --json
+
+authz: $(STAMP)
+	$(BIN)/python -m loadtest.authz --json
+
+fuzz: $(STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m pytest -q -m slow tests/test_fuzz.py -s
 
 clean:
 	rm -rf $(VENV) .numba_cache .pytest_cache build *.egg-info

@@ -260,3 +260,25 @@ def connect_options(creds: dict[str, Any] | None = None) -> dict[str, Any]:
 def tenant_subject(subject: str, tenant: str | None) -> str:
     """``gs.admission.submit`` -> ``gs.admission.submit.<tenant>`` for a tenant identity."""
     return f"{subject}.{subj.token(tenant)}" if tenant else subject
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.auth --out DIR --nodes a,b --tenants x,y``: a
+    deployment's server config (include it from nats-server.conf) and one
+    credentials file per identity; hand each file only to its role's host."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m services.auth", description=main.__doc__)
+    ap.add_argument("--out", required=True, help="folder for nats-auth.conf and the credentials (mode 0700)")
+    ap.add_argument("--nodes", required=True, help="agent node names, comma-separated")
+    ap.add_argument("--tenants", required=True, help="tenant names, comma-separated")
+    ap.add_argument("--url", default=None, help="server URL(s) recorded in the credentials files")
+    args = ap.parse_args(argv)
+    d = write_auth_dir(args.out, [n for n in args.nodes.split(",") if n], [t for t in args.tenants.split(",") if t],
+                       args.url)
+    print(f"wrote {d.config} and {len(d.idents)} credentials files to {d.root}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
