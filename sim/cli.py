@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
         trace = load_named(args.trace, seed=args.seed)
     else:
         if not args.format:
-            raise SystemExit("--trace-file needs --format (" + "|".join(FORMATS) + ")")
+            raise ValueError("--trace-file needs --format (" + "|".join(FORMATS) + ")")
         trace = load_trace_file(args.trace_file, args.format)
     if args.jobs:
         trace = trace.head(args.jobs)

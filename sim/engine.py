@@ -280,8 +280,8 @@ class Simulator:
         decision = self.policy.schedule(t, nodes, views, self.oracle)
         if self.cfg.full_check:
             check_decision(decision, nodes, {v.job_id: v for v in views})
-        self._validate(decision.allocations)
         allocs = decision.allocations
+        same = self._validate(allocs)
         changed = False
         for jid in [j for j in self.running if j not in allocs]:
             r = self.running[jid]
@@ -297,12 +297,10 @@ class Simulator:
             changed = True
         starts = []
         for jid, d in allocs.items():
+            if jid in same:
+                continue
             r = self.live[jid]
             if r.state == RUNNING:
-                cur = r.placement
-                same_place = d.placement is cur or d.placement == cur or sorted(d.placement, key=_pkey) == sorted(cur, key=_pkey)
-                if same_place and d.plan == r.plan:
-                    continue
                 self._release(r, t)
                 r.reconfigs += 1
             starts.append((r, d))
@@ -314,19 +312,22 @@ class Simulator:
             self._check_capacity()
         return changed
 
-    def _validate(self, allocs) -> None:
+    def _validate(self, allocs) -> set[str]:
         """Refuse a decision the cluster cannot hold, before applying any of it.
 
-        Allocations identical to what a job holds were validated when granted; the
-        rest are checked in full, and capacity is checked as the desired state:
-        free now + what released/changed jobs give back - what changed jobs take.
+        Allocations identical to what a job holds (same plan, same placement in any
+        node order) were validated when granted; the rest are checked in full, and
+        capacity is checked as the desired state: free now + what released/changed
+        jobs give back - what changed jobs take. Returns the ids of unchanged jobs.
         """
         free_g = self.free_g.copy()
         free_c = self.free_c.copy()
         idx = self.node_index
+        same: set[str] = set()
         for jid, r in self.running.items():
             d = allocs.get(jid)
-            if d is not None and (d.placement is r.placement or d.placement == r.placement) and d.plan == r.plan:
+            if d is not None and _same_alloc(d, r):
+                same.add(jid)
                 continue
             for p in r.placement:
                 free_g[idx[p.node]] += p.gpus
@@ -335,7 +336,7 @@ class Simulator:
             r = self.live.get(jid)
             if r is None:
                 raise AllocationError(f"decision names unknown or finished job {jid!r}")
-            if r.state == RUNNING and (d.placement is r.placement or d.placement == r.placement) and d.plan == r.plan:
+            if jid in same:
                 continue
             if not d.placement:
                 raise AllocationError(f"job {jid}: empty placement")
@@ -356,6 +357,7 @@ class Simulator:
                 raise AllocationError(f"node {name}: {self.cluster.gpus_per_node - free_g[i]} GPUs allocated, it has {self.cluster.gpus_per_node}")
             if free_c[i] < 0:
                 raise AllocationError(f"node {name}: {self.cluster.cpus_per_node - free_c[i]} CPUs allocated, it has {self.cluster.cpus_per_node}")
+        return same
 
     def _check_capacity(self) -> None:
         c = self.cluster
@@ -470,6 +472,14 @@ class Simulator:
 
 def _pkey(p: Placement) -> tuple:
     return (p.node, p.gpus, p.cpus)
+
+
+def _same_alloc(d, r: JobRecord) -> bool:
+    """Does decision ``d`` keep exactly what running job ``r`` holds (node order aside)?"""
+    if not (d.plan is r.plan or d.plan == r.plan):
+        return False
+    cur = r.placement
+    return d.placement is cur or d.placement == cur or sorted(d.placement, key=_pkey) == sorted(cur, key=_pkey)
 
 
 def simulate(trace: Trace, policy: Policy, cluster: ClusterSpec | None = None, config: SimConfig | None = None,

@@ -210,3 +210,24 @@ def test_guaranteed_job_kept_when_run_as_requested():
     s = summarize(res)
     assert s["guaranteed_accepted"] == 1 and s["guarantees_kept"] == 1
     assert s["guaranteed_avg_jct_ratio"] == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- Tiresias by hand
+@pytest.mark.parametrize("restart, expect", [
+    # 1 node x 2 GPUs, queue threshold 200 GPU-s, rounds every 60 s and on events.
+    # A (2 GPUs, 300 s) starts at 0. B (2 GPUs, 100 s) arrives at 50: both in queue 0,
+    # A ahead by arrival, B waits. A passes 200 GPU-s at 100; the round at 120 sees it
+    # in queue 1, so B preempts it (B: 120 -> 220). A resumes at 220 with 180 s left.
+    (0.0, {"A": (0, 400), "B": (120, 220)}),
+    # With a 10 s restart: A has done 110 steps at 120; B runs 130-230; A restarts at
+    # 230, trains from 240 for its last 190 steps -> 430.
+    (10.0, {"A": (0, 430), "B": (120, 230)}),
+])
+def test_tiresias_matches_hand_schedule(restart, expect):
+    policy = make_policy("tiresias", thresholds=(200.0,), min_run_time=0.0)
+    t = trace(job("A", 0, 2, 300), job("B", 50, 2, 100), cluster="1x2")
+    res = simulate(t, policy, config=SimConfig(interval=60, restart_cost=restart, noise=0))
+    assert finishes(res) == expect
+    a = next(r for r in res.records if r.job.job_id == "A")
+    assert a.preemptions == 1 and a.starts == 2
+    assert a.restart_lost == pytest.approx(2 * restart)

@@ -1,0 +1,84 @@
+"""``gearshift simulate`` end to end: table, JSON, per-job CSV, plots, errors, speed."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sim.cli import main, ratios
+
+
+def test_json_csv_and_plots(tmp_path, capsys):
+    pj = tmp_path / "jobs.csv"
+    plots = tmp_path / "plots"
+    rc = main(["--trace", "tiresias-60", "--policies", "fifo,tiresias", "--cluster", "4x4", "--perfmodel", "off",
+               "-o", "json", "--per-job-csv", str(pj), "--plots", str(plots), "--seed", "2"])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["cluster"] == "4x4" and [r["policy"] for r in doc["results"]] == ["fifo", "tiresias"]
+    for r in doc["results"]:
+        assert r["jobs"] == 60 and r["finished"] == 60 and r["avg_jct_s"] > 0
+    assert set(doc["ratios_vs_best_baseline"]) == {"fifo", "tiresias"}
+    rows = list(csv.DictReader(open(pj)))
+    assert len(rows) == 120
+    assert {"job", "policy", "submit", "start", "finish", "jct"} <= set(rows[0])
+    for r in rows:
+        assert float(r["jct"]) == pytest.approx(float(r["finish"]) - float(r["submit"]), abs=2e-3)
+    for name in ("jct_cdf.png", "gpu_util.png", "queue_length.png"):
+        assert (plots / name).stat().st_size > 1000
+
+
+def test_table_output(capsys):
+    assert main(["--trace", "rubick-base", "--jobs", "40", "--policies", "fifo", "--perfmodel", "off"]) == 0
+    out = capsys.readouterr().out
+    assert "avgJCT h" in out and "fifo" in out and "40 jobs on 8x8" in out
+
+
+def test_errors_are_reported_not_raised(tmp_path, capsys):
+    assert main(["--trace", "nope"]) == 2
+    assert main(["--trace", "tiresias-60", "--policies", "no-such-policy", "--perfmodel", "off"]) == 2
+    assert main(["--trace-file", str(tmp_path / "x.csv")]) == 2
+    assert main(["--trace", "tiresias-60", "--cluster", "8by8"]) == 2
+    with pytest.raises(SystemExit):
+        main([])  # argparse: a trace is required
+
+
+def test_ratios_are_best_baseline_over_policy():
+    s = [{"policy": "sia", "avg_jct_s": 100.0, "makespan_s": 10.0, "unfinished": 0},
+         {"policy": "fifo", "avg_jct_s": 200.0, "makespan_s": 8.0, "unfinished": 0},
+         {"policy": "rubick", "avg_jct_s": 25.0, "makespan_s": 16.0, "unfinished": 0}]
+    r = ratios(s)
+    assert r["rubick"]["jct_x"] == 4.0 and r["rubick"]["makespan_x"] == 0.5
+    assert r["sia"]["jct_x"] == 1.0 and r["fifo"]["makespan_x"] == 1.0
+    s[0]["unfinished"] = 3  # a baseline that did not finish is not the yardstick
+    assert ratios(s)["rubick"]["jct_x"] == 8.0
+    assert math.isnan(ratios([{"policy": "x", "avg_jct_s": math.nan, "makespan_s": 1.0, "unfinished": 1}])["x"]["jct_x"])
+
+
+def test_python_dash_m_works():
+    out = subprocess.run([sys.executable, "-m", "sim.cli", "--trace", "tiresias-60", "--jobs", "5", "--perfmodel", "off",
+                          "-o", "json"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["results"][0]["jobs"] == 5
+
+
+@pytest.mark.slow
+def test_speed_blox_load8_fifo_under_10s():
+    from loadtest.sim_speed import blox_load8
+
+    r = blox_load8("fifo")
+    assert r["tracked_finished"] == 1001 and r["total_s"] < 10
+
+
+@pytest.mark.slow
+def test_speed_rubick_trace_under_60s():
+    from loadtest.sim_speed import named_trace
+
+    for p in ("fifo", "tiresias", "antman"):
+        assert named_trace("rubick-base", p)["total_s"] < 60
