@@ -11,7 +11,7 @@ utilities.
 Algorithm:
 1. Seeds, in the given order: pinned jobs keep their placement; guaranteed
    jobs get their seed candidate or, failing that, the cheapest allowed one
-   that fits (``seed_any``). Seeded jobs marked ``fixed`` never change again.
+   that fits (``seed_any``; ties in cost go to the lower row). Seeded jobs marked ``fixed`` never change again.
 2. Greedy by normalised marginal gain: repeatedly take the job whose next
    step up its curve (any candidate with higher utility) has the best
    utility gained per unit of cost; move it there if it fits (its own
@@ -164,6 +164,53 @@ def _best_step(j, level, u, cost, nk, dead):
 
 
 @njit(cache=True)
+def _before(r1, j1, r2, j2):
+    return r1 > r2 or (r1 == r2 and j1 < j2)
+
+
+@njit(cache=True)
+def _hpush(hr, hj, hv, size, r, j, v):
+    i = size
+    hr[i] = r
+    hj[i] = j
+    hv[i] = v
+    while i > 0:
+        p = (i - 1) // 2
+        if _before(hr[i], hj[i], hr[p], hj[p]):
+            hr[i], hr[p] = hr[p], hr[i]
+            hj[i], hj[p] = hj[p], hj[i]
+            hv[i], hv[p] = hv[p], hv[i]
+            i = p
+        else:
+            break
+    return size + 1
+
+
+@njit(cache=True)
+def _hpop(hr, hj, hv, size):
+    size -= 1
+    hr[0] = hr[size]
+    hj[0] = hj[size]
+    hv[0] = hv[size]
+    i = 0
+    while True:
+        a = 2 * i + 1
+        b = a + 1
+        m = i
+        if a < size and _before(hr[a], hj[a], hr[m], hj[m]):
+            m = a
+        if b < size and _before(hr[b], hj[b], hr[m], hj[m]):
+            m = b
+        if m == i:
+            break
+        hr[i], hr[m] = hr[m], hr[i]
+        hj[i], hj[m] = hj[m], hj[i]
+        hv[i], hv[m] = hv[m], hv[i]
+        i = m
+    return size
+
+
+@njit(cache=True)
 def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
                seed_order, seed, seed_any, fixed, cap_g, cap_c):
     J, K = u.shape
@@ -201,9 +248,18 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
             ok = _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
                            free_g, free_c, res_g, res_c, own, picked, decided, hist, big)
         if not ok and seed_any[j]:
-            for k2 in range(nk[j]):
-                if u[j, k2] < 0.0 or k2 == k:
-                    continue
+            # cheapest allowed candidate that fits (rows need not be sorted by cost)
+            tried = np.zeros(nk[j], np.bool_)
+            for _ in range(nk[j]):
+                k2 = -1
+                for q in range(nk[j]):
+                    if tried[q] or u[j, q] < 0.0 or q == k:
+                        continue
+                    if k2 < 0 or cost[j, q] < cost[j, k2]:
+                        k2 = q
+                if k2 < 0:
+                    break
+                tried[k2] = True
                 if _try_move(j, k2, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
                              free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
                     ok = True
@@ -212,26 +268,36 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
             # Could not seed: a pinned job loses its pin; a guaranteed job
             # cannot be admitted this round (it must not take less).
             frozen[j] = seed_any[j]
-    # 2. greedy by marginal gain per cost
-    ratio = np.full(J, -1.0)
+    # 2. greedy by marginal gain per cost; a lazy max-heap of (ratio, -job)
+    # replaces the argmax scan (stale entries are skipped by version), with
+    # the same tie-break as the reference's argmax: the lowest job index.
+    cap = J + 2 * J * K + 1
+    hr = np.empty(cap)
+    hj = np.empty(cap, np.int64)
+    hv = np.empty(cap, np.int64)
+    version = np.zeros(J, np.int64)
     step = np.full(J, -1, np.int64)
+    size = 0
     for j in range(J):
         if not frozen[j]:
-            ratio[j], step[j] = _best_step(j, level, u, cost, nk, dead)
-    while True:
-        j = -1
-        br = 0.0
-        for i in range(J):
-            if step[i] >= 0 and ratio[i] > br:
-                br = ratio[i]
-                j = i
-        if j < 0:
-            break
+            r, step[j] = _best_step(j, level, u, cost, nk, dead)
+            if step[j] >= 0 and r > 0.0:
+                size = _hpush(hr, hj, hv, size, r, j, version[j])
+    while size > 0:
+        r = hr[0]
+        j = hj[0]
+        v = hv[0]
+        size = _hpop(hr, hj, hv, size)
+        if v != version[j]:
+            continue
         k = step[j]
         if not _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
                          free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
             dead[j, k] = True
-        ratio[j], step[j] = _best_step(j, level, u, cost, nk, dead)
+        version[j] += 1
+        r, step[j] = _best_step(j, level, u, cost, nk, dead)
+        if step[j] >= 0 and r > 0.0:
+            size = _hpush(hr, hj, hv, size, r, j, version[j])
     return level, out_nodes
 
 
@@ -330,10 +396,11 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
         k = seed[j]
         ok = bool(k >= 0 and try_move(j, k))
         if not ok and seed_any[j]:
-            for k2 in range(nk[j]):
+            n = nk[j]
+            for k2 in np.argsort(cost[j, :n], kind="stable"):
                 if u[j, k2] < 0.0 or k2 == k:
                     continue
-                if try_move(j, k2):
+                if try_move(j, int(k2)):
                     ok = True
                     break
         if not ok:

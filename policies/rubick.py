@@ -14,9 +14,11 @@ One round:
    scaled by T/(T+R), the job's average speed over the rest of its run
    (T = time to finish at that speed, R = restart cost), so switching a job
    that is about to finish never pays.
-3. Guarantees: a guaranteed job may only take candidates at least as fast as
-   its target (requested plan on requested resources, or
-   ``JobView.target_throughput``). Running guaranteed jobs are seeded first
+3. Guarantees: a guaranteed job may only take its own request (its plan on
+   its GPUs and CPUs, compactly placed) or a candidate the model predicts to
+   beat its target (the request's predicted throughput, or
+   ``JobView.target_throughput``) by ``guarantee_margin`` (20%): the model
+   errs (badly across nodes and for 3D plans), the request does not. Running guaranteed jobs are seeded first
    and are never shrunk below it; a pending one is admitted only if a
    candidate meeting its target fits, so an accepted guarantee can be kept.
 4. Jobs that (re)started less than ``min_run_time`` ago keep their
@@ -58,6 +60,7 @@ class Rubick:
         restart_cost: float = DEFAULT_RESTART_COST,
         min_run_time: float = DEFAULT_MIN_RUN_TIME,
         guarantee_evicts: bool = True,
+        guarantee_margin: float = 0.2,
         max_scale: float = 2.0,
         utility_exponent: float = 0.5,
         use_numba: bool = True,
@@ -69,6 +72,7 @@ class Rubick:
         self.restart_cost = restart_cost
         self.min_run_time = min_run_time
         self.guarantee_evicts = guarantee_evicts
+        self.guarantee_margin = guarantee_margin
         self.max_scale = max_scale
         self.alpha = utility_exponent
         self.use_numba = use_numba
@@ -117,6 +121,21 @@ class Rubick:
             tab = (cands, arr)
             self._tables[id(cands)] = tab
         return cands, tab[1]
+
+    def _with_request(self, job, perf, space, cpg_cluster, cands, tab):
+        """Guaranteed jobs: their exact request (own plan, GPUs, CPUs, compact) as a candidate."""
+        key = ("req", self._cache.key(job, perf))
+        got = self._tables.get(key)
+        if got is None or got[0] is not cands:
+            extra = _fixed_candidates(job, perf, space)
+            if extra:
+                c = extra[0]
+                row = np.array([[c.gpus, c.cpus_per_gpu, c.nodes, c.throughput, resource_cost(c, cpg_cluster)]])
+                got = (cands, cands + extra, np.vstack([tab, row]))
+            else:
+                got = (cands, cands, tab)
+            self._tables[key] = got
+        return got[1], got[2]
 
     def requested_throughput(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> float:
         """The job's own plan on its own GPUs and CPUs, compactly placed."""
@@ -179,8 +198,14 @@ class Rubick:
         guar = np.zeros(J, bool)
         held = np.zeros(J, bool)
         left = np.zeros(J)
+        is_req = []
         for i, j in enumerate(jobs):
             cands, tab = self._candidate_table(j, perf, space, cpg_cluster)
+            if j.spec.guaranteed:
+                n0 = len(cands)
+                cands, tab = self._with_request(j, perf, space, cpg_cluster, cands, tab)
+                if len(cands) > n0:
+                    is_req.append((i, len(cands) - 1))
             rows.append(cands)
             tabs.append(tab)
             ref = self.requested_throughput(j, perf, space)
@@ -212,7 +237,13 @@ class Rubick:
                 u = u * (T / (T + R))
         valid = np.arange(K)[None, :] < nk[:, None]
         valid &= thr > 0
-        valid &= ~(guar[:, None] & (thr < targets[:, None] * (1 - 1e-9)))
+        # A guaranteed job may run its own request, or anything the model says
+        # beats its target by the margin (the model errs, the request does not).
+        need = np.where(guar, targets * (1 + self.guarantee_margin), 0.0)
+        req_ok = np.zeros((J, K), bool)
+        for i, k in is_req:
+            req_ok[i, k] = thr[i, k] >= targets[i] * (1 - 1e-9)
+        valid &= ~guar[:, None] | req_ok | (thr >= need[:, None] * (1 - 1e-9))
         valid &= ~held[:, None]
         u = np.where(valid, u, -1.0)
         cg = table[:, :, 0].astype(np.int64)
