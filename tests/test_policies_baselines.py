@@ -114,3 +114,17 @@ def test_gavel_max_min_shares_and_rotation():
         j.attained_service = 4 * (1000 if i < 2 else 0)
     d = run("gavel", ns, js, now=4000.0)
     assert {"j2", "j3"} == set(d.allocations)
+
+
+def test_sia_restart_factor_keeps_a_young_job_in_place():
+    ns = nodes(1)
+    perf = CurveOracle({"lin": {1: 1, 2: 2, 4: 4, 8: 8}})
+    # running on 4 of 8 GPUs for 100 s with 2 restarts: (age - 2*260)/(age + 260) < 0, so
+    # growing to 8 is not worth it; an old job with no restarts does grow
+    young = job("y", 4, t=9_900, cpg=1, curve="lin", running_on=(Placement("n0", 4, 4),), since=9_900)
+    young.restarts = 2
+    d = run("sia", ns, [young], restart_cost=260, min_run_time=0)
+    assert d.allocations["y"].placement == young.placement
+    old = job("o", 4, t=0, cpg=1, curve="lin", running_on=(Placement("n0", 4, 4),), since=0)
+    d = run("sia", ns, [old], restart_cost=260, min_run_time=0)
+    assert d.allocations["o"].plan.gpus == 8
