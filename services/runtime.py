@@ -65,18 +65,28 @@ async def connect(url: str | None = None, name: str = "gearshift", *, retry_for:
     deadline = time.monotonic() + retry_for
     last: Exception | None = None
     while True:
+        nc = NATS()
         try:
-            return await nats.connect(
-                servers,
-                name=name,
-                connect_timeout=2,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                allow_reconnect=True,
-                **kw,
+            # bounded: a TLS handshake that fails verification would otherwise be retried forever
+            await asyncio.wait_for(
+                nc.connect(
+                    servers,
+                    name=name,
+                    connect_timeout=2,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    allow_reconnect=True,
+                    **kw,
+                ),
+                timeout=max(2.0, deadline - time.monotonic()) + 3.0,
             )
+            return nc
         except Exception as exc:  # nats raises several types for "nobody there"
             last = exc
+            try:
+                await nc.close()
+            except Exception:
+                pass
             if time.monotonic() >= deadline:
                 raise ServerUnavailable(f"no NATS server answers at {url}: {exc or type(exc).__name__}") from last
             await asyncio.sleep(0.2)

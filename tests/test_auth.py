@@ -94,3 +94,38 @@ def test_authz_suite_on_a_cluster(tmp_path):
     assert s["ok"] and s["forbidden_refused"] == s["forbidden_tried"] >= 50
     assert s["allowed_worked"] == s["allowed_tried"] >= 10
     assert {"agent-node0", "tenant-nlp", "tools", "admission"} <= set(s["roles"])
+
+
+async def test_tls_from_deploy_settings(tmp_path, monkeypatch):
+    """The client side of deploy/'s TLS: GEARSHIFT_TLS_CA verifies the server;
+    without it the connection is refused."""
+    import shutil
+
+    from services.natsd import NatsServer
+    from services.runtime import ServerUnavailable, connect, ensure_infra
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=gearshift-test", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    conf = tmp_path / "tls.conf"
+    conf.write_text(f'tls {{\n  cert_file: "{cert}"\n  key_file: "{key}"\n  timeout: 2\n}}\n')
+    server = NatsServer(tmp_path / "js", config=conf)
+    url = server.start()
+    try:
+        monkeypatch.delenv("GEARSHIFT_CREDS", raising=False)
+        monkeypatch.delenv("GEARSHIFT_TLS_CA", raising=False)
+        with pytest.raises(ServerUnavailable):
+            await connect(url, retry_for=0.5)
+        monkeypatch.setenv("GEARSHIFT_TLS_CA", str(cert))
+        nc = await connect(url, retry_for=3)
+        try:
+            await ensure_infra(nc)
+            assert nc.connected_url is not None
+        finally:
+            await nc.close()
+    finally:
+        server.stop()
