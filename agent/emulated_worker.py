@@ -25,7 +25,9 @@ from agent.worker import (
 )
 
 # Periodic checkpoints bound what a crash or a lost node costs.
-CKPT_INTERVAL_S = float(os.environ.get("GEARSHIFT_CKPT_INTERVAL", "5"))
+CKPT_INTERVAL_S = float(os.environ.get("WORKER_CKPT_INTERVAL") or os.environ.get("GEARSHIFT_CKPT_INTERVAL") or "5")
+# Testing: seconds rank 0 takes to checkpoint after a stop request.
+STOP_DELAY_S = float(os.environ.get("WORKER_STOP_DELAY", "0"))
 
 
 def run_profile(env: WorkerEnv, stop: StopSignal) -> int:
@@ -47,7 +49,7 @@ def run_rank0(env: WorkerEnv, stop: StopSignal) -> int:
     ready = time.time()
     restore_s = ready - env.launched_at if env.launched_at else None
     first_step_s = None
-    crash_at = int(os.environ.get("GEARSHIFT_CRASH_AT") or 0)
+    crash_at = int(os.environ.get("WORKER_CRASH_AT") or 0)
     steps = env.steps
     reporter = ProgressReporter(env.progress_file, steps=steps)
     rate = env.global_batch / env.step_time if env.step_time > 0 else 0.0
@@ -67,6 +69,7 @@ def run_rank0(env: WorkerEnv, stop: StopSignal) -> int:
         # sleep to the next step boundary on an absolute schedule, so the rate
         # holds even when writes take time
         if stop.wait(next_at - time.monotonic()):
+            time.sleep(STOP_DELAY_S)  # a slow checkpoint, for tests of the gang barrier
             checkpoint()
             report(samples_per_s=0.0, force=True)
             return EXIT_CHECKPOINTED

@@ -203,44 +203,62 @@ class ProgressReporter:
 
 
 class PhaseTimer:
-    """Wall time per phase, accumulated over a step and averaged over steps:
-    ``with timer("forward"): ...``; ``end_step()`` closes a step."""
+    """Time per phase, accumulated over a step and averaged over steps:
+    ``with timer("forward"): ...``; ``end_step()`` closes a step.
 
-    def __init__(self) -> None:
+    ``clock="wall"`` (default) measures elapsed time; ``clock="cpu"`` this
+    thread's CPU time (``time.thread_time``), which other processes on a
+    shared machine do not inflate; it leaves out time spent waiting (for
+    example on a collective another thread runs), so use it only where the
+    compute dominates."""
+
+    def __init__(self, clock: str = "wall") -> None:
+        self.clock = time.thread_time if clock == "cpu" else time.perf_counter
         self.current: dict[str, float] = {}
         self.total: dict[str, float] = {}
+        self.history: list[dict[str, float]] = []
         self.steps = 0
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
 
     def __call__(self, phase: str):
         timer = self
 
         class _Ctx:
             def __enter__(self_inner):
-                self_inner.t = time.perf_counter()
+                self_inner.t = timer.clock()
 
             def __exit__(self_inner, *exc):
-                timer.current[phase] = timer.current.get(phase, 0.0) + time.perf_counter() - self_inner.t
+                timer.current[phase] = timer.current.get(phase, 0.0) + timer.clock() - self_inner.t
 
         return _Ctx()
 
     def start_step(self) -> None:
         self.current = {}
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
 
     def end_step(self) -> dict[str, float]:
         """This step's phases in ms (``iteration`` = the whole step)."""
-        self.current["iteration"] = time.perf_counter() - self._t0
+        self.current["iteration"] = self.clock() - self._t0
         for k, v in self.current.items():
             self.total[k] = self.total.get(k, 0.0) + v
+        self.history.append(dict(self.current))
         self.steps += 1
         return {k: v * 1e3 for k, v in self.current.items()}
 
     def mean_ms(self) -> dict[str, float]:
         return {k: v * 1e3 / max(1, self.steps) for k, v in self.total.items()}
 
+    def median_ms(self) -> dict[str, float]:
+        """Per-phase medians over the steps since ``reset``: robust to the odd
+        step another process on the machine slowed down."""
+        import statistics
+
+        keys = {k for h in self.history for k in h}
+        return {k: statistics.median(h.get(k, 0.0) for h in self.history) * 1e3 for k in keys}
+
     def reset(self) -> None:
         self.total = {}
+        self.history = []
         self.steps = 0
 
 

@@ -64,12 +64,12 @@ def parse_args(argv=None):
     p.add_argument("--dataset", type=int, default=8192, help="samples in the synthetic data set")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=["float64", "float32"], default="float64")
-    p.add_argument("--ckpt-every", type=int, default=int(os.environ.get("GEARSHIFT_CKPT_EVERY", "25")))
+    p.add_argument("--ckpt-every", type=int, default=int(os.environ.get("WORKER_CKPT_EVERY", "25")))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--warmup", type=int, default=2, help="profiling: steps before measuring")
+    p.add_argument("--warmup", type=int, default=3, help="profiling: steps before measuring")
     p.add_argument("--steps", type=int, default=None, help="default: $GEARSHIFT_STEPS")
     p.add_argument("--global-batch", type=int, default=None, help="default: $GEARSHIFT_GLOBAL_BATCH")
-    p.add_argument("--crash-at", type=int, default=int(os.environ.get("GEARSHIFT_CRASH_AT", "0")),
+    p.add_argument("--crash-at", type=int, default=int(os.environ.get("WORKER_CRASH_AT", "0")),
                    help="testing: exit 1 at this step, once per checkpoint folder")
     return p.parse_args(argv)
 
@@ -213,7 +213,8 @@ def train(args, env, stop, torch, dist, DDP, ZeroRedundancyOptimizer, steps, B, 
             writer.prune(step)
         dist.barrier()  # nobody leaves (or trains on) before the checkpoint is complete
 
-    timer = PhaseTimer()
+    # profiling on a shared CPU box: CPU time of the rank's thread (see PhaseTimer)
+    timer = PhaseTimer(os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall") if profiling else "wall")
     cache: dict = {}
     flags = torch.zeros(2, dtype=torch.int64)
     loss_acc = torch.zeros(1, dtype=torch.float64)
@@ -273,7 +274,7 @@ def train(args, env, stop, torch, dist, DDP, ZeroRedundancyOptimizer, steps, B, 
             if measured == args.warmup:
                 timer.reset()
             if measured >= args.warmup + env.profile_steps:
-                reporter.report(step, loss=loss_val, phases=timer.mean_ms(), force=True, profiled=timer.steps,
+                reporter.report(step, loss=loss_val, phases=timer.median_ms(), force=True, profiled=timer.steps,
                                 start_step=start_step, restore_s=restore_s, first_step_s=first_step_s)
                 return EXIT_DONE
             continue

@@ -1,0 +1,309 @@
+"""The profiler service: fitted performance models for models nobody profiled yet.
+
+For a model key with no fitted parameters in KV ``gs_models`` (and no shipped
+Rubick fit), it
+1. chooses at most 7 profiling plans that identify the model's parameters
+   (``profiling_plans``): DP1 (compute per sample, constants), DP1+GA2 (the
+   per-micro-step cost), DP1+GC (recompute ratio), DP2 (gradient sync and its
+   overlap with backward), DP2+ZeRO-1 (sharded optimizer step + parameter
+   gather), DP2+GA2+GC and DP1+GA4 (cross-checks of the above), within the
+   GPUs one node has and the global batch allows;
+2. runs each, one after the other so runs do not disturb each other's
+   timings, for a few steps on an agent with enough free GPUs
+   (``gs.agent.<node>.profile``: the job's real command, or the emulated
+   worker), collecting the per-phase times (forward, backward+sync,
+   optimizer, iteration);
+3. hands the samples to ``gs.perfmodel.fit``, which stores the parameters in
+   ``gs_models``; the waiting jobs get a ``job.profiled`` event and the
+   optimizer (run with ``--wait-for-models``) schedules them on its next round.
+
+Endpoints: ``gs.profiler.profile`` (profile a model now, reply with the
+samples and the fit) and ``gs.profiler.status`` (what it is doing). Without
+requests it watches ``gs_jobs`` for pending jobs that wait for a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta, Struct
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import (
+    Allocation,
+    JobProfiled,
+    JobRecord,
+    JobState,
+    ModelSpec,
+    NodeReport,
+    Plan,
+    ProfileCommand,
+    ProfileResult,
+)
+
+from .jobstore import JobStore, kv_snapshot, with_event
+from .perfmodel_service import PERFMODEL_FIT, FitReply, FitRequest, ProfileSample, ResourceSpec, kv_key
+from .runtime import Endpoint, RequestError, bad_request, call, connect, ensure_infra, get_logger, run_service, serve
+
+log = get_logger(service="profiler")
+
+PROFILER_PROFILE = f"{subj.PROFILER}.profile"
+PROFILER_STATUS = f"{subj.PROFILER}.status"
+MAX_PLANS = 7
+DEFAULT_STEPS = 10
+
+
+class ProfileRequest(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    model: ModelSpec
+    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
+    command: list[str] | None = None
+    env: dict[str, str] | None = None
+    step_time: float | None = None  # emulated worker: seconds per step on one GPU
+    plans: list[Plan] | None = None  # default: profiling_plans(...)
+    max_dp: Annotated[int, Meta(ge=1, le=64)] | None = None  # default: the largest node's GPUs
+    steps: Annotated[int, Meta(ge=1, le=1000)] = DEFAULT_STEPS
+    fit: bool = True
+
+
+class ProfileReply(Struct, kw_only=True, frozen=True):
+    model_key: str
+    samples: list[ProfileSample]
+    results: list[ProfileResult]
+    fit: FitReply | None = None
+    wall_s: float = 0.0
+
+
+class ProfilerStatus(Struct, kw_only=True, frozen=True):
+    busy: str | None = None  # model key being profiled
+    done: list[str] = []
+    failed: dict[str, str] = {}
+
+
+def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS) -> list[Plan]:
+    """At most ``limit`` plans that together identify the data-parallel model:
+    every plan is valid for the global batch (dp * ga divides it)."""
+    wanted = [
+        Plan(dp=1),
+        Plan(dp=1, ga=2),
+        Plan(dp=1, grad_ckpt=True),
+        Plan(dp=2),
+        Plan(dp=2, zero=1),
+        Plan(dp=2, ga=2, grad_ckpt=True),
+        Plan(dp=1, ga=4),
+    ]
+    if max_dp >= 4:  # a wider DP degree says more about the sync than a second GA point
+        wanted[-1] = Plan(dp=min(max_dp, 8))
+    out = []
+    for p in wanted:
+        if p.dp <= max_dp and global_batch % (p.dp * p.ga) == 0 and p not in out:
+            out.append(p)
+    return out[:limit]
+
+
+class Profiler:
+    def __init__(self, nc: Any, *, interval: float = 1.0, steps: int = DEFAULT_STEPS, max_dp: int | None = None,
+                 run_timeout: float = 180.0):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.interval = interval
+        self.steps = steps
+        self.max_dp = max_dp
+        self.run_timeout = run_timeout
+        self.store = JobStore(nc)
+        self.busy: str | None = None
+        self.done: list[str] = []
+        self.failed: dict[str, str] = {}
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._run_no = 0
+
+    async def open(self) -> "Profiler":
+        await self.store.open()
+        self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
+        self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
+        self.alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
+        return self
+
+    # ------------------------------------------------------------ profiling
+    async def _free_nodes(self) -> list[tuple[str, int, int]]:
+        """(node, free GPUs, GPUs) of live nodes, most free first."""
+        nodes = [codec.decode(v, NodeReport) for v, _ in (await kv_snapshot(self.nodes_kv)).values()]
+        used: dict[str, int] = {}
+        for k, (v, _) in (await kv_snapshot(self.alloc_kv)).items():
+            if "." in k:  # per-node copies of allocations
+                continue
+            try:
+                a = codec.decode(v, Allocation)
+            except msgspec.MsgspecError:
+                continue
+            for p in a.placement:
+                used[p.node] = used.get(p.node, 0) + len(p.gpus)
+        now = time.time()
+        out = [(n.node, len(n.gpus) - used.get(n.node, 0) - len(n.reserved), len(n.gpus))
+               for n in nodes if now - n.ts < 15]
+        return sorted(out, key=lambda t: (-t[1], t[0]))
+
+    async def _run_one(self, req: ProfileRequest, plan: Plan, deadline: float) -> ProfileResult:
+        """One plan on the first node with enough free GPUs (waits for one)."""
+        while True:
+            for node, free, _ in await self._free_nodes():
+                if free < plan.gpus:
+                    continue
+                self._run_no += 1
+                cmd = ProfileCommand(
+                    run_id=f"prof-{os.getpid()}-{self._run_no}", plan=plan, global_batch=req.global_batch,
+                    command=req.command, env=req.env, steps=req.steps, step_time=req.step_time,
+                    timeout=self.run_timeout,
+                )
+                res = await call(self.nc, subj.agent_command(node, "profile"), cmd, ProfileResult,
+                                 timeout=self.run_timeout + 15)
+                if res.ok or "free" not in res.error:
+                    return res
+            if time.monotonic() > deadline:
+                return ProfileResult(ok=False, plan=plan, error=f"no node with {plan.gpus} free GPUs")
+            await asyncio.sleep(1.0)
+
+    async def profile(self, req: ProfileRequest) -> ProfileReply:
+        from perfmodel.catalog import shape_from_spec
+
+        try:
+            key = shape_from_spec(req.model).key
+        except (ValueError, TypeError) as exc:
+            raise bad_request(f"bad model shape: {exc}", "model") from None
+        async with self._lock:  # one profile at a time: runs must not share CPUs/GPUs
+            self.busy = key
+            started = time.monotonic()
+            try:
+                nodes = await self._free_nodes()
+                max_dp = req.max_dp or self.max_dp or max([g for _, _, g in nodes] or [1])
+                plans = req.plans or profiling_plans(req.global_batch, max_dp)
+                if len(plans) > MAX_PLANS and req.fit:
+                    raise bad_request(f"{len(plans)} plans: at most {MAX_PLANS}", "plans")
+                results, samples = [], []
+                deadline = time.monotonic() + 10 * self.run_timeout
+                for plan in plans:
+                    res = await self._run_one(req, plan, deadline)
+                    results.append(res)
+                    log.info("profiling run", model_key=key, plan=plan.label(), ok=res.ok,
+                             iter_ms=res.iter_ms, error=res.error or None)
+                    if res.ok and res.iter_ms:
+                        samples.append(ProfileSample(
+                            plan=plan, resources=ResourceSpec(gpus_per_node=[plan.gpus]), iter_ms=res.iter_ms,
+                            fwd_ms=res.fwd_ms or None, tcc_ms=res.bwd_ms or None, opt_ms=res.opt_ms or None,
+                        ))
+                fit = None
+                if req.fit:
+                    if not samples:
+                        raise RequestError("500", "every profiling run failed: " +
+                                               "; ".join(r.error for r in results if r.error))
+                    fit = await call(self.nc, PERFMODEL_FIT,
+                                     FitRequest(model=req.model, global_batch=req.global_batch, samples=samples),
+                                     FitReply, timeout=900)
+                    self.done.append(key)
+                    self.failed.pop(key, None)
+                return ProfileReply(model_key=key, samples=samples, results=results, fit=fit,
+                                    wall_s=time.monotonic() - started)
+            finally:
+                self.busy = None
+
+    # ------------------------------------------------------------ watching jobs
+    async def _waiting_jobs(self) -> dict[str, list[JobRecord]]:
+        """model key -> pending jobs whose model has no fit yet."""
+        from perfmodel.catalog import shape_from_spec
+        from perfmodel.rubick import MODELS
+
+        try:
+            have = set(await self.models_kv.keys())
+        except Exception:
+            have = set()
+        out: dict[str, list[JobRecord]] = {}
+        for rec, _ in await self.store.all():
+            if rec.state != JobState.PENDING or rec.spec.model.name in MODELS:
+                continue
+            try:
+                key = shape_from_spec(rec.spec.model).key
+            except (ValueError, TypeError):
+                continue
+            if kv_key(key) not in have:
+                out.setdefault(key, []).append(rec)
+        return out
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        async def on_submitted(_msg: Any) -> None:
+            self._wake.set()
+
+        sub = await self.nc.subscribe("gs.evt.job.*.submitted", cb=on_submitted)
+        try:
+            while not stop.is_set():
+                try:
+                    await self._profile_waiting()
+                except Exception:
+                    log.exception("profiling pass failed")
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.interval)
+                except asyncio.TimeoutError:
+                    pass
+                self._wake.clear()
+        finally:
+            await sub.unsubscribe()
+
+    async def _profile_waiting(self) -> None:
+        for key, recs in (await self._waiting_jobs()).items():
+            if key in self.failed:
+                continue
+            first = min(recs, key=lambda r: r.submitted_at)
+            spec = first.spec
+            req = ProfileRequest(model=spec.model, global_batch=spec.global_batch, command=spec.command,
+                                 env=spec.env, step_time=(spec.step_time or 0.1) * spec.gpus, steps=self.steps,
+                                 max_dp=min(spec.gpus, self.max_dp or spec.gpus) if spec.gpus > 1 else 2)
+            log.info("profiling", model_key=key, jobs=[r.job_id for r in recs])
+            try:
+                reply = await self.profile(req)
+            except Exception as exc:
+                self.failed[key] = str(exc)
+                log.error("profiling failed", model_key=key, error=str(exc))
+                continue
+            ts = time.time()
+            for rec in recs:
+                await self.store.update(rec.job_id, lambda r, reply=reply: with_event(
+                    r, JobProfiled, ts=ts, model_key=reply.model_key, plans=len(reply.samples),
+                    train_error=reply.fit.train_error if reply.fit else None) if not r.terminal else None)
+            await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+
+    async def status(self, _: None) -> ProfilerStatus:
+        return ProfilerStatus(busy=self.busy, done=list(self.done), failed=dict(self.failed))
+
+    def endpoints(self) -> list[Endpoint]:
+        return [
+            Endpoint("profile", PROFILER_PROFILE, ProfileRequest, self.profile),
+            Endpoint("status", PROFILER_STATUS, None, self.status),
+        ]
+
+
+async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
+    nc = await connect(args.server, name="gearshift-profiler")
+    await ensure_infra(nc)
+    prof = await Profiler(nc, steps=args.steps, max_dp=args.max_dp).open()
+    svc = await serve(nc, "profiler", prof.endpoints(), "gearshift profiler")
+    log.info("profiler ready")
+    await prof.watch(stop)
+    await svc.stop()
+    await nc.drain()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="gearshift-profiler")
+    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
+    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="measured steps per profiling run")
+    ap.add_argument("--max-dp", type=int, default=None, help="largest DP degree to profile (default: node GPUs)")
+    args = ap.parse_args(argv)
+    run_service(lambda stop: amain(stop, args))
+
+
+if __name__ == "__main__":
+    main()
