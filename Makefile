@@ -38,3 +38,8 @@ clean:
 
 schema: $(STAMP)
 	$(BIN)/python -m gearshift.cli schema > schema/bus.json
+
+# issue 5: regenerate docs/evaluation.md (simulated comparison of rubick and the baselines)
+.PHONY: evaluation
+evaluation: $(STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m sim.evaluation --out docs/evaluation.md
