@@ -23,6 +23,20 @@ whose plan or placement differs are reconfigured (the caller charges the
 restart). Keeping the output declarative lets the simulator and the optimizer
 service apply it the same way, and makes invariants easy to check.
 
+What callers should fill (simulator, optimizer service):
+- ``NodeState``: capacity the policy may hand out (totals minus what is not
+  the policy's: draining, profiling); ``domain`` = rack/switch if known.
+- ``JobView``: ``placement``/``plan`` of running jobs (CPUs in the
+  placement), ``steps_done``, ``attained_service`` (GPU-seconds, for
+  las/tiresias/gavel), ``restarts``, ``started_at`` and ``last_switch_at``
+  (when the current allocation started; for a preempted job, when it was
+  preempted), ``target_throughput`` for guaranteed jobs if the promise is
+  not "its request as the model predicts it".
+- ``perf``: the fitted model, e.g. ``policies.oracle.PerfModelOracle()``;
+  ``None`` makes model-driven policies fall back to ``AnalyticOracle``.
+- Keep one policy object across rounds: it caches curves and remembers
+  what it preempted.
+
 Nothing here imports NATS; the simulator must stay fast, so these are slotted
 dataclasses rather than bus messages. ``bus_schema.Plan`` is reused for plans
 because a plan is the same thing on the bus and in the policy.
