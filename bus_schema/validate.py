@@ -17,6 +17,17 @@ class SpecError(ValueError):
         return f"{self.field}: {self.message}"
 
 
+# What the agent sets for every process (the launch contract); a job's env may
+# add tunables (e.g. GEARSHIFT_CKPT_INTERVAL) but never override these.
+RESERVED_ENV = frozenset({
+    "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+    "GEARSHIFT_JOB_ID", "GEARSHIFT_GENERATION", "GEARSHIFT_PLAN", "GEARSHIFT_NODE", "GEARSHIFT_NODE_RANK",
+    "GEARSHIFT_NNODES", "GEARSHIFT_CKPT_DIR", "GEARSHIFT_PROGRESS_FILE", "GEARSHIFT_STEPS",
+    "GEARSHIFT_GLOBAL_BATCH", "GEARSHIFT_STEP_TIME", "GEARSHIFT_LAUNCHED_AT",
+})
+
+
 def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node: int | None = None) -> None:
     """Raise SpecError naming the first field that is wrong."""
     if max_gpus is not None and spec.gpus > max_gpus:
@@ -47,5 +58,5 @@ def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node:
             )
     if spec.env:
         for key in spec.env:
-            if key.startswith("GEARSHIFT_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+            if key in RESERVED_ENV:
                 raise SpecError(f"env.{key}", "is set by the agent and may not be overridden")

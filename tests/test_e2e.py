@@ -153,6 +153,14 @@ def test_up_stops_everything_on_sigterm(tmp_path):
     assert proc.wait(timeout=30) == 0
     time.sleep(0.5)
     assert ours() == []
-    # the emulated workers carry no data-dir in their args: none may survive either
+    # the emulated workers carry the data dir only in their environment
     left = subprocess.run(["pgrep", "-f", "agent.emulated_worker"], capture_output=True, text=True).stdout.split()
-    assert not [p for p in left if pid_alive(int(p)) and os.getppid() != int(p)]
+    assert not [p for p in left if pid_alive(int(p)) and str(data) in _environ(int(p))]
+
+
+def _environ(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
