@@ -110,7 +110,11 @@ class PerfmodelService:
                     f"on {res.n_gpus} GPUs {list(res.gpus_per_node)}", f"samples[{i}].plan")
             nan = float("nan")
             samples.append(Sample(plan, res, req.global_batch, s.iter_ms, s.fwd_ms or nan, s.tcc_ms or nan, s.opt_ms or nan))
-        params = await asyncio.to_thread(fit, shape, samples)
+        try:
+            params = await asyncio.to_thread(fit, shape, samples)
+        except (ValueError, FloatingPointError, ArithmeticError, np.linalg.LinAlgError) as exc:
+            # extreme or inconsistent timings (found by tests/test_fuzz.py): the client's data, not a crash
+            raise bad_request(f"samples: the model cannot be fitted to these timings: {exc}", "samples") from None
         pr = predict(params, shape, req.global_batch, [s.plan for s in samples], [s.resources for s in samples])
         y = np.array([s.iter_ms for s in samples]) / 1000.0
         err = float(np.mean(np.abs(pr.iter_time_s - y) / y))
