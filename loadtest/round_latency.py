@@ -95,12 +95,18 @@ def run(jobs: int, nodes: int, gpus_per_node: int, cpus_per_node: int, repeat: i
     same = {k: (v.plan, v.placement) for k, v in d_fast.allocations.items()} == {
         k: (v.plan, v.placement) for k, v in d_ref.allocations.items()
     }
-    round_numba = timed(lambda: fast.schedule(now, cluster, views, perf), repeat)
-    round_numpy = timed(lambda: ref.schedule(now, cluster, views, perf), max(1, repeat // 2))
+    # Interleave the two so that load from other processes hits both alike;
+    # ratios use the best of the repeats (timeit's convention), medians are reported too.
+    round_numba, round_numpy = [], []
+    for _ in range(repeat):
+        round_numba += timed(lambda: fast.schedule(now, cluster, views, perf), 1)
+        round_numpy += timed(lambda: ref.schedule(now, cluster, views, perf), 1)
     pb = fast.build_problem(now, cluster, views, perf)
     args = pb.kernel_args()
-    search_numba = timed(lambda: greedy_allocate(*args, use_numba=True), repeat)
-    search_numpy = timed(lambda: greedy_allocate(*args, use_numba=False), max(1, repeat // 2))
+    search_numba, search_numpy = [], []
+    for _ in range(repeat):
+        search_numba += timed(lambda: greedy_allocate(*args, use_numba=True), 1)
+        search_numpy += timed(lambda: greedy_allocate(*args, use_numba=False), 1)
     build_s = timed(lambda: fast.build_problem(now, cluster, views, perf), repeat)
     med = statistics.median
     return {
@@ -112,19 +118,21 @@ def run(jobs: int, nodes: int, gpus_per_node: int, cpus_per_node: int, repeat: i
         "candidates": int(pb.nk.sum()),
         "kernel_compile_or_load_s": compile_s,
         "cold_round_s": cold_s,
-        "round_numba_s": med(round_numba),
-        "round_numpy_s": med(round_numpy),
-        "round_speedup": med(round_numpy) / med(round_numba),
-        "search_numba_s": med(search_numba),
-        "search_numpy_s": med(search_numpy),
-        "search_speedup": med(search_numpy) / med(search_numba),
-        "build_problem_s": med(build_s),
+        "round_numba_s": min(round_numba),
+        "round_numpy_s": min(round_numpy),
+        "round_speedup": min(round_numpy) / min(round_numba),
+        "round_numba_median_s": med(round_numba),
+        "round_numpy_median_s": med(round_numpy),
+        "search_numba_s": min(search_numba),
+        "search_numpy_s": min(search_numpy),
+        "search_speedup": min(search_numpy) / min(search_numba),
+        "build_problem_s": min(build_s),
         "numba_equals_numpy": same,
         "targets": {"round_speedup_min": 10.0, "search_speedup_min": 10.0, "round_numba_max_s": 1.0},
         "pass": bool(
             same
-            and med(round_numpy) / med(round_numba) >= 10.0
-            and med(search_numpy) / med(search_numba) >= 10.0
+            and min(round_numpy) / min(round_numba) >= 10.0
+            and min(search_numpy) / min(search_numba) >= 10.0
             and med(round_numba) < 1.0
         ),
     }
@@ -136,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nodes", type=int, default=1024)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--cpus-per-node", type=int, default=96)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)

@@ -139,6 +139,9 @@ class Rubick:
 
     def requested_throughput(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> float:
         """The job's own plan on its own GPUs and CPUs, compactly placed."""
+        hit = self._ref.get(id(job.spec))
+        if hit is not None and hit[0] is job.spec:
+            return hit[1]
         key = (self._cache.key(job, perf), job.spec.plan, job.spec.gpus, job.spec.cpus_per_gpu)
         got = self._ref.get(key)
         if got is None:
@@ -146,6 +149,7 @@ class Rubick:
             cpg = job.spec.cpus_per_gpu or max(1, min(4, space.cpus_per_node // space.gpus_per_node))
             got = perf.throughput(job, plan, _compact(plan.gpus, cpg, space.gpus_per_node))
             self._ref[key] = got
+        self._ref[id(job.spec)] = (job.spec, got)
         return got
 
     def _stay_throughput(self, job: JobView, perf: PerfOracle) -> float:
@@ -347,10 +351,11 @@ class Rubick:
         for i, j in enumerate(jobs):
             if j.job_id in d.allocations:
                 continue
-            allowed = [c for k, c in enumerate(rows[i]) if u[i, k] >= 0]
+            row = rows[i]
+            allowed = [row[k] for k in np.flatnonzero(u[i, : len(row)] >= 0)]
             if j.spec.guaranteed:
                 if allowed:
-                    c = allowed[0]
+                    c = min(allowed, key=lambda c: (c.gpus, c.cpus_per_gpu))
                     d.waiting[j.job_id] = (
                         f"waiting: guarantee {targets[i]:.3g} samples/s needs at least {c.describe()}; "
                         f"largest free block is {block} GPUs ({total_free} free)"
