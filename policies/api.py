@@ -4,6 +4,7 @@ Changes (newest first; all backward compatible, every new field has a default):
 - ``JobView.target_throughput``: a guaranteed job's promised samples/s; when
   None, policies that need it compute "requested plan on requested GPUs" with
   the oracle. ``JobView.cpus`` property.
+- ``JobView.switched_at``: last_switch_at, else started_at (used for pins).
 - ``JobDecision.predicted_gain``: relative throughput change vs the job's
   current allocation (0.38 = +38%); None for starts.
 - ``SchedOptions`` (restart_cost, min_run_time): policies take them as
@@ -96,6 +97,12 @@ class JobView:
     @property
     def gpus(self) -> int:
         return sum(p.gpus for p in self.placement)
+
+    @property
+    def switched_at(self) -> float | None:
+        """When the current allocation started: ``last_switch_at``, else the
+        first start (callers that do not track switches still get pins)."""
+        return self.last_switch_at if self.last_switch_at is not None else self.started_at
 
     @property
     def cpus(self) -> int:

@@ -68,7 +68,7 @@ class Gavel:
         share = {j.job_id: x[i] for i, j in enumerate(jobs)}
         ledger = Ledger(nodes)
         d = Decision()
-        pinned = [j for j in jobs if j.running and j.last_switch_at is not None and now - j.last_switch_at < self.min_run_time]
+        pinned = [j for j in jobs if j.running and j.switched_at is not None and now - j.switched_at < self.min_run_time]
         for j in pinned:
             if ledger.fits(j.placement):
                 ledger.take(j.placement)

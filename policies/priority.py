@@ -52,7 +52,7 @@ class PriorityPolicy:
         self.blocks = blocks
 
     def _protected(self, j: JobView, now: float) -> bool:
-        return j.last_switch_at is not None and now - j.last_switch_at < self.min_run_time
+        return j.switched_at is not None and now - j.switched_at < self.min_run_time
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         order = sorted(jobs, key=lambda j: self.key(j, now, perf))

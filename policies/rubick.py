@@ -163,7 +163,7 @@ class Rubick:
         return got
 
     def _pinned(self, j: JobView, now: float) -> bool:
-        return j.running and j.last_switch_at is not None and now - j.last_switch_at < self.min_run_time
+        return j.running and j.switched_at is not None and now - j.switched_at < self.min_run_time
 
     def _held_out(self, j: JobView, now: float) -> bool:
         """A best-effort job preempted less than min_run_time ago stays out:

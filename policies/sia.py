@@ -88,7 +88,7 @@ class Sia:
         pinned: dict[int, int] = {}
         for i, j in enumerate(jobs):
             cur = j.gpus if j.running else 0
-            if j.running and j.last_switch_at is not None and now - j.last_switch_at < self.pin_time:
+            if j.running and j.switched_at is not None and now - j.switched_at < self.pin_time:
                 pinned[i] = cur
             opts = []
             for g in self.configs(j, gpn, total):
