@@ -14,6 +14,9 @@ Changes (newest first; all backward compatible, every new field has a default):
   that shape) and ``throughput_many(job, plans, placement)`` (vectorised);
   without them policies use ``policies.plans.candidate_plans`` and loop.
   ``policies.oracle.PerfModelOracle`` implements all three on ``perfmodel``.
+  An oracle may also say what its answers depend on, ``spec_key(spec)``
+  (hashable): jobs with equal keys share cached curves (default: the spec
+  minus name/steps/tenant/priority/guarantee/command).
 - ``check_decision`` also refuses plan/placement mismatches per job and
   duplicate nodes within one job.
 
