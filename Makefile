@@ -4,12 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all bench clean schema chaos authz fuzz
+.PHONY: venv demo test test-all bench clean schema chaos authz fuzz switch-check profile-accuracy
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,plots]'
+	# torch (CPU build, ~190 MB, ~1.5 min): the reference workload of the demo, switch_check and profile_accuracy
+	$(BIN)/python -m pip install -q -e '.[dev,plots,torch]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -38,6 +39,13 @@ clean:
 
 schema: $(STAMP)
 	$(BIN)/python -m gearshift.cli schema > schema/bus.json
+
+# issue 6: plan switches of the PyTorch reference workload, and the profiled model's accuracy
+switch-check: $(STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m loadtest.switch_check --json
+
+profile-accuracy: $(STAMP)
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m loadtest.profile_accuracy --json
 
 # issue 5: regenerate docs/evaluation.md (simulated comparison of rubick and the baselines)
 .PHONY: evaluation

@@ -251,10 +251,21 @@ class PhaseTimer:
     def median_ms(self) -> dict[str, float]:
         """Per-phase medians over the steps since ``reset``: robust to the odd
         step another process on the machine slowed down."""
-        import statistics
+        return self.quantile_ms(0.5)
 
+    def quantile_ms(self, q: float) -> dict[str, float]:
+        """Per-phase ``q``-quantiles (ms) over the steps since ``reset``.
+        Interference only ever adds time, so a low quantile estimates the
+        undisturbed time better than the mean."""
         keys = {k for h in self.history for k in h}
-        return {k: statistics.median(h.get(k, 0.0) for h in self.history) * 1e3 for k in keys}
+        out = {}
+        for k in keys:
+            xs = sorted(h.get(k, 0.0) for h in self.history)
+            pos = q * (len(xs) - 1)
+            lo = int(pos)
+            hi = min(lo + 1, len(xs) - 1)
+            out[k] = (xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)) * 1e3
+        return out
 
     def reset(self) -> None:
         self.total = {}

@@ -4,6 +4,17 @@ Starts a real nats-server, every service and emulated GPU nodes
 (``LocalCluster``), submits ``workloads/demo.yaml`` at the offsets it gives,
 waits until every job has ended, prints a per-job table (queued, ran, JCT)
 with the average JCT and the makespan, and stops everything.
+
+One job of the workload is real training: the PyTorch reference workload
+(``agent.reference.train``, CPU, gloo; ``{python}`` in a command is this
+interpreter). Its performance model was profiled beforehand
+(``workloads/torchref_model.json``, from ``python -m loadtest.profile_accuracy``)
+and is stored in ``gs_models`` before the workload starts, as a cluster that
+profiled the model earlier would have it. Once it has trained
+``--switch-at`` steps the demo asks the optimizer to switch it from DP1 to
+DP2 with ZeRO-1 (``gs.optimizer.reconfigure``); the job checkpoints, stops,
+restarts with the new plan on two GPUs and resumes, and the summary shows
+the switch's cost by phase (``job.switched``).
 """
 
 from __future__ import annotations
@@ -18,13 +29,20 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from bus_schema.messages import TERMINAL_STATES, JobRecord, JobSpec
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import (
+    TERMINAL_STATES, JobProgress, JobRecord, JobSpec, JobSwitched, Plan, ReconfigureReply, ReconfigureRequest,
+)
+
+from services.runtime import call
 
 from .client import Client
 from .cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT / "workloads" / "demo.yaml"
+TORCH_MODEL = ROOT / "workloads" / "torchref_model.json"
+SWITCH_TO = Plan(dp=2, zero=1)
 
 
 class WorkloadItem(msgspec.Struct, forbid_unknown_fields=True):
@@ -38,11 +56,54 @@ class Workload(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_workload(path: Path) -> list[WorkloadItem]:
     data = yaml.safe_load(path.read_text())
+    for job in data.get("jobs", []):
+        cmd = job.get("spec", {}).get("command")
+        if cmd:
+            job["spec"]["command"] = [sys.executable if a == "{python}" else a for a in cmd]
     return sorted(msgspec.convert(data, Workload).jobs, key=lambda j: j.at)
 
 
-async def drive(url: str, items: list[WorkloadItem], timeout: float, progress: bool) -> tuple[list[JobRecord], float]:
+def is_torch(spec: JobSpec) -> bool:
+    return bool(spec.command) and "agent.reference.train" in spec.command
+
+
+async def seed_models(nc) -> None:
+    """The reference workload's fitted model, as a cluster that profiled it earlier keeps it."""
+    if not TORCH_MODEL.exists():
+        return
+    kv = await nc.jetstream().key_value(subj.MODELS_BUCKET)
+    data = json.loads(TORCH_MODEL.read_text())
+    from services.perfmodel_service import kv_key
+
+    await kv.put(kv_key(data["model_key"]), json.dumps(data).encode())
+
+
+async def drive(url: str, items: list[WorkloadItem], timeout: float, progress: bool,
+                switch_at: int = 60) -> tuple[list[JobRecord], float]:
     client = await Client.connect(url, retry_for=10)
+    switches: list[JobSwitched] = []
+    steps: dict[str, int] = {}
+    torch_jobs: set[str] = set()
+    asked: set[str] = set()
+
+    async def on_progress(msg) -> None:
+        p = codec.decode(msg.data, JobProgress)
+        steps[p.job_id] = p.steps_done
+
+    async def on_switched(msg) -> None:
+        ev = codec.decode_event(msg.data)
+        if isinstance(ev, JobSwitched):
+            switches.append(ev)
+            print(f"  switched {ev.job_id} {ev.from_plan.label() if ev.from_plan else '?'} -> "
+                  f"{ev.plan.label() if ev.plan else '?'} at step {ev.resumed_step}: {ev.total_s:.1f}s "
+                  f"(checkpoint {ev.checkpoint_s:.2f}, teardown {ev.teardown_s:.2f}, launch {ev.launch_s:.2f}, "
+                  f"restore {ev.restore_s:.2f}, first step {ev.first_step_s:.2f}), steps lost {ev.steps_lost}",
+                  file=sys.stderr, flush=True)
+
+    subs = [await client.nc.subscribe("gs.job.*.progress", cb=on_progress),
+            await client.nc.subscribe("gs.evt.job.*.switched", cb=on_switched)]
+    await seed_models(client.nc)
+    drive.switches = switches  # type: ignore[attr-defined]
     try:
         t0 = time.time()
         ids: list[str] = []
@@ -55,6 +116,15 @@ async def drive(url: str, items: list[WorkloadItem], timeout: float, progress: b
                 item = pending.pop(0)
                 reply = await client.submit(item.spec, token=f"demo-{item.spec.name}-{int(t0)}")
                 ids.append(reply.job_id)
+                if is_torch(item.spec):
+                    torch_jobs.add(reply.job_id)
+            for job_id in torch_jobs - asked:
+                if steps.get(job_id, 0) >= switch_at:
+                    asked.add(job_id)
+                    req = ReconfigureRequest(job_id=job_id, plan=SWITCH_TO, reason="demo: DP1 -> DP2 + ZeRO-1")
+                    r = await call(client.nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply, timeout=5)
+                    print(f"[{now:5.0f}s] torch job {job_id} at step {steps[job_id]}: asked to switch to "
+                          f"{SWITCH_TO.label()} (generation {r.generation} -> next)", file=sys.stderr, flush=True)
             jobs = [j for j in await client.jobs() if j.job_id in set(ids)]
             states: dict[str, int] = {}
             for j in jobs:
@@ -70,6 +140,8 @@ async def drive(url: str, items: list[WorkloadItem], timeout: float, progress: b
             await asyncio.sleep(0.5)
         raise TimeoutError(f"workload did not finish in {timeout:.0f}s")
     finally:
+        for sub in subs:
+            await sub.unsubscribe()
         await client.close()
 
 
@@ -116,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--policy", default="fifo")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds to wait for the workload")
+    ap.add_argument("--switch-at", type=int, default=60, help="step at which the torch job is switched")
     ap.add_argument("-o", "--output", choices=["table", "json"], default="table")
     args = ap.parse_args(argv)
     items = load_workload(args.workload)
@@ -125,15 +198,28 @@ def main(argv: list[str] | None = None) -> int:
     with LocalCluster(nodes=args.nodes, gpus_per_node=args.gpus_per_node, port=-1, policy=args.policy,
                       interval=1.0, grace=5.0) as cluster:
         print(f"nats-server at {cluster.url}; logs in {cluster.log_dir}", file=sys.stderr, flush=True)
-        jobs, _ = asyncio.run(drive(cluster.url, items, args.timeout, progress=True))
+        jobs, _ = asyncio.run(drive(cluster.url, items, args.timeout, progress=True, switch_at=args.switch_at))
     s = summary(jobs)
+    s["switches"] = [
+        {"job_id": ev.job_id, "from": ev.from_plan.label() if ev.from_plan else None,
+         "to": ev.plan.label() if ev.plan else None, "at_step": ev.resumed_step, "steps_lost": ev.steps_lost,
+         **{k: round(getattr(ev, k), 2) for k in ("checkpoint_s", "teardown_s", "launch_s", "restore_s",
+                                                  "first_step_s", "total_s")}}
+        for ev in getattr(drive, "switches", [])
+    ]
     s["wall_s"] = round(time.monotonic() - started, 1)
     if args.output == "json":
         print(json.dumps(s, indent=2))
     else:
         print_summary(s)
+        for sw in s["switches"]:
+            print(f"plan switch of {sw['job_id']}: {sw['from']} -> {sw['to']} at step {sw['at_step']}, "
+                  f"{sw['total_s']} s (checkpoint {sw['checkpoint_s']}, teardown {sw['teardown_s']}, launch "
+                  f"{sw['launch_s']}, restore {sw['restore_s']}, first step {sw['first_step_s']}), "
+                  f"steps lost {sw['steps_lost']}")
         print(f"demo wall time: {s['wall_s']} s")
-    return 0 if s["failed"] == 0 and s["completed"] == len(items) else 1
+    torch_ok = not any(is_torch(i.spec) for i in items) or bool(s["switches"])
+    return 0 if s["failed"] == 0 and s["completed"] == len(items) and torch_ok else 1
 
 
 if __name__ == "__main__":

@@ -77,8 +77,10 @@ async def measure(url: str, global_batch: int, steps: int, log) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.profile_accuracy")
     ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after 3 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=16, help="measured steps per run (after 3 warm-up steps)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--save-model", type=Path, default=None,
+                    help="write the fitted model (gs_models value) here, e.g. workloads/torchref_model.json")
     args = ap.parse_args(argv)
     if not reference.have_torch():
         print("profile_accuracy needs torch: pip install -e '.[torch]'", file=sys.stderr)
@@ -101,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"plan": s.plan.label(), "measured_ms": round(s.iter_ms, 2),
                      "predicted_ms": None if p_ms is None else round(p_ms, 2),
                      "error": None if err is None else round(err, 4)})
+    if args.save_model and prof.fit:
+        args.save_model.write_text(json.dumps({"model_key": prof.model_key, "params": prof.fit.params,
+                                               "cluster": prof.fit.cluster, "gpu_mem_gb": 80.0}, indent=2) + "\n")
     errs = [r["error"] for r in rows if r["error"] is not None]
     avg = sum(errs) / len(errs) if errs else float("inf")
     ok = avg <= 0.15 and len(prof.samples) <= 7 and len(errs) >= 5

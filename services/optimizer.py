@@ -534,7 +534,7 @@ class Optimizer:
                 if new:
                     records[rec.job_id] = new
                     changes += 1
-        for job_id, d in decision.allocations.items():
+        for job_id, d in list(decision.allocations.items()):  # entries may be deferred below
             if job_id in keep:
                 continue
             rec = records[job_id]
@@ -693,6 +693,10 @@ class Optimizer:
                 for p in d.placement:
                     free[p.node] = free.get(p.node, 0) - p.gpus
             shares = [(s.node, s.gpus) for s in pin.placement]
+            current = [(p.node, len(p.gpus)) for p in rec.placement]
+            if (not shares and rec.state in ACTIVE and rec.plan == pin.plan
+                    and sum(g for _, g in current) == pin.plan.gpus):
+                shares = current  # already runs the pinned plan: stay where it is
             if not shares:  # first fit: one node if possible, else fill nodes in order
                 need = pin.plan.gpus
                 one = next((n for n in sorted(free) if free[n] >= need), None)

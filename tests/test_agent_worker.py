@@ -168,3 +168,36 @@ def test_rank_layout_follows_the_placement():
     assert 20000 <= launch.master_port("j", 4) < 50000 and launch.master_port("j", 4) == int(env["MASTER_PORT"])
     assert launch.master_port("j", 4) != launch.master_port("j", 5)
     assert (launch.exit_status(-15), launch.exit_status(-9), launch.exit_status(3)) == (143, 137, 3)
+
+
+def test_checkpoint_writer_is_atomic_and_prunes(tmp_path):
+    w = wk.CheckpointWriter(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        with w.stage(step) as tmp:
+            (tmp / "state").write_text(str(step))
+        w.prune(step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030"]
+    with pytest.raises(RuntimeError):
+        with w.stage(40) as tmp:
+            (tmp / "state").write_text("half")
+            raise RuntimeError("disk full")
+    # a failed write leaves neither a step folder nor a temp folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030"]
+
+
+def test_phase_timer_quantiles_and_stop_agreement():
+    t = wk.PhaseTimer()
+    t.history = [{"forward": x / 1e3} for x in (10, 11, 12, 13, 100)]  # one disturbed step
+    assert t.median_ms()["forward"] == pytest.approx(12.0)
+    assert t.quantile_ms(0.25)["forward"] == pytest.approx(11.0)
+    stop = wk.StopSignal()
+    assert stop.flags() == (0, 0)
+    stop.agreed(1, 0)  # another rank got SIGTERM: this one stops after the same step
+    assert stop.requested and stop.requested_at is not None and not stop.checkpoint_requested
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.flags() == (1, 1)
+    stop.checkpoint_done()
+    assert stop.flags() == (1, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)

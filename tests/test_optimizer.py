@@ -180,6 +180,7 @@ async def test_standby_takes_over_when_active_is_killed(nc, nats_url):
         task = asyncio.create_task(standby.run(stop))
         await asyncio.sleep(1.0)
         assert not standby.is_leader
+        await register_nodes(nc)
         a = await submit(nc, "a", 2)
         await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))  # the subprocess schedules
         active.send_signal(signal.SIGKILL)
@@ -189,6 +190,7 @@ async def test_standby_takes_over_when_active_is_killed(nc, nats_url):
         took = time.monotonic() - killed_at
         assert took < 10, f"takeover took {took:.1f}s"
         assert (await lease_kv.get("optimizer")).value.split()[0].decode() == standby.instance != first.value.split()[0].decode()
+        await register_nodes(nc)  # the agents' heartbeats go on (a loaded machine can take > node timeout)
         b = await submit(nc, "b", 2)
         await wait_for(lambda: _state(nc, b, JobState.SCHEDULED))  # the new leader schedules
         stop.set()

@@ -71,6 +71,7 @@ async def stack(nc, tmp_path):
     opt = await Optimizer(nc, interval=0.3, node_timeout=2.0, lease_ttl=2, max_retries=1).open()
     stop = asyncio.Event()
     task = asyncio.create_task(opt.run(stop))
+    await eventually(lambda: asyncio.sleep(0, opt.is_leader and opt._svc is not None))
     rec = await Recorder().open(nc)
     agents: list[Agent] = []
 
