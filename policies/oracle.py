@@ -130,9 +130,22 @@ class PerfModelOracle:
         self._params: dict = {}
         self._shapes: dict = {}
         self._plans: dict = {}
+        self._version: dict[str, int] = {}
 
     def set_params(self, model_name: str, params) -> None:
+        """Use ``params`` for this model from now on (a new fit, e.g. from
+        ``gs_models``): cached shapes and plans of the model are dropped, and
+        ``spec_key`` changes so policies' curve caches miss."""
         self._params[model_name] = params
+        self._version[model_name] = self._version.get(model_name, 0) + 1
+        for cache in (self._shapes, self._plans):
+            for k in [k for k in cache if _model_name(k) == model_name]:
+                del cache[k]
+
+    def spec_key(self, spec) -> object:
+        """What this oracle's answers depend on: the model, the batch and
+        which fit of the model is in use."""
+        return (spec.model, spec.global_batch, self._version.get(spec.model.name, 0))
 
     def _model(self, spec):
         key = spec.model
@@ -179,3 +192,15 @@ class PerfModelOracle:
             ]
             self._plans[key] = got
         return got
+
+
+def _model_name(key) -> str | None:
+    """The model name inside a cache key (a ModelSpec, or a tuple holding one)."""
+    if hasattr(key, "name") and hasattr(key, "params"):
+        return key.name
+    if isinstance(key, tuple):
+        for part in key:
+            name = _model_name(part)
+            if name is not None:
+                return name
+    return None
