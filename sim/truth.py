@@ -10,7 +10,11 @@ first source that applies wins, and each result is tagged with its source:
    onto the fewest nodes: the trace's own duration/steps (``spec.step_time``). For
    Blox/ITP/Philly/Tiresias jobs this is the only measured point. No noise.
 3. ``perfmodel``: a predictor (the fitted performance model, when one is given) for
-   this (plan, placement), times noise (below). A predicted 0 means the plan does not
+   this (plan, placement), times noise (below). For a job whose model has no tables
+   (Blox, Philly, ITP, Tiresias, Pollux traces: generic model specs) the prediction is
+   used as a ratio to the prediction for the job's request, times the request's
+   measured step time; if the model says the request itself cannot run, the
+   ``scaled`` rule below is used instead. A predicted 0 means the plan does not
    fit in memory; the job then holds its GPUs without progress (an OOM loop) and is
    counted in ``stalled`` allocations.
 4. ``scaled``: no predictor: the nearest measured row of the same model and plan
@@ -29,7 +33,8 @@ CPU threads do not change ground-truth speed: the measured tables do not record 
 
 Belief, ``BeliefOracle``: the ``PerfOracle`` policies get. It never reads the
 measured tables. With a predictor (the fitted performance model) it returns the
-predictor's throughput; without one it delegates to ``policies.oracle.AnalyticOracle``
+predictor's throughput (for models the fit does not know, calibrated to the job's
+request speed the same way as the truth); without one it delegates to ``policies.oracle.AnalyticOracle``
 (a roofline model with no fitted numbers, plan- and memory-aware), so that
 plan-choosing policies still see plans differ.
 """
@@ -47,7 +52,7 @@ from pathlib import Path
 from bus_schema.messages import JobSpec, Plan
 from policies.api import JobView, Placement
 
-from .rubick_catalog import GLOBAL_BATCH, placement_key, proxy_families, rubick_family
+from .rubick_catalog import GLOBAL_BATCH, MODELS, placement_key, proxy_families, rubick_family
 from .trace import TraceJob
 
 TABLES = Path(__file__).parent / "data" / "rubick" / "placements"
@@ -180,6 +185,13 @@ class GroundTruth:
         noise = self._noise(who, family or plan.label(), key or per_node)
         if self.predictor is not None:
             t = self.predictor(with_threads(spec, self._placement), plan, per_node)
+            if table is None and spec.step_time:
+                # No tables for this model: the model gives the ratio to the job's
+                # measured request, not the absolute speed.
+                ref = self.predictor(spec, req_plan, packed(spec.gpus, self.gpus_per_node))
+                if ref <= 0:  # the model cannot even run the measured request: not usable here
+                    return _scaled(spec.step_time, spec.gpus, req_nodes, gpus, nodes) * noise, "scaled"
+                t = spec.step_time * t / ref
             return (t * noise if t > 0 else 0.0), "perfmodel"
         if table is not None:
             return self._from_tables(job.truth_key, plan, family, per_node, key, noise)
@@ -255,4 +267,14 @@ class BeliefOracle:
 
     def _compute(self, spec: JobSpec, plan: Plan, per_node: tuple[int, ...]) -> float:
         t = self.predictor(spec, plan, per_node)
+        if spec.model.name not in MODELS and spec.step_time:
+            # A model the fit does not know: calibrate to the speed the job reports for
+            # its own request (what a running job tells the scheduler), as the truth does.
+            req_plan = spec.plan or Plan(dp=spec.gpus)
+            req_nodes = len(packed(spec.gpus, self.gpus_per_node))
+            ref = self.predictor(spec, req_plan, packed(spec.gpus, self.gpus_per_node))
+            if ref <= 0:
+                t = _scaled(spec.step_time, spec.gpus, req_nodes, sum(per_node), len(per_node))
+            elif t > 0:
+                t = spec.step_time * t / ref
         return spec.global_batch / t if t > 0 else 0.0
