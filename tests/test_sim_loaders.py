@@ -112,3 +112,27 @@ def test_ground_truth_noise_is_deterministic_and_seeded():
     # The request itself is measured: no noise.
     assert GroundTruth(4, noise=0.1, seed=1).step_time(j, j.spec.plan, (Placement("n0", j.spec.gpus),)) == (
         j.spec.step_time, "request")
+
+
+def test_predictor_is_ground_truth_only_where_unmeasured_and_calibrated_for_generic_models():
+    calls = []
+
+    def fake(spec, plan, per_node):  # "fitted model": time halves with twice the GPUs
+        calls.append((spec.name, plan.gpus, per_node))
+        return 4.0 / sum(per_node)
+
+    rub = load_named("rubick-base")
+    vit = next(j for j in rub.jobs if j.job_id == "vit-0")
+    gt = GroundTruth(8, noise=0.0, predictor=fake)
+    # Measured rows win over the model.
+    assert gt.step_time(vit, Plan(dp=2, zero=2), (Placement("n0", 2),))[1] == "measured"
+    # Unmeasured plan of a Rubick model: the model's absolute prediction.
+    assert gt.step_time(vit, Plan(dp=2, zero=2, grad_ckpt=True), (Placement("n0", 1), Placement("n1", 1))) == (2.0, "perfmodel")
+    # Generic model (Tiresias): the model's ratio to the request, times the measured request.
+    tj = load_named("tiresias-60").jobs[0]  # 1 GPU, 164 s / 606 steps
+    st, src = GroundTruth(4, noise=0.0, predictor=fake).step_time(tj, Plan(dp=2), (Placement("n0", 2),))
+    assert src == "perfmodel" and st == pytest.approx(tj.spec.step_time / 2)
+    # Slowdown knob only touches unmeasured sources.
+    g2 = GroundTruth(8, noise=0.0, predictor=fake, unmeasured_slowdown=1.5)
+    assert g2.step_time(vit, Plan(dp=2, zero=2), (Placement("n0", 2),))[0] == pytest.approx(0.08493947982788086)
+    assert g2.step_time(vit, Plan(dp=2, zero=2, grad_ckpt=True), (Placement("n0", 1), Placement("n1", 1)))[0] == pytest.approx(3.0)
