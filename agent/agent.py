@@ -566,7 +566,11 @@ class Agent:
         log = self.log.bind(profile=cmd.run_id, plan=cmd.plan.label())
         try:
             await self._beat()  # the reservation is visible before the run starts
-            await self._spawn_ranks(run, self.node, {"GEARSHIFT_PROFILE_STEPS": str(cmd.steps)})
+            try:
+                await self._spawn_ranks(run, self.node, {"GEARSHIFT_PROFILE_STEPS": str(cmd.steps)})
+            except OSError as exc:  # no such program, name too long (found by tests/test_fuzz.py)
+                return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus, error=f"launch failed: {exc}",
+                                     wall_s=time.monotonic() - t0)
             waits = [asyncio.create_task(p.wait()) for p in run.procs]
             done, pending = await asyncio.wait(waits, timeout=cmd.timeout)
             codes = [launch.exit_status(p.returncode) for p in run.procs if p.returncode is not None]

@@ -61,6 +61,14 @@ def _bus_plan(p) -> Plan:
                 micro_batch=p.micro_batch, grad_ckpt=p.grad_ckpt)
 
 
+def _floats(obj: Any) -> list[float]:
+    if isinstance(obj, dict):
+        return [x for v in obj.values() for x in _floats(v)]
+    if isinstance(obj, (list, tuple)):
+        return [x for v in obj for x in _floats(v)]
+    return [float(obj)] if isinstance(obj, (int, float)) and not isinstance(obj, bool) else []
+
+
 class PerfmodelService:
     def __init__(self, nc: Any):
         self.nc = nc
@@ -118,6 +126,9 @@ class PerfmodelService:
         pr = predict(params, shape, req.global_batch, [s.plan for s in samples], [s.resources for s in samples])
         y = np.array([s.iter_ms for s in samples]) / 1000.0
         err = float(np.mean(np.abs(pr.iter_time_s - y) / y))
+        if not np.isfinite(err) or not all(np.isfinite(v) for v in _floats(params.to_dict())):
+            # extreme timings fit to nothing usable (found by tests/test_fuzz.py): refuse, store nothing
+            raise bad_request("samples: these timings give no finite model", "samples")
         key = kv_key(shape.key)
         rev = await self.kv.put(key, msgspec.json.encode(params.to_dict()))
         d = params.to_dict()
