@@ -21,7 +21,7 @@ from .rubick import DATA_DIR, MODELS, balance_weights, load_placements, load_pro
 from .shapes import ModelShape
 
 # Bump whenever the model's formulas change: stored fits are then recomputed.
-MODEL_VERSION = "gearshift-perfmodel-4"
+MODEL_VERSION = "gearshift-perfmodel-5"
 FITTED_PATH = Path(__file__).parent / "data" / "fitted_rubick.json"
 
 

@@ -1,7 +1,9 @@
 """Numba twin of `model.iteration_time_ms`: one compiled loop over candidates.
 
 `iteration_time_ms_numba` fixes dtypes and contiguity and then calls the
-`@njit(cache=True)` kernel; it must agree with the numpy reference (tested).
+`@njit(cache=True)` kernel (serial for small batches, `prange` over candidates
+for large ones; fast-math without NaN/Inf assumptions, one pass with no
+temporaries); it must agree with the numpy reference (tested).
 Call `warm_up()` before serving so that the first request does not compile.
 """
 
@@ -10,24 +12,33 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import get_num_threads, njit, prange
 
 from .model import CPU_SERIAL, GPUS_PER_NIC, NICS_PER_NODE
 from .plans import PlanArray, ResourceArray
 
+# Fast-math without the no-NaN/no-Inf assumptions: infeasible candidates may
+# legitimately produce inf, and those must compare as in the numpy reference.
+_FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
+# Below this many candidates the thread pool costs more than it saves.
+PARALLEL_MIN = 20_000
 
-@njit(cache=True, inline="always")
+
+@njit(cache=True, fastmath=_FAST, inline="always")
 def _nics(k):
     return min(math.ceil(k / GPUS_PER_NIC), NICS_PER_NODE)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, fastmath=_FAST, inline="always")
 def _smax(x, y, g):
+    # As model._smax, with the larger term's (x/m)^g = 1 taken out: two pow calls, not three.
     m = max(max(x, y), 1e-12)
-    return m * ((x / m) ** g + (y / m) ** g) ** (1.0 / g)
+    if x >= y:
+        return m * (1.0 + (y / m) ** g) ** (1.0 / g) if x > 1e-12 else m * ((x / m) ** g + (y / m) ** g) ** (1.0 / g)
+    return m * ((x / m) ** g + 1.0) ** (1.0 / g) if y > 1e-12 else m * ((x / m) ** g + (y / m) ** g) ** (1.0 / g)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True, fastmath=_FAST, inline="always")
 def _allreduce(V, N, n, kmin, kmax, bw_nvl, bw_nic, lat):
     if n > 1.0:
         return (2.0 * (kmax - 1.0) / kmax * V / bw_nvl
@@ -35,16 +46,17 @@ def _allreduce(V, N, n, kmin, kmax, bw_nvl, bw_nic, lat):
     return 2.0 * (N - 1.0) / N * V / bw_nvl
 
 
-@njit(cache=True)
-def _iter_time_kernel(theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, off_a, ga_a, mb_a, gc_a,
-                      nn_a, kmin_a, kmax_a, thr_a, odd_a, out):
+@njit(cache=True, fastmath=_FAST)
+def _iter_time_range(lo, hi, theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, off_a, ga_a, mb_a, gc_a,
+                     nn_a, kmin_a, kmax_a, thr_a, odd_a, out):
+    """out[lo:hi] = iteration time (ms): the scalar twin of `model.model_terms`."""
     t_fwd = theta[0]; c_fwd = theta[1]; k_bwd = theta[2]; r_gc = theta[3]; gamma = theta[4]
     k_opt = theta[5]; k_cpu = theta[6]; c_off = theta[7]; c0 = theta[8]; f_node = theta[9]
     d_odd = theta[10]; t_3d = theta[11]; eta_tp = theta[12]; c_p2p = theta[13]; kappa = theta[14]
-    c3 = theta[15]
+    c3 = theta[15]; kappa_dp = theta[16]; gamma_z = theta[17]
     bw_nvl = cluster[0]; bw_nic = cluster[1]; lat = cluster[2]
     P = consts[0]; gbytes = consts[1]; act_mb = consts[2]; L = consts[3]
-    for i in range(out.shape[0]):
+    for i in range(lo, hi):
         dp = float(dp_a[i]); tp = float(tp_a[i]); pp = float(pp_a[i])
         ga = float(ga_a[i]); mb = float(mb_a[i]); gc = 1.0 if gc_a[i] else 0.0
         n = float(nn_a[i]); kmin = float(kmin_a[i]); kmax = float(kmax_a[i])
@@ -66,46 +78,72 @@ def _iter_time_kernel(theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, off_a, g
             if n_dp > 1.0:
                 t += kmin * 2.0 * (n_dp - 1.0) / n_dp * (Vg / j) / (_nics(kmin) * bw_nic) + lat * n_dp
             out[i] = t + k_opt * P / (tp * pp) + c3
+            continue
+        b = ga * mb
+        Tf = (t_fwd * b + c_fwd * ga) * (1.0 + (f_node if n > 1.0 else 0.0))
+        Tb = k_bwd * Tf
+        ar_g = _allreduce(kappa_dp * P * gbytes, N, n, kmin, kmax, bw_nvl, bw_nic, lat)
+        zero = zero_a[i]
+        if zero == 0:
+            Tsync = Tb * (1.0 - 1.0 / ga) + _smax(Tb / ga, ar_g, gamma)
+            Topt = k_opt * P
         else:
-            b = ga * mb
-            Tf = (t_fwd * b + c_fwd * ga) * (1.0 + (f_node if n > 1.0 else 0.0))
-            Tb = (k_bwd + r_gc * gc) * Tf
-            ar_g = _allreduce(P * gbytes, N, n, kmin, kmax, bw_nvl, bw_nic, lat)
-            zero = zero_a[i]
-            sync = ar_g if zero == 0 else 0.5 * ar_g
-            Tsync = Tb * (1.0 - 1.0 / ga) + _smax(Tb / ga, sync, gamma)
-            if zero == 0:
-                Topt = k_opt * P
+            Tsync = Tb * (1.0 - 1.0 / ga) + _smax(Tb / ga, 0.5 * ar_g, gamma_z)
+            ar_p = _allreduce(2.0 * P, N, n, kmin, kmax, bw_nvl, bw_nic, lat)
+            if off_a[i]:
+                cpu = CPU_SERIAL + (1.0 - CPU_SERIAL) / thr_a[i]
+                Topt = k_cpu * P / N * cpu + c_off
             else:
-                ar_p = _allreduce(2.0 * P, N, n, kmin, kmax, bw_nvl, bw_nic, lat)
-                if off_a[i]:
-                    cpu = CPU_SERIAL + (1.0 - CPU_SERIAL) / thr_a[i]
-                    Topt = k_cpu * P / N * cpu + c_off
-                else:
-                    Topt = k_opt * P / N
-                Topt += 0.5 * ar_p
-                if zero >= 3:
-                    Topt += ar_p
-            t = Tf + Tsync + Topt + c0
-            if (not off_a[i]) and odd_a[i] > 0 and n > 1.0 and kmin_a[i] != kmax_a[i]:
-                t += d_odd
-            out[i] = t
+                Topt = k_opt * P / N
+            Topt += 0.5 * ar_p
+            if zero >= 3:
+                Topt += ar_p
+        t = Tf + r_gc * gc * Tf + Tsync + Topt + c0
+        if (not off_a[i]) and odd_a[i] > 0 and n > 1.0 and kmin_a[i] != kmax_a[i]:
+            t += d_odd
+        out[i] = t
+
+
+@njit(cache=True, fastmath=_FAST)
+def _iter_time_kernel(theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, off_a, ga_a, mb_a, gc_a,
+                      nn_a, kmin_a, kmax_a, thr_a, odd_a, out):
+    _iter_time_range(0, out.shape[0], theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, off_a, ga_a, mb_a, gc_a,
+                     nn_a, kmin_a, kmax_a, thr_a, odd_a, out)
+
+
+@njit(cache=True, parallel=True)
+def _iter_time_kernel_par(theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, off_a, ga_a, mb_a, gc_a,
+                          nn_a, kmin_a, kmax_a, thr_a, odd_a, out, chunks):
+    # A few contiguous chunks per thread: each runs the serial loop, so the
+    # parallel and serial kernels share one body and one rounding.
+    n = out.shape[0]
+    for c in prange(chunks):
+        _iter_time_range(c * n // chunks, (c + 1) * n // chunks, theta, cluster, consts, dp_a, tp_a, pp_a, zero_a,
+                         off_a, ga_a, mb_a, gc_a, nn_a, kmin_a, kmax_a, thr_a, odd_a, out)
 
 
 def iteration_time_ms_numba(
-    theta: np.ndarray, cluster: np.ndarray, consts: np.ndarray, plans: PlanArray, res: ResourceArray
+    theta: np.ndarray, cluster: np.ndarray, consts: np.ndarray, plans: PlanArray, res: ResourceArray,
+    parallel: bool | None = None,
 ) -> np.ndarray:
-    """Compiled equivalent of `model.iteration_time_ms` (same arguments)."""
+    """Compiled equivalent of `model.iteration_time_ms` (same arguments).
+    parallel: None = by batch size (>= PARALLEL_MIN), else force it."""
     out = np.empty(len(plans), dtype=np.float64)
     f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
     i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
     b = lambda a: np.ascontiguousarray(a, dtype=np.bool_)  # noqa: E731
-    _iter_time_kernel(
+    if parallel is None:
+        parallel = len(out) >= PARALLEL_MIN
+    args = (
         f64(theta), f64(cluster), f64(consts),
         i64(plans.dp), i64(plans.tp), i64(plans.pp), i64(plans.zero), b(plans.offload),
         i64(plans.ga), i64(plans.micro_batch), b(plans.grad_ckpt),
         i64(res.n_nodes), i64(res.k_min), i64(res.k_max), f64(res.threads), i64(res.odd_nodes), out,
     )
+    if parallel:
+        _iter_time_kernel_par(*args, 4 * get_num_threads())
+    else:
+        _iter_time_kernel(*args)
     return out
 
 
@@ -121,5 +159,8 @@ def warm_up() -> None:
 
     plans = PlanArray([2, 1], [1, 2], [1, 1], [2, 0], [True, False], [1, 1], [1, 1], [False, True])
     res = ResourceArray([2, 2], [2, 1], [1, 2], [1, 2], [4.0, 4.0], [2, 0])
-    iteration_time_ms_numba(default_theta(), default_cluster(), np.array([100.0, 2.0, 1.0, 12.0]), plans, res)
+    consts = np.array([100.0, 2.0, 1.0, 12.0])
+    iteration_time_ms_numba(default_theta(), default_cluster(), consts, plans, res)  # serial kernel
+    big = plans.take(np.zeros(PARALLEL_MIN, dtype=np.int64))
+    iteration_time_ms_numba(default_theta(), default_cluster(), consts, big, res.take(np.zeros(PARALLEL_MIN, dtype=np.int64)))
     _WARM = True

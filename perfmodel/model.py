@@ -5,20 +5,22 @@ Structure (times in ms; P = parameters in millions; b = per-replica batch):
 
 Data-parallel family (tp = pp = 1), after Rubick with multi-node terms:
   Tf    = (t_fwd*b + c_fwd*ga) * (1 + f_node*[nodes > 1])
-  Tb    = (k_bwd + r_gc*gc) * Tf                      # GC recomputes the forward
+  Tb    = k_bwd * Tf;  Trc = r_gc*gc*Tf                # GC recomputes the forward
   AR(V) = ring all-reduce of V MB over the placement: inside one node
           2(N-1)/N*V/bw_nvlink; across nodes a hierarchical ring whose inter-node
           step runs at the NICs of the smallest node share,
           2(kmax-1)/kmax*V/bw_nvlink + 2(n-1)/n*V/(nics(kmin)*bw_nic) + lat*n
-  sync  = AR(grads) for ZeRO-0, a reduce-scatter (AR/2) for ZeRO >= 1; only the
-          last micro-step's backward hides it: Tsync = Tb(1-1/ga) + smax(Tb/ga, sync)
-          with smax_g(x, y) = (x^g + y^g)^(1/g) (gamma = overlap exponent)
+  sync  = AR(kappa_dp*grads) for ZeRO-0, a reduce-scatter (AR/2) for ZeRO >= 1 (kappa_dp:
+          the framework's sync efficiency, DDP buckets / wire dtype); only the last
+          micro-step's backward hides it: Tsync = Tb(1-1/ga) + smax(Tb/ga, sync)
+          with smax_g(x, y) = (x^g + y^g)^(1/g) (overlap exponent gamma for DDP,
+          gamma_z for DeepSpeed ZeRO, whose reduce-scatter overlaps differently)
   Topt  = k_opt*P (ZeRO-0: every replica steps the whole model)
         = k_opt*P/N + AR(2P)/2 (ZeRO >= 1: step a shard, all-gather fp16 params)
         = k_cpu*P/N*cpu(threads) + c_off + AR(2P)/2   (ZeRO-Offload: CPU Adam,
           cpu(c) = s + (1-s)/c, Amdahl with serial share s = CPU_SERIAL)
         + AR(2P) for ZeRO-3 (parameter gathers in forward and backward)
-  T     = Tf + Tsync + Topt + c0 + d_odd*[uneven multi-node placement with an odd share, no offload]
+  T     = Tf + Trc + Tsync + Topt + c0 + d_odd*[uneven multi-node placement with an odd share, no offload]
 
 3D family (pp, tp, dp; Megatron rank order tp fastest, then dp, then pp):
   stage = t_3d*(1 + r_gc*gc/(1+k_bwd))*mb/(tp*pp)*(1+eta_tp*(tp-1))
@@ -61,6 +63,9 @@ PARAM_NAMES = (
     "c_p2p",     # ms per pipeline boundary
     "kappa_3d",  # DP gradient volume factor inside 3D plans
     "c3",        # constant per iteration (3D family)
+    # Appended (indices above are stable for stored fits):
+    "kappa_dp",  # DP gradient-sync volume factor (framework efficiency: DDP buckets, wire dtype)
+    "gamma_z",   # overlap exponent of the ZeRO (DeepSpeed) reduce-scatter with backward
 )
 P_INDEX = {n: i for i, n in enumerate(PARAM_NAMES)}
 
@@ -99,6 +104,8 @@ PARAM_PRIOR = {
     "c_p2p": (5.0, 2.0),
     "kappa_3d": (1.0, 0.7),
     "c3": (10.0, 2.0),
+    "kappa_dp": (1.0, 0.7),
+    "gamma_z": (2.0, 1.0),
 }
 CLUSTER_PRIOR = {
     "bw_nvlink": (150.0, 1.0),
@@ -106,7 +113,8 @@ CLUSTER_PRIOR = {
     "lat_node": (1.0, 2.0),
 }
 PARAM_BOUNDS = {n: (1e-6, 1e6) for n in PARAM_NAMES}
-PARAM_BOUNDS.update({"k_bwd": (0.3, 20.0), "gamma": (1.0, 100.0), "kappa_3d": (0.05, 20.0)})
+PARAM_BOUNDS.update({"k_bwd": (0.3, 20.0), "gamma": (1.0, 100.0), "kappa_3d": (0.05, 20.0),
+                     "kappa_dp": (0.05, 20.0), "gamma_z": (1.0, 100.0)})
 # Bandwidths cannot exceed the hardware: 400 GB/s NVLink, 100 GB/s RDMA per
 # node (4 NICs); without the cap intra-node bandwidth drifts to infinity, as
 # backward hides most intra-node traffic and the rows barely identify it.
@@ -159,6 +167,8 @@ class PerfParams:
         unknown = (set(p) - set(PARAM_NAMES)) | (set(c) - set(CLUSTER_NAMES))
         if unknown:
             raise ValueError(f"unknown parameter names: {sorted(unknown)}")
+        # Fits stored before gamma_z existed used one overlap exponent for DDP and ZeRO.
+        p = {**({"gamma_z": p["gamma"]} if "gamma" in p and "gamma_z" not in p else {}), **p}
         theta = np.array([float(p.get(n, PARAM_PRIOR[n][0])) for n in PARAM_NAMES])
         cluster = np.array([float(c.get(n, CLUSTER_PRIOR[n][0])) for n in CLUSTER_NAMES])
         return cls(str(d["model_key"]), theta, cluster, float(d.get("gpu_mem_gb", 80.0)))
@@ -192,7 +202,8 @@ def model_terms(
 ) -> dict[str, np.ndarray]:
     """All terms of the model (ms), for the reference path and for fitting the
     profiled components: fwd/sync/opt of the DP family, and total time."""
-    t_fwd, c_fwd, k_bwd, r_gc, gamma, k_opt, k_cpu, c_off, c0, f_node, d_odd, t_3d, eta_tp, c_p2p, kappa, c3 = theta
+    (t_fwd, c_fwd, k_bwd, r_gc, gamma, k_opt, k_cpu, c_off, c0, f_node, d_odd, t_3d, eta_tp, c_p2p, kappa, c3,
+     kappa_dp, gamma_z) = theta
     bw_nvl, bw_nic, lat = cluster
     P, gbytes, act_mb, L = consts
     dp = plans.dp.astype(np.float64)
@@ -221,16 +232,20 @@ def model_terms(
     # --- data-parallel family
     b = ga * mb
     Tf = (t_fwd * b + c_fwd * ga) * (1.0 + f_node * (n > 1))
-    Tb = (k_bwd + r_gc * gc) * Tf
-    ar_g = allreduce(P * gbytes)
+    # Checkpointing recomputes the forward inside backward, before the
+    # gradients it produces exist: it adds to the iteration and hides no sync
+    # (ViT/RoBERTa/T5 rows: gc - ga ~ one forward at every GPU count).
+    Tb = k_bwd * Tf
+    Trc = r_gc * gc * Tf
+    ar_g = allreduce(kappa_dp * P * gbytes)
     ar_p = allreduce(2.0 * P)
     sync = np.where(zero == 0, ar_g, 0.5 * ar_g)
-    Tsync = Tb * (1.0 - 1.0 / ga) + _smax(Tb / ga, sync, gamma)
+    Tsync = Tb * (1.0 - 1.0 / ga) + _smax(Tb / ga, sync, np.where(zero == 0, gamma, gamma_z))
     cpu = CPU_SERIAL + (1.0 - CPU_SERIAL) / thr
     opt_shard = np.where(off, k_cpu * P / N * cpu + c_off, k_opt * P / N)
     Topt = np.where(zero == 0, k_opt * P, opt_shard + 0.5 * ar_p + np.where(zero >= 3, ar_p, 0.0))
     # Offload runs (DeepSpeed, pinned CPU cores) do not show the odd-share slowdown.
-    T_dp = Tf + Tsync + Topt + c0 + d_odd * odd * (~off)
+    T_dp = Tf + Trc + Tsync + Topt + c0 + d_odd * odd * (~off)
 
     # --- 3D family
     straddle = (np.mod(kmin, tp) != 0) | (tp > kmin)

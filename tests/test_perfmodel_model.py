@@ -74,5 +74,33 @@ def test_perf_params_round_trip_and_validation():
 
     with pytest.raises(ValueError):
         PerfParams.from_dict({"model_key": "x", "params": {"bogus": 1.0}})
+    # A fit stored before kappa_dp/gamma_z existed predicts as it did: no sync
+    # factor, one overlap exponent for DDP and ZeRO.
+    old = p.to_dict()
+    for n in ("kappa_dp", "gamma_z"):
+        del old["params"][n]
+    r = PerfParams.from_dict(old)
+    assert r.get("kappa_dp") == 1.0 and r.get("gamma_z") == p.get("gamma")
     with pytest.raises(ValueError):
         PerfParams("x", -default_theta())
+
+
+def test_parallel_numba_kernel_matches_numpy_on_a_large_batch():
+    from perfmodel.kernels import PARALLEL_MIN
+
+    shape = rubick_shape("gpt2")
+    p = _params(shape, 3)
+    parts, res = [], []
+    for pl in ("1", "8", "35", "2222", "88888888"):
+        for thr in (1.0, 8.0):
+            r = Resources.from_placement(pl, thr)
+            pa = enumerate_plans(shape, 16, r)
+            parts.append(pa)
+            res.append(ResourceArray.broadcast(r, len(pa)))
+    pool = PlanArray.concat(parts)
+    rpool = ResourceArray(*[np.concatenate([getattr(r, c) for r in res]) for c in ResourceArray.__slots__])
+    idx = np.random.default_rng(0).integers(0, len(pool), size=PARALLEL_MIN + 7)
+    pa, ra = pool.take(idx), rpool.take(idx)
+    a = iteration_time_ms(p.theta, p.cluster, shape_consts(shape), pa, ra)
+    b = iteration_time_ms_numba(p.theta, p.cluster, shape_consts(shape), pa, ra)
+    np.testing.assert_allclose(a, b, rtol=1e-12)

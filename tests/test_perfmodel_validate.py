@@ -7,7 +7,7 @@ from perfmodel.artifact import artifact_iter_ms
 from perfmodel.catalog import fitted_model_for
 from perfmodel.model import iteration_time_ms, shape_consts
 from perfmodel.rubick import MODELS, family_of_label, load_placements, rows_to_arrays, rubick_shape
-from perfmodel.validate import ARTEFACT_CELLS, TRAINING_ROWS, is_artefact_row, main
+from perfmodel.validate import ARTEFACT_CELLS, ODD_SHARE_ROW, TRAINING_ROWS, is_artefact_row, main, training_rows
 
 
 def test_artifact_model_reproduces_documented_predictions():
@@ -23,6 +23,29 @@ def test_training_designs_are_small_and_exist():
     for m in MODELS:
         names = {r.name for r in load_placements(m)}
         assert len(TRAINING_ROWS[m]) <= 7 and set(TRAINING_ROWS[m]) <= names
+
+
+def test_training_rows_follow_the_rule_not_the_measurements():
+    import dataclasses
+
+    from perfmodel.rubick import load_profile
+
+    for m in MODELS:
+        prof, rows = load_profile(m), load_placements(m)
+        names = training_rows(m, prof, rows)
+        assert names == TRAINING_ROWS[m]
+        # The rule sees which plans were measured, never how fast they ran.
+        scrambled = [dataclasses.replace(r, iter_ms=1.0 + 1000.0 * ((i * 7919) % 13)) for i, r in enumerate(rows)]
+        assert training_rows(m, prof, scrambled) == names
+        by_name = {r.name: r for r in rows}
+        for n in names:
+            r = by_name[n]
+            in_artefact = (m, family_of_label(r.label), r.multi_node) in ARTEFACT_CELLS
+            assert not in_artefact or n == ODD_SHARE_ROW
+    # Families the profiles miss are covered on one node: gpt2 profiled ZeRO-DP on 8
+    # GPUs and offload on 4 only, so it gets the other ends.
+    assert {"gc@8", "zero-dp@1", "zero-offload@8"} <= set(TRAINING_ROWS["gpt2"])
+    assert "ga@1" in TRAINING_ROWS["vit"] and "zero-dp@8" in TRAINING_ROWS["t5"]
 
 
 def test_shipped_fit_floors_in_sample():
