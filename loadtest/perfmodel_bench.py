@@ -53,8 +53,12 @@ def run(n: int = 100_000, repeat: int = 5) -> dict:
             times.append(time.perf_counter() - t)
         return min(times), out
 
+    import numba
+
     t_np, a = best(iteration_time_ms)
-    t_nb, b = best(iteration_time_ms_numba)
+    t_nb, b = best(iteration_time_ms_numba)  # what predict() uses: serial or parallel by size and threads
+    t_ser, c = best(lambda *args: iteration_time_ms_numba(*args, parallel=False))
+    t_par, d = best(lambda *args: iteration_time_ms_numba(*args, parallel=True))
     return {
         "candidates": n,
         "repeat": repeat,
@@ -63,7 +67,12 @@ def run(n: int = 100_000, repeat: int = 5) -> dict:
         "numpy_per_s": n / t_np,
         "numba_per_s": n / t_nb,
         "speedup": t_np / t_nb,
-        "max_rel_diff": float(np.max(np.abs(a - b) / a)),
+        "numba_serial_s": t_ser,
+        "speedup_serial": t_np / t_ser,
+        "numba_parallel_s": t_par,
+        "speedup_parallel": t_np / t_par,
+        "numba_threads": numba.get_num_threads(),
+        "max_rel_diff": float(max(np.max(np.abs(a - x) / a) for x in (b, c, d))),
         "numba_warm_up_s": warm_s,
         "python": platform.python_version(),
     }
@@ -80,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rep, indent=1))
     else:
         print(f"{rep['candidates']} candidates: numpy {rep['numpy_per_s']:,.0f}/s, numba {rep['numba_per_s']:,.0f}/s "
-              f"({rep['speedup']:.1f}x), max rel diff {rep['max_rel_diff']:.1e}")
+              f"({rep['speedup']:.1f}x; serial kernel {rep['speedup_serial']:.1f}x, parallel "
+              f"{rep['speedup_parallel']:.1f}x on {rep['numba_threads']} threads), "
+              f"max rel diff {rep['max_rel_diff']:.1e}")
     return 0
 
 

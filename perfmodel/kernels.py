@@ -20,8 +20,11 @@ from .plans import PlanArray, ResourceArray
 # Fast-math without the no-NaN/no-Inf assumptions: infeasible candidates may
 # legitimately produce inf, and those must compare as in the numpy reference.
 _FAST = {"nsz", "arcp", "contract", "afn", "reassoc"}
-# Below this many candidates the thread pool costs more than it saves.
+# Below this many candidates the thread pool costs more than it saves; with
+# fewer than PARALLEL_MIN_THREADS threads (e.g. a busy 2-core box) the serial
+# loop measured as fast or faster (loadtest.perfmodel_bench).
 PARALLEL_MIN = 20_000
+PARALLEL_MIN_THREADS = 4
 
 
 @njit(cache=True, fastmath=_FAST, inline="always")
@@ -127,13 +130,14 @@ def iteration_time_ms_numba(
     parallel: bool | None = None,
 ) -> np.ndarray:
     """Compiled equivalent of `model.iteration_time_ms` (same arguments).
-    parallel: None = by batch size (>= PARALLEL_MIN), else force it."""
+    parallel: None = by batch size and threads (>= PARALLEL_MIN candidates and
+    >= PARALLEL_MIN_THREADS numba threads), else force it."""
     out = np.empty(len(plans), dtype=np.float64)
     f64 = lambda a: np.ascontiguousarray(a, dtype=np.float64)  # noqa: E731
     i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
     b = lambda a: np.ascontiguousarray(a, dtype=np.bool_)  # noqa: E731
     if parallel is None:
-        parallel = len(out) >= PARALLEL_MIN
+        parallel = len(out) >= PARALLEL_MIN and get_num_threads() >= PARALLEL_MIN_THREADS
     args = (
         f64(theta), f64(cluster), f64(consts),
         i64(plans.dp), i64(plans.tp), i64(plans.pp), i64(plans.zero), b(plans.offload),
@@ -161,6 +165,5 @@ def warm_up() -> None:
     res = ResourceArray([2, 2], [2, 1], [1, 2], [1, 2], [4.0, 4.0], [2, 0])
     consts = np.array([100.0, 2.0, 1.0, 12.0])
     iteration_time_ms_numba(default_theta(), default_cluster(), consts, plans, res)  # serial kernel
-    big = plans.take(np.zeros(PARALLEL_MIN, dtype=np.int64))
-    iteration_time_ms_numba(default_theta(), default_cluster(), consts, big, res.take(np.zeros(PARALLEL_MIN, dtype=np.int64)))
+    iteration_time_ms_numba(default_theta(), default_cluster(), consts, plans, res, parallel=True)
     _WARM = True

@@ -102,5 +102,6 @@ def test_parallel_numba_kernel_matches_numpy_on_a_large_batch():
     idx = np.random.default_rng(0).integers(0, len(pool), size=PARALLEL_MIN + 7)
     pa, ra = pool.take(idx), rpool.take(idx)
     a = iteration_time_ms(p.theta, p.cluster, shape_consts(shape), pa, ra)
-    b = iteration_time_ms_numba(p.theta, p.cluster, shape_consts(shape), pa, ra)
-    np.testing.assert_allclose(a, b, rtol=1e-12)
+    for parallel in (None, True, False):
+        b = iteration_time_ms_numba(p.theta, p.cluster, shape_consts(shape), pa, ra, parallel=parallel)
+        np.testing.assert_allclose(a, b, rtol=1e-12)
