@@ -157,7 +157,9 @@ class Profiler:
                 self._run_no += 1
                 cmd = ProfileCommand(
                     run_id=f"prof-{os.getpid()}-{self._run_no}", plan=plan, global_batch=req.global_batch,
-                    command=req.command, env=req.env, steps=req.steps, step_time=req.step_time,
+                    command=req.command, env=req.env, steps=req.steps,
+                    # emulated worker: the one-GPU step time, spread over the plan's GPUs
+                    step_time=req.step_time / plan.gpus if req.step_time else None,
                     timeout=self.run_timeout,
                 )
                 res = await call(self.nc, subj.agent_command(node, "profile"), cmd, ProfileResult,

@@ -204,22 +204,23 @@ async def test_crash_is_retried_from_the_last_checkpoint_then_fails_after_the_li
 
 
 @pytest.mark.skipif(not __import__("agent.reference", fromlist=["x"]).have_torch(), reason="torch not installed")
+@pytest.mark.timeout(300)  # three torch process starts: ~20 s idle, far more on a loaded machine
 async def test_torch_reference_job_switches_dp_degree_and_keeps_its_trajectory(nc, stack, tmp_path):
     from agent import reference
 
     opt, agent, rec = stack
     await agent("a", gpus=2)
-    spec = reference.job_spec("torchref", steps=30, global_batch=32, gpus=1, extra_args=("--ckpt-every", "1000"))
+    spec = reference.job_spec("torchref", steps=16, global_batch=32, gpus=1, extra_args=("--ckpt-every", "1000"))
     job = (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": spec}).encode(), SubmitReply)).job_id
-    await eventually(lambda: asyncio.sleep(0, progress_step(tmp_path, "a", job, 1) >= 8), timeout=60)
+    await eventually(lambda: asyncio.sleep(0, progress_step(tmp_path, "a", job, 1) >= 5), timeout=60)
     await pin(nc, job, {"dp": 2, "zero": 1}, [("a", 2)])
     done = await eventually(lambda: state(nc, job, JobState.COMPLETED, JobState.FAILED), timeout=90)
     assert done.state == JobState.COMPLETED and done.generation == 2
     sw = rec.of(JobSwitched)[0]
-    assert sw.steps_lost == 0 and sw.resumed_step == sw.checkpoint_step >= 8
+    assert sw.steps_lost == 0 and sw.resumed_step == sw.checkpoint_step >= 5
     final = json.loads((tmp_path / "ckpt" / job / "manifest.json").read_text())
-    base = await asyncio.to_thread(reference.run_local, {"dp": 1}, 30, 32, tmp_path / "base")
-    assert final["step"] == 30 and final["world_size"] == 2
+    base = await asyncio.to_thread(reference.run_local, {"dp": 1}, 16, 32, tmp_path / "base")
+    assert final["step"] == 16 and final["world_size"] == 2
     assert abs(final["loss"] - base["loss"]) <= 1e-9 * abs(base["loss"])
 
 
@@ -289,3 +290,46 @@ def _manifest_step(tmp_path, job) -> int:
         return json.loads((tmp_path / "ckpt" / job / "manifest.json").read_text())["step"]
     except (OSError, ValueError, KeyError):
         return 0
+
+
+async def test_job_of_an_unprofiled_model_waits_for_the_profiler_then_runs(nc, tmp_path):
+    """Optimizer with --wait-for-models, the profiler and perfmodel services, one agent."""
+    from services.perfmodel_service import kv_key, start_perfmodel
+    from services.profiler import Profiler
+
+    _, svc = await start_admission(nc)
+    _, pm_svc = await start_perfmodel(nc)
+    opt = await Optimizer(nc, interval=0.3, lease_ttl=2, wait_for_models=True).open()
+    stop = asyncio.Event()
+    task = asyncio.create_task(opt.run(stop))
+    rec = await Recorder().open(nc)
+    a = Agent(nc, "a", FakeProbe(4, 16 * 2**30, node="a"), tmp_path / "work" / "a", cpus=8, heartbeat=0.2,
+              progress_interval=0.1, ckpt_root=tmp_path / "ckpt")
+    await a.start()
+    try:
+        model = {"name": "tinynet", "params": 50, "layers": 6, "hidden": 512, "seq_len": 256}
+        spec = {"name": "new-model", "model": model, "global_batch": 16, "steps": 20, "gpus": 2, "step_time": 0.02}
+        job = (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": spec}).encode(), SubmitReply)).job_id
+        waiting = await eventually(lambda: state(nc, job, JobState.PENDING))
+        async def says_why():
+            r = await get(nc, job)
+            return "waiting for its performance model" in r.reason
+
+        await eventually(says_why, timeout=10)
+        prof = await Profiler(nc, interval=0.3, steps=2).open()
+        ptask = asyncio.create_task(prof.watch(stop))
+        profiled = await eventually(lambda: asyncio.sleep(0, [e for e in rec.events if e.job_id == job and
+                                                             type(e).__name__ == "JobProfiled"]), timeout=120)
+        assert 3 <= profiled[0].plans <= 7
+        models = await nc.jetstream().key_value(subj.MODELS_BUCKET)
+        assert (await models.get(kv_key(profiled[0].model_key))).value
+        done = await eventually(lambda: state(nc, job, JobState.COMPLETED), timeout=30)
+        assert done.steps_done == 20 and waiting.generation == 0
+    finally:
+        stop.set()
+        await a.stop()
+        await task
+        if "ptask" in locals():
+            await ptask
+        await pm_svc.stop()
+        await svc.stop()
