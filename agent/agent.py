@@ -568,7 +568,7 @@ class Agent:
             await self._beat()  # the reservation is visible before the run starts
             try:
                 await self._spawn_ranks(run, self.node, {"GEARSHIFT_PROFILE_STEPS": str(cmd.steps)})
-            except OSError as exc:  # no such program, name too long (found by tests/test_fuzz.py)
+            except (OSError, ValueError) as exc:  # no such program, name too long, NUL byte (tests/test_fuzz.py)
                 return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus, error=f"launch failed: {exc}",
                                      wall_s=time.monotonic() - t0)
             waits = [asyncio.create_task(p.wait()) for p in run.procs]

@@ -56,6 +56,12 @@ def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node:
             raise SpecError(
                 "plan.ga", f"global_batch = {spec.global_batch} is not divisible by dp*ga = {p.dp * p.ga}"
             )
+    for i, arg in enumerate(spec.command or []):
+        if "\x00" in arg:  # no process can be started with it (found by tests/test_fuzz.py)
+            raise SpecError(f"command[{i}]", "may not contain a NUL character")
+    for key, value in (spec.env or {}).items():
+        if "\x00" in value:
+            raise SpecError(f"env.{key}", "may not contain a NUL character")
     if spec.env:
         for key in spec.env:
             if key in RESERVED_ENV:
