@@ -65,6 +65,7 @@ def test_shipped_fit_floors_in_sample():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # two joint fits over 546 rows: ~80-200 s on 2 cores
 def test_validate_cli_passes(capsys):
     assert main(["-o", "json"]) == 0
     out = capsys.readouterr().out
