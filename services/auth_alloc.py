@@ -58,31 +58,56 @@ async def _delete(kv: Any, key: str) -> None:
 
 
 async def reconcile(kv: Any) -> int:
-    """Make the ``<node>.<job>`` keys mirror the job keys; returns the writes made."""
+    """Make the ``<node>.<job>`` keys mirror the job keys; returns the writes made.
+
+    Every write is a compare-and-set against what the snapshot saw, and a
+    missing copy is only made while its job key is still the one seen: the
+    optimizer may put a newer allocation meanwhile (a drain settling on a run
+    report), and a stale snapshot must never delete or overwrite it (found by
+    loadtest.chaos: a deleted copy stopped a generation the agent then
+    refused to start again)."""
     from bus_schema import codec
     from bus_schema.messages import Allocation
+    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
     from .jobstore import kv_snapshot
 
     snap = await kv_snapshot(kv)
-    jobs = {k: v for k, (v, _) in snap.items() if "." not in k}
-    nodes = {k: v for k, (v, _) in snap.items() if "." in k}
-    want: dict[str, bytes] = {}
-    for job_id, data in jobs.items():
+    jobs = {k: v for k, v in snap.items() if "." not in k}
+    nodes = {k: v for k, v in snap.items() if "." in k}
+    want: dict[str, tuple[bytes, str, int]] = {}  # node key -> (value, job key, job revision)
+    for job_id, (data, rev) in jobs.items():
         try:
             alloc = codec.decode(data, Allocation)
         except Exception:
             continue
         for node in alloc.nodes():
-            want[node_key(node, job_id)] = data
+            want[node_key(node, job_id)] = (data, job_id, rev)
     writes = 0
-    for key, data in want.items():
-        if nodes.get(key) != data:
-            await kv.put(key, data)
+    for key, (data, job_id, job_rev) in want.items():
+        have = nodes.get(key)
+        if have is not None and have[0] == data:
+            continue
+        try:
+            current = await kv.get(job_id)
+            if current.revision != job_rev:
+                continue  # the job moved on since the snapshot: its own put writes the copies
+        except KeyNotFoundError:
+            continue
+        try:
+            if have is None:
+                await kv.create(key, data)
+            else:
+                await kv.update(key, data, last=have[1])
             writes += 1
+        except KeyWrongLastSequenceError:
+            pass  # written meanwhile: newer than what we saw
     for key in nodes.keys() - want.keys():
-        await _delete(kv, key)
-        writes += 1
+        try:
+            await kv.delete(key, last=nodes[key][1])
+            writes += 1
+        except Exception:
+            pass  # written meanwhile: newer than what we saw
     return writes
 
 
