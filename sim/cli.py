@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma of ground truth where unmeasured")
     p.add_argument("--unmeasured-slowdown", type=float, default=1.0,
                    help="multiply ground-truth step time where nothing was measured (robustness check; default 1)")
+    p.add_argument("--measured-targets", action="store_true",
+                   help="give policies each guaranteed job's measured request speed as its target "
+                        "(default: policies predict the request with the model)")
     p.add_argument("--jobs", type=int, help="only the first N jobs of the trace")
     p.add_argument("--horizon", type=float, help="stop at this simulated time (s); the rest is reported unfinished")
     p.add_argument("--no-event-rounds", action="store_true",
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
         trace = trace.head(args.jobs)
     cluster = parse_cluster(args.cluster) if args.cluster else trace.cluster
     cfg = SimConfig(interval=args.interval, restart_cost=args.restart_cost, seed=args.seed, noise=args.noise,
-                    horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, round_on_arrival=not args.no_event_rounds,
+                    horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, measured_targets=args.measured_targets, round_on_arrival=not args.no_event_rounds,
                     round_on_completion=not args.no_event_rounds)
     from .perfmodel_bridge import find_predictor
 

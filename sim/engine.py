@@ -66,6 +66,9 @@ class SimConfig:
     # Also run policies.api.check_decision on every decision (slower; the simulator's own
     # incremental check refuses the same decisions).
     full_check: bool = False
+    # Tell policies each guaranteed job's measured request speed as its target
+    # (JobView.target_throughput); off: policies use the model's prediction of the request.
+    measured_targets: bool = False
     record_timeline: bool = True
 
 
@@ -382,7 +385,13 @@ class Simulator:
         n = len(jobs)
         tracked_left = set(self.trace.tracked) if (self.trace.tracked and cfg.stop_when_tracked_done) else None
         for r in jobs:
-            r.request_step_time = self.truth.request_step_time(r.job) if r.job.spec.guaranteed else 0.0
+            if r.job.spec.guaranteed:
+                # Guarantee metrics compare with the measured speed of the job's own request.
+                # With measured_targets the policy is told that speed as the promise
+                # (JobView.target_throughput); by default it predicts the request itself.
+                r.request_step_time = self.truth.request_step_time(r.job)
+                if cfg.measured_targets and r.request_step_time > 0:
+                    r.view.target_throughput = r.job.spec.global_batch / r.request_step_time
         nxt = 0  # next arrival
         interval = cfg.interval
         next_round = jobs[0].job.submit if n else math.inf

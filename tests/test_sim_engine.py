@@ -231,3 +231,16 @@ def test_tiresias_matches_hand_schedule(restart, expect):
     a = next(r for r in res.records if r.job.job_id == "A")
     assert a.preemptions == 1 and a.starts == 2
     assert a.restart_lost == pytest.approx(2 * restart)
+
+
+@pytest.mark.parametrize("measured", [False, True])
+def test_measured_targets_tell_policies_the_request_speed(measured):
+    seen = []
+
+    def fn(now, nodes, jobs, n):
+        seen.append(jobs["A"].target_throughput)
+        return Decision({"A": alloc("n000", 2)})
+
+    simulate(trace(job("A", 0, 2, 10, step_time=0.5, guaranteed=True)), Scripted(fn),
+             config=SimConfig(restart_cost=0, noise=0, measured_targets=measured))
+    assert seen[0] == (pytest.approx(8 / 0.5) if measured else None)  # global batch 8 / 0.5 s per step
