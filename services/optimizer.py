@@ -83,6 +83,7 @@ from policies import Decision, JobView, NodeState, Placement, check_decision, ma
 from policies.api import JobDecision
 
 from . import auth_alloc
+from .policy_bridge import ModelOracle, job_view
 from .jobstore import JobStore, kv_snapshot, publish_event, with_event
 from .lease import Lease
 from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
@@ -145,6 +146,7 @@ class Optimizer:
         self.alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
+        self.models = ModelOracle(self.models_kv)
         self.lease = Lease(
             await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
             renew=self.lease_ttl / 4,
@@ -172,6 +174,9 @@ class Optimizer:
         self.is_leader = True
         self.leader_since = time.monotonic()
         log.info("leading", instance=self.instance, policy=self.policy.name)
+        from policies.kernels import warm_up
+
+        await asyncio.to_thread(warm_up)  # compile/load the numba kernels before the first round
         await self.store.flush_all()  # events a dead leader wrote but never published
         self._svc = await serve(
             self.nc,
@@ -232,7 +237,11 @@ class Optimizer:
                         log.warning("dropping malformed run report", subject=msg.subject)
                         await msg.term()
                         continue
-                    await self.apply_report(report)
+                    # Not during a round: a round decides from the records it read
+                    # at its start, and a report settling a drain meanwhile would
+                    # have its fresh allocation deleted by that round's reconcile.
+                    async with self._round_lock:
+                        await self.apply_report(report)
                     await msg.ack()
         finally:
             # a pull subscription left open blocks drain() on shutdown
@@ -465,7 +474,9 @@ class Optimizer:
         views = [self._view(r) for r in records.values()
                  if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
         views = [v for v in views if all(p.node in alive for p in v.placement)]
-        decision: Decision = self.policy.schedule(now(), node_states, views, None)
+        await self.models.refresh([records[v.job_id] for v in views])
+        # the policy is pure CPU work: off the loop, so the lease keeps being renewed
+        decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
         self._apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():
@@ -498,17 +509,7 @@ class Optimizer:
 
     @staticmethod
     def _view(rec: JobRecord) -> JobView:
-        placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement) if rec.state in ACTIVE else ()
-        return JobView(
-            job_id=rec.job_id,
-            spec=rec.spec,
-            submitted_at=rec.submitted_at,
-            steps_done=rec.steps_done,
-            placement=placement,
-            plan=rec.plan if placement else None,
-            restarts=rec.restarts,
-            started_at=rec.started_at,
-        )
+        return job_view(rec, now())
 
     async def _apply(
         self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
@@ -593,6 +594,7 @@ class Optimizer:
                 return with_event(
                     new, JobReconfigured, ts=ts, generation=gen, plan=d.plan, placement=placement,
                     previous_plan=r.plan, previous_gpus=sum(len(p.gpus) for p in r.placement), reason=d.reason,
+                    predicted_gain=d.predicted_gain,
                 )
             return with_event(
                 new, JobScheduled, ts=ts, generation=gen, plan=d.plan, placement=placement, reason=d.reason,
