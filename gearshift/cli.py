@@ -279,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Tools with their own parsers get their arguments untouched (argparse's
+    # REMAINDER cannot take a leading option such as `simulate --trace`).
+    if argv and argv[0] == "simulate":
+        from sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    if argv and argv[0] == "perfmodel":
+        return _perfmodel(argv[1:])
     args = build_parser().parse_args(argv)
     if args.server:
         os.environ["GEARSHIFT_NATS_URL"] = args.server

@@ -164,3 +164,14 @@ def _environ(pid: int) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_tool_subcommands_take_their_own_options(tmp_path):
+    """`gearshift simulate --trace ...` and `gearshift perfmodel ...` reach their own parsers."""
+    out = subprocess.run([*GEARSHIFT, "simulate", "--trace", "tiresias-60", "--policies", "fifo", "--cluster", "4x4",
+                          "-o", "json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert "fifo" in json.dumps(doc)
+    p = subprocess.run([*GEARSHIFT, "perfmodel", "nonsense"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "unknown perfmodel command" in p.stderr
