@@ -318,7 +318,7 @@ async def test_job_of_an_unprofiled_model_waits_for_the_profiler_then_runs(nc, t
         await eventually(says_why, timeout=10)
         prof = await Profiler(nc, interval=0.3, steps=2).open()
         ptask = asyncio.create_task(prof.watch(stop))
-        profiled = await eventually(lambda: asyncio.sleep(0, [e for e in rec.events if e.job_id == job and
+        profiled = await eventually(lambda: asyncio.sleep(0, [e for e in rec.events if getattr(e, "job_id", None) == job and
                                                              type(e).__name__ == "JobProfiled"]), timeout=120)
         assert 3 <= profiled[0].plans <= 7
         models = await nc.jetstream().key_value(subj.MODELS_BUCKET)
