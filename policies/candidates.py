@@ -142,8 +142,13 @@ def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, shape: tup
         return [p] if p is not None else []
     plans_fn = getattr(perf, "plans", None)
     if plans_fn is not None:
-        return list(plans_fn(job, shape))
-    return list(candidate_plans(job.spec.global_batch, job.spec.model.layers, gpus, space.gpus_per_node))
+        plans = list(plans_fn(job, shape))
+    else:
+        share = min(p.gpus for p in shape)
+        plans = list(candidate_plans(job.spec.global_batch, job.spec.model.layers, gpus, share))
+    # A plan must use exactly the shape's GPUs (the simulator and the service
+    # refuse a plan/placement mismatch); never trust an enumerator on this.
+    return [p for p in plans if p.gpus == gpus]
 
 
 def _evaluate(job: JobView, perf: PerfOracle, plans: list[Plan], shape: tuple[Placement, ...]) -> list[float]:

@@ -22,6 +22,8 @@ def _divisors(n: int) -> list[int]:
 
 @lru_cache(maxsize=65536)
 def candidate_plans(global_batch: int, layers: int, gpus: int, gpus_per_node: int) -> tuple[Plan, ...]:
+    """Plans that use exactly ``gpus`` GPUs; ``gpus_per_node`` is the job's
+    (smallest) share of a node, which bounds tensor parallelism."""
     out: list[Plan] = []
     for ga in (1, 2, 4, 8):
         if global_batch % (gpus * ga):
@@ -30,7 +32,11 @@ def candidate_plans(global_batch: int, layers: int, gpus: int, gpus_per_node: in
         for zero, off in ((0, False), (2, False), (2, True)):
             for gc in (False, True):
                 out.append(Plan(dp=gpus, zero=zero, offload=off, ga=ga, micro_batch=mb, grad_ckpt=gc))
+    # TP groups stay inside a node: tp divides both the job's GPUs and its
+    # per-node share (``gpus_per_node``), so dp * tp * pp == gpus always holds.
     for tp in _divisors(min(gpus, gpus_per_node)):
+        if gpus % tp:
+            continue
         for pp in _divisors(gpus // tp):
             if tp * pp == 1 or pp > layers:
                 continue
