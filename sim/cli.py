@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="fifo", help="comma-separated policy names (default: fifo)")
     p.add_argument("--cluster", help="NODESxGPUS[:CPUS], default: the trace's own (rubick: 8x8)")
     p.add_argument("--interval", type=float, default=60.0, help="seconds between scheduling rounds (default 60)")
-    p.add_argument("--restart-cost", type=float, default=260.0, help="seconds lost per (re)start (default 260)")
+    p.add_argument("--restart-cost", type=_restart_cost, default="measured",
+                   help="seconds lost per (re)start, or 'measured' (default): the per-job model fitted to "
+                        "measured plan switches (perfmodel/restart.py); Rubick's artifact used 260")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma of ground truth where unmeasured")
     p.add_argument("--unmeasured-slowdown", type=float, default=1.0,
@@ -47,6 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "where nothing was measured (if perfmodel provides one); off: tables and scaling only")
     p.add_argument("--no-progress", action="store_true", help="no progress line even on a terminal")
     return p
+
+
+def _restart_label(args: argparse.Namespace) -> str:
+    if args.restart_cost == "measured":
+        return f"measured model (mean {args.restart_cost_s:.0f} s)"
+    return f"{args.restart_cost:g} s"
+
+
+def _restart_cost(text: str) -> str | float:
+    if text == "measured":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number of seconds nor 'measured'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("restart cost must be >= 0 seconds")
+    return value
 
 
 def make_named_policy(name: str, seed: int, restart_cost: float):
@@ -136,7 +156,17 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     if args.jobs:
         trace = trace.head(args.jobs)
     cluster = parse_cluster(args.cluster) if args.cluster else trace.cluster
-    cfg = SimConfig(interval=args.interval, restart_cost=args.restart_cost, seed=args.seed, noise=args.noise,
+    restart_model = None
+    restart_cost = args.restart_cost
+    if restart_cost == "measured":
+        from perfmodel.restart import restart_seconds
+
+        restart_model = restart_seconds
+        # policies charge one price per restart: the model's mean over this trace
+        restart_cost = sum(restart_seconds(j.spec) for j in trace.jobs) / max(1, len(trace.jobs))
+    args.restart_cost_s = restart_cost
+    cfg = SimConfig(interval=args.interval, restart_cost=restart_cost, restart_model=restart_model,
+                    seed=args.seed, noise=args.noise,
                     horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, measured_targets=args.measured_targets, round_on_arrival=not args.no_event_rounds,
                     round_on_completion=not args.no_event_rounds)
     from .perfmodel_bridge import find_predictor
@@ -145,7 +175,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     tty = sys.stderr.isatty() and not args.no_progress
     results = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        policy = make_named_policy(name, args.seed, args.restart_cost)
+        policy = make_named_policy(name, args.seed, restart_cost)
         res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None)
         res.policy = name
         if tty:
@@ -173,7 +203,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = {
             "trace": r0.trace if r0 else None,
             "cluster": r0.cluster.label() if r0 else None,
-            "config": {"interval": args.interval, "restart_cost": args.restart_cost, "seed": args.seed,
+            "config": {"interval": args.interval, "restart_cost": args.restart_cost, "restart_cost_charged_s": args.restart_cost_s,
+                       "seed": args.seed,
                        "noise": args.noise, "event_rounds": not args.no_event_rounds,
                        "unmeasured_slowdown": args.unmeasured_slowdown, "perfmodel": args.perfmodel},
             "results": summaries,
@@ -184,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         r0 = results[0] if results else None
         if r0:
             print(f"trace {r0.trace}: {len(r0.records)} jobs on {r0.cluster.label()} "
-                  f"({r0.cluster.gpus} GPUs), rounds every {args.interval:g} s, restart {args.restart_cost:g} s, seed {args.seed}")
+                  f"({r0.cluster.gpus} GPUs), rounds every {args.interval:g} s, restart {_restart_label(args)}, seed {args.seed}")
         print(format_table(summaries, rat))
         print("JCT x / mksp x: best baseline's value / this policy's (higher is better; baselines = policies not named rubick*);"
               " meas %: allocations whose speed was measured, the rest from the performance model")

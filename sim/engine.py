@@ -30,6 +30,7 @@ import math
 import time as _time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from bus_schema.messages import Plan
 from policies.api import AllocationError, JobView, NodeState, Placement, Policy, check_decision
@@ -49,6 +50,9 @@ class InvariantError(AssertionError):
 class SimConfig:
     interval: float = 60.0
     restart_cost: float = 260.0
+    # Per-job restart cost (JobSpec -> seconds); when set it replaces the flat
+    # ``restart_cost`` (e.g. perfmodel.restart.restart_seconds, the measured model).
+    restart_model: Callable[[Any], float] | None = None
     seed: int = 0
     noise: float = 0.05  # ground-truth noise where nothing was measured (log-normal sigma)
     # Ground truth where nothing was measured = prediction x noise x this factor (>1 =
@@ -247,7 +251,8 @@ class Simulator:
             r.min_rate_ratio = min(r.min_rate_ratio, r.rate * r.request_step_time)
         r.state = RUNNING
         r.alloc_at = r.updated_at = t
-        r.productive_from = t + self.cfg.restart_cost
+        r.productive_from = t + (self.cfg.restart_model(r.job.spec) if self.cfg.restart_model
+                                 else self.cfg.restart_cost)
         r.gpus_held = sum(p.gpus for p in placement)
         self.alloc_gpus += r.gpus_held
         r.starts += 1

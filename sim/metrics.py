@@ -63,7 +63,9 @@ def summarize(res: SimResult) -> dict:
     guar = [r for r in recs if r.job.spec.guaranteed]
     accepted = [r for r in guar if r.first_start is not None]
     kept = [r for r in accepted if r.min_rate_ratio >= GUARANTEE_TOLERANCE and not r.preempted_after_start]
-    jct_ratio = [(r.finish - r.job.submit) / (r.job.spec.steps * r.request_step_time + res.config.restart_cost)
+    cost = res.config.restart_model
+    jct_ratio = [(r.finish - r.job.submit)
+                 / (r.job.spec.steps * r.request_step_time + (cost(r.job.spec) if cost else res.config.restart_cost))
                  for r in accepted if r.finish is not None and r.request_step_time > 0]
     sources: dict[str, int] = {}
     for r in recs:
