@@ -14,13 +14,17 @@ One round:
    scaled by T/(T+R), the job's average speed over the rest of its run
    (T = time to finish at that speed, R = restart cost), so switching a job
    that is about to finish never pays.
-3. Guarantees: a guaranteed job may only take its own request (its plan on
-   its GPUs and CPUs, compactly placed) or a candidate the model predicts to
-   beat its target (the request's predicted throughput, or
-   ``JobView.target_throughput``) by ``guarantee_margin`` (20%): the model
-   errs (badly across nodes and for 3D plans), the request does not. Running guaranteed jobs are seeded first
-   and are never shrunk below it; a pending one is admitted only if a
-   candidate meeting its target fits, so an accepted guarantee can be kept.
+3. Guarantees: a guaranteed job runs exactly its own request (its plan on
+   its GPUs and CPUs, compactly placed) unless an alternative lies where the
+   model has been validated (one node, data-parallel family, at least the
+   request's GPUs and CPUs per GPU) and the model predicts it to beat the
+   target (the request's predicted throughput, or
+   ``JobView.target_throughput``) by ``guarantee_margin`` (20%). Multi-node
+   and 3D-parallel predictions err by more than any margin (the request does
+   not), so they never replace a request. Running guaranteed jobs are seeded
+   first and are never shrunk below their request; a pending one is admitted
+   (at its request when nothing else is trusted) only if it fits, so an
+   accepted guarantee can be kept.
 4. Jobs that (re)started less than ``min_run_time`` ago keep their
    allocation (pinned); pending guaranteed jobs are seeded before pinned
    best-effort ones, so a guarantee can evict a best-effort job (the only
@@ -162,6 +166,40 @@ class Rubick:
             self._stay[key] = got
         return got
 
+    def _trusted(self, job: JobView, cands: list[Candidate], space: CandidateSpace) -> np.ndarray:
+        """Which candidates of a guaranteed job lie where the model is trusted:
+        one node, data-parallel family (no TP/PP), at least the request's GPUs
+        and CPUs per GPU (never a shrink)."""
+        key = ("trust", id(cands), job.spec.gpus, job.spec.cpus_per_gpu)
+        got = self._tables.get(key)
+        if got is not None and got[0] is cands:
+            return got[1]
+        cpg = job.spec.cpus_per_gpu or 0
+        out = np.array(
+            [c.nodes == 1 and c.plan.tp == 1 and c.plan.pp == 1 and c.gpus >= job.spec.gpus and c.cpus_per_gpu >= cpg
+             for c in cands],
+            bool,
+        )
+        self._tables[key] = (cands, out)
+        return out
+
+    def _holds_request(self, j: JobView, space: CandidateSpace) -> bool:
+        """A running job holds exactly its request: own plan on its GPUs, compact."""
+        req = default_plan(j.spec)
+        plan = j.plan or req
+        same_plan = (plan.dp, plan.tp, plan.pp, plan.zero, plan.offload, plan.grad_ckpt) == (
+            req.dp, req.tp, req.pp, req.zero, req.offload, req.grad_ckpt
+        ) and (req.ga == plan.ga or j.spec.plan is None)
+        return same_plan and j.gpus == j.spec.gpus and len(j.placement) == math.ceil(j.spec.gpus / space.gpus_per_node)
+
+    def _holds_trusted(self, j: JobView, st: float, need: float, space: CandidateSpace) -> bool:
+        plan = j.plan or default_plan(j.spec)
+        cpg = j.spec.cpus_per_gpu or 0
+        return (
+            len(j.placement) == 1 and plan.tp == 1 and plan.pp == 1 and j.gpus >= j.spec.gpus
+            and j.cpus >= cpg * j.gpus and st >= need * (1 - 1e-9)
+        )
+
     def _pinned(self, j: JobView, now: float) -> bool:
         return j.running and j.switched_at is not None and now - j.switched_at < self.min_run_time
 
@@ -241,13 +279,22 @@ class Rubick:
                 u = u * (T / (T + R))
         valid = np.arange(K)[None, :] < nk[:, None]
         valid &= thr > 0
-        # A guaranteed job may run its own request, or anything the model says
-        # beats its target by the margin (the model errs, the request does not).
+        # A guaranteed job may run exactly its own request (its plan, GPUs and
+        # CPUs, compactly placed: what the guarantee is measured against), or
+        # an alternative in the regime where the model has been validated
+        # (one node, data-parallel family, at least its GPUs and CPUs per GPU)
+        # that the model predicts to beat its target by the margin. Multi-node
+        # and 3D-parallel predictions err by more than any margin, so they
+        # never stand in for a request; a guaranteed job is never shrunk.
         need = np.where(guar, targets * (1 + self.guarantee_margin), 0.0)
-        req_ok = np.zeros((J, K), bool)
+        g_ok = np.zeros((J, K), bool)
         for i, k in is_req:
-            req_ok[i, k] = thr[i, k] >= targets[i] * (1 - 1e-9)
-        valid &= ~guar[:, None] | req_ok | (thr >= need[:, None] * (1 - 1e-9))
+            g_ok[i, k] = True
+        for i in np.flatnonzero(guar):
+            trust = self._trusted(jobs[i], rows[i], space)
+            n = len(trust)
+            g_ok[i, :n] |= trust & (thr[i, :n] >= need[i] * (1 - 1e-9))
+        valid &= ~guar[:, None] | g_ok
         valid &= ~held[:, None]
         u = np.where(valid, u, -1.0)
         cg = table[:, :, 0].astype(np.int64)
@@ -263,7 +310,7 @@ class Rubick:
             if j.running and all(p.node in node_ix for p in j.placement):
                 n = nk[i]
                 st = self._stay_throughput(j, perf)
-                ok = st > 0 and (not guar[i] or st >= targets[i] * (1 - 1e-9))
+                ok = st > 0 and (not guar[i] or self._holds_request(j, space) or self._holds_trusted(j, st, need[i], space))
                 gpus, cpus = j.gpus, j.cpus
                 stay[i] = n
                 cg[i, n] = gpus
@@ -297,7 +344,9 @@ class Rubick:
             elif pinned[i]:
                 seed[i] = stay[i]
                 groups[3].append(i)
-        groups[2].sort(key=lambda i: (jobs[i].submitted_at, jobs[i].job_id))
+        # Pending guaranteed jobs: shortest predicted run at their request first
+        # (fewest job-seconds spent waiting behind long ones), then by arrival.
+        groups[2].sort(key=lambda i: (left[i] / max(targets[i], 1e-9), jobs[i].submitted_at, jobs[i].job_id))
         if not self.guarantee_evicts:
             groups = [groups[0], groups[1], groups[3], groups[2]]
         seed_order = np.array([i for g in groups for i in g], np.int64)

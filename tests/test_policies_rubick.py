@@ -172,3 +172,61 @@ def test_switch_reason_carries_predicted_gain():
     a = d.allocations["l"]
     assert a.plan != spec.plan and a.predicted_gain is not None and a.predicted_gain > 0
     assert "predicted throughput" in a.reason and a.plan.label() in a.reason
+
+
+class _Optimist:
+    """A model that raves about what it has not been validated on: multi-node
+    and 3D plans, and shrinking a job (the mistakes that broke guarantees on
+    rubick-mt). Its prediction of a job's exact request is right."""
+
+    def __init__(self, shrink_only: bool = False):
+        self.shrink_only = shrink_only
+
+    def throughput(self, job, plan, placement):
+        g = sum(p.gpus for p in placement)
+        if g != plan.gpus or g == 0:
+            return 0.0
+        req = job.spec.plan or Plan(dp=job.spec.gpus)
+        if plan == req and g == job.spec.gpus:
+            return float(g)
+        if self.shrink_only:
+            return 50.0 * g if g < job.spec.gpus else float(g)
+        if plan.tp > 1 or plan.pp > 1 or len(placement) > 1 or g < job.spec.gpus:
+            return 6.0 * g
+        return 0.5 * g
+
+
+def test_guaranteed_multi_node_3d_job_runs_exactly_its_request():
+    """Changed on purpose: a guaranteed job no longer takes a multi-node/3D
+    alternative or a shrink because the model predicts it beats the target by
+    the margin; it runs its request (plan, GPUs, per-node shape)."""
+    ns = nodes(4)
+    req = Plan(dp=4, tp=4)
+    g = job("G", 16, guaranteed=True, plan=req, steps=10**6)
+    perf = _Optimist()
+    pol = make_policy("rubick", restart_cost=30, min_run_time=120)
+    now = 0.0
+    for r in range(6):
+        js = [g] + ([job(f"b{r}", 8, t=now, steps=10**6)] if r % 2 else [])
+        d = decide(pol, now, ns, js, perf)
+        a = d.allocations["G"]
+        assert a.plan == req and sorted(p.gpus for p in a.placement) == [8, 8], a.reason
+        apply(d, js, now, 60.0, perf)
+        now += 60.0
+
+
+def test_guaranteed_job_is_never_shrunk_below_its_request():
+    ns = nodes(1)
+    g = job("G", 4, guaranteed=True, steps=10**6)
+    d = decide(make_policy("rubick"), 0.0, ns, [g], _Optimist(shrink_only=True))
+    a = d.allocations["G"]
+    assert sum(p.gpus for p in a.placement) >= 4 and len(a.placement) == 1
+
+
+def test_guaranteed_job_may_take_a_trusted_single_node_data_parallel_option():
+    """One node, data-parallel family, at least its GPUs, predicted +20%: allowed."""
+    ns = nodes(1)
+    g = job("G", 4, guaranteed=True, curve="lin", steps=10**9, cpg=1)
+    d = decide(make_policy("rubick"), 0.0, ns, [g], CurveOracle({"lin": LIN}))
+    a = d.allocations["G"]
+    assert sum(p.gpus for p in a.placement) == 8 and a.plan.tp == a.plan.pp == 1
