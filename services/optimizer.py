@@ -455,8 +455,12 @@ class Optimizer:
             if rec.state == JobState.CANCELLING:
                 for p in rec.placement:
                     held.setdefault(p.node, set()).update(p.gpus)
+            # A switching job's old GPUs stay held until its old ranks exit, except
+            # those its new placement reuses: the policy counts those as the job's
+            # holding already, and counting them twice over-allocates the node.
+            own = {(p.node, g) for p in rec.placement for g in p.gpus} if rec.state in ACTIVE else set()
             for p in rec.draining:
-                held.setdefault(p.node, set()).update(p.gpus)
+                held.setdefault(p.node, set()).update(g for g in p.gpus if (p.node, g) not in own)
         for n in nodes:
             if n.reserved:
                 held.setdefault(n.node, set()).update(n.reserved)
