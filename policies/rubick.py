@@ -26,10 +26,13 @@ One round:
    (at its request when nothing else is trusted) only if it fits, so an
    accepted guarantee can be kept.
 4. Jobs that (re)started less than ``min_run_time`` ago keep their
-   allocation (pinned); pending guaranteed jobs are seeded before pinned
-   best-effort ones, so a guarantee can evict a best-effort job (the only
-   switch allowed inside the minimum run time; ``guarantee_evicts=False``
-   turns it off).
+   allocation (pinned); pending guaranteed jobs are seeded after pinned
+   best-effort ones (so a guarantee waits at most ``min_run_time`` for them:
+   now that a guarantee is admitted at its full request, evicting freshly
+   (re)started best-effort jobs for it costs them two restarts in a window)
+   and before every other job, shortest predicted run first.
+   ``guarantee_evicts=True`` seeds them before pinned best-effort jobs (a
+   guarantee may then evict one inside the minimum run time).
 5. Everything else: greedy by normalised marginal gain per unit of resource
    (GPUs plus CPUs weighed by their scarcity), along each job's curve. A
    running job competes from zero, its current allocation being its cheapest
@@ -63,7 +66,7 @@ class Rubick:
         vary_locality: bool = True,
         restart_cost: float = DEFAULT_RESTART_COST,
         min_run_time: float = DEFAULT_MIN_RUN_TIME,
-        guarantee_evicts: bool = True,
+        guarantee_evicts: bool = False,
         guarantee_margin: float = 0.2,
         max_scale: float = 2.0,
         utility_exponent: float = 0.5,

@@ -61,10 +61,15 @@ def test_guarantee_evicts_best_effort_even_inside_min_run_time():
     perf = CurveOracle()
     be = job("be", 8, running_on=(Placement("n0", 8, 16),), since=9_990)
     g = job("g", 8, t=5, guaranteed=True)
-    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, g], perf)
+    d = decide(make_policy("rubick", min_run_time=600, guarantee_evicts=True), 10_000.0, ns, [be, g], perf)
     assert "g" in d.allocations and "be" in d.waiting
-    d = decide(make_policy("rubick", min_run_time=600, guarantee_evicts=False), 10_000.0, ns, [be, g], perf)
-    assert "be" in d.allocations and "g" in d.waiting
+    # Changed on purpose: by default a guarantee waits out a best-effort job's
+    # minimum run time (at most 600 s) instead of evicting it.
+    for pol in (make_policy("rubick", min_run_time=600), make_policy("rubick", min_run_time=600, guarantee_evicts=False)):
+        d = decide(pol, 10_000.0, ns, [be, g], perf)
+        assert "be" in d.allocations and "g" in d.waiting
+    d = decide(make_policy("rubick", min_run_time=600), 10_700.0, ns, [be, g], perf)  # pin expired
+    assert "g" in d.allocations and "be" in d.waiting
 
 
 def test_no_switch_within_min_run_time():
