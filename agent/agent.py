@@ -393,6 +393,11 @@ class Agent:
                 extra.update(checkpoint_step=int(manifest["step"]), checkpoint_at=manifest.get("wall_time"))
             prog = wk.read_json(run.progress_file) or {}
             extra.update(progress_step=int(prog.get("step", 0)), stop_sent_at=run.stop_sent_at)
+            if run.node_rank == 0 and prog.get("first_step_s") is not None:
+                # also here: a STEPPED report may land after this one, or never
+                extra.setdefault("start_step", int(prog.get("start_step") or 0))
+                extra.setdefault("restore_s", prog.get("restore_s"))
+                extra.setdefault("first_step_s", prog.get("first_step_s"))
         elif kind == RunReportKind.STARTED:
             extra.setdefault("launched_at", run.launched_at)
         report = RunReport(
@@ -471,6 +476,20 @@ class Agent:
         await self.nc.publish(subj.node_heartbeat(self.node), data)
         await self._nodes_kv.put(self.node, data)
 
+    def _stepped_report(self, run: Run, prog: dict | None = None):
+        """The STEPPED report (restore and first-step times) once rank 0's
+        progress shows its first step; None if not due or already sent."""
+        if run.stepped or run.node_rank != 0 or run.progress_file is None:
+            return None
+        prog = prog if prog is not None else wk.read_json(run.progress_file)
+        if not prog or prog.get("first_step_s") is None:
+            return None
+        run.stepped = True
+        return self._report(
+            run, RunReportKind.STEPPED, launched_at=run.launched_at, start_step=int(prog.get("start_step") or 0),
+            restore_s=prog.get("restore_s"), first_step_s=prog.get("first_step_s"),
+        )
+
     async def _progress_loop(self) -> None:
         last: dict[tuple[str, int], tuple[int, float]] = {}
         while True:
@@ -481,13 +500,9 @@ class Agent:
                 prog = wk.read_json(run.progress_file)
                 if prog is None:
                     continue
-                if not run.stepped and prog.get("first_step_s") is not None:
-                    run.stepped = True
-                    self._spawn(self._report(
-                        run, RunReportKind.STEPPED, launched_at=run.launched_at,
-                        start_step=int(prog.get("start_step") or 0), restore_s=prog.get("restore_s"),
-                        first_step_s=prog.get("first_step_s"),
-                    ))
+                stepped = self._stepped_report(run, prog)
+                if stepped is not None:
+                    self._spawn(stepped)
                 step, now = int(prog.get("step", 0)), time.time()
                 rate = prog.get("samples_per_s")
                 key = (run.job_id, run.generation)

@@ -292,6 +292,9 @@ class Optimizer:
                 return None
             if r.exit_code == 0 and r.rank0:
                 ended = True
+                if rec.switch is not None and rec.switch.to_generation == r.generation and r.first_step_s is not None:
+                    # it finished before its STEPPED report was applied: close the switch now
+                    rec = self._switched(rec, r)
                 new = msgspec.structs.replace(
                     rec, state=JobState.COMPLETED, finished_at=ts, steps_done=max(steps, rec.spec.steps),
                     exit_code=0, reason="completed",
@@ -616,39 +619,34 @@ class Optimizer:
         return new
 
     async def _preempt(self, rec: JobRecord, why: str) -> JobRecord | None:
-        ts = now()
-
-        def change(r: JobRecord) -> JobRecord | None:
-            if r.state not in ACTIVE or r.generation != rec.generation:
-                return None
-            new = msgspec.structs.replace(
-                r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
-                **_drain_fields(r, ts),
-            )
-            return with_event(new, JobPreempted, ts=ts, reason=why)
-
-        new = await self.store.update(rec.job_id, change)
-        if new is not None:
-            await self._delete_alloc(rec.job_id)
-        return new
+        return await self._back_to_queue(rec, why, JobPreempted)
 
     async def _requeue(self, rec: JobRecord, why: str, alive: set[str]) -> JobRecord | None:
+        # ranks on the nodes still alive must stop before the job restarts
+        new = await self._back_to_queue(rec, why, JobRequeued, alive, with_checkpoint=True)
+        if new is not None:
+            log.warning("job requeued", job_id=rec.job_id, reason=why)
+        return new
+
+    async def _back_to_queue(
+        self, rec: JobRecord, why: str, event: type, alive: set[str] | None = None, with_checkpoint: bool = False
+    ) -> JobRecord | None:
+        """PENDING again, its old ranks draining; the allocation is withdrawn."""
         ts = now()
 
         def change(r: JobRecord) -> JobRecord | None:
             if r.state not in ACTIVE or r.generation != rec.generation:
                 return None
-            # ranks on the nodes still alive must stop before the job restarts
             new = msgspec.structs.replace(
                 r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
                 **_drain_fields(r, ts, alive),
             )
-            return with_event(new, JobRequeued, ts=ts, reason=why, checkpoint_step=r.checkpoint_step)
+            extra = {"checkpoint_step": r.checkpoint_step} if with_checkpoint else {}
+            return with_event(new, event, ts=ts, reason=why, **extra)
 
         new = await self.store.update(rec.job_id, change)
         if new is not None:
             await self._delete_alloc(rec.job_id)
-            log.warning("job requeued", job_id=rec.job_id, reason=why)
         return new
 
     # ------------------------------------------------------------ drains, pins, models
@@ -730,28 +728,10 @@ class Optimizer:
             )
 
     async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
-        """Pending jobs whose model has neither a fitted entry in gs_models nor
-        a shipped fit: job id -> model key."""
-        from perfmodel.catalog import shape_from_spec
-        from perfmodel.rubick import MODELS
+        """Pending jobs whose model has no fit yet: job id -> model key."""
+        from .perfmodel_service import unmodelled_jobs
 
-        from .perfmodel_service import kv_key
-
-        try:
-            have = set(await self.models_kv.keys())
-        except Exception:  # no keys yet
-            have = set()
-        out = {}
-        for rec in records.values():
-            if rec.state != JobState.PENDING or rec.spec.model.name in MODELS:
-                continue
-            try:
-                key = shape_from_spec(rec.spec.model).key
-            except (ValueError, TypeError):
-                continue
-            if kv_key(key) not in have:
-                out[rec.job_id] = key
-        return out
+        return {job_id: key for job_id, (key, _) in (await unmodelled_jobs(self.models_kv, records.values())).items()}
 
     async def _reconfigure_endpoint(self, req: ReconfigureRequest) -> ReconfigureReply:
         from .runtime import RequestError, bad_request

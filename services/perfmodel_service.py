@@ -41,6 +41,31 @@ def kv_key(model_key: str) -> str:
     return "".join(c if (c.isalnum() or c in "-_=.") else "_" for c in model_key)
 
 
+async def unmodelled_jobs(models_kv: Any, records: Any) -> dict[str, tuple[str, Any]]:
+    """Pending jobs whose model has neither a fit in ``gs_models`` nor a shipped
+    one: job id -> (model key, record). Shared by the optimizer (which holds
+    such jobs back) and the profiler (which profiles their models)."""
+    from perfmodel.catalog import shape_from_spec
+    from perfmodel.rubick import MODELS
+
+    from bus_schema.messages import JobState
+
+    from .jobstore import kv_snapshot
+
+    have = set(await kv_snapshot(models_kv))  # not kv.keys(): its watcher can miss keys
+    out: dict[str, tuple[str, Any]] = {}
+    for rec in records:
+        if rec.state != JobState.PENDING or rec.spec.model.name in MODELS:
+            continue
+        try:
+            key = shape_from_spec(rec.spec.model).key
+        except (ValueError, TypeError):
+            continue
+        if kv_key(key) not in have:
+            out[rec.job_id] = (key, rec)
+    return out
+
+
 def _shape(model: ModelSpec):
     from perfmodel.catalog import shape_from_spec
 

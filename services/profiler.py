@@ -216,23 +216,12 @@ class Profiler:
     # ------------------------------------------------------------ watching jobs
     async def _waiting_jobs(self) -> dict[str, list[JobRecord]]:
         """model key -> pending jobs whose model has no fit yet."""
-        from perfmodel.catalog import shape_from_spec
-        from perfmodel.rubick import MODELS
+        from .perfmodel_service import unmodelled_jobs
 
-        try:
-            have = set(await self.models_kv.keys())
-        except Exception:
-            have = set()
         out: dict[str, list[JobRecord]] = {}
-        for rec, _ in await self.store.all():
-            if rec.state != JobState.PENDING or rec.spec.model.name in MODELS:
-                continue
-            try:
-                key = shape_from_spec(rec.spec.model).key
-            except (ValueError, TypeError):
-                continue
-            if kv_key(key) not in have:
-                out.setdefault(key, []).append(rec)
+        waiting = await unmodelled_jobs(self.models_kv, (rec for rec, _ in await self.store.all()))
+        for key, rec in waiting.values():
+            out.setdefault(key, []).append(rec)
         return out
 
     async def watch(self, stop: asyncio.Event) -> None:
