@@ -145,7 +145,7 @@ async def test_gang_switch_stops_every_rank_before_any_restarts(nc, stack, tmp_p
     await agent("a")
     await agent("b")
     # rank 0 checkpoints slowly: the other node's rank is gone long before it
-    job = await submit(nc, "gang", gpus=2, steps=400, step_time=0.02, env={"WORKER_STOP_DELAY": "1.5"},
+    job = await submit(nc, "gang", gpus=2, steps=4000, step_time=0.02, env={"WORKER_STOP_DELAY": "1.5"},
                        plan={"dp": 2})
     await pin(nc, job, {"dp": 2}, [("a", 1), ("b", 1)])
     first = await eventually(lambda: state(nc, job, JobState.RUNNING))
