@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from typing import Any, TypeVar
 
@@ -41,16 +42,11 @@ def convert(obj: Any, tp: type[T]) -> T:
     return msgspec.convert(obj, tp)
 
 
-_PATH_RE = None
+_PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
 
 
 def error_field(exc: Exception) -> str | None:
     """The JSON path a msgspec validation error names, as ``model.params``."""
-    import re
-
-    global _PATH_RE
-    if _PATH_RE is None:
-        _PATH_RE = re.compile(r"at `\$\.?([^`]*)`")
     match = _PATH_RE.search(str(exc))
     if not match:
         return None

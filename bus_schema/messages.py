@@ -140,6 +140,8 @@ class JobState(str, enum.Enum):
 
 
 TERMINAL_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+# States in which a job holds (or is being given) an allocation.
+ACTIVE_STATES = (JobState.SCHEDULED, JobState.RUNNING)
 
 # The job state machine: which state may follow which. Preemption and
 # re-queueing go back to PENDING; a reconfiguration goes RUNNING -> SCHEDULED.

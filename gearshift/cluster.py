@@ -9,6 +9,7 @@ behind.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -104,8 +105,6 @@ class LocalCluster:
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until admission and the optimizer answer and every node has reported."""
-        import asyncio
-
         asyncio.run(_wait_ready(self.url, self.nodes, timeout, self))
 
     @property
@@ -178,7 +177,7 @@ def _has_module(name: str) -> bool:
 async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalCluster") -> None:
     from bus_schema import subjects as subj
     from bus_schema.messages import NodeList
-    from services.runtime import ServiceCallError, call, connect
+    from services.runtime import call, connect
 
     nc = await connect(url, name="gearshift-up", retry_for=10, **_creds_options(cluster.admin_creds))
     deadline = time.monotonic() + timeout
@@ -192,19 +191,13 @@ async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalClust
                 leader = await nc.request("$SRV.PING.optimizer", b"", timeout=1)
                 if have >= nodes and leader:
                     return
-            except (ServiceCallError, Exception):
+            except Exception:  # not answering yet (no responders, timeout)
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"local cluster not ready after {timeout:.0f}s; see {cluster.log_dir}")
-            await asyncio_sleep(0.2)
+            await asyncio.sleep(0.2)
     finally:
         await nc.drain()
-
-
-async def asyncio_sleep(s: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(s)
 
 
 def _creds_options(path: str | None) -> dict:
@@ -216,8 +209,6 @@ def _creds_options(path: str | None) -> dict:
 
 
 def _ensure_infra(url: str, creds: str | None = None) -> None:
-    import asyncio
-
     from services.runtime import connect, ensure_infra
 
     async def go() -> None:

@@ -51,6 +51,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
+    ACTIVE_STATES,
     Allocation,
     JobSwitched,
     NodeShare,
@@ -90,7 +91,7 @@ from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_servi
 
 log = get_logger(service="optimizer")
 
-ACTIVE = (JobState.SCHEDULED, JobState.RUNNING)
+ACTIVE = ACTIVE_STATES
 DEFAULT_STEP_TIME = 0.1
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus_schema.messages import JobRecord, JobState
+from bus_schema.messages import ACTIVE_STATES as ACTIVE, JobRecord
 from policies import JobView, Placement
 
 from .jobstore import kv_snapshot
 
-ACTIVE = (JobState.SCHEDULED, JobState.RUNNING)
 
 
 def job_view(rec: JobRecord, now: float) -> JobView:

@@ -141,12 +141,8 @@ async def ensure_infra(nc: NATS, replicas: int | None = None) -> None:
 
 
 # ------------------------------------------------------------------ logging
-_configured = False
-
-
 def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
     """JSON lines for services, console for people. Safe to call twice."""
-    global _configured
     fmt = fmt or os.environ.get("GEARSHIFT_LOG_FORMAT") or ("console" if sys.stderr.isatty() else "json")
     lvl = getattr(logging, (level or os.environ.get("GEARSHIFT_LOG_LEVEL") or "INFO").upper(), logging.INFO)
     renderer: Any = (
@@ -166,7 +162,6 @@ def configure_logging(fmt: str | None = None, level: str | None = None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    _configured = True
 
 
 def get_logger(**bind: Any) -> Any:
