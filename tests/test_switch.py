@@ -154,10 +154,17 @@ async def test_gang_switch_stops_every_rank_before_any_restarts(nc, stack, tmp_p
     gen = (await get(nc, job)).generation
     assert sorted(p.node for p in (await get(nc, job)).placement) == ["a", "b"]
     n_switched = len(rec.of(JobSwitched))
+    # the ranks must be past start-up (signal handlers in place, rank 0 stepping)
+    # or SIGTERM ends them both at once, before rank 0 can be slow on purpose
+    rank0 = (await get(nc, job)).placement[0].node
+    await eventually(lambda: asyncio.sleep(0, progress_step(tmp_path, rank0, job, gen) >= 1), timeout=30)
     await pin(nc, job, {"dp": 2}, [("b", 2)])
     mid = await eventually(lambda: state(nc, job, JobState.SCHEDULED, gen=gen + 1), timeout=5)
     assert {p.node for p in mid.draining} <= {"a", "b"}
     await eventually(lambda: asyncio.sleep(0, len(rec.of(JobSwitched)) > n_switched))
+    # the recorder reads reports and events through separate consumers: let it catch up
+    await eventually(lambda: asyncio.sleep(0, {r.node for r in rec.report(RunReportKind.EXITED, gen)} == {"a", "b"}
+                                          and rec.report(RunReportKind.STARTED, gen + 1)), timeout=10)
     exits = rec.report(RunReportKind.EXITED, gen)
     starts = rec.report(RunReportKind.STARTED, gen + 1)
     assert {r.node for r in exits} == {"a", "b"} and starts
