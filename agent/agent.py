@@ -766,7 +766,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds from SIGTERM to SIGKILL")
     p.add_argument("--address", default="127.0.0.1", help="address other nodes use to reach this one")
-    args = p.parse_args(argv)
+    from services.config import AgentConfig, parse_args as parse_config
+
+    args = parse_config(p, AgentConfig, argv)  # --config FILE, GEARSHIFT_AGENT_<FIELD>
     args.node = subj.token(args.node) if args.node else "node"
     if args.workdir is None:
         args.workdir = str(Path(tempfile.gettempdir()) / f"gearshift-agent-{args.node}")

@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-jobs-per-tenant", type=int,
                     default=int(os.environ.get("GEARSHIFT_MAX_JOBS_PER_TENANT") or 1000),
                     help="live (not finished) jobs a tenant may have; more are refused with 429")
-    args = ap.parse_args(argv)
+    from services.config import AdmissionConfig, parse_args
+
+    args = parse_args(ap, AdmissionConfig, argv)  # --config FILE, GEARSHIFT_ADMISSION_<FIELD>
     run_service(lambda stop: amain(stop, args.server, args.max_gpus, args.max_jobs_per_tenant))
 
 

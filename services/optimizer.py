@@ -837,7 +837,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-for-models", action="store_true",
                     default=os.environ.get("GEARSHIFT_WAIT_FOR_MODELS", "") not in ("", "0"),
                     help="jobs without a fitted or shipped performance model wait for the profiler")
-    args = ap.parse_args(argv)
+    from services.config import OptimizerConfig, parse_args
+
+    args = parse_args(ap, OptimizerConfig, argv)  # --config FILE, GEARSHIFT_OPTIMIZER_<FIELD>
     run_service(lambda stop: amain(stop, args))
 
 

@@ -239,7 +239,9 @@ async def amain(stop: asyncio.Event, url: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="gearshift-perfmodel")
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
-    args = ap.parse_args(argv)
+    from services.config import PerfmodelConfig, parse_args
+
+    args = parse_args(ap, PerfmodelConfig, argv)  # --config FILE, GEARSHIFT_PERFMODEL_<FIELD>
     run_service(lambda stop: amain(stop, args.server))
 
 

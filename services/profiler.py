@@ -292,7 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="measured steps per profiling run")
     ap.add_argument("--max-dp", type=int, default=None, help="largest DP degree to profile (default: node GPUs)")
-    args = ap.parse_args(argv)
+    from services.config import ProfilerConfig, parse_args
+
+    args = parse_args(ap, ProfilerConfig, argv)  # --config FILE, GEARSHIFT_PROFILER_<FIELD>
     run_service(lambda stop: amain(stop, args))
 
 
