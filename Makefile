@@ -18,10 +18,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m gearshift.demo
 
-test: $(STAMP)
+test: $(STAMP) openssl
 	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) openssl
 	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m pytest -q -m ''
 
 # issue 7: fault injection, authorisation and the full fuzz run (see README "Guarantees")
@@ -51,3 +51,8 @@ profile-accuracy: $(STAMP)
 .PHONY: evaluation
 evaluation: $(STAMP)
 	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m sim.evaluation --out docs/evaluation.md
+
+# issue 12: deploy/make-certs.sh (and its test) use the openssl command
+.PHONY: openssl
+openssl:
+	@command -v openssl >/dev/null || (apt-get update -qq && apt-get install -y -qq openssl)
