@@ -70,6 +70,16 @@ class OptimizerConfig(ServiceConfig):
                 raise ValueError("policy_options: not valid JSON") from None
             if not isinstance(opts, dict):
                 raise ValueError("policy_options: expected a JSON object")
+        else:
+            opts = {}
+        from policies.registry import make_policy, policy_names  # pure core; only the optimizer's config
+
+        if self.policy not in policy_names():
+            raise ValueError(f"policy: unknown policy {self.policy!r}; known: {', '.join(policy_names())}")
+        try:
+            make_policy(self.policy, **opts)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"policy_options: {exc}") from None
 
 
 class PerfmodelConfig(ServiceConfig):

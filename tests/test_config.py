@@ -93,6 +93,9 @@ def test_older_variables_still_work_below_the_file(tmp_path, monkeypatch):
      "optimizer.node_timeout: invalid float value 'soon' (from GEARSHIFT_OPTIMIZER_NODE_TIMEOUT)"),
     ("", {}, ["--max-retries", "-1"], "optimizer.max_retries: Expected `int` >= 0 (from --max-retries)"),
     ("", {}, ["--policy-options", "[1]"], "optimizer.policy_options: expected a JSON object (from --policy-options)"),
+    ("policy: rubik\n", {}, [], "optimizer.policy: unknown policy 'rubik'; known: "),
+    ("", {}, ["--policy-options", '{"restart_cots": 1}'],
+     "optimizer.policy_options: Fifo.__init__() got an unexpected keyword argument 'restart_cots'"),
     ("- a\n- b\n", {}, [], "optimizer config {f}: expected a mapping"),
     ("a: [\n", {}, [], "optimizer config {f}: not valid YAML at line 2"),
 ])
