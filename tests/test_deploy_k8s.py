@@ -305,6 +305,24 @@ def test_make_secrets_refuses_missing_files(tmp_path):
     assert r.stdout == ""
 
 
+def test_make_secrets_packages_extra_roles(tmp_path, generated_secrets):
+    authdir, tls = tmp_path / "auth", tmp_path / "tls"
+    authdir.mkdir()
+    tls.mkdir()
+    for role in ("admission", "optimizer", "perfmodel", "profiler", "agent-gpu-1", "tools"):
+        (authdir / f"{role}.creds").write_text(role)
+    for f in ("nats-auth.conf",):
+        (authdir / f).write_text("")
+    for f in ("ca.pem", "server.pem", "server-key.pem", "route.pem", "route-key.pem"):
+        (tls / f).write_text(f)
+    r = subprocess.run([sys.executable, str(K8S / "make-secrets.py"), "--auth", str(authdir), "--tls", str(tls),
+                        "--role", "tools"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(r.stdout) if d}
+    assert list(docs["gearshift-creds-tools"]["data"]) == ["tools.creds"]
+    assert "gearshift-creds-tools" not in {s["metadata"]["name"] for s in generated_secrets}
+
+
 def test_dockerfile_copies_every_package():
     text = (DEPLOY / "Dockerfile").read_text()
     copied = {line.split()[1] for line in text.splitlines() if line.startswith("COPY ")}

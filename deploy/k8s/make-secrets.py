@@ -12,6 +12,7 @@ server's accounts) and one ``<role>.creds`` per identity; TLS_DIR what
 Secret                     keys                                 used by
 =========================  ===================================  =====================
 gearshift-creds-<role>     ``<role>.creds``                     that role's Deployment
+                                                                (and each ``--role``)
 gearshift-creds-agents     ``agent-<node>.creds`` per node      the agent DaemonSet
                                                                 (each pod sees its own)
 gearshift-nats-auth        ``nats-auth.conf``                   the NATS servers
@@ -54,8 +55,9 @@ def secret(name: str, files: dict[str, Path], namespace: str, kind: str = "Opaqu
     }
 
 
-def secrets(auth: Path, tls: Path, namespace: str = NAMESPACE) -> list[dict]:
-    out = [secret(f"gearshift-creds-{role}", {f"{role}.creds": auth / f"{role}.creds"}, namespace) for role in ROLES]
+def secrets(auth: Path, tls: Path, namespace: str = NAMESPACE, extra_roles: tuple[str, ...] = ()) -> list[dict]:
+    out = [secret(f"gearshift-creds-{role}", {f"{role}.creds": auth / f"{role}.creds"}, namespace)
+           for role in (*ROLES, *extra_roles)]
     agents = {p.name: p for p in sorted(auth.glob("agent-*.creds"))}
     if not agents:
         raise Missing(f"{auth}: no agent-<node>.creds files (one per GPU node)")
@@ -73,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--auth", required=True, type=Path, help="folder with nats-auth.conf and <role>.creds files")
     ap.add_argument("--tls", required=True, type=Path, help="folder written by deploy/make-certs.sh")
     ap.add_argument("--namespace", default=NAMESPACE, help="namespace of the Secrets (default gearshift)")
+    ap.add_argument("--role", action="append", default=[], metavar="ROLE",
+                    help="also package ROLE.creds as gearshift-creds-ROLE (e.g. tools, for an in-cluster consumer)")
     args = ap.parse_args(argv)
     try:
-        docs = secrets(args.auth, args.tls, args.namespace)
+        docs = secrets(args.auth, args.tls, args.namespace, tuple(args.role))
     except Missing as exc:
         print(f"make-secrets.py: error: {exc}", file=sys.stderr)
         return 1
