@@ -13,7 +13,7 @@ precedence:
 
 The merged values are validated by the service's ``msgspec.Struct`` below:
 an error names the field and where the bad value came from
-(``optimizer.interval: Expected `float` >= 0.0 (from GEARSHIFT_OPTIMIZER_INTERVAL)``)
+(``optimizer.interval: Expected `float` > 0.0 (from GEARSHIFT_OPTIMIZER_INTERVAL)``)
 and the process exits 2 with that one line, before it connects anywhere.
 
 A flag a service has but its Struct does not declare (added later) is still
@@ -127,13 +127,20 @@ def env_name(service: str, field: str) -> str:
 
 
 def _options(ap: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    return {a.dest: a for a in ap._actions if a.dest not in _SKIP and a.option_strings}
+    """dest -> its first action (whose default the parser uses when flags share a dest)."""
+    out: dict[str, argparse.Action] = {}
+    for a in ap._actions:
+        if a.dest not in _SKIP and a.option_strings:
+            out.setdefault(a.dest, a)
+    return out
+
+
+def _is_switch(action: argparse.Action) -> bool:
+    return isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
 
 
 def _flag_type(action: argparse.Action) -> Any:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        return bool
-    t = action.type if action.type in (int, float) else str
+    t = bool if _is_switch(action) else action.type if action.type in (int, float) else str
     return t | None if action.default is None else t
 
 
@@ -149,20 +156,21 @@ def effective_type(ap: argparse.ArgumentParser, base: type[ServiceConfig]) -> ty
 def _explicit_flags(ap: argparse.ArgumentParser, argv: list[str] | None) -> dict[str, Any]:
     """The options given on the command line (a parse with every default suppressed)."""
     opts = _options(ap)
-    saved = {dest: a.default for dest, a in opts.items()}
+    actions = [a for a in ap._actions if a.dest in opts]  # two flags may share a dest (--x / --no-x)
+    saved = [a.default for a in actions]
     try:
-        for a in opts.values():
+        for a in actions:
             a.default = argparse.SUPPRESS
         ns, _ = ap.parse_known_args(argv)
     finally:
-        for dest, a in opts.items():
-            a.default = saved[dest]
+        for a, default in zip(actions, saved):
+            a.default = default
     return {k: v for k, v in vars(ns).items() if k in opts}
 
 
 def _from_text(action: argparse.Action, text: str, field: str, source: str) -> Any:
     """A value written as text (environment, or a string in the file for a typed flag)."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if _is_switch(action):
         low = text.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True

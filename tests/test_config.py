@@ -160,3 +160,19 @@ def test_check_command_validates_files(tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
     assert f"{EXAMPLES / 'profiler.yaml'}: ok" in r.stdout
     assert f"error: profiler.steps: Expected `int` >= 1 (from {bad})" in r.stdout
+
+
+def test_two_flags_sharing_a_destination():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--login", dest="login", action="store_true", default=None)
+    ap.add_argument("--no-login", dest="login", action="store_false")
+    config.add_config_flag(ap, "perfmodel")
+    before = [a.default for a in ap._actions]
+    for argv, env, want in (([], {}, None), (["--no-login"], {}, False), (["--login"], {}, True),
+                            ([], {"GEARSHIFT_PERFMODEL_LOGIN": "yes"}, True)):
+        args, _ = config.resolve(ap, config.PerfmodelConfig, argv, env)
+        assert args.login is want, (argv, env)
+    # the parser is left as it was: its defaults are back
+    assert [a.default for a in ap._actions] == before
