@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import JobProgress, JobRecord, NodeReport
@@ -91,6 +91,8 @@ class Dashboard:
             asyncio.create_task(self._follow_events(js), name="dash-events"),
             asyncio.create_task(self._push_state(), name="dash-push"),
         ]
+        for t in self._tasks:
+            t.add_done_callback(_log_failure)
 
         async def on_progress(msg: Any) -> None:
             try:
@@ -119,7 +121,8 @@ class Dashboard:
         info = await js.stream_info(subj.EVENTS_STREAM)
         start = max(1, info.state.last_seq - 5 * EVENTS + 1)  # the recent past, never all history
         sub = await js.subscribe(subj.EVENTS_SUBJECTS, stream=subj.EVENTS_STREAM, ordered_consumer=True,
-                                 deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start)
+                                 config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                                       opt_start_seq=start))
         async for msg in sub.messages:
             try:
                 ev = codec.decode_event(msg.data)
@@ -206,6 +209,11 @@ class Dashboard:
                 sess.violations.remove(violation)
         log.info("cancel from the dashboard", job_id=job_id, user=who, state=rec.state.value)
         return {"job_id": rec.job_id, "state": rec.state.value, "by": who}
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("dashboard feed stopped", task=task.get_name(), error=repr(task.exception()))
 
 
 async def _close_quietly(nc: Any) -> None:
