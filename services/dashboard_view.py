@@ -73,9 +73,13 @@ class DashboardView:
             )
         elif isinstance(ev, JobSwitched):
             sw = self._switch(ev.job_id, ev.generation)
+            # what the reconfiguration already said stays when this event leaves it out
+            if ev.from_plan is not None or "from_plan" not in sw:
+                sw.update(from_plan=_plan(ev.from_plan), from_gpus=ev.from_gpus)
+            if ev.plan is not None or "plan" not in sw:
+                sw.update(plan=_plan(ev.plan), gpus=ev.gpus)
             sw.update(
-                done=ev.ts, from_plan=_plan(ev.from_plan), plan=_plan(ev.plan), from_gpus=ev.from_gpus, gpus=ev.gpus,
-                phases={p: round(getattr(ev, f"{p}_s"), 3) for p in PHASES}, total_s=round(ev.total_s, 3),
+                done=ev.ts, phases={p: round(getattr(ev, f"{p}_s"), 3) for p in PHASES}, total_s=round(ev.total_s, 3),
                 steps_lost=ev.steps_lost, resumed_step=ev.resumed_step,
             )
             sw.setdefault("started", ev.ts - ev.total_s)

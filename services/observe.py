@@ -309,3 +309,11 @@ async def serve_http(name: str, role: str, nc: Any = None, details: Callable[[],
 def current_url() -> str:
     """The metrics URL of this process, "" before ``serve_http`` (for micro-service metadata)."""
     return _current.url + "/metrics" if _current is not None else ""
+
+
+def generate_latest_for(role: str) -> str:
+    """The text a process of ``role`` would serve now (tools and tests)."""
+    registry = CollectorRegistry(auto_describe=True)
+    for metric in ROLE_FAMILIES[role]:
+        registry.register(metric)
+    return generate_latest(registry).decode()
