@@ -175,3 +175,20 @@ def test_dashboard_view_places_jobs_on_gpus_and_times_switches():
     assert sw["phases"]["checkpoint"] == 1.0 and sw["total_s"] == 3.0 and sw["steps_lost"] == 2
     assert {t["tenant"]: (t["gpus"], t["pending"]) for t in s["tenants"]} == {"nlp": (2, 0), "cv": (0, 1)}
     assert s["events"][0]["kind"] == "job.switched"  # newest first
+
+
+def test_grafana_dashboard_queries_only_served_families():
+    import re
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).parents[1] / "deploy" / "grafana" / "gearshift.json").read_text())
+    served = {m._name for fams in observe.ROLE_FAMILIES.values() for m in fams}
+    suffixes = ("_total", "_bucket", "_sum", "_count")
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 15
+    for expr in exprs:
+        for name in re.findall(r"\b((?:gearshift|DCGM)_\w+)", expr):
+            base = next((name[: -len(s)] for s in suffixes if name.endswith(s) and name[: -len(s)] in served), name)
+            assert base in served, f"{name} in {expr!r} is not served by any process"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
