@@ -163,13 +163,30 @@ class Dashboard:
         except (ValueError, TypeError) as exc:
             raise Refused(400, f"not a gearshift credentials file: {exc}") from None
         sess = Session(user=str(creds["user"]), role=str(creds.get("role", "")), tenant=creds.get("tenant"), nc=None)
+        # only this person's identity: nothing of the dashboard's own may remain in the options
+        opts = {"inbox_prefix": "_INBOX", **auth.connect_options(creds)}
+        # nats-py retries a refused password until its timeout: the first "Authorization
+        # Violation" it reports is the answer
+        refused: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_error(exc: Exception) -> None:
+            if "authorization violation" in str(exc).lower() and not refused.done():
+                refused.set_result(str(exc))
+            await sess.on_error(exc)
+
+        connecting = asyncio.create_task(connect(self.url, name=f"dashboard-{sess.user}", retry_for=3,
+                                                 error_cb=on_error, **opts))
+        done, _ = await asyncio.wait({connecting, refused}, timeout=15, return_when=asyncio.FIRST_COMPLETED)
+        if connecting not in done:
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+            if refused in done:
+                raise Refused(401, "sign-in refused by the server: wrong user or password")
+            raise Refused(504, "the NATS server did not answer the sign-in in time")
         try:
-            sess.nc = await connect(self.url, name=f"dashboard-{sess.user}", retry_for=0.5,
-                                    error_cb=sess.on_error, **auth.connect_options(creds))
+            sess.nc = connecting.result()
         except ServerUnavailable as exc:
-            msg = str(exc)
-            raise Refused(401, "sign-in refused by the server: wrong user or password" if "uthoriz" in msg
-                          else msg) from None
+            raise Refused(503, str(exc)) from None
         if len(self.sessions) >= MAX_SESSIONS:  # the oldest session goes
             oldest = min(self.sessions, key=lambda k: self.sessions[k].created)
             await _close_quietly(self.sessions.pop(oldest).nc)

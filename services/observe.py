@@ -68,7 +68,7 @@ REQUESTS = Counter("gearshift_requests_total", "Requests handled, by endpoint an
 REQUEST_SECONDS = Histogram("gearshift_request_duration_seconds", "Time to answer a request", ["endpoint"],
                             buckets=_SECONDS, registry=None)
 BUS_ERRORS = Counter("gearshift_bus_errors_total",
-                     "NATS errors: connection errors, disconnects, permission violations, timeouts, no responders",
+                     "NATS errors: connection errors, reconnections, permission violations, request timeouts, no responders",
                      ["kind"], registry=None)
 PROFILE_RUNS = Counter("gearshift_profile_runs_total", "Profiling runs by result", ["result"], registry=None)
 # agent: GPU telemetry named after the DCGM exporter's fields
@@ -172,8 +172,9 @@ def bus_error(kind: str) -> None:
     BUS_ERRORS.labels(kind).inc()
 
 
-def bus_callbacks(error_cb: Callable | None = None, disconnected_cb: Callable | None = None) -> dict[str, Any]:
-    """nats-py callbacks that count errors and disconnects, then call the caller's own."""
+def bus_callbacks(error_cb: Callable | None = None, reconnected_cb: Callable | None = None) -> dict[str, Any]:
+    """nats-py callbacks that count errors and reconnections (a disconnect that was not
+    a shutdown: nats-py also calls ``disconnected_cb`` on close), then call the caller's own."""
 
     async def on_error(exc: Exception) -> None:
         text = str(exc).lower()
@@ -182,12 +183,12 @@ def bus_callbacks(error_cb: Callable | None = None, disconnected_cb: Callable | 
         if error_cb is not None:
             await error_cb(exc)
 
-    async def on_disconnect() -> None:
-        bus_error("disconnect")
-        if disconnected_cb is not None:
-            await disconnected_cb()
+    async def on_reconnect() -> None:
+        bus_error("reconnect")
+        if reconnected_cb is not None:
+            await reconnected_cb()
 
-    return {"error_cb": on_error, "disconnected_cb": on_disconnect}
+    return {"error_cb": on_error, "reconnected_cb": on_reconnect}
 
 
 # ------------------------------------------------------------------ HTTP

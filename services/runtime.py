@@ -64,8 +64,8 @@ async def connect(url: str | None = None, name: str = "gearshift", *, retry_for:
     # "nats://a:1,nats://b:2": a server list (a cluster); the client fails over
     servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
     kw = {**auth_options(), **kw}
-    # count connection errors and disconnects (gearshift_bus_errors_total), then call the caller's callbacks
-    kw.update(observe.bus_callbacks(kw.pop("error_cb", None), kw.pop("disconnected_cb", None)))
+    # count connection errors and reconnections (gearshift_bus_errors_total), then call the caller's callbacks
+    kw.update(observe.bus_callbacks(kw.pop("error_cb", None), kw.pop("reconnected_cb", None)))
     deadline = time.monotonic() + retry_for
     last: Exception | None = None
     while True:

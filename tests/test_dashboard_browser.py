@@ -206,3 +206,18 @@ def test_cancel_from_the_page_is_refused_without_permission_and_works_with_it(pa
     sync_api.expect(page.locator(f'#finished tr[data-job="{job}"]')).to_have_attribute("data-state", "cancelled")
     sync_api.expect(page.locator(f'.gpu[data-job="{job}"]')).to_have_count(0)
     shoot(page, shots, "4-cancelled")
+
+
+def test_sign_in_with_a_wrong_password_is_refused_by_the_server(cluster):
+    import urllib.error
+    import urllib.request
+
+    creds = json.loads((cluster.auth_root / "tenant-nlp.json").read_text())
+    creds["password"] = "not-" + creds["password"]
+    req = urllib.request.Request(cluster.dashboard_url + "api/login", method="POST",
+                                 data=json.dumps({"creds": json.dumps(creds)}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 401
+    assert "wrong user or password" in json.loads(err.value.read())["error"]
