@@ -3,7 +3,6 @@ with a real nats-server and real HTTP; no browser here."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
@@ -14,7 +13,6 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus_schema import subjects as subj
 from bus_schema.messages import (
     GpuReport, JobRecord, JobReconfigured, JobScheduled, JobSpec, JobState, JobSwitched, ModelSpec, NodePlacement,
     NodeReport, Plan,
