@@ -57,6 +57,7 @@ from bus_schema.messages import (
     RunReportKind,
     StopCommand,
 )
+from services import observe
 from services.auth_alloc import node_alloc_watch
 from services.runtime import VERSION, Endpoint, get_logger, serve
 
@@ -246,6 +247,7 @@ class Agent:
             if want is None:
                 self._begin_stop(run, "allocation removed", by_agent=True)
             elif want.generation > run.generation:
+                observe.reconcile_lag("replace", want)
                 self._begin_stop(run, f"generation {want.generation} replaces {run.generation}", by_agent=True)
             # an older generation than the running one is stale: keep running
         for job_id, want in list(self.desired.items()):
@@ -259,6 +261,7 @@ class Agent:
 
     # ------------------------------------------------------------ launching
     async def _launch(self, alloc: Allocation) -> None:
+        observe.reconcile_lag("launch", alloc)
         self.launched[alloc.job_id] = alloc.generation
         nodes = alloc.nodes()
         node_rank = nodes.index(self.node)
@@ -472,7 +475,9 @@ class Agent:
         )
 
     async def _beat(self) -> None:
-        data = codec.encode(await self.node_report())
+        report = await self.node_report()
+        observe.gpu_report(report)
+        data = codec.encode(report)
         await self.nc.publish(subj.node_heartbeat(self.node), data)
         await self._nodes_kv.put(self.node, data)
 
@@ -800,11 +805,19 @@ async def run_agent(args, stop: asyncio.Event) -> int:
         nc, args.node, probe, args.workdir,
         cpus=args.cpus, heartbeat=args.heartbeat, grace=args.grace, address=args.address, ckpt_root=args.ckpt_root,
     )
+    obs = None
     try:
+        obs = await observe.serve_http(f"agent-{args.node}", "agent", nc, lambda: {"node": args.node})
         await agent.start()
+        obs.set_ready()
         await stop.wait()
+    except observe.MetricsPortBusy as exc:
+        log.error(str(exc))
+        return 4
     finally:
         await agent.stop()
+        if obs is not None:
+            await obs.close()
         await nc.drain()
     return 0
 

@@ -34,6 +34,7 @@ from bus_schema.messages import (
 from bus_schema.validate import SpecError, check_spec
 
 from .jobstore import JobStore, kv_snapshot, with_event
+from . import observe
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, now, run_service, serve
 
 log = get_logger(service="admission")
@@ -218,10 +219,13 @@ async def start_admission(nc: Any, **options: Any) -> tuple[Admission, Any]:
 async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = None,
                 max_jobs_per_tenant: int = 1000) -> None:
     nc = await connect(url, name="gearshift-admission")
+    obs = await observe.serve_http("admission", "admission", nc)
     _, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant)
+    obs.set_ready()
     log.info("admission ready", url=nc.connected_url.geturl() if nc.connected_url else url)
     await stop.wait()
     await svc.stop()
+    await obs.close()
     await nc.drain()
 
 

@@ -83,7 +83,7 @@ from bus_schema.messages import (
 from policies import Decision, JobView, NodeState, Placement, check_decision, make_policy
 from policies.api import JobDecision
 
-from . import auth_alloc
+from . import auth_alloc, observe
 from .policy_bridge import ModelOracle, job_view
 from .jobstore import JobStore, kv_snapshot, publish_event, with_event
 from .lease import Lease
@@ -174,6 +174,7 @@ class Optimizer:
     async def _lead(self, stop: asyncio.Event, lost: asyncio.Event) -> None:
         self.is_leader = True
         self.leader_since = time.monotonic()
+        observe.LEADER.set(1)
         log.info("leading", instance=self.instance, policy=self.policy.name)
         from policies.kernels import warm_up
 
@@ -214,6 +215,7 @@ class Optimizer:
             await s.unsubscribe()
         await self._svc.stop()
         self.is_leader = False
+        observe.LEADER.set(0)
 
     # ------------------------------------------------------------ reports
     async def _consume_reports(self) -> None:
@@ -507,6 +509,8 @@ class Optimizer:
 
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
+        observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
+        observe.job_states(records.values())
         if changes:
             ev = RoundCompleted(
                 ts=now(), round=self.round_no, policy=self.policy.name, pending=pending,
@@ -818,7 +822,11 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
     ).open()
+    # a standby is ready too (it waits for the lease); readyz says which one leads
+    obs = await observe.serve_http("optimizer", "optimizer", nc, lambda: {"leader": opt.is_leader, "round": opt.round_no})
+    obs.set_ready()
     await opt.run(stop)
+    await obs.close()
     await nc.drain()
 
 

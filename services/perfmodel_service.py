@@ -31,6 +31,7 @@ from bus_schema.perfmodel import (  # noqa: F401
     FitRequest, PredictReply, PredictRequest, ProfileSample, ResourceSpec,
 )
 
+from . import observe
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, run_service, serve
 
 log = get_logger(service="perfmodel")
@@ -229,10 +230,13 @@ async def start_perfmodel(nc: Any) -> tuple[PerfmodelService, Any]:
 
 async def amain(stop: asyncio.Event, url: str | None = None) -> None:
     nc = await connect(url, name="gearshift-perfmodel")
+    obs = await observe.serve_http("perfmodel", "perfmodel", nc)
     _, svc = await start_perfmodel(nc)
+    obs.set_ready()
     log.info("perfmodel ready", url=nc.connected_url.geturl() if nc.connected_url else url)
     await stop.wait()
     await svc.stop()
+    await obs.close()
     await nc.drain()
 
 
