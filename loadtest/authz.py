@@ -232,9 +232,11 @@ class Suite:
             self.record(role, "watch own allocations", "allowed", "jauthz-mine" in seen and "jauthz-other" not in seen,
                         f"seen={seen}")
             got.clear()
-            await a.nc.subscribe("gs.agent.node0.probe", cb=cb)
+            # a command of the bus contract (the real agent answers it too: nothing runs there)
+            await a.nc.subscribe("gs.agent.node0.checkpoint", cb=cb)
             await a.nc.flush()
-            await self.admin.publish("gs.agent.node0.probe", b"x")
+            await self.admin.publish("gs.agent.node0.checkpoint", b'{"job_id": "jnone", "generation": 1}',
+                                     reply=self.admin.new_inbox())
             await asyncio.sleep(0.2)
             self.record(role, "receive own commands", "allowed", bool(got))
 

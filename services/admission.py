@@ -136,7 +136,7 @@ class Admission:
             new = got[0]
         else:
             # Wake the optimizer so the processes stop now, not at the next tick.
-            await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+            await self.nc.publish(subj.OPTIMIZER_KICK, b"")
         log.info("job cancel", job_id=ref.job_id, state=new.state.value)
         return new
 

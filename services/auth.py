@@ -12,7 +12,8 @@ Roles (see ``deploy/README.md`` for the reasoning):
 - ``tenant-<t>``: may only send requests on ``gs.admission.<verb>.<t>``.
   Admission takes the tenant from the subject, which the server lets only
   that tenant's user (and the admin) publish on, so it can trust it.
-- ``tools``: may only read the event stream (replay and live).
+- ``tools``: may only read: the event stream (replay, live, and durable
+  consumers of its own that resume after a restart) and live progress.
 - ``admin``: the operator (and ``gearshift up``'s local user): everything.
 
 Every user gets its own reply-inbox prefix (``_INBOX_<user>``) and may only
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus_schema import subjects as subj
+from bus_schema import contract, subjects as subj
 
 ACCOUNT = "GEARSHIFT"
 SERVICE_ROLES = ("admission", "optimizer", "perfmodel", "profiler")
@@ -72,46 +73,52 @@ def _kv(bucket: str, key: str = ">") -> str:
 
 
 def permissions(ident: Identity) -> dict[str, Any]:
-    """The NATS ``permissions`` block of one identity."""
-    inbox = inbox_prefix(ident.user) + ".>"
-    srv_sub = ["$SRV.>"]
+    """The NATS ``permissions`` block of one identity: its rights on the bus
+    subjects come from the contract table (``bus_schema.contract``); what is
+    added here are the JetStream API, KV and inbox rights of its role."""
     if ident.role == "admin":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    if ident.role not in contract.ROLES:
+        raise ValueError(f"unknown role {ident.role!r}")
+    node = subj.token(ident.node) if ident.node else None
+    tenant = subj.token(ident.tenant) if ident.tenant else None
+    bus_pub, bus_sub = contract.grants(ident.role, node=node, tenant=tenant)
+    inbox = inbox_prefix(ident.user) + ".>"
+    srv_sub = ["$SRV.>"]
+    js_api = ["$JS.API.>", "$JS.FC.>"]
     if ident.role == "admission":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.JOBS_BUCKET), "gs.evt.job.>",
-                                  subj.OPTIMIZER + ".kick"]},
-            "subscribe": {"allow": [subj.ADMISSION + ".>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, _kv(subj.JOBS_BUCKET), *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "optimizer":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
-                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), "gs.evt.>", "gs.agent.*.>",
-                                  subj.OPTIMIZER + ".kick", subj.PERFMODEL + ".>", subj.PROFILER + ".>"]},
-            "subscribe": {"allow": ["gs.>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
+                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.NODE_MODES_BUCKET),
+                                  *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "perfmodel":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.MODELS_BUCKET), "gs.evt.>"]},
-            "subscribe": {"allow": [subj.PERFMODEL + ".>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, _kv(subj.MODELS_BUCKET), *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "profiler":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.MODELS_BUCKET), _kv(subj.JOBS_BUCKET), "gs.evt.>",
-                                  "gs.agent.*.>", subj.PERFMODEL + ".>", subj.OPTIMIZER + ".kick"]},
-            "subscribe": {"allow": ["gs.>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, _kv(subj.MODELS_BUCKET), _kv(subj.JOBS_BUCKET), *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "agent":
-        n = subj.token(ident.node or "")
+        n = node or ""
         alloc = f"KV_{subj.ALLOC_BUCKET}"
         nodes = f"KV_{subj.NODES_BUCKET}"
         return {
             "publish": {"allow": [
-                f"gs.node.{n}.>", f"gs.report.{n}.>", _kv(subj.NODES_BUCKET, n), "gs.job.*.progress",
+                *bus_pub, _kv(subj.NODES_BUCKET, n),
                 "$JS.API.INFO", f"$JS.API.STREAM.INFO.{alloc}", f"$JS.API.STREAM.INFO.{nodes}",
                 f"$JS.API.STREAM.INFO.{subj.REPORTS_STREAM}",
                 # its allocations only: the server checks the filter in the subject
@@ -120,26 +127,27 @@ def permissions(ident: Identity) -> dict[str, Any]:
                 # other nodes' reports (the address of a multi-node job's rank 0)
                 f"$JS.API.DIRECT.GET.{nodes}.>", f"$JS.API.STREAM.MSG.GET.{nodes}",
             ]},
-            "subscribe": {"allow": [f"gs.agent.{n}.>", inbox, "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
+            "subscribe": {"allow": [*bus_sub, inbox, "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
                                     f"$SRV.*.agent-{n}", f"$SRV.*.agent-{n}.>"]},
             "allow_responses": True,
         }
     if ident.role == "tenant":
-        t = subj.token(ident.tenant or "")
-        return {
-            "publish": {"allow": [f"{subj.ADMISSION}.{verb}.{t}" for verb in TENANT_VERBS]},
-            "subscribe": {"allow": [inbox]},
-        }
-    if ident.role == "tools":
-        ev = subj.EVENTS_STREAM
-        return {
-            "publish": {"allow": ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{ev}", f"$JS.API.CONSUMER.CREATE.{ev}",
-                                  f"$JS.API.CONSUMER.CREATE.{ev}.>", f"$JS.API.CONSUMER.MSG.NEXT.{ev}.*",
-                                  f"$JS.API.CONSUMER.INFO.{ev}.*", f"$JS.API.CONSUMER.DELETE.{ev}.*",
-                                  f"$JS.API.STREAM.MSG.GET.{ev}", f"$JS.API.DIRECT.GET.{ev}.>", f"$JS.FC.{ev}.>"]},
-            "subscribe": {"allow": [inbox, subj.EVENTS_SUBJECTS]},
-        }
-    raise ValueError(f"unknown role {ident.role!r}")
+        return {"publish": {"allow": bus_pub}, "subscribe": {"allow": [*bus_sub, inbox]}}
+    # tools: reads the event stream, live and replayed, and may own durable
+    # consumers on it (create, fetch, ack, delete). GS_EVENTS holds no
+    # service's consumer, so every named consumer there is a tool's: NATS
+    # permissions match whole tokens, so the stream is the prefix they own.
+    ev = subj.EVENTS_STREAM
+    return {
+        "publish": {"allow": ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{ev}", f"$JS.API.CONSUMER.CREATE.{ev}",
+                              f"$JS.API.CONSUMER.CREATE.{ev}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{ev}.*",
+                              f"$JS.API.CONSUMER.MSG.NEXT.{ev}.*", f"$JS.API.CONSUMER.INFO.{ev}.*",
+                              f"$JS.API.CONSUMER.DELETE.{ev}.*", f"$JS.API.CONSUMER.LIST.{ev}",
+                              f"$JS.API.CONSUMER.NAMES.{ev}", f"$JS.ACK.{ev}.>",
+                              f"$JS.API.STREAM.MSG.GET.{ev}", f"$JS.API.DIRECT.GET.{ev}.>", f"$JS.FC.{ev}.>",
+                              *bus_pub]},
+        "subscribe": {"allow": [inbox, *bus_sub]},
+    }
 
 
 def identities(nodes: list[str], tenants: list[str]) -> list[Identity]:

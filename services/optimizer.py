@@ -95,7 +95,7 @@ ACTIVE = ACTIVE_STATES
 DEFAULT_STEP_TIME = 0.1
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
-OPTIMIZER_RECONFIGURE = subj.OPTIMIZER + ".reconfigure"
+OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
 
 
 def emulated_step_time(rec: JobRecord, plan: Plan) -> float:
@@ -195,7 +195,7 @@ class Optimizer:
             self.kick.set()
 
         self._subs = [
-            await self.nc.subscribe(subj.OPTIMIZER + ".kick", cb=on_kick),
+            await self.nc.subscribe(subj.OPTIMIZER_KICK, cb=on_kick),
             await self.nc.subscribe("gs.evt.job.*.submitted", cb=on_kick),
         ]
         self._tasks = [

@@ -239,9 +239,25 @@ def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
     return handle
 
 
+def check_endpoint(ep: Endpoint) -> None:
+    """An endpoint must be a row of the bus contract (``bus_schema.contract``)
+    with the same request type: a service cannot drift from what outside tools read."""
+    from bus_schema import contract
+
+    pattern = ep.subject.replace("*", "<any>")
+    route = contract.route_for(pattern, contract.REQUEST)
+    if route is None:
+        raise ValueError(f"endpoint {ep.name}: subject {ep.subject} is not in the bus contract (bus_schema.contract)")
+    if route.request is not ep.request_type:
+        raise ValueError(f"endpoint {ep.name}: request type {getattr(ep.request_type, '__name__', None)} differs from "
+                         f"the contract's {getattr(route.request, '__name__', None)} for {route.subject}")
+
+
 async def serve(nc: NATS, name: str, endpoints: list[Endpoint], description: str = "", metadata: dict | None = None):
     """Register a nats.micro service (discoverable via $SRV.PING/INFO/STATS)."""
     log = get_logger(service=name)
+    for ep in endpoints:
+        check_endpoint(ep)
     svc = await add_service(
         nc,
         ServiceConfig(name=name, version=VERSION, description=description, metadata=metadata or {}),
@@ -260,8 +276,15 @@ class ServiceCallError(Exception):
         self.field = field
 
 
-async def call(nc: NATS, subject: str, request: Any, reply_type: Any, timeout: float = 5.0) -> Any:
-    """Request-reply with a typed reply; error replies raise ServiceCallError."""
+async def call(nc: NATS, subject: str, request: Any, reply_type: Any = None, timeout: float = 5.0) -> Any:
+    """Request-reply with a typed reply (by default the one the bus contract
+    names for the subject); error replies raise ServiceCallError."""
+    if reply_type is None:
+        from bus_schema import contract
+
+        reply_type = contract.reply_type(subject)
+        if reply_type is None:
+            raise ValueError(f"{subject} is not a request subject of the bus contract")
     data = b"" if request is None else (request if isinstance(request, bytes) else codec.encode(request))
     try:
         msg = await nc.request(subject, data, timeout=timeout)
