@@ -123,6 +123,7 @@ ROUTES: tuple[Route, ...] = (
           doc="cordoned / draining nodes (absent: active)"),
 )
 
+STREAM_SUBJECTS = {s.EVENTS_STREAM: s.EVENTS_SUBJECTS, s.REPORTS_STREAM: s.REPORTS_SUBJECTS}
 ROLES = ("admin", "tools", "tenant", "agent", "admission", "optimizer", "perfmodel", "profiler")
 
 _VAR = re.compile(r"<([a-z]+)>")
@@ -196,10 +197,11 @@ def grants(role: str, node: str | None = None, tenant: str | None = None) -> tup
         subject = _concrete(r.subject, node, tenant, own)
         if role in r.senders and subject not in pub:
             pub.append(subject)
-        # stream subjects are read through consumers; a core subscription to
-        # them (live events) is a reader's right too
-        if role in r.receivers and subject not in sub:
-            sub.append(subject)
+        # a stream's reader reads all of it (``gs.evt.>``), through consumers
+        # or live with a core subscription
+        read = STREAM_SUBJECTS[r.stream] if r.kind == STREAM else subject
+        if role in r.receivers and read not in sub:
+            sub.append(read)
     return pub, sub
 
 
