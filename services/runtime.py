@@ -47,6 +47,10 @@ class ServerUnavailable(RuntimeError):
     pass
 
 
+class NotAuthorized(ServerUnavailable):
+    """The server refused the credentials (wrong user or password)."""
+
+
 def auth_options() -> dict[str, Any]:
     """Credentials from the environment: ``GEARSHIFT_CREDS`` (a file with
     ``user``/``password`` lines, see ``services.auth``), ``GEARSHIFT_USER`` +
@@ -56,40 +60,70 @@ def auth_options() -> dict[str, Any]:
     return auth.connect_options()
 
 
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no answer"
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, ConnectionRefusedError) or "Connect call failed" in text or "refused" in text.lower():
+        return "connection refused"
+    return text
+
+
 async def connect(url: str | None = None, name: str = "gearshift", *, retry_for: float = 5.0, **kw: Any) -> NATS:
-    """Connect, retrying for ``retry_for`` seconds; then reconnect forever."""
+    """Connect, retrying for ``retry_for`` seconds; then reconnect forever.
+
+    nats-py reports each failed attempt to ``error_cb`` (by default as a
+    logged traceback): here they become one log line each, and the last one
+    is what ``ServerUnavailable`` says. A refused password fails at once."""
     url = server_url(url)
     # "nats://a:1,nats://b:2": a server list (a cluster); the client fails over
     servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
+    seen: list[BaseException] = []
+    refused = asyncio.Event()
+    user_cb = kw.pop("error_cb", None)
+
+    async def on_error(exc: Exception) -> None:
+        seen.append(exc)
+        del seen[:-5]
+        if isinstance(exc, nats.errors.AuthorizationError) or "Authorization Violation" in str(exc):
+            refused.set()
+        if user_cb is not None:
+            await user_cb(exc)
+        elif not refused.is_set():
+            get_logger().warning("nats error", error=_describe(exc))
+
     kw = {**auth_options(), **kw}
     deadline = time.monotonic() + retry_for
-    last: Exception | None = None
-    while True:
-        nc = NATS()
-        try:
-            # bounded: a TLS handshake that fails verification would otherwise be retried forever
-            await asyncio.wait_for(
-                nc.connect(
-                    servers,
-                    name=name,
-                    connect_timeout=2,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    allow_reconnect=True,
-                    **kw,
-                ),
-                timeout=max(2.0, deadline - time.monotonic()) + 3.0,
-            )
-            return nc
-        except Exception as exc:  # nats raises several types for "nobody there"
-            last = exc
-            try:
-                await nc.close()
-            except Exception:
-                pass
-            if time.monotonic() >= deadline:
-                raise ServerUnavailable(f"no NATS server answers at {url}: {exc or type(exc).__name__}") from last
-            await asyncio.sleep(0.2)
+    nc = NATS()
+    # nats-py retries the first connect by itself (max_reconnect_attempts=-1):
+    # bounded here by the deadline, and cut short when the server refuses the user
+    connecting = asyncio.ensure_future(nc.connect(
+        servers,
+        name=name,
+        connect_timeout=min(2.0, max(0.5, retry_for)),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.25,
+        allow_reconnect=True,
+        error_cb=on_error,
+        **kw,
+    ))
+    gave_up = asyncio.ensure_future(refused.wait())
+    # a TLS handshake that fails verification would otherwise be retried forever
+    done, _ = await asyncio.wait({connecting, gave_up}, timeout=max(0.5, retry_for),
+                                 return_when=asyncio.FIRST_COMPLETED)
+    gave_up.cancel()
+    if connecting in done and connecting.exception() is None:
+        return nc
+    connecting.cancel()
+    try:
+        await nc.close()
+    except Exception:
+        pass
+    if refused.is_set():
+        who = kw.get("user") or "anonymous"
+        raise NotAuthorized(f"the server at {url} refused the credentials of user {who!r} (authorization violation)")
+    last = seen[-1] if seen else (connecting.exception() if connecting.done() and not connecting.cancelled() else None)
+    raise ServerUnavailable(f"no NATS server answers at {url} ({_describe(last)})")
 
 
 # ------------------------------------------------------------------ infra
