@@ -50,7 +50,7 @@ T = TypeVar("T")
 __all__ = ["Client", "DeliveredEvent", "SpecFileError", "load_spec", "load_spec_text", "ServiceCallError"]
 
 
-_VIOLATION = re.compile(r"Permissions Violation for (\w+) to \"?([^\"\s']+)")
+_VIOLATION = re.compile(r"permissions violation for (\w+) to \"?([^\"\s']+)", re.IGNORECASE)
 
 
 @dataclass

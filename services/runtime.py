@@ -85,7 +85,7 @@ async def connect(url: str | None = None, name: str = "gearshift", *, retry_for:
     async def on_error(exc: Exception) -> None:
         seen.append(exc)
         del seen[:-5]
-        if isinstance(exc, nats.errors.AuthorizationError) or "Authorization Violation" in str(exc):
+        if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
             refused.set()
         if user_cb is not None:
             await user_cb(exc)
