@@ -62,9 +62,11 @@ class DeliveredEvent:
     stream_seq: int
     event: Any
     msg: Any
+    acked: bool = False
 
     async def ack(self) -> None:
         await self.msg.ack_sync()
+        self.acked = True
 
 
 class Client:
@@ -198,7 +200,7 @@ class Client:
                 if not follow and msg.metadata.num_pending == 0:
                     return
         finally:
-            await sub.unsubscribe()
+            await _quietly(sub.unsubscribe())
 
     async def durable_events(self, name: str, subject: str = subj.EVENTS_SUBJECTS, batch: int = 64,
                              idle_stop: float | None = None) -> AsyncIterator[DeliveredEvent]:
@@ -213,6 +215,7 @@ class Client:
         psub = await self._guard(js.pull_subscribe(subject, durable=name, stream=subj.EVENTS_STREAM, config=config),
                                  "own a durable consumer")
         idle = 0.0
+        pending: list[DeliveredEvent] = []
         try:
             while True:
                 try:
@@ -223,7 +226,22 @@ class Client:
                         return
                     continue
                 idle = 0.0
-                for msg in msgs:
-                    yield DeliveredEvent(msg.subject, msg.metadata.sequence.stream, codec.decode_event(msg.data), msg)
+                pending = [DeliveredEvent(m.subject, m.metadata.sequence.stream, codec.decode_event(m.data), m)
+                           for m in msgs]
+                for item in pending:
+                    yield item
         finally:
-            await psub.unsubscribe()
+            # a consumer stopped mid-batch hands back what it did not ack, so
+            # the next run gets it at once (not after the ack wait)
+            for item in pending:
+                if not item.acked:
+                    await _quietly(item.msg.nak())
+            await _quietly(psub.unsubscribe())
+
+
+async def _quietly(aw: Awaitable[Any]) -> None:
+    """Clean-up that may find the connection already closing."""
+    try:
+        await aw
+    except Exception:
+        pass
