@@ -95,7 +95,7 @@ class Client:
             from services.auth import connect_options
 
             extra.update(connect_options(data))
-        nc = await connect(url, name="gearshift-client", retry_for=retry_for, **extra)
+        nc = await connect(url, name="gearshift-client", retry_for=retry_for, identity=data.get("user"), **extra)
         client = cls(nc, timeout=timeout, tenant=data.get("tenant"), user=data.get("user"))
         holder["c"] = client
         return client

@@ -19,9 +19,17 @@ Roles (see ``deploy/README.md`` for the reasoning):
 Every user gets its own reply-inbox prefix (``_INBOX_<user>``) and may only
 subscribe there, so nobody reads anybody else's replies.
 
-A credentials file is JSON: ``{"user", "password", "role", "inbox_prefix",
-"tenant"?, "node"?, "url"?, "tls_ca"?}``. ``connect_options`` turns the one
-named by ``GEARSHIFT_CREDS`` (or ``GEARSHIFT_USER``/``GEARSHIFT_PASSWORD``)
+Identities are NATS nkeys (Ed25519 key pairs): the server config holds only
+each user's public key, never a password, and proves a client by a signed
+nonce. Each identity gets two files, both mode 0600:
+
+- ``<user>.nk``: its nkey seed, what the ``nats`` CLI reads
+  (``nats --nkey <user>.nk --inbox-prefix _INBOX_<user> ...``);
+- ``<user>.json``: the gearshift credentials, JSON ``{"user", "role",
+  "nkey_seed", "inbox_prefix", "tenant"?, "node"?, "url"?, "tls_ca"?}``.
+
+``connect_options`` turns the file named by ``GEARSHIFT_CREDS`` (or
+``GEARSHIFT_USER``/``GEARSHIFT_PASSWORD`` for a server with password users)
 into nats-py connect options; with none set the connection is anonymous
 (what the tests' plain servers expect).
 """
@@ -30,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,16 +54,38 @@ def inbox_prefix(user: str) -> str:
     return f"_INBOX_{user}"
 
 
+def new_user_seed() -> str:
+    """A fresh NATS user nkey seed (``SU...``)."""
+    import nkeys
+
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+
+
+def public_key(seed: str) -> str:
+    """The public key (``U...``) of a user seed: what the server config holds."""
+    import nkeys
+
+    kp = nkeys.from_seed(bytearray(seed.encode()))
+    try:
+        return kp.public_key.decode()
+    finally:
+        kp.wipe()
+
+
 @dataclass
 class Identity:
     user: str
     role: str
-    password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    seed: str = field(default_factory=new_user_seed, repr=False)
     tenant: str | None = None
     node: str | None = None
 
+    @property
+    def public_key(self) -> str:
+        return public_key(self.seed)
+
     def creds(self, url: str | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"user": self.user, "password": self.password, "role": self.role,
+        out: dict[str, Any] = {"user": self.user, "role": self.role, "nkey_seed": self.seed,
                                "inbox_prefix": inbox_prefix(self.user)}
         if self.tenant:
             out["tenant"] = self.tenant
@@ -172,11 +201,12 @@ def server_config(idents: list[Identity]) -> str:
         if perms.get("allow_responses"):
             lines.append("        allow_responses: true")
         users.append(
-            f"      {{ user: {_q(ident.user)}, password: {_q(ident.password)}, permissions: {{\n"
+            f"      # {ident.user}\n"
+            f"      {{ nkey: {_q(ident.public_key)}, permissions: {{\n"
             + "\n".join(lines) + "\n      }}"
         )
     return (
-        "# written by gearshift (services.auth): one user per role; keep this file private\n"
+        "# written by gearshift (services.auth): one nkey user per role (public keys only)\n"
         "accounts {\n"
         f"  {ACCOUNT}: {{\n"
         "    jetstream: enabled\n"
@@ -195,6 +225,10 @@ class AuthDir:
     def creds(self, user: str) -> Path:
         return self.root / f"{user}.json"
 
+    def nkey(self, user: str) -> Path:
+        """The seed file the ``nats`` CLI takes with ``--nkey``."""
+        return self.root / f"{user}.nk"
+
 
 def write_auth_dir(root: str | os.PathLike, nodes: list[str], tenants: list[str], url: str | None = None) -> AuthDir:
     """Make identities, write the server config and one credentials file per
@@ -207,6 +241,7 @@ def write_auth_dir(root: str | os.PathLike, nodes: list[str], tenants: list[str]
     _write_private(config, server_config(idents))
     for ident in idents:
         _write_private(root / f"{ident.user}.json", json.dumps(ident.creds(url), indent=2) + "\n")
+        _write_private(root / f"{ident.user}.nk", ident.seed + "\n")
     return AuthDir(root, config, idents)
 
 
@@ -235,9 +270,12 @@ def well_known_file(url: str) -> Path:
 
 
 def load_creds(path: str | os.PathLike) -> dict[str, Any]:
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or "user" not in data or "password" not in data:
-        raise ValueError(f"{path}: not a gearshift credentials file (needs user and password)")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read credentials: {exc}") from None
+    if not isinstance(data, dict) or "user" not in data or not ("nkey_seed" in data or "password" in data):
+        raise ValueError(f"{path}: not a gearshift credentials file (needs user and nkey_seed)")
     return data
 
 
@@ -255,8 +293,11 @@ def connect_options(creds: dict[str, Any] | None = None) -> dict[str, Any]:
     creds = current_creds() if creds is None else creds
     opts: dict[str, Any] = {}
     if creds:
-        opts["user"] = creds["user"]
-        opts["password"] = creds["password"]
+        if creds.get("nkey_seed"):
+            opts["nkeys_seed_str"] = creds["nkey_seed"]
+        else:  # a server with password users (GEARSHIFT_USER/GEARSHIFT_PASSWORD)
+            opts["user"] = creds["user"]
+            opts["password"] = creds["password"]
         if creds.get("inbox_prefix"):
             opts["inbox_prefix"] = creds["inbox_prefix"]
     ca = os.environ.get("GEARSHIFT_TLS_CA") or creds.get("tls_ca")
@@ -272,8 +313,9 @@ def tenant_subject(subject: str, tenant: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.auth --out DIR --nodes a,b --tenants x,y``: a
-    deployment's server config (include it from nats-server.conf) and one
-    credentials file per identity; hand each file only to its role's host."""
+    deployment's server config (include it from nats-server.conf; public
+    nkeys only) and per identity a credentials file and an nkey seed file;
+    hand each identity's files only to its role's host."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m services.auth", description=main.__doc__)
@@ -284,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     d = write_auth_dir(args.out, [n for n in args.nodes.split(",") if n], [t for t in args.tenants.split(",") if t],
                        args.url)
-    print(f"wrote {d.config} and {len(d.idents)} credentials files to {d.root}")
+    print(f"wrote {d.config} and {len(d.idents)} identities (<user>.json and <user>.nk) to {d.root}")
     return 0
 
 

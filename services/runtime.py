@@ -48,16 +48,25 @@ class ServerUnavailable(RuntimeError):
 
 
 class NotAuthorized(ServerUnavailable):
-    """The server refused the credentials (wrong user or password)."""
+    """The server refused the credentials (an unknown nkey, a wrong password)."""
 
 
 def auth_options() -> dict[str, Any]:
     """Credentials from the environment: ``GEARSHIFT_CREDS`` (a file with
-    ``user``/``password`` lines, see ``services.auth``), ``GEARSHIFT_USER`` +
+    an nkey seed, see ``services.auth``), ``GEARSHIFT_USER`` +
     ``GEARSHIFT_PASSWORD``; TLS from ``GEARSHIFT_TLS_CA``. None set: no auth."""
     from . import auth
 
     return auth.connect_options()
+
+
+def _current_user() -> str | None:
+    from . import auth
+
+    try:
+        return auth.current_creds().get("user")
+    except ValueError:
+        return None
 
 
 def _describe(exc: BaseException | None) -> str:
@@ -69,12 +78,13 @@ def _describe(exc: BaseException | None) -> str:
     return text
 
 
-async def connect(url: str | None = None, name: str = "gearshift", *, retry_for: float = 5.0, **kw: Any) -> NATS:
+async def connect(url: str | None = None, name: str = "gearshift", *, retry_for: float = 5.0,
+                  identity: str | None = None, **kw: Any) -> NATS:
     """Connect, retrying for ``retry_for`` seconds; then reconnect forever.
 
     nats-py reports each failed attempt to ``error_cb`` (by default as a
     logged traceback): here they become one log line each, and the last one
-    is what ``ServerUnavailable`` says. A refused password fails at once."""
+    is what ``ServerUnavailable`` says. Refused credentials fail at once."""
     url = server_url(url)
     # "nats://a:1,nats://b:2": a server list (a cluster); the client fails over
     servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
@@ -120,7 +130,7 @@ async def connect(url: str | None = None, name: str = "gearshift", *, retry_for:
     except Exception:
         pass
     if refused.is_set():
-        who = kw.get("user") or "anonymous"
+        who = identity or kw.get("user") or _current_user() or "anonymous"
         raise NotAuthorized(f"the server at {url} refused the credentials of user {who!r} (authorization violation)")
     last = seen[-1] if seen else (connecting.exception() if connecting.done() and not connecting.cancelled() else None)
     raise ServerUnavailable(f"no NATS server answers at {url} ({_describe(last)})")

@@ -16,6 +16,7 @@ import pytest
 
 from gearshift.cli import build_parser
 from gearshift.cluster import LocalCluster
+from services import auth
 from services.natsd import NatsServer
 
 GEARSHIFT = [sys.executable, "-m", "gearshift.cli"]
@@ -136,9 +137,9 @@ def test_refused_identity_is_an_immediate_403(up):
     assert len(lines) == 1 and lines[0].startswith("error (403): permission denied: identity 'tools'"), lines
 
 
-def test_wrong_password_is_one_line(up, tmp_path):
+def test_unknown_key_is_one_line(up, tmp_path):
     bad = json.loads(up.auth_dir.creds("tools").read_text())
-    bad["password"] = "wrong"
+    bad["nkey_seed"] = auth.new_user_seed()  # a key the server does not know
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(bad))
     p = run(up.url, "--creds", str(path), "get", "jobs", check=False)
