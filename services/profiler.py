@@ -28,10 +28,9 @@ import argparse
 import asyncio
 import os
 import time
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from msgspec import Meta, Struct
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
@@ -39,7 +38,6 @@ from bus_schema.messages import (
     JobProfiled,
     JobRecord,
     JobState,
-    ModelSpec,
     NodeReport,
     Plan,
     ProfileCommand,
