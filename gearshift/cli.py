@@ -328,6 +328,13 @@ def _set_env(args: argparse.Namespace) -> None:
         if not os.path.exists(args.creds):
             raise SpecFileError(f"--creds: {args.creds}: no such file")
         os.environ["GEARSHIFT_CREDS"] = args.creds
+    if args.cmd != "up" and os.environ.get("GEARSHIFT_CREDS"):
+        from services.auth import load_creds
+
+        try:
+            load_creds(os.environ["GEARSHIFT_CREDS"])
+        except ValueError as exc:
+            raise SpecFileError(f"credentials: {exc}") from None
     elif args.cmd != "up" and not os.environ.get("GEARSHIFT_CREDS") and not os.environ.get("GEARSHIFT_USER"):
         from services.auth import well_known_file
         from services.runtime import server_url
@@ -352,7 +359,14 @@ def _skip_websocket_transport(argv: list[str]) -> None:
     verb = next((a for a in argv if a in _NO_WEBSOCKET_VERBS or a in ("up", "schema", "simulate", "perfmodel")), None)
     urls = " ".join([os.environ.get("GEARSHIFT_NATS_URL", ""), *argv])
     if verb in _NO_WEBSOCKET_VERBS and "ws://" not in urls and "wss://" not in urls and "aiohttp" not in sys.modules:
-        sys.modules["aiohttp"] = None  # type: ignore[assignment]  # import aiohttp -> ImportError: nats-py skips it
+        # only nats-py's transport module is loaded without it (its import of
+        # aiohttp fails, so it leaves websockets out); anything else that
+        # imports aiohttp later still gets it
+        sys.modules["aiohttp"] = None  # type: ignore[assignment]
+        try:
+            import nats.aio.transport  # noqa: F401
+        finally:
+            del sys.modules["aiohttp"]
 
 
 def _main(argv: list[str]) -> int:

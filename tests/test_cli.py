@@ -95,6 +95,15 @@ def test_unreachable_server_is_one_line(args):
     assert len(lines) == 1 and "no NATS server answers at nats://127.0.0.1:1 (connection refused)" in lines[0]
 
 
+def test_a_bad_credentials_file_is_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"x": 1}')
+    for args in (["get", "jobs", "--creds", str(bad)], ["--creds", str(tmp_path / "none.json"), "get", "jobs"]):
+        p = run("nats://127.0.0.1:1", *args, check=False)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+        assert "credentials" in p.stderr or "--creds" in p.stderr
+
+
 def test_schema_into_a_closed_pipe_is_quiet():
     p = subprocess.Popen([*GEARSHIFT, "schema"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout.read(10)
