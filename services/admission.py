@@ -40,6 +40,8 @@ from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra,
 
 log = get_logger(service="admission")
 
+# latest progress reports kept (one per running job; more means ended jobs nobody listed)
+PROGRESS_KEPT = 20_000
 # a spec without ``tenant`` has this one
 DEFAULT_TENANT = next(f.default for f in msgspec.structs.fields(JobSpec) if f.name == "tenant")
 
@@ -76,6 +78,9 @@ class Admission:
         have = self.progress.get(p.job_id)
         if have is None or (p.generation, p.ts) >= (have.generation, have.ts):
             self.progress[p.job_id] = p
+        if len(self.progress) > PROGRESS_KEPT:  # jobs that ended unseen: forget the oldest reports
+            for job_id, _ in sorted(self.progress.items(), key=lambda kv: kv[1].ts)[: len(self.progress) // 4]:
+                del self.progress[job_id]
 
     def with_live(self, rec: JobRecord) -> JobRecord:
         """The record with its latest progress report, if it runs that generation."""
