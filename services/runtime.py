@@ -100,7 +100,8 @@ async def connect(url: str | None = None, name: str = "gearshift", *, retry_for:
         if user_cb is not None:
             await user_cb(exc)
         elif not refused.is_set():
-            get_logger().warning("nats error", error=_describe(exc))
+            # stdlib logging (stderr), as nats-py's own default, but one line instead of a traceback
+            logging.getLogger("gearshift.nats").warning("nats error: %s", _describe(exc))
 
     kw = {**auth_options(), **kw}
     deadline = time.monotonic() + retry_for
