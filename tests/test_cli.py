@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import wait_for as _wait_for
 
 from gearshift.cli import build_parser
 from gearshift.cluster import LocalCluster
@@ -34,15 +35,8 @@ def run(url, *args, creds=None, stdin=None, check=True, timeout=60, env_extra=No
     return p
 
 
-def wait_for(pred, timeout=40.0, step=0.3):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(step)
-    raise AssertionError(f"condition not met in {timeout}s (last: {last!r})")
+def wait_for(pred, timeout=40.0):
+    return _wait_for(pred, timeout, 0.3)
 
 
 SPEC = {"name": "cli", "model": {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024},
