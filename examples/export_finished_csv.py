@@ -1,6 +1,6 @@
 """Export finished gearshift jobs to CSV, from the event stream alone.
 
-    python examples/export_finished_csv.py --server nats://127.0.0.1:4222 --creds tools.json --out jobs.csv
+    python examples/export_finished_csv.py --server nats://127.0.0.1:4222 --creds tools.creds --out jobs.csv
 
 Replays ``GS_EVENTS`` from the start (read-only: the ``tools`` identity is
 enough), folds each job's events into one row, and writes the jobs that
@@ -83,7 +83,7 @@ async def export(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", default=None, help="NATS URL (default $GEARSHIFT_NATS_URL)")
-    ap.add_argument("--creds", default=None, help="credentials file (default $GEARSHIFT_CREDS), e.g. tools.json")
+    ap.add_argument("--creds", default=None, help="credentials file (default $GEARSHIFT_CREDS), e.g. tools.creds")
     ap.add_argument("--out", default="-", help="CSV file (default: standard output)")
     args = ap.parse_args(argv)
     try:

@@ -1,6 +1,6 @@
 """Follow gearshift's events with a durable consumer that resumes after a restart.
 
-    python examples/follow_events.py --server nats://127.0.0.1:4222 --creds tools.json --name my-tool
+    python examples/follow_events.py --server nats://127.0.0.1:4222 --creds tools.creds --name my-tool
 
 Each event is printed as one JSON line and then acknowledged. The consumer
 ``--name`` lives on the server (stream ``GS_EVENTS``), which remembers the
@@ -45,7 +45,7 @@ async def follow(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", default=None, help="NATS URL (default $GEARSHIFT_NATS_URL)")
-    ap.add_argument("--creds", default=None, help="credentials file (default $GEARSHIFT_CREDS), e.g. tools.json")
+    ap.add_argument("--creds", default=None, help="credentials file (default $GEARSHIFT_CREDS), e.g. tools.creds")
     ap.add_argument("--name", default="example-follower", help="durable consumer name: the same name resumes")
     ap.add_argument("--subject", default="gs.evt.>", help="which events, e.g. gs.evt.job.> or gs.evt.job.*.completed")
     ap.add_argument("--max", type=int, default=None, help="stop after this many events (default: never)")

@@ -6,7 +6,7 @@ use it; it speaks only the bus contract (``bus_schema.contract``, printed by
 
     from gearshift.client import Client
 
-    client = await Client.connect("nats://127.0.0.1:4222", creds="tools.json")
+    client = await Client.connect("nats://127.0.0.1:4222", creds="tools.creds")
     async for ev in client.durable_events("my-exporter"):   # resumes after a restart
         print(ev.event.kind, ev.event.job_id)
         await ev.ack()

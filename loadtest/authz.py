@@ -87,7 +87,7 @@ class Suite:
         self.admin: Any = None
 
     def ident(self, user: str) -> Identity:
-        return Identity(self.url, self.dir / f"{user}.json")
+        return Identity(self.url, self.dir / f"{user}.creds")
 
     def record(self, role: str, action: str, expect: str, ok: bool, detail: str = "") -> None:
         self.checks.append(Check(role, action, expect, bool(ok), detail))
@@ -159,7 +159,7 @@ class Suite:
 
     # ------------------------------------------------------------ the suite
     async def run(self) -> None:
-        self.admin = await nats.connect(self.url, **auth.connect_options(auth.load_creds(self.dir / "admin.json")))
+        self.admin = await nats.connect(self.url, **auth.connect_options(auth.load_creds(self.dir / "admin.creds")))
         try:
             jobs = await self.seed_jobs()
             await self.agent_checks()

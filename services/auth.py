@@ -25,7 +25,8 @@ nonce. Each identity gets two files, both mode 0600:
 
 - ``<user>.nk``: its nkey seed, what the ``nats`` CLI reads
   (``nats --nkey <user>.nk --inbox-prefix _INBOX_<user> ...``);
-- ``<user>.json``: the gearshift credentials, JSON ``{"user", "role",
+- ``<user>.creds``: the gearshift credentials (what ``GEARSHIFT_CREDS``
+  names; deploy/'s systemd units and Secrets carry it), JSON ``{"user", "role",
   "nkey_seed", "inbox_prefix", "tenant"?, "node"?, "url"?, "tls_ca"?}``.
 
 ``connect_options`` turns the file named by ``GEARSHIFT_CREDS`` (or
@@ -223,7 +224,7 @@ class AuthDir:
     idents: list[Identity]
 
     def creds(self, user: str) -> Path:
-        return self.root / f"{user}.json"
+        return self.root / f"{user}.creds"
 
     def nkey(self, user: str) -> Path:
         """The seed file the ``nats`` CLI takes with ``--nkey``."""
@@ -240,7 +241,7 @@ def write_auth_dir(root: str | os.PathLike, nodes: list[str], tenants: list[str]
     config = root / "nats-auth.conf"
     _write_private(config, server_config(idents))
     for ident in idents:
-        _write_private(root / f"{ident.user}.json", json.dumps(ident.creds(url), indent=2) + "\n")
+        _write_private(root / f"{ident.user}.creds", json.dumps(ident.creds(url), indent=2) + "\n")
         _write_private(root / f"{ident.user}.nk", ident.seed + "\n")
     return AuthDir(root, config, idents)
 
@@ -266,7 +267,7 @@ def well_known_dir() -> Path:
 def well_known_file(url: str) -> Path:
     """Where ``gearshift up`` leaves the admin credentials for a server URL."""
     first = url.split(",")[0].strip().removeprefix("nats://").removeprefix("tls://")
-    return well_known_dir() / (first.replace(":", "_").replace("/", "_") + ".json")
+    return well_known_dir() / (first.replace(":", "_").replace("/", "_") + ".creds")
 
 
 def load_creds(path: str | os.PathLike) -> dict[str, Any]:
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     d = write_auth_dir(args.out, [n for n in args.nodes.split(",") if n], [t for t in args.tenants.split(",") if t],
                        args.url)
-    print(f"wrote {d.config} and {len(d.idents)} identities (<user>.json and <user>.nk) to {d.root}")
+    print(f"wrote {d.config} and {len(d.idents)} identities (<user>.creds and <user>.nk) to {d.root}")
     return 0
 
 
