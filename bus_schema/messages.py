@@ -261,6 +261,9 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     failures: NonNegInt = 0  # crashes retried from the last checkpoint
     checkpoint_step: NonNegInt = 0  # step of the last checkpoint an agent reported
     pinned: "PinnedPlan | None" = None  # operator override (gs.optimizer.reconfigure)
+    # The latest progress report of a running job: filled in by admission's
+    # get/list replies from gs.job.<job>.progress, never stored.
+    live: "JobProgress | None" = None
 
     @property
     def terminal(self) -> bool:

@@ -16,6 +16,7 @@ NODES_BUCKET = "gs_nodes"
 ALLOC_BUCKET = "gs_alloc"
 MODELS_BUCKET = "gs_models"
 LEASE_BUCKET = "gs_lease"
+NODE_MODES_BUCKET = "gs_node_modes"
 
 # request-reply services
 ADMISSION = "gs.admission"
@@ -27,6 +28,9 @@ ADMISSION_NODES = "gs.admission.nodes"
 OPTIMIZER = "gs.optimizer"
 OPTIMIZER_ROUND = "gs.optimizer.round"
 OPTIMIZER_EXPLAIN = "gs.optimizer.explain"
+OPTIMIZER_RECONFIGURE = "gs.optimizer.reconfigure"
+OPTIMIZER_NODE = "gs.optimizer.node"
+OPTIMIZER_KICK = "gs.optimizer.kick"
 PERFMODEL = "gs.perfmodel"
 PROFILER = "gs.profiler"
 
@@ -67,3 +71,8 @@ def run_report(node: str, job_id: str) -> str:
 
 def agent_command(node: str, verb: str) -> str:
     return f"gs.agent.{token(node)}.{verb}"
+
+
+def agent_pattern(verb: str) -> str:
+    """``gs.agent.<node>.<verb>`` as the contract table spells it."""
+    return f"gs.agent.<node>.{verb}"

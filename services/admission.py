@@ -21,8 +21,10 @@ from bus_schema.messages import (
     JobCancelled,
     JobCancelRequested,
     JobList,
+    JobProgress,
     JobRecord,
     JobRef,
+    JobSpec,
     JobState,
     JobSubmitted,
     ListRequest,
@@ -39,6 +41,11 @@ from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra,
 
 log = get_logger(service="admission")
 
+# latest progress reports kept (one per running job; more means ended jobs nobody listed)
+PROGRESS_KEPT = 20_000
+# a spec without ``tenant`` has this one
+DEFAULT_TENANT = next(f.default for f in msgspec.structs.fields(JobSpec) if f.name == "tenant")
+
 
 def job_id_for(tenant: str, token: str | None) -> str:
     """Deterministic for a client token (idempotent submit), random otherwise."""
@@ -54,11 +61,39 @@ class Admission:
         self.max_gpus = max_gpus
         self.max_jobs_per_tenant = max_jobs_per_tenant
         self.nodes_kv: Any = None
+        # job -> its latest progress report (running jobs only; see with_live)
+        self.progress: dict[str, JobProgress] = {}
+        self._progress_sub: Any = None
 
     async def open(self) -> "Admission":
         await self.store.open()
         self.nodes_kv = await self.nc.jetstream().key_value(subj.NODES_BUCKET)
+        self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
         return self
+
+    async def _on_progress(self, msg: Any) -> None:
+        try:
+            p = codec.decode(msg.data, JobProgress)
+        except msgspec.MsgspecError:
+            return
+        have = self.progress.get(p.job_id)
+        if have is None or (p.generation, p.ts) >= (have.generation, have.ts):
+            self.progress[p.job_id] = p
+        if len(self.progress) > PROGRESS_KEPT:  # jobs that ended unseen: forget the oldest reports
+            for job_id, _ in sorted(self.progress.items(), key=lambda kv: kv[1].ts)[: len(self.progress) // 4]:
+                del self.progress[job_id]
+
+    def with_live(self, rec: JobRecord) -> JobRecord:
+        """The record with its latest progress report, if it runs that generation."""
+        p = self.progress.get(rec.job_id)
+        if p is None:
+            return rec
+        if rec.terminal:
+            self.progress.pop(rec.job_id, None)  # it ended: no report will come
+            return rec
+        if rec.state != JobState.RUNNING or p.generation != rec.generation:
+            return rec
+        return msgspec.structs.replace(rec, live=p)
 
     async def nodes(self) -> list[NodeReport]:
         snap = await kv_snapshot(self.nodes_kv)
@@ -137,7 +172,7 @@ class Admission:
             new = got[0]
         else:
             # Wake the optimizer so the processes stop now, not at the next tick.
-            await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+            await self.nc.publish(subj.OPTIMIZER_KICK, b"")
         log.info("job cancel", job_id=ref.job_id, state=new.state.value)
         return new
 
@@ -145,7 +180,7 @@ class Admission:
         got = await self.store.get(ref.job_id)
         if got is None:
             raise RequestError("404", f"no job {ref.job_id}", "job_id")
-        return got[0]
+        return self.with_live(got[0])
 
     async def list(self, req: ListRequest) -> JobList:
         states = set(req.states or [])
@@ -157,7 +192,7 @@ class Admission:
         recs = [r for r in recs if (req.tenant is None or r.spec.tenant == req.tenant)]
         recs = [r for r in recs if not states or r.state.value in states]
         recs.sort(key=lambda r: (r.submitted_at, r.job_id))
-        return JobList(jobs=recs[: req.limit])
+        return JobList(jobs=[self.with_live(r) for r in recs[: req.limit]])
 
     async def list_nodes(self, _: None) -> NodeList:
         return NodeList(nodes=await self.nodes())
@@ -174,10 +209,13 @@ class Admission:
         got = await self.store.get(job_id)
         if got is None or got[0].spec.tenant != tenant:
             raise RequestError("404", f"no job {job_id}", "job_id")
-        return got[0]
+        return self.with_live(got[0])
 
     async def submit_as(self, req: SubmitRequest, subject: str) -> SubmitReply:
         tenant = self._tenant_of(subject)
+        if req.spec.tenant == DEFAULT_TENANT and tenant != DEFAULT_TENANT:
+            # a tenant's spec without ``tenant`` (the default) is its own job
+            req = msgspec.structs.replace(req, spec=msgspec.structs.replace(req.spec, tenant=tenant))
         if req.spec.tenant != tenant:
             raise RequestError("403", f"tenant {tenant} may not submit jobs of tenant {req.spec.tenant}", "spec.tenant")
         return await self.submit(req)

@@ -80,10 +80,11 @@ from bus_schema.messages import (
     RunReport,
     RunReportKind,
 )
+from bus_schema.ops import NodeModeReply, NodeModeRequest
 from policies import Decision, JobView, NodeState, Placement, check_decision, make_policy
 from policies.api import JobDecision
 
-from . import auth_alloc, observe
+from . import auth_alloc, node_modes, observe
 from .policy_bridge import ModelOracle, job_view
 from .jobstore import JobStore, kv_snapshot, publish_event, with_event
 from .lease import Lease
@@ -95,7 +96,7 @@ ACTIVE = ACTIVE_STATES
 DEFAULT_STEP_TIME = 0.1
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
-OPTIMIZER_RECONFIGURE = subj.OPTIMIZER + ".reconfigure"
+OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
 
 
 def emulated_step_time(rec: JobRecord, plan: Plan) -> float:
@@ -141,12 +142,14 @@ class Optimizer:
         self._subs: list[Any] = []
         self.is_leader = False
         self.leader_since: float | None = None
+        self.records_seen: dict[str, JobRecord] = {}  # the last round's records
 
     async def open(self) -> "Optimizer":
         await self.store.open()
         self.alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
+        self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
         self.models = ModelOracle(self.models_kv)
         self.lease = Lease(
             await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
@@ -187,6 +190,7 @@ class Optimizer:
                 Endpoint("round", subj.OPTIMIZER_ROUND, None, self._round_endpoint),
                 Endpoint("explain", subj.OPTIMIZER_EXPLAIN, None, self._explain_endpoint),
                 Endpoint("reconfigure", OPTIMIZER_RECONFIGURE, ReconfigureRequest, self._reconfigure_endpoint),
+                Endpoint("node", subj.OPTIMIZER_NODE, NodeModeRequest, self._node_endpoint),
             ],
             "gearshift scheduling rounds",
             {"policy": self.policy.name, "instance": self.instance},
@@ -196,7 +200,7 @@ class Optimizer:
             self.kick.set()
 
         self._subs = [
-            await self.nc.subscribe(subj.OPTIMIZER + ".kick", cb=on_kick),
+            await self.nc.subscribe(subj.OPTIMIZER_KICK, cb=on_kick),
             await self.nc.subscribe("gs.evt.job.*.submitted", cb=on_kick),
         ]
         self._tasks = [
@@ -453,6 +457,14 @@ class Optimizer:
                     records[rec.job_id] = new
                     changes += 1
         changes += await self._settle_drains(records, alive)
+        # Operators' cordons and drains (services.node_modes).
+        modes = await node_modes.read_modes(self.modes_kv)
+        for rec, why in node_modes.to_move(records.values(), modes):
+            new = await self._preempt(rec, why)
+            if new:
+                records[rec.job_id] = new
+                changes += 1
+        self.records_seen = records
 
         # Capacity: what cancelling and draining jobs still hold is not free
         # until their processes exited; neither are GPUs agents profile on.
@@ -470,6 +482,8 @@ class Optimizer:
         for n in nodes:
             if n.reserved:
                 held.setdefault(n.node, set()).update(n.reserved)
+        for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
+            held.setdefault(node, set()).update(gpus)
         node_states = [
             NodeState(
                 name=n.node,
@@ -737,6 +751,15 @@ class Optimizer:
         from .perfmodel_service import unmodelled_jobs
 
         return {job_id: key for job_id, (key, _) in (await unmodelled_jobs(self.models_kv, records.values())).items()}
+
+    async def _node_endpoint(self, req: NodeModeRequest) -> NodeModeReply:
+        """Cordon / drain / uncordon a node (applied by the next round, kicked now)."""
+        if req.mode is not None:
+            known = {n.node for n in await self.live_nodes()}
+            await node_modes.set_mode(self.modes_kv, req, known)
+            log.info("node mode", node=req.node, mode=req.mode.value, reason=req.reason)
+            await self.round()  # applied before the reply: the jobs it moves are in it
+        return node_modes.reply(await node_modes.read_modes(self.modes_kv), self.records_seen.values(), req.node)
 
     async def _reconfigure_endpoint(self, req: ReconfigureRequest) -> ReconfigureReply:
         from .runtime import RequestError, bad_request
