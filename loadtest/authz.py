@@ -74,6 +74,13 @@ class Identity:
         return False
 
 
+async def arrived(got: list[Any], wait: float = 10.0) -> None:
+    """Wait for an allowed message itself, not a fixed time: a loaded machine delivers late."""
+    deadline = time.monotonic() + wait
+    while not got and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+
+
 def spec(tenant: str, name: str) -> JobSpec:
     return JobSpec(name=name, model=ModelSpec(name="m", params=100, layers=4, hidden=256, seq_len=128),
                    global_batch=8, steps=100000, gpus=1, tenant=tenant, step_time=0.05)
@@ -190,7 +197,7 @@ class Suite:
             s = await self.admin.subscribe("gs.node.node0.heartbeat", cb=cb)
             await a.nc.publish("gs.node.node0.heartbeat", b"{}")
             await a.nc.flush()
-            await asyncio.sleep(0.2)
+            await arrived(got)
             await s.unsubscribe()
             self.record(role, "publish own heartbeat", "allowed", bool(got))
             kv_nodes = await js.key_value(subj.NODES_BUCKET)
@@ -237,7 +244,7 @@ class Suite:
             await a.nc.flush()
             await self.admin.publish("gs.agent.node0.checkpoint", b'{"job_id": "jnone", "generation": 1}',
                                      reply=self.admin.new_inbox())
-            await asyncio.sleep(0.2)
+            await arrived(got)
             self.record(role, "receive own commands", "allowed", bool(got))
 
             # refused
@@ -343,10 +350,7 @@ class Suite:
             await o.nc.subscribe("gs.evt.>", cb=cb)
             await o.nc.flush()
             await self.admin.publish("gs.evt.round.probe", b"{}")
-            # wait for the message itself, not a fixed time: a loaded machine delivers late
-            deadline = time.monotonic() + 10.0
-            while not got and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await arrived(got)
             self.record(role, "follow live events", "allowed", bool(got))
 
             await self.refused_request(o, role, "gs.evt.job.jforged.completed", b"{}")
