@@ -31,22 +31,37 @@ def _place(ledger: Ledger, job: JobView, cpg: int):
 
 class EasyFifo:
     def __init__(self, *, backfill: bool = True, restart_cost: float = 0.0, min_run_time: float = 0.0,
-                 default_cpus_per_gpu: int = 1, name: str | None = None):
+                 default_cpus_per_gpu: int = 1, name: str | None = None, record: bool = False):
         self.name = name or ("fifo-easy" if backfill else "fifo")
         self.backfill = backfill
         self.restart_cost = restart_cost
         self.default_cpus_per_gpu = default_cpus_per_gpu
         self.key = fifo_key
         self.reservations: dict[str, float] = {}
+        # record=True (loadtest.fairness): head -> (when, reserved start) of its first reservation, kept
+        self.record = record
+        self.first_reservation: dict[str, tuple[float, float]] = {}
         self.backfilled: dict[str, str] = {}  # job -> head it was backfilled past
+
+    @staticmethod
+    def runtime(j: JobView, perf: PerfOracle | None) -> float:
+        """Seconds left at its request: the user's step time if given (as a
+        batch system's wall-time estimate), else the model's prediction."""
+        if j.spec.step_time:
+            return j.remaining_steps * j.spec.step_time
+        return remaining_time(j, perf)
 
     def _end(self, j: JobView, now: float, perf: PerfOracle | None) -> float:
         since = j.switched_at if j.switched_at is not None else now
         restart_left = max(0.0, self.restart_cost - (now - since))
-        return now + restart_left + remaining_time(j, perf)
+        return now + restart_left + self.runtime(j, perf)
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         decision = Decision()
+        live = {j.job_id for j in jobs}
+        for d in (self.reservations, self.backfilled):
+            for jid in [k for k in d if k not in live]:
+                del d[jid]
         ledger = Ledger(nodes)
         ends: list[tuple[float, str, tuple]] = []
         for j in jobs:
@@ -64,7 +79,7 @@ class EasyFifo:
                 continue
             spot = _place(ledger, j, cpg)
             if spot is not None and head is not None:
-                end = now + self.restart_cost + remaining_time(j, perf)
+                end = now + self.restart_cost + self.runtime(j, perf)
                 beside = shadow is not None and _place(shadow, j, cpg)
                 if end > reserve_at and not beside:
                     spot = None
@@ -75,13 +90,15 @@ class EasyFifo:
                     head = j
                     reserve_at, shadow = self._reserve(now, ledger, ends, j, cpg)
                     self.reservations[j.job_id] = reserve_at
+                    if self.record:
+                        self.first_reservation.setdefault(j.job_id, (now, reserve_at))
                     decision.waiting[j.job_id] = (f"waiting: head of FIFO, needs {j.spec.gpus} GPUs, "
                                                   f"{ledger.total_free()} free; reserved from t={reserve_at:.0f}s")
                 else:
                     decision.waiting[j.job_id] = f"waiting: behind {head.job_id}, no backfill hole"
                 continue
             ledger.take(spot)
-            ends.append((now + self.restart_cost + remaining_time(j, perf), j.job_id, spot))
+            ends.append((now + self.restart_cost + self.runtime(j, perf), j.job_id, spot))
             why = f"FIFO first fit on {describe(spot)}"
             if head is not None:
                 self.backfilled[j.job_id] = head.job_id

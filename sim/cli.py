@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the fitted performance model is the policies' belief and the ground truth "
                         "where nothing was measured (if perfmodel provides one); off: tables and scaling only")
     p.add_argument("--no-progress", action="store_true", help="no progress line even on a terminal")
+    p.add_argument("--policy-options", type=_policy_options, default={},
+                   help='JSON keyword options for every policy, as the optimizer\'s --policy-options, e.g. '
+                        '\'{"backfill": true}\' (FIFO) or \'{"sharing": {"queues": {"a": {"quota": 32, "weight": 2, '
+                        '"cohort": "all"}}, "half_life": 21600}}\' (policies/sharing.py)')
     return p
 
 
@@ -69,17 +73,28 @@ def _restart_cost(text: str) -> str | float:
     return value
 
 
-def make_named_policy(name: str, seed: int, restart_cost: float):
+def _policy_options(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--policy-options: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--policy-options: expected a JSON object")
+    return value
+
+
+def make_named_policy(name: str, seed: int, restart_cost: float, options: dict | None = None):
     """``policies.registry.make_policy`` with the run's restart cost and seed, for the
-    policies that take them (a policy that charges restarts must know their price)."""
+    policies that take them (a policy that charges restarts must know their price),
+    plus ``options`` (``--policy-options``: sharing, backfill)."""
     from policies.registry import make_policy
 
-    opts = {"restart_cost": restart_cost, "seed": seed}
+    opts = {"restart_cost": restart_cost, "seed": seed, **(options or {})}
     while True:
         try:
             return make_policy(name, **opts)
         except TypeError as e:
-            dropped = [k for k in opts if repr(k) in str(e) or f"'{k}'" in str(e)]
+            dropped = [k for k in opts if (repr(k) in str(e) or f"'{k}'" in str(e)) and k in ("restart_cost", "seed")]
             if not dropped:
                 raise
             for k in dropped:
@@ -175,7 +190,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     tty = sys.stderr.isatty() and not args.no_progress
     results = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        policy = make_named_policy(name, args.seed, restart_cost)
+        policy = make_named_policy(name, args.seed, restart_cost, args.policy_options)
         res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None)
         res.policy = name
         if tty:
