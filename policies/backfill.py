@@ -41,6 +41,7 @@ class EasyFifo:
         # record=True (loadtest.fairness): head -> (when, reserved start) of its first reservation, kept
         self.record = record
         self.first_reservation: dict[str, tuple[float, float]] = {}
+        self.backfill_log: dict[str, tuple[str, str, float]] = {}  # job -> (head, rule, predicted end)
         self.backfilled: dict[str, str] = {}  # job -> head it was backfilled past
 
     @staticmethod
@@ -81,10 +82,12 @@ class EasyFifo:
             if spot is not None and head is not None:
                 end = now + self.restart_cost + self.runtime(j, perf)
                 beside = shadow is not None and _place(shadow, j, cpg)
+                rule = "ends-before"
                 if end > reserve_at and not beside:
                     spot = None
                 elif end > reserve_at and beside:
                     shadow.take(beside)  # it will still hold these at the reservation
+                    rule = "beside"
             if spot is None:
                 if head is None:
                     head = j
@@ -102,6 +105,8 @@ class EasyFifo:
             why = f"FIFO first fit on {describe(spot)}"
             if head is not None:
                 self.backfilled[j.job_id] = head.job_id
+                if self.record:
+                    self.backfill_log[j.job_id] = (head.job_id, rule, end)
                 why = f"backfilled past {head.job_id} on {describe(spot)}"
             decision.allocations[j.job_id] = JobDecision(spot, default_plan(j.spec), why)
         return decision

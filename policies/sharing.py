@@ -11,7 +11,9 @@
    - *reclaim*: the job fits its tenant's nominal quota and cohort members
      borrow: borrowers' jobs are preempted, lowest priority first, a job
      past its minimum run time before one that is not (only reclaim may take
-     a job inside its minimum run time), never below the borrower's quota;
+     a job inside its minimum run time), each from a tenant still borrowing
+     when it is chosen (Kueue's rule; whole jobs, so a borrower may end
+     below its quota);
    - *priority*: jobs of a lower priority class past their minimum run time;
    - *starvation*: jobs of no higher priority, of tenants better served by
      fair share, past their minimum run time;
@@ -111,8 +113,8 @@ class Shared:
         plan = default_plan(j.spec)
         taken: list[JobView] = []
         for v in cands:
-            if kind == "reclaim" and book.borrowed(v.spec.tenant) < v.gpus:
-                continue  # would take the borrower below its own quota
+            if kind == "reclaim" and book.borrowed(v.spec.tenant) <= 0:
+                continue  # no longer borrowing (Kueue's rule: a victim's queue must borrow when chosen)
             ledger.give(v.placement)
             book.add(v.spec.tenant, -v.gpus)
             taken.append(v)
@@ -139,6 +141,7 @@ class Shared:
         victims: list[Victim] = []
         visible: list[JobView] = []
         must: dict[str, str] = {}
+        owed: list[str] = []  # within quota, no room, cohort borrowing: reclaim is due
         pending = [j for j in order if not j.running]
         # owners' demand within quota is claimed first; then borrowing, in standing order
         claimed = {j.job_id for j in pending if book.claim(j.spec.tenant, j.spec.gpus)}
@@ -149,6 +152,8 @@ class Shared:
             plan = default_plan(j.spec)
             spot = _place(ledger, j, plan)
             if spot is None:
+                if j.job_id in claimed and any(book.borrowed(m) for m in book.members(self.cfg.queue(j.spec.tenant).cohort)):
+                    owed.append(j.job_id)
                 for kind in self._rights(now, j, book, claimed):
                     taken = self._make_room(now, j, kind, ledger, book, holding)
                     if taken:
@@ -174,7 +179,7 @@ class Shared:
                 q = self.cfg.queue(j.spec.tenant)
                 decision.waiting[j.job_id] = (f"waiting: tenant {q.tenant} holds {held.get(q.tenant, 0)} GPUs, "
                                               f"quota {q.quota} + what cohort {q.cohort or '-'} lends now")
-        self._record(now, jobs, decision, victims)
+        self._record(now, jobs, decision, victims, owed)
         return decision
 
     @staticmethod
@@ -230,7 +235,8 @@ class Shared:
                 book.add(t, -sum(p.gpus for p in d.placement))
                 decision.waiting[jid] = f"waiting: tenant {t} would borrow more than its cohort lends"
 
-    def _record(self, now: float, jobs: list[JobView], decision: Decision, victims: list[Victim]) -> None:
+    def _record(self, now: float, jobs: list[JobView], decision: Decision, victims: list[Victim],
+                owed: list[str]) -> None:
         kinds = {v.job.job_id: v.kind for v in victims}
         preempted = [j for j in jobs if j.running and j.job_id not in decision.allocations]
         self.last_stats = {"victims": len(victims), "preempted": len(preempted)}
@@ -251,4 +257,5 @@ class Shared:
                            "ran_s": now - j.switched_at if j.switched_at is not None else None,
                            "priority": j.spec.priority} for j in preempted],
             "started": [jid for jid in decision.allocations if not by_id[jid].running],
+            "owed": owed,
         })
