@@ -104,6 +104,10 @@ class Shared:
             cohort = set(book.members(self.cfg.queue(t).cohort)) - {t}
             cands = [v for v in holding.values() if v.spec.tenant in cohort and book.borrowed(v.spec.tenant) > 0]
             cands.sort(key=lambda v: (v.spec.priority, self._protected(v, now), -(v.switched_at or 0.0), v.job_id))
+        elif kind == "priority-own":
+            cands = [v for v in holding.values() if v.spec.tenant == t and v.spec.priority < prio
+                     and not self._protected(v, now)]
+            cands.sort(key=lambda v: (v.spec.priority, -(v.switched_at or 0.0), v.job_id))
         else:
             mine = self.standing[j.job_id][2]
             cands = [v for v in holding.values() if not self._protected(v, now) and (
@@ -118,7 +122,9 @@ class Shared:
             ledger.give(v.placement)
             book.add(v.spec.tenant, -v.gpus)
             taken.append(v)
-            if _place(ledger, j, plan) is not None:
+            quota_ok = kind != "priority-own" or book.within_quota(t, j.spec.gpus) or (
+                book.borrowable(t) >= book.use.get(t, 0) + j.spec.gpus - book.quota(t) - book.borrowed(t))
+            if quota_ok and _place(ledger, j, plan) is not None:
                 return taken
         for v in taken:  # not enough: undo
             ledger.take(v.placement)
@@ -147,6 +153,17 @@ class Shared:
         claimed = {j.job_id for j in pending if book.claim(j.spec.tenant, j.spec.gpus)}
         for j in pending:
             if j.job_id not in claimed and not book.borrow(j.spec.tenant, j.spec.gpus):
+                # over quota: only its own tenant's lower classes may make room (Kueue's withinClusterQueue)
+                taken = self._make_room(now, j, "priority-own", ledger, book, holding)
+                if not taken:
+                    continue
+                for v in taken:
+                    del holding[v.job_id]
+                    victims.append(Victim(v, "priority", j.job_id))
+                must[j.job_id] = "priority"
+                book.add(j.spec.tenant, j.spec.gpus)
+                visible.append(j)
+                ledger.take(_place(ledger, j, default_plan(j.spec)))
                 continue
             visible.append(j)
             plan = default_plan(j.spec)

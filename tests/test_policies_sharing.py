@@ -147,3 +147,13 @@ def test_every_policy_composes_with_sharing(name):
     for jid, dec in d.allocations.items():
         held[jid[0]] += sum(p.gpus for p in dec.placement)
     assert held["a"] == 8 and held["b"] <= 8  # the owner got its quota back
+
+
+def test_priority_inside_a_full_quota_preempts_its_own_tenants_lower_class():
+    ns = nodes(1)
+    cfg = {"queues": {"a": {"quota": 4, "cohort": "c"}, "b": {"quota": 4, "cohort": "c"}}, "min_run_time": 0}
+    a1 = tj("a1", 4, "a", prio=0, running_on=(Placement("n0", 4, 8),), since=0.0)
+    b1 = tj("b1", 4, "b", prio=0, running_on=(Placement("n0", 4, 8),), since=0.0)
+    a2 = tj("a2", 4, "a", prio=5, t=10.0)
+    d = run(make_policy("fifo", sharing=cfg), 20.0, ns, [a1, b1, a2])
+    assert set(d.allocations) == {"a2", "b1"} and "priority" in d.waiting["a1"]
