@@ -433,6 +433,24 @@ class NodeList(_Msg, kw_only=True, frozen=True):
     nodes: list[NodeReport]
 
 
+# ---------------------------------------------------------------- tenant queues (issue 13)
+class QueueSpec(_Input, kw_only=True, frozen=True):
+    """A tenant's queue: nominal GPU quota, fair-share weight, cohort whose members
+    borrow each other's unused quota up to ``borrow_limit`` and lend up to
+    ``lend_limit`` (None: no limit). ``policies.queues.Queue`` is the same in the core."""
+
+    tenant: Tenant
+    quota: Annotated[int, Meta(ge=0, le=1 << 20)]
+    weight: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    cohort: Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_-]*$")] = ""
+    borrow_limit: Annotated[int, Meta(ge=0, le=1 << 20)] | None = None
+    lend_limit: Annotated[int, Meta(ge=0, le=1 << 20)] | None = None
+
+
+class QueueList(_Msg, kw_only=True, frozen=True):
+    queues: list[QueueSpec]
+
+
 class RoundReply(_Msg, kw_only=True, frozen=True):
     round: int
     allocations: int

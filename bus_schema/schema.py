@@ -14,7 +14,7 @@ MESSAGE_TYPES = [
     m.JobSpec, m.SubmitRequest, m.SubmitReply, m.JobRef, m.ListRequest, m.JobRecord, m.JobList,
     m.Plan, m.ModelSpec, m.Allocation, m.NodePlacement, m.NodeReport, m.NodeList, m.GpuReport,
     m.RunReport, m.JobProgress, m.StopCommand, m.AgentReply, m.ErrorReply, m.RoundReply,
-    m.ExplainReply, *m.EVENT_TYPES, *pm.PERFMODEL_TYPES,
+    m.ExplainReply, m.QueueSpec, m.QueueList, *m.EVENT_TYPES, *pm.PERFMODEL_TYPES,
 ]
 
 SUBJECT_MAP = {
@@ -23,6 +23,8 @@ SUBJECT_MAP = {
     s.ADMISSION_GET: {"kind": "request", "request": "JobRef", "reply": "JobRecord"},
     s.ADMISSION_LIST: {"kind": "request", "request": "ListRequest", "reply": "JobList"},
     s.ADMISSION_NODES: {"kind": "request", "request": "", "reply": "NodeList"},
+    s.ADMISSION_QUEUES: {"kind": "request", "request": "", "reply": "QueueList"},
+    s.ADMISSION_SET_QUEUE: {"kind": "request", "request": "QueueSpec", "reply": "QueueList"},
     s.OPTIMIZER_ROUND: {"kind": "request", "request": "", "reply": "RoundReply"},
     s.OPTIMIZER_EXPLAIN: {"kind": "request", "request": "", "reply": "ExplainReply"},
     pm.PERFMODEL_FIT: {"kind": "request", "request": "FitRequest", "reply": "FitReply"},
@@ -38,6 +40,7 @@ SUBJECT_MAP = {
     f"$KV.{s.JOBS_BUCKET}.<job>": {"kind": "kv", "message": "JobRecord"},
     f"$KV.{s.ALLOC_BUCKET}.<job>": {"kind": "kv", "message": "Allocation"},
     f"$KV.{s.NODES_BUCKET}.<node>": {"kind": "kv", "message": "NodeReport"},
+    f"$KV.{s.QUEUES_BUCKET}.<tenant>": {"kind": "kv", "message": "QueueSpec"},
     "error replies": {"kind": "headers", "headers": ["Nats-Service-Error-Code", "Nats-Service-Error"],
                       "message": "ErrorReply"},
 }

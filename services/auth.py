@@ -79,15 +79,16 @@ def permissions(ident: Identity) -> dict[str, Any]:
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
     if ident.role == "admission":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.JOBS_BUCKET), "gs.evt.job.>",
-                                  subj.OPTIMIZER + ".kick"]},
+            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.JOBS_BUCKET), _kv(subj.QUEUES_BUCKET),
+                                  "gs.evt.job.>", subj.OPTIMIZER + ".kick"]},
             "subscribe": {"allow": [subj.ADMISSION + ".>", inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "optimizer":
         return {
             "publish": {"allow": ["$JS.API.>", "$JS.FC.>", f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
-                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), "gs.evt.>", "gs.agent.*.>",
+                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.QUEUES_BUCKET), "gs.evt.>",
+                                  "gs.agent.*.>",
                                   subj.OPTIMIZER + ".kick", subj.PERFMODEL + ".>", subj.PROFILER + ".>"]},
             "subscribe": {"allow": ["gs.>", inbox, *srv_sub]},
             "allow_responses": True,

@@ -85,6 +85,8 @@ from policies.api import JobDecision
 
 from . import auth_alloc
 from .policy_bridge import ModelOracle, job_view
+from .queues import QueueStore
+from policies.sharing import Shared
 from .jobstore import JobStore, kv_snapshot, publish_event, with_event
 from .lease import Lease
 from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
@@ -148,6 +150,11 @@ class Optimizer:
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.models = ModelOracle(self.models_kv)
+        self.queues = None
+        if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
+            self.queues = await QueueStore(self.nc).open()
+            self.share_base = self.policy.cfg
+            await self.queues.seed(self.share_base)
         self.lease = Lease(
             await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
             renew=self.lease_ttl / 4,
@@ -483,6 +490,8 @@ class Optimizer:
                  if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
         views = [v for v in views if all(p.node in alive for p in v.placement)]
         await self.models.refresh([records[v.job_id] for v in views])
+        if self.queues is not None:
+            self.policy.set_config(await self.queues.config(self.share_base))
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
         decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
         self._apply_pins(decision, records, node_states, {v.job_id for v in views})
