@@ -33,7 +33,7 @@ and preemptions for ``loadtest.fairness``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as dc_replace
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
 from .placement import Ledger, describe
@@ -147,6 +147,7 @@ class Shared:
         victims: list[Victim] = []
         visible: list[JobView] = []
         must: dict[str, str] = {}
+        spots: dict[str, tuple] = {}  # where a job made room for goes
         owed: list[str] = []  # within quota, no room, cohort borrowing: reclaim is due
         pending = [j for j in order if not j.running]
         # owners' demand within quota is claimed first; then borrowing, in standing order
@@ -163,7 +164,8 @@ class Shared:
                 must[j.job_id] = "priority"
                 book.add(j.spec.tenant, j.spec.gpus)
                 visible.append(j)
-                ledger.take(_place(ledger, j, default_plan(j.spec)))
+                spots[j.job_id] = _place(ledger, j, default_plan(j.spec))
+                ledger.take(spots[j.job_id])
                 continue
             visible.append(j)
             plan = default_plan(j.spec)
@@ -177,15 +179,18 @@ class Shared:
                         for v in taken:
                             del holding[v.job_id]
                             victims.append(Victim(v, kind, j.job_id))
-                        spot = _place(ledger, j, plan)
+                        spot = spots[j.job_id] = _place(ledger, j, plan)
                         must[j.job_id] = kind
                         break
             if spot is not None:
                 ledger.take(spot)
         gone = {v.job.job_id for v in victims}
-        view = [j for j in order if j.running and j.job_id not in gone] + visible
+        # a job made room for is shown holding its room, so the inner policy cannot give it away
+        view = [j for j in order if j.running and j.job_id not in gone] + [
+            dc_replace(j, placement=spots[j.job_id], plan=default_plan(j.spec)) if j.job_id in spots else j
+            for j in visible]
         decision = self.inner.schedule(now, nodes, view, perf)
-        self._repair(now, nodes, jobs, decision, must, gone)
+        self._repair(now, nodes, jobs, decision, must, gone, claimed)
         for v in victims:
             decision.allocations.pop(v.job.job_id, None)
             decision.waiting[v.job.job_id] = (f"preempted ({v.kind}) for {v.for_job}"
@@ -213,7 +218,7 @@ class Shared:
         return kinds
 
     def _repair(self, now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision,
-                must: dict[str, str], gone: set[str]) -> None:
+                must: dict[str, str], gone: set[str], claimed: set[str]) -> None:
         by_id = {j.job_id: j for j in jobs}
         ledger = Ledger(nodes)
         for d in decision.allocations.values():
@@ -241,6 +246,10 @@ class Shared:
         for jid, d in decision.allocations.items():
             t = by_id[jid].spec.tenant
             held[t] = held.get(t, 0) + sum(p.gpus for p in d.placement)
+        for jid in claimed:  # an owner's waiting demand within quota is not lendable
+            if jid not in decision.allocations:
+                t = by_id[jid].spec.tenant
+                held[t] = held.get(t, 0) + by_id[jid].spec.gpus
         book = QuotaBook(self.cfg, held)
         for t in book.over_limit():
             starts = [jid for jid in decision.allocations if not by_id[jid].running and by_id[jid].spec.tenant == t]
