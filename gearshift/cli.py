@@ -2,7 +2,8 @@
 
     gearshift up [--nodes N --gpus-per-node G --port P]
     gearshift submit FILE
-    gearshift get jobs|nodes [-o json]
+    gearshift get jobs|nodes|queues [-o json]
+    gearshift set queue TENANT --quota N [--weight W --cohort C --borrow-limit N --lend-limit N]
     gearshift describe job ID
     gearshift cancel ID
     gearshift events [--follow] [--job ID] [-o json]
@@ -90,12 +91,42 @@ async def cmd_get(args: argparse.Namespace) -> int:
                 _print_json(jobs)
             else:
                 print(_table(job_rows(jobs), ["ID", "NAME", "TENANT", "STATE", "GPUS", "PLAN", "NODES", "STEPS", "AGE", "REASON"]))
+        elif args.what in ("queues", "queue"):
+            queues = await c.queues()
+            if args.output == "json":
+                _print_json(queues)
+            else:
+                print(_table(queue_rows(queues), ["TENANT", "QUOTA", "WEIGHT", "COHORT", "BORROW LIMIT", "LEND LIMIT"]))
         else:
             nodes = (await c.nodes()).nodes
             if args.output == "json":
                 _print_json(nodes)
             else:
                 print(_table(node_rows(nodes), ["NODE", "GPUS", "USED", "CPUS", "PROBE", "RUNNING", "HEARTBEAT"]))
+        return 0
+
+    return await _with_client(args, go)
+
+
+def queue_rows(queues) -> list[list[str]]:
+    dash = lambda v: "-" if v is None or v == "" else str(v)
+    return [[q.tenant, str(q.quota), f"{q.weight:g}", dash(q.cohort), dash(q.borrow_limit), dash(q.lend_limit)]
+            for q in queues]
+
+
+async def cmd_set(args: argparse.Namespace) -> int:
+    """``set queue``: fields not given keep their current value (a new queue needs --quota)."""
+    async def go(c: Client) -> int:
+        old = next((q for q in await c.queues() if q.tenant == args.tenant), None)
+        queue = codec.to_builtins(old) if old is not None else {"tenant": args.tenant}
+        for key in ("quota", "weight", "cohort", "borrow_limit", "lend_limit"):
+            value = getattr(args, key)
+            if value is not None:
+                queue[key] = value
+        if "quota" not in queue:
+            print(f"error: queue {args.tenant} is new: give --quota", file=sys.stderr)
+            return 2
+        print(_table(queue_rows(await c.set_queue(queue)), ["TENANT", "QUOTA", "WEIGHT", "COHORT", "BORROW LIMIT", "LEND LIMIT"]))
         return 0
 
     return await _with_client(args, go)
@@ -251,9 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token", default=None, help="idempotency token: resubmitting returns the same job")
 
     g = sub.add_parser("get", help="list jobs or nodes")
-    g.add_argument("what", choices=["jobs", "job", "nodes", "node"])
+    g.add_argument("what", choices=["jobs", "job", "nodes", "node", "queues", "queue"])
     g.add_argument("-o", "--output", choices=["table", "json"], default="table")
     g.add_argument("--tenant", default=None)
+
+    sq = sub.add_parser("set", help="change a tenant's queue (admin)")
+    sq.add_argument("what", choices=["queue"])
+    sq.add_argument("tenant")
+    sq.add_argument("--quota", type=int, default=None, help="nominal GPU quota")
+    sq.add_argument("--weight", type=float, default=None, help="fair-share weight")
+    sq.add_argument("--cohort", default=None, help="cohort whose members borrow each other's unused quota")
+    sq.add_argument("--borrow-limit", type=int, default=None, help="most GPUs it may borrow")
+    sq.add_argument("--lend-limit", type=int, default=None, help="most of its unused GPUs others may borrow")
 
     d = sub.add_parser("describe", help="show one job with its events")
     d.add_argument("kind", choices=["job"])
@@ -310,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return sim_main(args.rest)
         fn = {"submit": cmd_submit, "get": cmd_get, "describe": cmd_describe, "cancel": cmd_cancel,
-              "events": cmd_events}[args.cmd]
+              "events": cmd_events, "set": cmd_set}[args.cmd]
         return asyncio.run(fn(args))
     except SpecFileError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -86,6 +86,18 @@ class Client:
     async def nodes(self) -> NodeList:
         return await call(self.nc, subj.ADMISSION_NODES, None, NodeList, self.timeout)
 
+    async def queues(self):
+        from bus_schema.messages import QueueList
+
+        return (await call(self.nc, subj.ADMISSION_QUEUES, None, QueueList, self.timeout)).queues
+
+    async def set_queue(self, queue: dict):
+        """``queue``: QueueSpec fields (admission decodes and checks them)."""
+        from bus_schema.messages import QueueList
+
+        return (await call(self.nc, subj.ADMISSION_SET_QUEUE, msgspec.json.encode(queue), QueueList,
+                           self.timeout)).queues
+
     async def events(self, follow: bool = False, subject: str = subj.EVENTS_SUBJECTS) -> AsyncIterator[tuple[str, int, Any]]:
         """(subject, stream sequence, event) from the start of the stream; with
         ``follow`` keeps waiting for new ones, else stops once caught up."""

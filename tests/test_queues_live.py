@@ -76,3 +76,36 @@ async def test_queues_from_config_then_changed_at_run_time(nc):
         stop.set()
         await task
         await svc.stop()
+
+
+async def gearshift(url, *args):
+    import os
+    import sys
+
+    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "gearshift.cli", *args,
+                                             env={**os.environ, "GEARSHIFT_NATS_URL": url},
+                                             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(p.communicate(), 60)
+    return p.returncode, out.decode(), err.decode()
+
+
+async def test_cli_get_and_set_queue(nc, nats_url):
+    _, svc = await start_admission(nc)
+    try:
+        rc, out, err = await gearshift(nats_url, "set", "queue", "vision", "--weight", "2")
+        assert rc == 2 and "give --quota" in err
+        rc, out, err = await gearshift(nats_url, "set", "queue", "vision", "--quota", "16", "--weight", "2",
+                                       "--cohort", "all")
+        assert rc == 0, err
+        assert "vision" in out and "16" in out
+        # a later change keeps the fields it does not give
+        rc, out, err = await gearshift(nats_url, "set", "queue", "vision", "--quota", "24")
+        assert rc == 0, err
+        rc, out, err = await gearshift(nats_url, "get", "queues", "-o", "json")
+        assert rc == 0, err
+        assert json.loads(out) == [{"tenant": "vision", "quota": 24, "weight": 2.0, "cohort": "all",
+                                    "borrow_limit": None, "lend_limit": None}]
+        rc, out, err = await gearshift(nats_url, "set", "queue", "vision", "--weight", "-1")
+        assert rc == 1 and "weight" in err and "Traceback" not in err
+    finally:
+        await svc.stop()
