@@ -84,11 +84,11 @@ class Synergy:
             plan = default_plan(j.spec)
             g = plan.gpus
             best = self.best_case_cpus(j, perf, min(g, gpn), cpn)
-            pl = ledger.place(g, best)
+            pl = ledger.place(g, best, unit=plan.tp)
             how = f"best-case {best} CPUs/GPU"
             if pl is None:
                 fair = min(best, min(prop.values()))
-                pl = ledger.place(g, fair)
+                pl = ledger.place(g, fair, unit=plan.tp)
                 how = f"proportional {fair} CPUs/GPU"
                 if pl is None and g <= gpn:
                     pl, victims = self._shrink_peers(g, fair, ledger, holding, prop, views)

@@ -109,7 +109,10 @@ def ratios(summaries: list[dict]) -> dict[str, dict[str, float]]:
         best = min(vals) if vals else math.nan
         for s in summaries:
             v = s[key]
-            out.setdefault(s["policy"], {})[name] = best / v if v and not math.isnan(v) and not math.isnan(best) else math.nan
+            # A policy that left jobs unfinished has no comparable average: its
+            # finished jobs alone would flatter it (the ratio is left undefined).
+            ok = v and not math.isnan(v) and not math.isnan(best) and s["unfinished"] == 0
+            out.setdefault(s["policy"], {})[name] = best / v if ok else math.nan
     return out
 
 

@@ -156,7 +156,9 @@ class GroundTruth:
     def step_time(self, job: TraceJob, plan: Plan, placement: tuple[Placement, ...]) -> tuple[float, str]:
         per_node = tuple(sorted((p.gpus for p in placement if p.gpus > 0)))
         threads = sum(p.cpus for p in placement) // max(1, sum(per_node))
-        ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time if not job.truth_key else 0,
+        # The job's own step time is part of the key even for tabled models: the
+        # ``request`` source returns it (jobs of one model have different ones).
+        ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time,
               job.spec.plan, job.spec.gpus, plan, per_node, threads)
         hit = self._cache.get(ck)
         if hit is None:
