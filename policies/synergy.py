@@ -22,7 +22,7 @@ carries GPUs and CPUs only).
 from __future__ import annotations
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
-from .candidates import spec_key
+from .candidates import oracle_key
 from .ordering import fifo_key, las_key, srtf_key
 from .placement import Ledger, describe
 
@@ -40,7 +40,7 @@ class Synergy:
     def best_case_cpus(self, job: JobView, perf: PerfOracle | None, per_node_gpus: int, cpus_per_node: int) -> int:
         """Fewest CPUs per GPU within 1% of the best throughput (optimistic profile)."""
         plan = default_plan(job.spec)
-        key = (spec_key(job.spec), per_node_gpus, cpus_per_node)
+        key = (oracle_key(job.spec, perf), per_node_gpus, cpus_per_node)
         got = self._best.get(key)
         if got is not None:
             return got
