@@ -16,8 +16,10 @@ observations of configurations that actually ran:
   (The model's own parameters are not refitted per observation: a joint fit takes
   seconds; this one-parameter correction is what changes between rounds.)
 * An out-of-memory start marks the plan infeasible for that model and batch on
-  any placement (memory per GPU depends on the plan, not on where it runs): the
-  oracle answers 0 and policies stop choosing it.
+  any placement (memory per GPU depends on the plan, not on where it runs), and
+  with it every plan of the same layout that needs at least as much memory (a
+  micro-batch as large or larger, no checkpointing where it had none): the
+  oracle answers 0 and policies stop choosing them.
 
 Each observation that changes an answer bumps ``revision`` and the model's entry
 in ``spec_key``, so policies' cached curves for that model are rebuilt.
@@ -70,6 +72,7 @@ class LearningOracle:
         # (model, plan, per_node) -> (observed samples/s, the model's prediction then)
         self._exact: dict[tuple, tuple[float, float]] = {}
         self._oom: set[tuple] = set()  # (model, plan)
+        self._oom_by_model: dict[tuple, list[tuple]] = {}
         self._fam: dict[tuple, dict[tuple, float]] = {}  # (model, family) -> {config: log ratio}
         self._factor: dict[tuple, float] = {}  # (model, family) -> refitted scale
         self._version: dict[tuple, int] = {}  # model -> changes
@@ -87,9 +90,10 @@ class LearningOracle:
         model = _model_of(spec)
         pkey = _norm(plan, spec.global_batch)
         if oom:
-            if (model, pkey) in self._oom:
+            if self._dominated(model, pkey):
                 return False
             self._oom.add((model, pkey))
+            self._oom_by_model.setdefault(model, []).append(pkey)
             return self._bump(model)
         if step_time is None or not step_time > 0 or not math.isfinite(step_time):
             return False
@@ -113,8 +117,17 @@ class LearningOracle:
         self.revision += 1
         return True
 
+    def _dominated(self, model: tuple, pkey: tuple) -> bool:
+        """Does a plan that ran out of memory need no more memory than ``pkey``? Same
+        layout (dp, tp, pp, ZeRO, offload), a micro-batch at least as large, and
+        checkpointing only if the failed plan had it too."""
+        for f in self._oom_by_model.get(model, ()):
+            if f[:5] == pkey[:5] and pkey[6] >= f[6] and (f[7] or not pkey[7]):
+                return True
+        return False
+
     def infeasible(self, spec: JobSpec, plan: Plan) -> bool:
-        return (_model_of(spec), _norm(plan, spec.global_batch)) in self._oom
+        return self._dominated(_model_of(spec), _norm(plan, spec.global_batch))
 
     def observed(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...]) -> float | None:
         """Observed samples/s of exactly this configuration, if it ran."""
@@ -135,7 +148,7 @@ class LearningOracle:
         if model not in self._version:
             return t
         pkey = _norm(plan, spec.global_batch)
-        if (model, pkey) in self._oom:
+        if model in self._oom_by_model and self._dominated(model, pkey):
             return 0.0
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         got = self._exact.get((model, pkey, per_node))

@@ -492,9 +492,10 @@ class Simulator:
                 break
             run_round = t >= next_round or (arrived and cfg.round_on_arrival) or (completed and cfg.round_on_completion)
             if run_round and self.live:
-                changed = self._round(t)
-                if not changed and not self.running and nxt >= n and not heap:
-                    break  # deadlock: nothing runs, nothing will arrive, the policy starts nothing
+                # A round that starts nothing while nothing runs is not the end: a policy
+                # may wait on time (minimum run time after a failed launch); the stall
+                # limit ends a real deadlock.
+                self._round(t)
             if t >= next_round:
                 next_round = (math.floor(t / interval) + 1) * interval
             if cfg.record_timeline:
