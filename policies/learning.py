@@ -151,14 +151,14 @@ class LearningOracle:
         if model in self._oom_by_model and self._dominated(model, pkey):
             return 0.0
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        if t <= 0:  # the model's (or the regime's) "may not run" stands
+            return t
         got = self._exact.get((model, pkey, per_node))
         if got is not None:
             observed, then = got
             # The observation replaces the prediction; other CPU counts on the same
             # configuration keep the model's CPU sensitivity around it.
-            return observed * (t / then) if t > 0 and then > 0 else observed
-        if t <= 0:
-            return t
+            return observed * (t / then) if then > 0 else observed
         return t * self._factor.get((model, plan_family(plan)), 1.0)
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:

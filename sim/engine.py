@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus_schema.messages import Plan
-from policies.api import AllocationError, JobView, NodeState, Placement, Policy, check_decision
+from policies.api import AllocationError, JobView, NodeState, Placement, Policy, check_decision, make_job_view
 
 from .trace import ClusterSpec, Trace, TraceJob
 from policies.learning import LearningOracle
@@ -121,6 +121,7 @@ class JobRecord:
     preempted_after_start: bool = False
     request_step_time: float = 0.0
     observed: bool = True  # the current allocation's speed was told to the oracle
+    attained_before: float = 0.0  # GPU-seconds of finished allocations
 
 
 @dataclass(slots=True)
@@ -239,6 +240,7 @@ class Simulator:
     # ------------------------------------------------------------ allocation changes
     def _release(self, r: JobRecord, t: float) -> None:
         self._advance(r, t)
+        r.attained_before = r.attained
         lost = max(0.0, min(t, r.productive_from) - r.alloc_at)
         r.restart_lost += lost
         r.restart_gpu_seconds += lost * r.gpus_held
@@ -307,7 +309,7 @@ class Simulator:
         self._advance_all(t)
         if self.cfg.learn:
             self._observe(t)
-        views = [r.view for r in self.live.values()]
+        views = [self._view(r, t) for r in self.live.values()]
         nodes = self._nodes()
         decision = self.policy.schedule(t, nodes, views, self.oracle)
         if self.cfg.full_check:
@@ -343,6 +345,15 @@ class Simulator:
         if changed and self.cfg.check_invariants:
             self._check_capacity()
         return changed
+
+    @staticmethod
+    def _view(r: JobRecord, t: float) -> JobView:
+        """The policy's copy of a job, made by the function the optimizer uses too."""
+        v = r.view
+        return make_job_view(v.job_id, v.spec, v.submitted_at, t, steps_done=r.steps_done, placement=r.placement,
+                             plan=r.plan, attained_before=r.attained_before, restarts=v.restarts,
+                             last_switch_at=v.last_switch_at, started_at=v.started_at,
+                             target_throughput=v.target_throughput)
 
     def _observe(self, t: float) -> None:
         """Tell the oracle the speed of allocations that have started training (what

@@ -237,7 +237,8 @@ class GroundTruth:
         from . import extended as ext
 
         spec = job.spec
-        if self.headroom is not None and ext.runs_out_of_memory(spec.model, spec.global_batch, plan, self.headroom):
+        if (self.headroom is not None and not self._ran(job, plan, gpus)
+                and ext.runs_out_of_memory(spec.model, spec.global_batch, plan, self.headroom)):
             return 0.0, "extended"
         fam = ext.family(plan)
         who = job.truth_key or spec.model.name
@@ -245,6 +246,17 @@ class GroundTruth:
         t *= ext.systematic(self.seed, who, fam, self.systematic)
         t *= 1.0 + self.distance_slowdown * ext.distance(gpus, fam, measured)
         return t, "extended"
+
+    def _ran(self, job: TraceJob, plan: Plan, gpus: int) -> bool:
+        """Is there evidence this plan fits in memory: the job's own request, or a
+        measured row of its family (memory per GPU depends on the plan, not on the
+        placement) on as many GPUs (3D: the same PP-TP-DP digits)."""
+        req = job.spec.plan or Plan(dp=job.spec.gpus)
+        if _same_kind(plan, req) and gpus == job.spec.gpus:
+            return True
+        family = rubick_family(plan)
+        rows = self._by_family.get(job.truth_key, {}).get(family or "", [])
+        return any(sum(shape) == gpus for shape, _ in rows)
 
     def measured_config(self, spec: JobSpec, plan: Plan, per_node: tuple[int, ...]) -> bool:
         """Is (plan, placement) measured for this job's model, or the job's own request
