@@ -138,7 +138,12 @@ class LearningOracle:
     # ------------------------------------------------------------ answering
     def spec_key(self, spec: JobSpec) -> object:
         own = getattr(self.base, "spec_key", None)
-        base = own(spec) if own is not None else None
+        if own is not None:
+            base = own(spec)
+        else:  # what any oracle's answer may depend on (never shared across models)
+            from .candidates import spec_key
+
+            base = spec_key(spec)
         return ("learned", base, self._version.get(_model_of(spec), 0))
 
     def _adjust(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...], t: float) -> float:

@@ -134,3 +134,14 @@ def test_sim_without_learning_retries_the_oom_forever():
                    truth_predictor=_truth)
     r = res.records[0]
     assert r.finish is None and r.stalled > 10
+
+
+def test_spec_key_separates_models_and_follows_learning():
+    oracle = LearningOracle(PlanOracle())  # a base oracle without spec_key
+    a = _job().spec
+    b = JobSpec(name="k", model=ModelSpec(name="other", params=1, layers=1, hidden=8, seq_len=8), global_batch=16,
+                steps=1, gpus=1, cpus_per_gpu=2)
+    assert oracle.spec_key(a) != oracle.spec_key(b)
+    before = oracle.spec_key(a)
+    oracle.observe(a, Plan(dp=1), (Placement("n0", 1, 2),), oom=True)
+    assert oracle.spec_key(a) != before and oracle.spec_key(b) == oracle.spec_key(b)
