@@ -326,6 +326,15 @@ class BeliefOracle:
             from policies.oracle import AnalyticOracle
 
             self._analytic = AnalyticOracle(gpus_per_node=gpus_per_node)
+        else:
+            # The same plan space as the optimizer's oracle (perfmodel.enumerate_plans),
+            # so a policy weighs the same plans live and in simulation.
+            try:
+                from policies.oracle import PerfModelOracle
+
+                self.plans = PerfModelOracle().plans
+            except ImportError:
+                pass
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
         spec = job.spec
