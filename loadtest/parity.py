@@ -286,7 +286,10 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
         await svc.stop()
         return rounds, inputs, len(drv.done)
     finally:
-        await nc.drain()
+        try:
+            await asyncio.wait_for(nc.close(), 10)
+        except Exception:  # noqa: BLE001 - the server goes next anyway; never mask the real error
+            pass
         server.stop()
 
 
@@ -330,6 +333,9 @@ def main(argv=None) -> int:
     ap.add_argument("--restart-cost", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    from services.runtime import configure_logging
+
+    configure_logging("json", "ERROR")  # stdout carries the report only; log lines go to stderr
     from sim.perfmodel_bridge import find_predictor
 
     trace = scripted_trace(args.jobs)
