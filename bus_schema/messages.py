@@ -261,6 +261,11 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     failures: NonNegInt = 0  # crashes retried from the last checkpoint
     checkpoint_step: NonNegInt = 0  # step of the last checkpoint an agent reported
     pinned: "PinnedPlan | None" = None  # operator override (gs.optimizer.reconfigure)
+    # What the simulator keeps too (policies.api.make_job_view): when the current
+    # (or, while pending, the last) allocation started, and the GPU-seconds of the
+    # allocations that ended. Defaults keep older records decodable.
+    last_switch_at: float | None = None
+    attained_gpu_s: NonNegFloat = 0.0
 
     @property
     def terminal(self) -> bool:

@@ -84,7 +84,7 @@ from policies import Decision, JobView, NodeState, Placement, check_decision, ma
 from policies.api import JobDecision
 
 from . import auth_alloc
-from .policy_bridge import ModelOracle, job_view
+from .policy_bridge import ModelOracle, job_view, segment_gpu_s
 from .queues import QueueStore
 from policies.sharing import Shared
 from .jobstore import JobStore, kv_snapshot, publish_event, with_event
@@ -267,6 +267,7 @@ class Optimizer:
                     and r.node in {p.node for p in rec.draining}):
                 new, released, ended = self._drained(rec, [r.node], r)
                 return new
+            self.models.observe_report(rec, r)  # what ran teaches the oracle (policies.learning)
             if rec.generation != r.generation or rec.terminal:
                 return None
             ts = r.ts
@@ -318,6 +319,7 @@ class Optimizer:
                 retry = rec.failures + 1
                 new = msgspec.structs.replace(
                     rec, state=JobState.PENDING, placement=[], steps_done=steps, failures=retry,
+                    attained_gpu_s=rec.attained_gpu_s + segment_gpu_s(rec, ts),
                     restarts=rec.restarts + 1, switch=None, reason=f"retry {retry}/{self.max_retries}: {why}",
                     draining=others, drain_generation=rec.generation, drain_started=now() if others else None,
                 )
@@ -600,6 +602,7 @@ class Optimizer:
             new = msgspec.structs.replace(
                 r, state=JobState.SCHEDULED, generation=gen, plan=d.plan, placement=placement,
                 scheduled_at=r.scheduled_at or ts, reason=d.reason, restarts=r.restarts + (1 if reconfig else 0),
+                last_switch_at=ts, attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts),
             )
             if reconfig:  # gang barrier: generation gen starts once every rank of r.generation exited
                 new = msgspec.structs.replace(
@@ -649,7 +652,7 @@ class Optimizer:
                 return None
             new = msgspec.structs.replace(
                 r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
-                **_drain_fields(r, ts, alive),
+                attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts), **_drain_fields(r, ts, alive),
             )
             extra = {"checkpoint_step": r.checkpoint_step} if with_checkpoint else {}
             return with_event(new, event, ts=ts, reason=why, **extra)
