@@ -23,10 +23,7 @@ from .placement import Ledger, describe
 
 def _place(ledger: Ledger, job: JobView, cpg: int):
     plan = default_plan(job.spec)
-    try:
-        return ledger.place(plan.gpus, cpg, unit=plan.tp)
-    except TypeError:  # Ledger without TP units
-        return ledger.place(plan.gpus, cpg)
+    return ledger.place(plan.gpus, cpg, unit=plan.tp)
 
 
 class EasyFifo:

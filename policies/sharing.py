@@ -48,11 +48,9 @@ class Victim:
 
 
 def _place(ledger: Ledger, job: JobView, plan) -> tuple | None:
-    cpg = job.spec.cpus_per_gpu or 1
-    try:
-        return ledger.place(plan.gpus, cpg, prefer=tuple(p.node for p in job.placement), unit=plan.tp)
-    except TypeError:  # placement without TP units (older Ledger)
-        return ledger.place(plan.gpus, cpg, prefer=tuple(p.node for p in job.placement))
+    """Room for ``plan`` (a TP group never spans nodes), preferring the job's own nodes."""
+    return ledger.place(plan.gpus, job.spec.cpus_per_gpu or 1, prefer=tuple(p.node for p in job.placement),
+                        unit=plan.tp)
 
 
 class Shared:
