@@ -42,7 +42,7 @@ import time
 
 from msgspec.structs import replace
 
-from policies.queues import QuotaBook, ShareConfig
+from policies.queues import QuotaBook, ShareConfig, entitlement
 from policies.registry import make_policy
 from sim.engine import SimConfig, simulate
 from sim.metrics import summarize
@@ -56,7 +56,7 @@ SHARING = {
         "product": {"quota": 16, "weight": 1, "cohort": "all"},
         "intern": {"quota": 16, "weight": 1, "cohort": "all"},
     },
-    "half_life": 6 * 3600,
+    "half_life": 3600,  # see --half-life: a longer memory trades window shares for past use
     "starvation_wait": 8 * 3600,
     "min_run_time": 600,
 }
@@ -82,26 +82,6 @@ def workload(scale: float = 1.0, seed: int = 0) -> Trace:
             spec = replace(j.spec, name=jid, tenant=tenant)
             jobs.append(TraceJob(jid, round(j.submit + start_h * 3600, 3), spec, j.truth_key))
     return Trace("fairness", jobs, parse_cluster(CLUSTER), note="three tenants, bursts (loadtest.fairness)")
-
-
-def entitlement(demand: dict[str, int], weight: dict[str, float], capacity: float) -> dict[str, float]:
-    """Weighted max-min fair shares of ``capacity`` over ``demand`` (water-filling)."""
-    out = {t: 0.0 for t in demand}
-    left = {t for t, d in demand.items() if d > 0}
-    cap = float(capacity)
-    while left and cap > 1e-9:
-        wsum = sum(weight[t] for t in left)
-        fill = {t: cap * weight[t] / wsum for t in left}
-        done = {t for t in left if demand[t] - out[t] <= fill[t]}
-        if not done:
-            for t in left:
-                out[t] += fill[t]
-            break
-        for t in done:
-            cap -= demand[t] - out[t]
-            out[t] = float(demand[t])
-        left -= done
-    return out
 
 
 def share_check(log: list[dict], cfg: ShareConfig, capacity: int, end: float) -> dict:
@@ -276,26 +256,30 @@ def backfill_check(trace: Trace, sim_cfg: SimConfig) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="fifo,las,rubick", help="policies run with the sharing parts")
+    ap.add_argument("--policies", default="fifo,tiresias,rubick,sia,gavel", help="policies run with the sharing parts")
     ap.add_argument("--scale", type=float, default=1.0, help="jobs per tenant x this (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--interval", type=float, default=60.0)
     ap.add_argument("--restart-cost", type=float, default=120.0)
+    ap.add_argument("--half-life", type=float, default=None,
+                    help="fair-share half-life in seconds (default 3600; 21600 remembers longer and gives a tenant "
+                         "that used more before less of the next windows)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--series", action="store_true", help="include the per-round share series in the JSON")
     args = ap.parse_args(argv)
     trace = workload(args.scale, args.seed)
+    sharing = dict(SHARING, half_life=args.half_life) if args.half_life else SHARING
     sim_cfg = SimConfig(interval=args.interval, restart_cost=args.restart_cost, seed=args.seed)
-    cfg = ShareConfig.from_dict(SHARING)
-    out: dict = {"cluster": CLUSTER, "jobs": len(trace.jobs), "sharing": SHARING, "interval_s": args.interval,
+    cfg = ShareConfig.from_dict(sharing)
+    out: dict = {"cluster": CLUSTER, "jobs": len(trace.jobs), "sharing": sharing, "interval_s": args.interval,
                  "restart_cost_s": args.restart_cost, "policies": {}}
     ok = True
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        pol, res, wall = run_policy(name, trace, sim_cfg, SHARING)
+        pol, res, wall = run_policy(name, trace, sim_cfg, sharing)
         share, series = share_check(pol.log, cfg, trace.cluster.gpus, res.end_time)
         checks = {"share": share, "quota": quota_check(pol.log, cfg),
                   "reclaim": reclaim_check(pol.log, res, args.interval, args.restart_cost),
-                  "min_run_time": min_run_check(pol.log, SHARING["min_run_time"])}
+                  "min_run_time": min_run_check(pol.log, sharing["min_run_time"])}
         s = summarize(res)
         entry = {"checks": checks, "pass": all(c["pass"] for c in checks.values()), "tenants": per_tenant(res),
                  "avg_jct_h": round(s["avg_jct_s"] / 3600, 3), "unfinished": s["unfinished"],

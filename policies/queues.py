@@ -233,3 +233,23 @@ class FairShare:
     def load(self, state: dict) -> None:
         self.usage = {str(k): float(v) for k, v in state.get("usage", {}).items()}
         self.at = state.get("at")
+
+
+def entitlement(demand: dict[str, int], weight: dict[str, float], capacity: float) -> dict[str, float]:
+    """Weighted max-min fair shares of ``capacity`` over ``demand`` (water-filling)."""
+    out = {t: 0.0 for t in demand}
+    left = {t for t, d in demand.items() if d > 0}
+    cap = float(capacity)
+    while left and cap > 1e-9:
+        wsum = sum(weight[t] for t in left)
+        fill = {t: cap * weight[t] / wsum for t in left}
+        done = {t for t in left if demand[t] - out[t] <= fill[t]}
+        if not done:
+            for t in left:
+                out[t] += fill[t]
+            break
+        for t in done:
+            cap -= demand[t] - out[t]
+            out[t] = float(demand[t])
+        left -= done
+    return out

@@ -107,11 +107,11 @@ class Shared:
                      and not self._protected(v, now)]
             cands.sort(key=lambda v: (v.spec.priority, -(v.switched_at or 0.0), v.job_id))
         else:
-            mine = self.standing[j.job_id][2]
+            mine = self.standing[j.job_id][-1]
             cands = [v for v in holding.values() if not self._protected(v, now) and (
                 v.spec.priority < prio if kind == "priority"
-                else v.spec.priority <= prio and self.standing[v.job_id][2] > mine and v.spec.tenant != t)]
-            cands.sort(key=lambda v: (v.spec.priority, -self.standing[v.job_id][2], -(v.switched_at or 0.0), v.job_id))
+                else v.spec.priority <= prio and self.standing[v.job_id][-1] > mine and v.spec.tenant != t)]
+            cands.sort(key=lambda v: (v.spec.priority, -self.standing[v.job_id][-1], -(v.switched_at or 0.0), v.job_id))
         plan = default_plan(j.spec)
         taken: list[JobView] = []
         for v in cands:
