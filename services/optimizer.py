@@ -155,6 +155,9 @@ class Optimizer:
             self.queues = await QueueStore(self.nc).open()
             self.share_base = self.policy.cfg
             await self.queues.seed(self.share_base)
+            usage = await self.queues.load_usage()
+            if usage:
+                self.policy.fair.load(usage)
         self.lease = Lease(
             await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
             renew=self.lease_ttl / 4,
@@ -496,6 +499,8 @@ class Optimizer:
             self.policy.set_config(await self.queues.config(self.share_base))
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
         decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
+        if self.queues is not None:
+            await self.queues.save_usage(self.policy.fair.state())
         self._apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():

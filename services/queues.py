@@ -20,6 +20,8 @@ from policies.queues import Queue, ShareConfig
 
 from .jobstore import kv_snapshot
 
+USAGE_KEY = "fairshare.usage"
+
 
 def to_core(q: QueueSpec) -> Queue:
     return Queue(q.tenant, q.quota, q.weight, q.cohort, q.borrow_limit, q.lend_limit)
@@ -41,7 +43,19 @@ class QueueStore:
 
     async def all(self) -> list[QueueSpec]:
         snap = await kv_snapshot(self.kv)
-        return sorted((codec.decode(v, QueueSpec) for v, _ in snap.values()), key=lambda q: q.tenant)
+        # tenant names have no dots; dotted keys are the optimizer's own state
+        return sorted((codec.decode(v, QueueSpec) for k, (v, _) in snap.items() if "." not in k), key=lambda q: q.tenant)
+
+    async def save_usage(self, state: dict) -> None:
+        """The fair-share memory (decayed usage), so a new leader goes on from it."""
+        await self.kv.put(USAGE_KEY, msgspec.json.encode(state))
+
+    async def load_usage(self) -> dict | None:
+        try:
+            entry = await self.kv.get(USAGE_KEY)
+        except Exception:  # nats KeyNotFoundError: nothing saved yet
+            return None
+        return msgspec.json.decode(entry.value) if entry and entry.value else None
 
     async def put(self, q: QueueSpec) -> None:
         await self.kv.put(subj.token(q.tenant), msgspec.json.encode(q))

@@ -69,9 +69,12 @@ async def test_queues_from_config_then_changed_at_run_time(nc):
         r2 = await call(nc, subj.ADMISSION_GET, {"job_id": a2}, JobRecord)
         assert r2.state == JobState.SCHEDULED
         assert opt.policy.cfg.queue("a").quota == 8
-        # a restarted optimizer does not overwrite the changed queue with its config
+        # a restarted optimizer does not overwrite the changed queue with its config, and
+        # goes on from the saved fair-share memory
+        await wait_for(lambda: round_now(nc), timeout=60, step=0.2)
         opt2 = await Optimizer(nc, policy="fifo", interval=60, lease_ttl=2, policy_options={"sharing": SHARING}).open()
         assert (await opt2.queues.config(opt2.share_base)).queue("a").quota == 8
+        assert opt2.policy.fair.usage.get("a", 0) > 0 and opt2.policy.fair.usage == opt.policy.fair.usage
     finally:
         stop.set()
         await task
