@@ -259,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "unmeasured_slowdown": args.unmeasured_slowdown, "perfmodel": args.perfmodel,
                        "regime": args.regime, "systematic": args.systematic,
                        "distance_slowdown": args.distance_slowdown, "headroom": args.headroom,
-                       "learning": not args.no_learning},
+                       "learning": not args.no_learning, "policy_options": args.policy_options},
             "results": summaries,
             "ratios_vs_best_baseline": rat,
         }
