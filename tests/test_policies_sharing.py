@@ -157,3 +157,36 @@ def test_priority_inside_a_full_quota_preempts_its_own_tenants_lower_class():
     a2 = tj("a2", 4, "a", prio=5, t=10.0)
     d = run(make_policy("fifo", sharing=cfg), 20.0, ns, [a1, b1, a2])
     assert set(d.allocations) == {"a2", "b1"} and "priority" in d.waiting["a1"]
+
+
+@pytest.mark.parametrize("name", ["fifo", "fifo-easy", "las", "tiresias", "antman", "rubick", "sia", "gavel", "synergy"])
+def test_every_policy_with_sharing_emits_valid_decisions_and_keeps_quotas(name):
+    """Random tenants, priorities and sizes over several rounds: every decision passes
+    check_decision and no cohort borrows more than it lends."""
+    import random
+    import zlib
+
+    from policies.queues import QuotaBook
+    from tests.test_policies_decisions import _instance
+    from tests.policy_helpers import apply
+
+    cfg = {"queues": {"a": {"quota": 8, "weight": 2, "cohort": "c"}, "b": {"quota": 8, "cohort": "c", "lend_limit": 4},
+                      "c": {"quota": 4, "cohort": "c", "borrow_limit": 4}}, "min_run_time": 600, "starvation_wait": 1500}
+    share = ShareConfig.from_dict(cfg)
+    rng = random.Random(zlib.crc32(name.encode()))
+    for inst in range(6):
+        ns, jobs = _instance(rng, 4)
+        for j in jobs:
+            j.spec = replace(j.spec, tenant=rng.choice("abc"), priority=rng.choice([0, 0, 1, 5]))
+        pol = make_policy(name, sharing=cfg)
+        now = 1000.0
+        for _ in range(5):
+            d = pol.schedule(now, ns, jobs, None)
+            check_decision(d, ns, {j.job_id: j for j in jobs})
+            held: dict[str, int] = {}
+            by_id = {j.job_id: j for j in jobs}
+            for jid, a in d.allocations.items():
+                held[by_id[jid].spec.tenant] = held.get(by_id[jid].spec.tenant, 0) + a.plan.gpus
+            assert QuotaBook(share, held).over_limit() == [], (held, inst)
+            apply(d, jobs, now)
+            now += 700.0
