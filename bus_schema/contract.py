@@ -72,6 +72,8 @@ ROUTES: tuple[Route, ...] = (
     _req(s.ADMISSION_GET + ".<tenant>", m.JobRef, m.JobRecord, ("tenant",), "admission", "one own job"),
     _req(s.ADMISSION_LIST + ".<tenant>", m.ListRequest, m.JobList, ("tenant",), "admission", "own jobs"),
     _req(s.ADMISSION_NODES, None, m.NodeList, (), "admission", "the nodes' last reports"),
+    _req(s.ADMISSION_QUEUES, None, m.QueueList, (), "admission", "the tenant queues (quota, weight, cohort, usage)"),
+    _req(s.ADMISSION_SET_QUEUE, m.QueueSpec, m.QueueList, (), "admission", "create or change a tenant queue"),
     # optimizer
     _req(s.OPTIMIZER_ROUND, None, m.RoundReply, (), "optimizer", "run a scheduling round now"),
     _req(s.OPTIMIZER_EXPLAIN, None, m.ExplainReply, (), "optimizer", "why each job waits or runs where it does"),
@@ -121,6 +123,8 @@ ROUTES: tuple[Route, ...] = (
     Route(f"$KV.{s.NODES_BUCKET}.<node>", KV, m.NodeReport, senders=("agent",), doc="a node's last report"),
     Route(f"$KV.{s.NODE_MODES_BUCKET}.<node>", KV, ops.NodeModeEntry, senders=("optimizer",),
           doc="cordoned / draining nodes (absent: active)"),
+    Route(f"$KV.{s.QUEUES_BUCKET}.<tenant>", KV, m.QueueSpec, senders=("admission", "optimizer"),
+          doc="a tenant's queue (set in the cluster config or by gs.admission.setqueue)"),
 )
 
 STREAM_SUBJECTS = {s.EVENTS_STREAM: s.EVENTS_SUBJECTS, s.REPORTS_STREAM: s.REPORTS_SUBJECTS}

@@ -14,7 +14,7 @@ MESSAGE_TYPES = [
     m.JobSpec, m.SubmitRequest, m.SubmitReply, m.JobRef, m.ListRequest, m.JobRecord, m.JobList,
     m.Plan, m.ModelSpec, m.Allocation, m.NodePlacement, m.NodeReport, m.NodeList, m.GpuReport,
     m.RunReport, m.JobProgress, m.StopCommand, m.AgentReply, m.ErrorReply, m.RoundReply,
-    m.ExplainReply, *m.EVENT_TYPES, *pm.PERFMODEL_TYPES,
+    m.ExplainReply, m.QueueSpec, m.QueueList, *m.EVENT_TYPES, *pm.PERFMODEL_TYPES,
 ]
 # and every type the contract table names (profiler, operator messages)
 MESSAGE_TYPES += [t for t in contract.message_types() if t not in MESSAGE_TYPES]

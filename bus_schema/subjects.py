@@ -17,6 +17,7 @@ ALLOC_BUCKET = "gs_alloc"
 MODELS_BUCKET = "gs_models"
 LEASE_BUCKET = "gs_lease"
 NODE_MODES_BUCKET = "gs_node_modes"
+QUEUES_BUCKET = "gs_queues"  # tenant -> QueueSpec
 
 # request-reply services
 ADMISSION = "gs.admission"
@@ -25,6 +26,8 @@ ADMISSION_CANCEL = "gs.admission.cancel"
 ADMISSION_GET = "gs.admission.get"
 ADMISSION_LIST = "gs.admission.list"
 ADMISSION_NODES = "gs.admission.nodes"
+ADMISSION_QUEUES = "gs.admission.queues"  # -> QueueList
+ADMISSION_SET_QUEUE = "gs.admission.setqueue"  # QueueSpec -> QueueList (admin only)
 OPTIMIZER = "gs.optimizer"
 OPTIMIZER_ROUND = "gs.optimizer.round"
 OPTIMIZER_EXPLAIN = "gs.optimizer.explain"

@@ -3,6 +3,7 @@
     gearshift up [--nodes N --gpus-per-node G --port P --policy NAME]
     gearshift submit FILE|-
     gearshift get jobs [--state S --tenant T -w] | get job ID | get nodes | get node NAME
+    gearshift get queues | set queue TENANT --quota N [--weight W --cohort C --borrow-limit N --lend-limit N]
     gearshift describe job ID
     gearshift cancel ID
     gearshift events [--follow] [--job ID] [-o json]
@@ -107,6 +108,13 @@ async def cmd_get(args: argparse.Namespace) -> int:
             else:
                 print(views.table(views.job_rows(jobs), views.JOB_HEADERS))
             return 0
+        if args.what in ("queues", "queue"):
+            queues = await c.queues()
+            if args.output == "json":
+                _print_json(queues)
+            else:
+                print(views.table(queue_rows(queues), QUEUE_HEADERS))
+            return 0
         nodes = (await c.nodes()).nodes
         if args.name:
             nodes = [n for n in nodes if n.node == args.name]
@@ -156,6 +164,33 @@ async def _watch_jobs(c: Client, args: argparse.Namespace, states: list[str] | N
         first = False
         await asyncio.sleep(args.interval)
     return 0
+
+
+QUEUE_HEADERS = ["TENANT", "QUOTA", "WEIGHT", "COHORT", "BORROW LIMIT", "LEND LIMIT"]
+
+
+def queue_rows(queues) -> list[list[str]]:
+    dash = lambda v: "-" if v is None or v == "" else str(v)
+    return [[q.tenant, str(q.quota), f"{q.weight:g}", dash(q.cohort), dash(q.borrow_limit), dash(q.lend_limit)]
+            for q in queues]
+
+
+async def cmd_set(args: argparse.Namespace) -> int:
+    """``set queue``: fields not given keep their current value (a new queue needs --quota)."""
+    async def go(c: Client) -> int:
+        old = next((q for q in await c.queues() if q.tenant == args.tenant), None)
+        queue = codec.to_builtins(old) if old is not None else {"tenant": args.tenant}
+        for key in ("quota", "weight", "cohort", "borrow_limit", "lend_limit"):
+            value = getattr(args, key)
+            if value is not None:
+                queue[key] = value
+        if "quota" not in queue:
+            print(f"error: queue {args.tenant} is new: give --quota", file=sys.stderr)
+            return 2
+        print(views.table(queue_rows(await c.set_queue(queue)), QUEUE_HEADERS))
+        return 0
+
+    return await _with_client(args, go)
 
 
 async def cmd_describe(args: argparse.Namespace) -> int:
@@ -270,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file", help="the spec file; - reads it from standard input")
     s.add_argument("--token", default=None, help="idempotency token: resubmitting returns the same job")
 
-    g = verb("get", "list jobs or nodes, or show one")
-    g.add_argument("what", choices=["jobs", "job", "nodes", "node"], help="what to list")
+    g = verb("get", "list jobs, nodes or tenant queues, or show one")
+    g.add_argument("what", choices=["jobs", "job", "nodes", "node", "queues", "queue"], help="what to list")
     g.add_argument("name", nargs="?", default=None, help="one job id or node name")
     g.add_argument("-o", "--output", choices=["table", "json"], default="table", help="output format")
     g.add_argument("--tenant", default=None, help="only this tenant's jobs")
@@ -286,6 +321,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("kind", choices=["job"], help="what to describe")
     d.add_argument("id", help="job id")
     d.add_argument("-o", "--output", choices=["text", "json"], default="text", help="output format")
+
+    sq = verb("set", "change a tenant's queue (admin)")
+    sq.add_argument("what", choices=["queue"], help="what to change")
+    sq.add_argument("tenant", help="the tenant whose queue changes (created when new)")
+    sq.add_argument("--quota", type=int, default=None, help="nominal GPU quota")
+    sq.add_argument("--weight", type=float, default=None, help="fair-share weight")
+    sq.add_argument("--cohort", default=None, help="cohort whose members borrow each other's unused quota")
+    sq.add_argument("--borrow-limit", type=int, default=None, help="most GPUs it may borrow")
+    sq.add_argument("--lend-limit", type=int, default=None, help="most of its unused GPUs others may borrow")
 
     c = verb("cancel", "cancel a job (its processes checkpoint and stop)")
     c.add_argument("id", help="job id")
@@ -390,7 +434,7 @@ def _main(argv: list[str]) -> int:
         if args.cmd == "schema":
             return cmd_schema(args)
         fn = {"submit": cmd_submit, "get": cmd_get, "describe": cmd_describe, "cancel": cmd_cancel,
-              "events": cmd_events, **cli_ops.ASYNC_COMMANDS}[args.cmd]
+              "events": cmd_events, "set": cmd_set, **cli_ops.ASYNC_COMMANDS}[args.cmd]
         return asyncio.run(fn(args))
     except SpecFileError as exc:
         print(f"error: {exc}", file=sys.stderr)

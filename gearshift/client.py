@@ -177,6 +177,18 @@ class Client:
         req = LogsRequest(job_id=job_id, rank=rank, generation=generation, tail_bytes=tail_bytes)
         return await self._call(subj.agent_command(node, "logs"), req, LogsReply, "read logs")
 
+    async def queues(self):
+        from bus_schema.messages import QueueList
+
+        return (await self._call(subj.ADMISSION_QUEUES, None, QueueList, "list queues")).queues
+
+    async def set_queue(self, queue: dict):
+        """``queue``: QueueSpec fields (admission decodes and checks them)."""
+        from bus_schema.messages import QueueList
+
+        return (await self._call(subj.ADMISSION_SET_QUEUE, msgspec.json.encode(queue), QueueList,
+                                 "change queues")).queues
+
     # ------------------------------------------------------------ events
     async def events(self, follow: bool = False, subject: str = subj.EVENTS_SUBJECTS) -> AsyncIterator[tuple[str, int, Any]]:
         """(subject, stream sequence, event) from the start of the stream; with

@@ -30,6 +30,8 @@ from bus_schema.messages import (
     ListRequest,
     NodeList,
     NodeReport,
+    QueueList,
+    QueueSpec,
     SubmitReply,
     SubmitRequest,
 )
@@ -37,6 +39,7 @@ from bus_schema.validate import SpecError, check_spec
 
 from .jobstore import JobStore, kv_snapshot, with_event
 from . import observe
+from .queues import QueueStore, most_gpus
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, now, run_service, serve
 
 log = get_logger(service="admission")
@@ -64,9 +67,11 @@ class Admission:
         # job -> its latest progress report (running jobs only; see with_live)
         self.progress: dict[str, JobProgress] = {}
         self._progress_sub: Any = None
+        self.queues = QueueStore(nc)
 
     async def open(self) -> "Admission":
         await self.store.open()
+        await self.queues.open()
         self.nodes_kv = await self.nc.jetstream().key_value(subj.NODES_BUCKET)
         self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
         return self
@@ -117,6 +122,7 @@ class Admission:
             check_spec(spec, max_gpus=max_gpus, max_gpus_per_node=per_node)
         except SpecError as err:
             raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
+        await self._check_quota(spec)
         job_id = job_id_for(spec.tenant, req.token)
         if req.token is not None:
             existing = await self.store.get(job_id)
@@ -197,6 +203,25 @@ class Admission:
     async def list_nodes(self, _: None) -> NodeList:
         return NodeList(nodes=await self.nodes())
 
+    # ------------------------------------------------------------ tenant queues (issue 13)
+    async def _check_quota(self, spec) -> None:
+        """Admit only jobs their tenant's quota (+ what its cohort could lend) can ever hold."""
+        from policies.queues import ShareConfig
+
+        most = most_gpus(await self.queues.config(ShareConfig()), spec.tenant)
+        if most is not None and spec.gpus > most:
+            raise bad_request(f"spec.gpus: {spec.gpus} GPUs is more than tenant {spec.tenant} can ever hold "
+                              f"(quota + what its cohort can lend = {most})", "spec.gpus")
+
+    async def get_queues(self, _: None) -> QueueList:
+        return QueueList(queues=await self.queues.all())
+
+    async def set_queue(self, q: QueueSpec) -> QueueList:
+        await self.queues.put(q)
+        log.info("queue set", tenant=q.tenant, quota=q.quota, weight=q.weight, cohort=q.cohort)
+        await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+        return QueueList(queues=await self.queues.all())
+
     # ------------------------------------------------------------ tenant endpoints
     # ``gs.admission.<verb>.<tenant>``: with authorisation on, the server lets
     # only that tenant's user (and the admin) publish there, so the last token
@@ -240,6 +265,8 @@ class Admission:
             Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
             Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
             Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
+            Endpoint("queues", subj.ADMISSION_QUEUES, None, self.get_queues),
+            Endpoint("setqueue", subj.ADMISSION_SET_QUEUE, QueueSpec, self.set_queue),
             Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True),
             Endpoint("cancel-tenant", subj.ADMISSION_CANCEL + ".*", JobRef, self.cancel_as, with_subject=True),
             Endpoint("get-tenant", subj.ADMISSION_GET + ".*", JobRef, self.get_as, with_subject=True),

@@ -118,14 +118,14 @@ def permissions(ident: Identity) -> dict[str, Any]:
     js_api = ["$JS.API.>", "$JS.FC.>"]
     if ident.role == "admission":
         return {
-            "publish": {"allow": [*js_api, _kv(subj.JOBS_BUCKET), *bus_pub]},
+            "publish": {"allow": [*js_api, _kv(subj.JOBS_BUCKET), _kv(subj.QUEUES_BUCKET), *bus_pub]},
             "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "optimizer":
         return {
             "publish": {"allow": [*js_api, f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
-                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.NODE_MODES_BUCKET),
+                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.NODE_MODES_BUCKET), _kv(subj.QUEUES_BUCKET),
                                   *bus_pub]},
             "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,

@@ -85,7 +85,9 @@ from policies import Decision, JobView, NodeState, Placement, check_decision, ma
 from policies.api import JobDecision
 
 from . import auth_alloc, node_modes, observe
-from .policy_bridge import ModelOracle, job_view
+from .policy_bridge import ModelOracle, job_view, segment_gpu_s
+from .queues import QueueStore
+from policies.sharing import Shared
 from .jobstore import JobStore, kv_snapshot, publish_event, with_event
 from .lease import Lease
 from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
@@ -151,6 +153,14 @@ class Optimizer:
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
         self.models = ModelOracle(self.models_kv)
+        self.queues = None
+        if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
+            self.queues = await QueueStore(self.nc).open()
+            self.share_base = self.policy.cfg
+            await self.queues.seed(self.share_base)
+            usage = await self.queues.load_usage()
+            if usage:
+                self.policy.fair.load(usage)
         self.lease = Lease(
             await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
             renew=self.lease_ttl / 4,
@@ -266,6 +276,7 @@ class Optimizer:
                     and r.node in {p.node for p in rec.draining}):
                 new, released, ended = self._drained(rec, [r.node], r)
                 return new
+            self.models.observe_report(rec, r)  # what ran teaches the oracle (policies.learning)
             if rec.generation != r.generation or rec.terminal:
                 return None
             ts = r.ts
@@ -317,6 +328,7 @@ class Optimizer:
                 retry = rec.failures + 1
                 new = msgspec.structs.replace(
                     rec, state=JobState.PENDING, placement=[], steps_done=steps, failures=retry,
+                    attained_gpu_s=rec.attained_gpu_s + segment_gpu_s(rec, ts),
                     restarts=rec.restarts + 1, switch=None, reason=f"retry {retry}/{self.max_retries}: {why}",
                     draining=others, drain_generation=rec.generation, drain_started=now() if others else None,
                 )
@@ -499,8 +511,12 @@ class Optimizer:
                  if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
         views = [v for v in views if all(p.node in alive for p in v.placement)]
         await self.models.refresh([records[v.job_id] for v in views])
+        if self.queues is not None:
+            self.policy.set_config(await self.queues.config(self.share_base))
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
         decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
+        if self.queues is not None:
+            await self.queues.save_usage(self.policy.fair.state())
         self._apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():
@@ -609,6 +625,7 @@ class Optimizer:
             new = msgspec.structs.replace(
                 r, state=JobState.SCHEDULED, generation=gen, plan=d.plan, placement=placement,
                 scheduled_at=r.scheduled_at or ts, reason=d.reason, restarts=r.restarts + (1 if reconfig else 0),
+                last_switch_at=ts, attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts),
             )
             if reconfig:  # gang barrier: generation gen starts once every rank of r.generation exited
                 new = msgspec.structs.replace(
@@ -658,7 +675,7 @@ class Optimizer:
                 return None
             new = msgspec.structs.replace(
                 r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
-                **_drain_fields(r, ts, alive),
+                attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts), **_drain_fields(r, ts, alive),
             )
             extra = {"checkpoint_step": r.checkpoint_step} if with_checkpoint else {}
             return with_event(new, event, ts=ts, reason=why, **extra)

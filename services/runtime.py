@@ -152,6 +152,7 @@ BUCKETS = {
     subj.MODELS_BUCKET: dict(history=5),
     subj.LEASE_BUCKET: dict(history=1),
     subj.NODE_MODES_BUCKET: dict(history=1),
+    subj.QUEUES_BUCKET: dict(history=5),
 }
 
 
