@@ -564,8 +564,9 @@ class Agent:
         """Run one plan for a few steps on GPUs no allocation uses; reply with
         the per-phase means (ms per step) from rank 0's progress file."""
         need = cmd.plan.dp * cmd.plan.tp * cmd.plan.pp
-        self._gpu_count = len(await self.probe.sample())
-        free = self._free_gpus()
+        gpus_now = await self.probe.sample()
+        self._gpu_count = len(gpus_now)
+        free = [i for i in self._free_gpus() if gpus_now[i].healthy]
         if len(free) < need:
             return ProfileResult(ok=False, node=self.node, plan=cmd.plan,
                                  error=f"{need} GPUs wanted, {len(free)} free on {self.node}")

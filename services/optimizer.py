@@ -468,6 +468,9 @@ class Optimizer:
         for n in nodes:
             if n.reserved:
                 held.setdefault(n.node, set()).update(n.reserved)
+            sick = [g.index for g in n.gpus if not g.healthy]  # lost, XID, stale...: no work
+            if sick:
+                held.setdefault(n.node, set()).update(sick)
         node_states = [
             NodeState(
                 name=n.node,
