@@ -789,6 +789,8 @@ async def run_agent(args, stop: asyncio.Event) -> int:
         except NoGpuDriver as exc:
             log.error(f"no usable NVIDIA driver ({exc}); refusing to start: pass --fake-gpus N to emulate GPUs")
             return 2
+        for note in probe.notes:  # devices skipped (cgroup, CUDA_VISIBLE_DEVICES), XIDs not watchable
+            log.warning("gpu probe: " + note)
     try:
         nc = await connect(args.server, name=f"agent-{args.node}")
     except ServerUnavailable as exc:
