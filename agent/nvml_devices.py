@@ -333,7 +333,10 @@ class XidWatcher:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop, and wait (one poll at most) so the event set is freed before NVML shuts down."""
         self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(self.poll_ms / 1000 + 1.0)
 
     def _run(self, es: Any) -> None:
         nv = self.nv
