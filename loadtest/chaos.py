@@ -277,8 +277,8 @@ def workload(n: int, rng: random.Random, gpus_per_node: int) -> list[JobSpec]:
             name=f"chaos-{i:03d}", model=rng.choice(models), global_batch=16, steps=rng.randint(80, 160),
             gpus=gpus, tenant=rng.choice(TENANTS), step_time=round(rng.uniform(0.04, 0.08), 3),
         ))
-    for i in range(min(SWITCH_TARGETS, n)):  # ~30 s each: long enough to be switched while running
-        specs[i] = msgspec.structs.replace(specs[i], steps=600, gpus=2, step_time=0.05)
+    for i in range(min(SWITCH_TARGETS, n)):  # ~25 s each: long enough to be switched while running
+        specs[i] = msgspec.structs.replace(specs[i], steps=500, gpus=2, step_time=0.05)
     return specs
 
 
@@ -509,6 +509,11 @@ class ChaosRun:
             await asyncio.sleep(0.1)
         return None
 
+    async def _pin_and_wait(self, nc: Any, req: ReconfigureRequest, generation: int) -> JobRecord | None:
+        """Pin, then wait for the job's next generation (the switch decided)."""
+        await self._request(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply)
+        return await self._generation_after(nc, req.job_id, generation, give_up=60)
+
     async def kill_agent_mid_switch(self, nc: Any, wanted: int = 2) -> None:
         """Pin a new plan on a running target job (``gs.optimizer.reconfigure``,
         the same GPUs per node, activation checkpointing flipped) and kill -9
@@ -525,23 +530,35 @@ class ChaosRun:
                 return
             node = self.rng.choice([p.node for p in rec.placement])
             agent = self.services[node]
-            frozen = killed == 0
+            frozen = killed == 0 and agent.alive()
             plan = msgspec.structs.replace(rec.plan, grad_ckpt=not rec.plan.grad_ckpt)
             req = ReconfigureRequest(job_id=rec.job_id, plan=plan, reason=f"chaos: switch {killed + 1}",
                                      placement=[{"node": p.node, "gpus": len(p.gpus)} for p in rec.placement])  # type: ignore[misc]
             req = codec.convert(codec.to_builtins(req), ReconfigureRequest)
-            if frozen and agent.alive():
+            if frozen:
                 assert agent.proc is not None
                 agent.proc.send_signal(signal.SIGSTOP)
             try:
-                await self._request(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply)
-                new = await self._generation_after(nc, rec.job_id, rec.generation, give_up=30)
+                new = None
+                try:  # frozen for less than the node timeout (8 s), or the node is lost instead
+                    new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation), 6 if frozen else 60)
+                except asyncio.TimeoutError:
+                    pass
+                if new is None and frozen:  # the optimizer is restarting: go on unfrozen, kill at the decision
+                    assert agent.proc is not None
+                    agent.proc.send_signal(signal.SIGCONT)
+                    frozen = False
+                    self.outcome.notes.append(f"{rec.job_id}: no switch decision within 6 s; agent thawed")
+                    try:
+                        new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation), 60)
+                    except asyncio.TimeoutError:
+                        pass
+                elif not frozen:
+                    await asyncio.sleep(self.rng.uniform(0.0, 0.4))
                 if new is None or new.terminal:
                     self.outcome.notes.append(f"{rec.job_id}: the pinned switch did not start")
                     continue
                 self.switches_seen += 1
-                if not frozen:
-                    await asyncio.sleep(self.rng.uniform(0.0, 0.4))
                 agent.kill9()  # SIGKILL ends a stopped process too
             finally:
                 if frozen and agent.alive():

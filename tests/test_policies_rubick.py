@@ -177,6 +177,9 @@ def test_switch_reason_carries_predicted_gain():
     a = d.allocations["l"]
     assert a.plan != spec.plan and a.predicted_gain is not None and a.predicted_gain > 0
     assert "predicted throughput" in a.reason and a.plan.label() in a.reason
+    # plain floats: the optimizer puts them into a JobReconfigured event (msgspec refuses numpy floats,
+    # and every round that switched a running job failed on it)
+    assert type(a.predicted_gain) is float and type(a.predicted_throughput) is float
 
 
 class _Optimist:
