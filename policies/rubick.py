@@ -216,6 +216,8 @@ class Rubick:
 
     # ---------------------------------------------------------------- round
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        if not nodes:  # every node gone (the kernel cannot size an empty cluster): all wait
+            return Decision(waiting={j.job_id: f"{self.name}: no live node" for j in jobs})
         pb = self.build_problem(now, nodes, jobs, perf)
         level, out_nodes = self.solve(pb)
         live = {j.job_id for j in jobs}
