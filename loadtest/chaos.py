@@ -67,6 +67,7 @@ from services.natsd import NatsServer
 
 SERVICE_KINDS = ("admission", "optimizer", "perfmodel")
 TENANTS = ("vision", "nlp", "llm")
+NODE_TIMEOUT = 10  # seconds without a heartbeat before the optimizer calls a node lost
 SWITCH_TARGETS = 2  # the first jobs run long: the forced switches happen on them
 FAULT_KINDS = (
     "kill_admission", "kill_optimizer", "kill_perfmodel", "restart_nats_server", "kill_cluster_server",
@@ -362,7 +363,7 @@ class ChaosRun:
         total = self.sc.nodes * self.sc.gpus_per_node
         self._add("admission", [py, "-m", "services.admission", "--max-gpus", str(total)], "admission")
         self._add("optimizer", [py, "-m", "services.optimizer", "--policy", self.sc.policy, "--interval", "1",
-                                "--node-timeout", "8"], "optimizer")
+                                "--node-timeout", str(NODE_TIMEOUT)], "optimizer")
         self._add("perfmodel", [py, "-m", "services.perfmodel_service"], "perfmodel")
         for i in range(self.sc.nodes):
             name = f"node{i}"
@@ -540,15 +541,16 @@ class ChaosRun:
                 agent.proc.send_signal(signal.SIGSTOP)
             try:
                 new = None
-                try:  # frozen for less than the node timeout (8 s), or the node is lost instead
-                    new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation), 6 if frozen else 60)
+                try:  # frozen for less than the node timeout, or the node is lost instead
+                    new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation),
+                                                 NODE_TIMEOUT - 3 if frozen else 60)
                 except asyncio.TimeoutError:
                     pass
                 if new is None and frozen:  # the optimizer is restarting: go on unfrozen, kill at the decision
                     assert agent.proc is not None
                     agent.proc.send_signal(signal.SIGCONT)
                     frozen = False
-                    self.outcome.notes.append(f"{rec.job_id}: no switch decision within 6 s; agent thawed")
+                    self.outcome.notes.append(f"{rec.job_id}: no switch decision within {NODE_TIMEOUT - 3} s; agent thawed")
                     try:
                         new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation), 60)
                     except asyncio.TimeoutError:
