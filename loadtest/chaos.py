@@ -278,8 +278,8 @@ def workload(n: int, rng: random.Random, gpus_per_node: int) -> list[JobSpec]:
             name=f"chaos-{i:03d}", model=rng.choice(models), global_batch=16, steps=rng.randint(80, 160),
             gpus=gpus, tenant=rng.choice(TENANTS), step_time=round(rng.uniform(0.04, 0.08), 3),
         ))
-    for i in range(min(SWITCH_TARGETS, n)):  # ~25 s each: long enough to be switched while running
-        specs[i] = msgspec.structs.replace(specs[i], steps=500, gpus=2, step_time=0.05)
+    for i in range(min(SWITCH_TARGETS, n)):  # ~50 s each: long enough to be switched twice while running
+        specs[i] = msgspec.structs.replace(specs[i], steps=1000, gpus=2, step_time=0.05)
     return specs
 
 
@@ -736,6 +736,10 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
     expected = [k for k in FAULT_KINDS if not (k == "restart_nats_server" and "single" not in kinds)
                 and not (k == "kill_cluster_server" and "cluster" not in kinds)]
     summary["fault_kinds_missing"] = [k for k in expected if faults.get(k, 0) < 1]
+    # forced, so every scenario has it (the other kinds are per scenario by construction)
+    summary["fault_kinds_missing"] += [f"kill_agent_mid_switch@{r['scenario']}" for r in results
+                                       if r["faults"].get("kill_agent_mid_switch", 0) < 1
+                                       and "kill_agent_mid_switch" not in summary["fault_kinds_missing"]]
     summary["ok"] = (
         summary["lost_jobs"] == 0 and summary["duplicate_events"] == 0 and summary["event_gaps"] == 0
         and summary["kv_event_mismatches"] == 0 and summary["two_generations_at_once"] == 0
