@@ -59,7 +59,7 @@ class ScriptedNvml:
         self.init_calls = self.shutdown_calls = self.refcount = 0
         self.driver_loaded = True
         self._live = False  # initialised since the driver (re)loaded
-        self.calls: dict[str, int] = {}
+        self.calls: dict = {}  # function name -> calls, and (name, uuid) -> calls on that GPU
         self.events: queue.Queue = queue.Queue()
         self.registered: list[str] = []
         self._lock = threading.Lock()
@@ -89,6 +89,8 @@ class ScriptedNvml:
         if handle is None:
             return None
         gpu = handle.gpu
+        with self._lock:
+            self.calls[(fn, gpu.uuid)] = self.calls.get((fn, gpu.uuid), 0) + 1
         for g in (handle.parent, gpu):
             if g is not None and fn in g.fail:
                 raise g.fail[fn]()

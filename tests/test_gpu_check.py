@@ -34,7 +34,7 @@ def test_without_a_driver_it_skips_with_a_reason_and_exit_0():
 
 
 async def _sample(nv):
-    probe = NvmlProbe(nvml=nv, visible=None)
+    probe = NvmlProbe(nvml=nv, visible=None, xid_poll_ms=20)
     await probe.open()
     try:
         return await probe.sample()
@@ -54,7 +54,7 @@ async def test_probe_contract_passes_healthy_gpus_and_fails_a_lost_one():
 
 async def test_a_rank_for_gpu_i_gets_nvml_uuid_of_i():
     uuids = ["GPU-aaaaaaaa-1111-2222-3333-444444444444", "MIG-bbbbbbbb-1111-2222-3333-444444444444"]
-    probe = NvmlProbe(nvml=ScriptedNvml([FakeGpu(uuid=u) for u in uuids]), visible=None)
+    probe = NvmlProbe(nvml=ScriptedNvml([FakeGpu(uuid=u) for u in uuids]), visible=None, xid_poll_ms=20)
     await probe.open()
     try:
         assert rank_env([1])["CUDA_VISIBLE_DEVICES"] == uuids[1]
