@@ -68,6 +68,12 @@ from services.natsd import NatsServer
 SERVICE_KINDS = ("admission", "optimizer", "perfmodel")
 TENANTS = ("vision", "nlp", "llm")
 NODE_TIMEOUT = 10  # seconds without a heartbeat before the optimizer calls a node lost
+# A successor agent does not report the generation it reaped, so a drain on a node whose
+# agent was killed mid-switch ends only by this timeout (120 s by default). Here jobs
+# last seconds, and the killed agent's ranks get SIGTERM with it (PDEATHSIG) and are
+# reaped by its successor within the 5 s grace: 30 s is safe, and the generation
+# sampler would see a second generation start early.
+DRAIN_TIMEOUT = 30
 SWITCH_TARGETS = 2  # the first jobs run long: the forced switches happen on them
 FAULT_KINDS = (
     "kill_admission", "kill_optimizer", "kill_perfmodel", "restart_nats_server", "kill_cluster_server",
@@ -278,8 +284,8 @@ def workload(n: int, rng: random.Random, gpus_per_node: int) -> list[JobSpec]:
             name=f"chaos-{i:03d}", model=rng.choice(models), global_batch=16, steps=rng.randint(80, 160),
             gpus=gpus, tenant=rng.choice(TENANTS), step_time=round(rng.uniform(0.04, 0.08), 3),
         ))
-    for i in range(min(SWITCH_TARGETS, n)):  # ~50 s each: long enough to be switched twice while running
-        specs[i] = msgspec.structs.replace(specs[i], steps=1000, gpus=2, step_time=0.05)
+    for i in range(min(SWITCH_TARGETS, n)):  # ~40 s each: long enough to be switched twice while running
+        specs[i] = msgspec.structs.replace(specs[i], steps=800, gpus=2, step_time=0.05)
     return specs
 
 
@@ -363,7 +369,8 @@ class ChaosRun:
         total = self.sc.nodes * self.sc.gpus_per_node
         self._add("admission", [py, "-m", "services.admission", "--max-gpus", str(total)], "admission")
         self._add("optimizer", [py, "-m", "services.optimizer", "--policy", self.sc.policy, "--interval", "1",
-                                "--node-timeout", str(NODE_TIMEOUT)], "optimizer")
+                                "--node-timeout", str(NODE_TIMEOUT), "--drain-timeout", str(DRAIN_TIMEOUT)],
+                  "optimizer")
         self._add("perfmodel", [py, "-m", "services.perfmodel_service"], "perfmodel")
         for i in range(self.sc.nodes):
             name = f"node{i}"
