@@ -289,6 +289,110 @@ def workload(n: int, rng: random.Random, gpus_per_node: int) -> list[JobSpec]:
     return specs
 
 
+def switch_targets(acked: dict[str, str]) -> list[str]:
+    """Job ids of the long jobs the forced switches use, in submission order."""
+    names = {f"chaos-{i:03d}" for i in range(SWITCH_TARGETS)}
+    return [j for j, n in acked.items() if n in names]
+
+
+class MidSwitchKiller:
+    """The fault "agent killed in the middle of a plan switch", forced: the
+    switch is pinned through ``gs.optimizer.reconfigure`` on a long target
+    job instead of waiting for the policy to choose one."""
+
+    def __init__(self, run: "ChaosRun"):
+        self.run = run
+
+    async def _running_target(self, nc: Any, give_up: float) -> JobRecord | None:
+        """A target job that runs (with steps still to go) and is not switching."""
+        deadline = time.monotonic() + give_up
+        while time.monotonic() < deadline and not self.run.done:
+            for job_id in switch_targets(self.run.acked):
+                try:
+                    rec = await self.run.request(nc, subj.ADMISSION_GET, JobRef(job_id=job_id), JobRecord, give_up=10)
+                except Exception:
+                    continue
+                if (rec.state == JobState.RUNNING and not rec.draining and rec.plan is not None
+                        and rec.steps_done < rec.spec.steps - 100):
+                    return rec
+            await asyncio.sleep(0.5)
+        return None
+
+    async def _generation_after(self, nc: Any, job_id: str, generation: int, give_up: float) -> JobRecord | None:
+        deadline = time.monotonic() + give_up
+        while time.monotonic() < deadline:
+            try:
+                rec = await self.run.request(nc, subj.ADMISSION_GET, JobRef(job_id=job_id), JobRecord, give_up=5)
+                if rec.generation > generation or rec.terminal:
+                    return rec
+            except Exception:
+                pass
+            await asyncio.sleep(0.1)
+        return None
+
+    async def _pin_and_wait(self, nc: Any, req: ReconfigureRequest, generation: int) -> JobRecord | None:
+        """Pin, then wait for the job's next generation (the switch decided)."""
+        await self.run.request(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply)
+        return await self._generation_after(nc, req.job_id, generation, give_up=60)
+
+    async def __call__(self, nc: Any, wanted: int = 2) -> None:
+        """Pin a new plan on a running target job (``gs.optimizer.reconfigure``,
+        the same GPUs per node, activation checkpointing flipped) and kill -9
+        an agent of the job in the middle of the switch. The first agent is
+        frozen (SIGSTOP) before the pin and killed once the new generation is
+        decided, so it dies between the new allocation and any reaction to
+        it; the next ones die at a random moment of the changeover."""
+        killed = attempts = 0
+        while killed < wanted and not self.run.done and attempts < 3 * wanted:
+            attempts += 1
+            rec = await self._running_target(nc, give_up=120)
+            if rec is None or rec.plan is None:
+                self.run.outcome.notes.append("no running target job to switch")
+                return
+            node = self.run.rng.choice([p.node for p in rec.placement])
+            agent = self.run.services[node]
+            frozen = killed == 0 and agent.alive()
+            plan = msgspec.structs.replace(rec.plan, grad_ckpt=not rec.plan.grad_ckpt)
+            req = ReconfigureRequest(job_id=rec.job_id, plan=plan, reason=f"chaos: switch {killed + 1}",
+                                     placement=[{"node": p.node, "gpus": len(p.gpus)} for p in rec.placement])  # type: ignore[misc]
+            req = codec.convert(codec.to_builtins(req), ReconfigureRequest)
+            if frozen:
+                assert agent.proc is not None
+                agent.proc.send_signal(signal.SIGSTOP)
+            try:
+                new = None
+                try:  # frozen for less than the node timeout, or the node is lost instead
+                    new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation),
+                                                 NODE_TIMEOUT - 3 if frozen else 60)
+                except asyncio.TimeoutError:
+                    pass
+                if new is None and frozen:  # the optimizer is restarting: go on unfrozen, kill at the decision
+                    assert agent.proc is not None
+                    agent.proc.send_signal(signal.SIGCONT)
+                    frozen = False
+                    self.run.outcome.notes.append(f"{rec.job_id}: no switch decision within {NODE_TIMEOUT - 3} s; agent thawed")
+                    try:
+                        new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation), 60)
+                    except asyncio.TimeoutError:
+                        pass
+                elif not frozen:
+                    await asyncio.sleep(self.run.rng.uniform(0.0, 0.4))
+                if new is None or new.terminal:
+                    self.run.outcome.notes.append(f"{rec.job_id}: the pinned switch did not start")
+                    continue
+                self.run.switches_seen += 1
+                agent.kill9()  # SIGKILL ends a stopped process too
+            finally:
+                if frozen and agent.alive():
+                    assert agent.proc is not None
+                    agent.proc.send_signal(signal.SIGCONT)
+            killed += 1
+            self.run.outcome.faults["kill_agent_mid_switch"] += 1
+            self.run.log("kill -9 agent mid-switch", node, rec.job_id, "gen", rec.generation, "->", new.generation,
+                     "frozen" if frozen else "")
+            await asyncio.sleep(3)
+
+
 class ChaosRun:
     def __init__(self, sc: Scenario, root: Path, verbose: bool = False):
         self.sc = sc
@@ -410,7 +514,7 @@ class ChaosRun:
                                                    **self._creds(f"tenant-{tenant}"))
         return self.tenant_nc[tenant], "." + subj.token(tenant)
 
-    async def _request(self, nc: Any, subject: str, body: Any, reply_type: Any, give_up: float = 90) -> Any:
+    async def request(self, nc: Any, subject: str, body: Any, reply_type: Any, give_up: float = 90) -> Any:
         from services.runtime import ServiceCallError, call
 
         deadline = time.monotonic() + give_up
@@ -432,7 +536,7 @@ class ChaosRun:
         for spec in specs:
             tnc, suffix = await self.as_tenant(spec.tenant)
             try:
-                reply = await self._request(tnc, subj.ADMISSION_SUBMIT + suffix,
+                reply = await self.request(tnc, subj.ADMISSION_SUBMIT + suffix,
                                             SubmitRequest(spec=spec, token=f"{self.run_id}-{spec.name}"), SubmitReply)
                 self.acked[reply.job_id] = spec.name
                 tenant_of[reply.job_id] = spec.tenant
@@ -440,10 +544,10 @@ class ChaosRun:
                 self.submit_failed.append(f"{spec.name}: {exc}")
             if self.rng.random() < self.sc.cancel_fraction and self.acked:
                 victim = self.rng.choice(sorted(self.acked))
-                if victim not in self.cancelled and victim not in self.targets():
+                if victim not in self.cancelled and victim not in switch_targets(self.acked):
                     tnc, suffix = await self.as_tenant(tenant_of[victim])
                     try:
-                        await self._request(tnc, subj.ADMISSION_CANCEL + suffix, JobRef(job_id=victim), JobRecord)
+                        await self.request(tnc, subj.ADMISSION_CANCEL + suffix, JobRef(job_id=victim), JobRecord)
                         self.cancelled.add(victim)
                     except Exception as exc:  # 409: it had finished already
                         self.log("cancel", victim, exc)
@@ -485,100 +589,6 @@ class ChaosRun:
             self.fleet.start(victim)
             self.fleet.restarts += 1
 
-    def targets(self) -> list[str]:
-        """Job ids of the long jobs the forced switches use, in submission order."""
-        names = {f"chaos-{i:03d}" for i in range(SWITCH_TARGETS)}
-        return [j for j, n in self.acked.items() if n in names]
-
-    async def _running_target(self, nc: Any, give_up: float) -> JobRecord | None:
-        """A target job that runs (with steps still to go) and is not switching."""
-        deadline = time.monotonic() + give_up
-        while time.monotonic() < deadline and not self.done:
-            for job_id in self.targets():
-                try:
-                    rec = await self._request(nc, subj.ADMISSION_GET, JobRef(job_id=job_id), JobRecord, give_up=10)
-                except Exception:
-                    continue
-                if (rec.state == JobState.RUNNING and not rec.draining and rec.plan is not None
-                        and rec.steps_done < rec.spec.steps - 100):
-                    return rec
-            await asyncio.sleep(0.5)
-        return None
-
-    async def _generation_after(self, nc: Any, job_id: str, generation: int, give_up: float) -> JobRecord | None:
-        deadline = time.monotonic() + give_up
-        while time.monotonic() < deadline:
-            try:
-                rec = await self._request(nc, subj.ADMISSION_GET, JobRef(job_id=job_id), JobRecord, give_up=5)
-                if rec.generation > generation or rec.terminal:
-                    return rec
-            except Exception:
-                pass
-            await asyncio.sleep(0.1)
-        return None
-
-    async def _pin_and_wait(self, nc: Any, req: ReconfigureRequest, generation: int) -> JobRecord | None:
-        """Pin, then wait for the job's next generation (the switch decided)."""
-        await self._request(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply)
-        return await self._generation_after(nc, req.job_id, generation, give_up=60)
-
-    async def kill_agent_mid_switch(self, nc: Any, wanted: int = 2) -> None:
-        """Pin a new plan on a running target job (``gs.optimizer.reconfigure``,
-        the same GPUs per node, activation checkpointing flipped) and kill -9
-        an agent of the job in the middle of the switch. The first agent is
-        frozen (SIGSTOP) before the pin and killed once the new generation is
-        decided, so it dies between the new allocation and any reaction to
-        it; the next ones die at a random moment of the changeover."""
-        killed = attempts = 0
-        while killed < wanted and not self.done and attempts < 3 * wanted:
-            attempts += 1
-            rec = await self._running_target(nc, give_up=120)
-            if rec is None or rec.plan is None:
-                self.outcome.notes.append("no running target job to switch")
-                return
-            node = self.rng.choice([p.node for p in rec.placement])
-            agent = self.services[node]
-            frozen = killed == 0 and agent.alive()
-            plan = msgspec.structs.replace(rec.plan, grad_ckpt=not rec.plan.grad_ckpt)
-            req = ReconfigureRequest(job_id=rec.job_id, plan=plan, reason=f"chaos: switch {killed + 1}",
-                                     placement=[{"node": p.node, "gpus": len(p.gpus)} for p in rec.placement])  # type: ignore[misc]
-            req = codec.convert(codec.to_builtins(req), ReconfigureRequest)
-            if frozen:
-                assert agent.proc is not None
-                agent.proc.send_signal(signal.SIGSTOP)
-            try:
-                new = None
-                try:  # frozen for less than the node timeout, or the node is lost instead
-                    new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation),
-                                                 NODE_TIMEOUT - 3 if frozen else 60)
-                except asyncio.TimeoutError:
-                    pass
-                if new is None and frozen:  # the optimizer is restarting: go on unfrozen, kill at the decision
-                    assert agent.proc is not None
-                    agent.proc.send_signal(signal.SIGCONT)
-                    frozen = False
-                    self.outcome.notes.append(f"{rec.job_id}: no switch decision within {NODE_TIMEOUT - 3} s; agent thawed")
-                    try:
-                        new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation), 60)
-                    except asyncio.TimeoutError:
-                        pass
-                elif not frozen:
-                    await asyncio.sleep(self.rng.uniform(0.0, 0.4))
-                if new is None or new.terminal:
-                    self.outcome.notes.append(f"{rec.job_id}: the pinned switch did not start")
-                    continue
-                self.switches_seen += 1
-                agent.kill9()  # SIGKILL ends a stopped process too
-            finally:
-                if frozen and agent.alive():
-                    assert agent.proc is not None
-                    agent.proc.send_signal(signal.SIGCONT)
-            killed += 1
-            self.outcome.faults["kill_agent_mid_switch"] += 1
-            self.log("kill -9 agent mid-switch", node, rec.job_id, "gen", rec.generation, "->", new.generation,
-                     "frozen" if frozen else "")
-            await asyncio.sleep(3)
-
     # ------------------------------------------------------------ end
     async def wait_terminal(self, nc: Any) -> dict[str, JobRecord]:
         from bus_schema.messages import JobList, ListRequest
@@ -587,7 +597,7 @@ class ChaosRun:
         recs: dict[str, JobRecord] = {}
         while time.monotonic() < deadline:
             try:
-                jobs = (await self._request(nc, subj.ADMISSION_LIST, ListRequest(), JobList)).jobs
+                jobs = (await self.request(nc, subj.ADMISSION_LIST, ListRequest(), JobList)).jobs
                 recs = {j.job_id: j for j in jobs if j.job_id in self.acked}
                 live = [j for j in recs.values() if j.state not in TERMINAL_STATES or j.outbox]
                 if len(recs) == len(self.acked) and not live:
@@ -683,12 +693,12 @@ class ChaosRun:
         sup = asyncio.create_task(self.supervise())
         nc = await self.client()
         try:
-            await self._request(nc, subj.ADMISSION_NODES, None, NodeList)  # admission is up
+            await self.request(nc, subj.ADMISSION_NODES, None, NodeList)  # admission is up
             fault_window = self.sc.submit_over + 15
             tasks = [
                 asyncio.create_task(self.kill_services(fault_window)),
                 asyncio.create_task(self.nats_fault(self.rng.uniform(0.3, 0.6) * self.sc.submit_over)),
-                asyncio.create_task(self.kill_agent_mid_switch(nc)),
+                asyncio.create_task(MidSwitchKiller(self)(nc)),
             ]
             await self.submit_all(nc)
             await asyncio.gather(tasks[0], tasks[1])
