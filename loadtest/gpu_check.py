@@ -155,6 +155,8 @@ def ranks_see_their_gpu(gpus: list[GpuReport]) -> dict[str, Any]:
 async def pid_attribution(probe: NvmlProbe, gpus: list[GpuReport], mib: int = 256) -> dict[str, Any]:
     if nested_pid_namespace():
         return check("pid_attribution", None, "nested PID namespace: NVML reports host PIDs")
+    if not reference.have_torch():
+        return check("pid_attribution", None, "torch is not installed (the child holds memory through it)")
     k = len(gpus) - 1
     before = (await probe.sample())[k].memory_used
     child = subprocess.Popen([sys.executable, "-c", CHILD_HOLD, str(mib)], env=rank_env([k]), text=True,
