@@ -573,8 +573,9 @@ class Agent:
         """Run one plan for a few steps on GPUs no allocation uses; reply with
         the per-phase means (ms per step) from rank 0's progress file."""
         need = cmd.plan.dp * cmd.plan.tp * cmd.plan.pp
-        self._gpu_count = len(await self.probe.sample())
-        free = self._free_gpus()
+        gpus_now = await self.probe.sample()
+        self._gpu_count = len(gpus_now)
+        free = [i for i in self._free_gpus() if gpus_now[i].healthy]
         if len(free) < need:
             return ProfileResult(ok=False, node=self.node, plan=cmd.plan,
                                  error=f"{need} GPUs wanted, {len(free)} free on {self.node}")
@@ -799,6 +800,8 @@ async def run_agent(args, stop: asyncio.Event) -> int:
         except NoGpuDriver as exc:
             log.error(f"no usable NVIDIA driver ({exc}); refusing to start: pass --fake-gpus N to emulate GPUs")
             return 2
+        for note in probe.notes:  # devices skipped (cgroup, CUDA_VISIBLE_DEVICES), XIDs not watchable
+            log.warning("gpu probe: " + note)
     try:
         nc = await connect(args.server, name=f"agent-{args.node}")
     except ServerUnavailable as exc:

@@ -494,6 +494,9 @@ class Optimizer:
         for n in nodes:
             if n.reserved:
                 held.setdefault(n.node, set()).update(n.reserved)
+            sick = [g.index for g in n.gpus if not g.healthy]  # lost, XID, stale...: no work
+            if sick:
+                held.setdefault(n.node, set()).update(sick)
         for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
             held.setdefault(node, set()).update(gpus)
         node_states = [
