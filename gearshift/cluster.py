@@ -107,8 +107,8 @@ class LocalCluster:
                  "--ckpt-root", str(ckpt), "--heartbeat", str(self.heartbeat), "--grace", str(self.grace)],
                 self._env_for(env, f"agent-{name}"),
             )
-        if self.dashboard:  # reads the bus as the operator; actions use the signed-in person's identity
-            self._spawn("dashboard", [py, "-m", "services.dashboard"], self._env_for(env, "admin"))
+        if self.dashboard:  # reads the bus with its own read-only identity; actions use the signed-in person's
+            self._spawn("dashboard", [py, "-m", "services.dashboard"], self._env_for(env, "dashboard"))
         if wait:
             self.wait_ready()
         return self.url
