@@ -1,4 +1,4 @@
-"""The reference training workload (PyTorch on CPU, gloo): ``python -m agent.reference.train``.
+"""The reference training workload (PyTorch; CPU/gloo or CUDA/NCCL; any plan): ``python -m agent.reference.train``.
 
 Helpers here do not import torch: a job spec that runs the workload, and an
 uninterrupted local run to compare a switched run with.
@@ -58,13 +58,13 @@ def run_local(plan: dict, steps: int, global_batch: int, ckpt_dir: str | os.Path
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    dp = int(plan.get("dp", 1))
+    world = int(plan.get("dp", 1)) * int(plan.get("tp", 1)) * int(plan.get("pp", 1))
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     work = tempfile.mkdtemp(prefix="torchref-")
     procs = []
-    for r in range(dp):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(dp), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    for r in range(world):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "GEARSHIFT_JOB_ID": "local", "GEARSHIFT_PLAN": json.dumps(plan), "GEARSHIFT_CKPT_DIR": str(ckpt_dir),
                "GEARSHIFT_STEPS": str(steps), "GEARSHIFT_GLOBAL_BATCH": str(global_batch),
                "GEARSHIFT_PROGRESS_FILE": os.path.join(work, f"progress-{r}.json"),
