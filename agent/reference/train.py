@@ -34,6 +34,7 @@ agree on when with one all-reduce (MAX) of the stop/checkpoint flags per step.
 ``GEARSHIFT_PROFILE_STEPS=n`` makes it a profiling run: ``--warmup`` steps,
 then n measured steps, per-phase quantiles in the progress file, no checkpoint.
 
+``GEARSHIFT_LOSS_LOG=path`` (testing): rank 0 appends each step's loss there.
 ``GEARSHIFT_HOLD_AT=s1,s2,..`` (testing, ``loadtest/switch_check``): after
 reaching step s (by training, not by resuming there) every rank waits, up to
 ``--hold-timeout`` s, for a stop request, so a switch requested "at step s"
@@ -43,6 +44,7 @@ happens at step s however loaded the machine is.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -182,6 +184,8 @@ class Trainer:
             ckpt.restore(torch, self.opt, self.lay, ckpt.fresh(init, torch), 0)
         X, Y = dataset(args, torch)
         self.X, self.Y = X.to(device), Y.to(device)
+        # testing: rank 0 appends {"step", "loss", "generation"} per step (loadtest/switch_check)
+        self.loss_log = os.environ.get("GEARSHIFT_LOSS_LOG") if self.rank == 0 and not self.profiling else None
         holds = os.environ.get("GEARSHIFT_HOLD_AT", "")
         self.holds = {int(h) for h in holds.split(",") if h.strip()}
 
@@ -273,6 +277,9 @@ class Trainer:
             self.loss_val = float(loss.item()) / B
             phases = timer.end_step()
             self.step += 1
+            if self.loss_log:
+                with open(self.loss_log, "a") as f:
+                    f.write(json.dumps({"step": self.step, "loss": self.loss_val, "generation": env.generation}) + "\n")
             if first_step_s is None:
                 first_step_s = time.time() - ready
                 common["first_step_s"] = first_step_s
