@@ -64,6 +64,8 @@ from agent.worker import (
 )
 
 FORMAT = "gearshift-resharded-v1"
+# what a warm worker (agent/warm.py) imports ahead of the job
+WARM_IMPORTS = ("torch", "torch.distributed", "torch.utils.checkpoint", "numpy")
 # Profiling runs report this quantile of each phase over the measured steps
 # (PhaseTimer.quantile_ms): other processes only ever add time.
 PROFILE_QUANTILE = 0.25
