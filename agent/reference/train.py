@@ -241,7 +241,10 @@ class Trainer:
         common = dict(start_step=start_step, restore_s=restore_s)
         reporter.report(self.step, loss=self.loss_val, force=True, **common)
         # profiling on a shared CPU box: CPU time of the rank's thread (see PhaseTimer)
-        timer = PhaseTimer(os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall") if self.profiling else "wall")
+        clock = os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall") if self.profiling else "wall"
+        timer = PhaseTimer(clock)
+        replay = self.profiling and clock == "cpu" and lay.pp > 1  # put the pipeline bubble back (pipeline_makespan)
+        traces: list[dict] = []
         cache: dict = {}
         flags = torch.zeros(2, dtype=torch.int64, device=self.device)
         first_step_s = None
@@ -270,7 +273,8 @@ class Trainer:
             timer.start_step()
             with timer("forward"):
                 self.opt.gather()
-            loss = train_step(torch, self.model, self.comm, timer, xs, ys, B, args.hidden)
+            trace = {"f": [], "b": []} if replay else None
+            loss = train_step(torch, self.model, self.comm, timer, xs, ys, B, args.hidden, trace)
             with timer("optimizer"):
                 self.opt.step()
             if not counts:
@@ -287,11 +291,17 @@ class Trainer:
                 common["first_step_s"] = first_step_s
             if self.profiling:
                 measured += 1
+                if trace is not None and measured > args.warmup:
+                    trace["tail"] = (phases["iteration"] - phases.get("forward", 0) - phases.get("backward", 0)) / 1e3
+                    traces.append(trace)
                 if measured == args.warmup:
                     timer.reset()
                 if measured >= args.warmup + env.profile_steps:
-                    reporter.report(self.step, loss=self.loss_val, phases=timer.quantile_ms(PROFILE_QUANTILE),
-                                    force=True, profiled=timer.steps, **common)
+                    ph = timer.quantile_ms(PROFILE_QUANTILE)
+                    if replay:
+                        ph["iteration"] = self.replayed_ms(traces)
+                    reporter.report(self.step, loss=self.loss_val, phases=ph, force=True, profiled=timer.steps,
+                                    **common)
                     return EXIT_DONE
                 continue
             now = time.monotonic()
@@ -309,6 +319,21 @@ class Trainer:
         if self.rank == 0:
             print(f"done: step {self.step} loss {self.loss_val!r}", flush=True)
         return EXIT_DONE
+
+    def replayed_ms(self, traces: list[dict]) -> float:
+        """The pipeline's step time from every stage's measured busy times
+        (collective: every rank takes part), quantile over the steps."""
+        from .schedule import pipeline_makespan
+
+        lay = self.lay
+        every: list = [None] * lay.world
+        self.dist.all_gather_object(every, traces)
+        stages = [every[lay.rank_of(s, 0, 0)] for s in range(lay.pp)]
+        spans = sorted(pipeline_makespan([st[i]["f"] for st in stages], [st[i]["b"] for st in stages],
+                                         [st[i]["tail"] for st in stages]) for i in range(len(traces)))
+        pos = PROFILE_QUANTILE * (len(spans) - 1)
+        lo, hi = int(pos), min(int(pos) + 1, len(spans) - 1)
+        return (spans[lo] + (spans[hi] - spans[lo]) * (pos - lo)) * 1e3
 
     def crash_if_asked(self) -> None:
         if self.args.crash_at and self.step == self.args.crash_at and self.rank == 0:
