@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import os
 import sys
 import tempfile
 import time
@@ -166,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=1200.0)
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
+    ap.add_argument("--cold", action="store_true", help="no warm workers: every generation imports torch anew")
     args = ap.parse_args(argv)
     if args.every < 1 or args.margin < 1:
         print("switch_check: --every and --margin must be >= 1", file=sys.stderr)
@@ -186,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                "GEARSHIFT_LOSS_LOG": str(losses)}
         spec = reference.job_spec("switch-check", steps=steps, global_batch=args.global_batch, gpus=1,
                                   plan={"dp": 1}, extra_args=("--ckpt-every", "100000"), env=env)
+        # agents keep warm workers for the workload from the start (agent/warm.py), so even a
+        # node's first generation of the job skips `import torch`; --cold measures without them
+        os.environ["GEARSHIFT_WARM"] = "" if args.cold else "agent.reference.train"
         with LocalCluster(nodes=2, gpus_per_node=2, cpus_per_node=8, interval=1.0, grace=30.0,
                           data_dir=str(Path(tmp) / "cluster")) as cluster:
             log(f"cluster up at {cluster.url}; logs in {cluster.log_dir}; switches at steps {holds}, {steps} steps")
@@ -243,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "relative_difference": rel(final, ref),
         "loss_comparison": cmp,
         "switches": len(switched),
+        "warm_workers": not args.cold,
         "covers": kinds,
         "steps_lost": lost,
         "steps_repeated": repeated,

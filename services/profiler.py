@@ -3,11 +3,15 @@
 For a model key with no fitted parameters in KV ``gs_models`` (and no shipped
 Rubick fit), it
 1. chooses at most 7 profiling plans that identify the model's parameters
-   (``profiling_plans``): DP1 (compute per sample, constants), DP1+GA2 (the
-   per-micro-step cost), DP1+GC (recompute ratio), DP2 (gradient sync and its
-   overlap with backward), DP2+ZeRO-1 (sharded optimizer step + parameter
-   gather), DP2+GA2+GC and DP1+GA4 (cross-checks of the above), within the
-   GPUs one node has and the global batch allows;
+   (``profiling_plans``): DP1 (compute per sample, constants), DP1+GA2+GC
+   (the per-micro-step cost and the recompute ratio, told apart by the
+   forward/backward phase times), DP2 (gradient sync and its overlap with
+   backward), DP2+ZeRO-1 (sharded optimizer step + parameter gather), and,
+   where the model allows TP/PP (heads, layers) and a node has 2 GPUs, TP2
+   (TP compute efficiency), PP2 and PP2+GA4 (a pipeline's per-sample and
+   per-micro-batch cost, bubble included); without TP/PP: DP1+GA2, DP1+GC,
+   DP2+GA2+GC and DP1+GA4 instead; all within the GPUs one node has and the
+   global batch allows;
 2. runs each, one after the other so runs do not disturb each other's
    timings, for a few steps on an agent with enough free GPUs
    (``gs.agent.<node>.profile``: the job's real command, or the emulated
@@ -84,9 +88,24 @@ class ProfilerStatus(Struct, kw_only=True, frozen=True):
     failed: dict[str, str] = {}
 
 
-def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS) -> list[Plan]:
-    """At most ``limit`` plans that together identify the data-parallel model:
-    every plan is valid for the global batch (dp * ga divides it)."""
+def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS, *, heads: int = 0,
+                    layers: int = 0) -> list[Plan]:
+    """At most ``limit`` plans that together identify the model: every plan
+    is valid for the global batch (dp * ga divides it). With ``heads``
+    (divisible by 2) and ``layers`` (>= 2) given and 2 GPUs on a node, TP2,
+    PP2 and PP2+GA4 replace three of the data-parallel cross-checks, so the
+    3D terms are fitted from the job's own runs."""
+    if max_dp >= 2 and heads and heads % 2 == 0 and layers >= 2:
+        wanted = [
+            Plan(dp=1),
+            Plan(dp=1, ga=2, grad_ckpt=True),
+            Plan(dp=2),
+            Plan(dp=2, zero=1),
+            Plan(tp=2),
+            Plan(pp=2),
+            Plan(pp=2, ga=4),
+        ]
+        return [p for p in wanted if global_batch % (p.dp * p.ga) == 0][:limit]
     wanted = [
         Plan(dp=1),
         Plan(dp=1, ga=2),
@@ -183,7 +202,9 @@ class Profiler:
             try:
                 nodes = await self._free_nodes()
                 max_dp = req.max_dp or self.max_dp or max([g for _, _, g in nodes] or [1])
-                plans = req.plans or profiling_plans(req.global_batch, max_dp)
+                shape = shape_from_spec(req.model)
+                plans = req.plans or profiling_plans(req.global_batch, max_dp, heads=shape.n_heads,
+                                                     layers=shape.layers)
                 if len(plans) > MAX_PLANS and req.fit:
                     raise bad_request(f"{len(plans)} plans: at most {MAX_PLANS}", "plans")
                 results, samples = [], []

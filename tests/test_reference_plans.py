@@ -93,3 +93,23 @@ async def test_warm_worker_runs_a_rank_and_modules_without_heavy_imports_are_not
     assert manifest["step"] == 3 and manifest["done"]
     assert "resuming from step 0 of 3" in (tmp_path / "rank-0.log").read_text()
     pool.close()
+
+
+def test_pipeline_makespan_replays_the_gpipe_schedule():
+    from agent.reference.schedule import pipeline_makespan
+
+    # equal stages: (m + pp - 1) * (f + b), the textbook GPipe step
+    assert pipeline_makespan([[1, 1], [1, 1]], [[2, 2], [2, 2]], [0, 0]) == 9
+    # the slow stage sets the pace; the optimizer step after the last backward adds once
+    assert pipeline_makespan([[1, 1, 1], [3, 3, 3]], [[1, 1, 1], [3, 3, 3]], [0.5, 0.5]) == 1 + 9 + 9 + 1 + 0.5
+
+
+def test_profiler_includes_tp_and_pp_where_the_model_and_node_allow_them():
+    from bus_schema.messages import Plan
+    from services.profiler import MAX_PLANS, profiling_plans
+
+    got = profiling_plans(64, 2, heads=4, layers=3)
+    assert len(got) <= MAX_PLANS and Plan(tp=2) in got and Plan(pp=2) in got and Plan(pp=2, ga=4) in got
+    assert all(64 % (p.dp * p.ga) == 0 and p.gpus <= 2 for p in got)
+    assert not any(p.tp > 1 or p.pp > 1 for p in profiling_plans(64, 1, heads=4, layers=3))  # one GPU per node
+    assert not any(p.tp > 1 for p in profiling_plans(64, 2, heads=3, layers=3))  # TP2 does not divide 3 heads

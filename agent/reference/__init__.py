@@ -24,8 +24,14 @@ def params_m(dim: int = DIM, hidden: int = HIDDEN, layers: int = LAYERS, classes
     return (dim * hidden + hidden + layers * per_block + hidden * classes + classes) / 1e6
 
 
+# TP splits the blocks' 4*HIDDEN features, so any TP degree dividing them works; the
+# perfmodel shape's "heads" (which TP degrees are valid) says 4: TP 1, 2 and 4.
+HEADS = 4
+
+
 def model_spec(name: str = "torchref") -> dict[str, Any]:
-    return {"name": name, "params": round(params_m(), 4), "layers": LAYERS, "hidden": HIDDEN, "seq_len": 1}
+    return {"name": name, "params": round(params_m(), 4), "layers": LAYERS, "hidden": HIDDEN, "seq_len": 1,
+            "heads": HEADS}
 
 
 def have_torch() -> bool:
