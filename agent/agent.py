@@ -332,7 +332,19 @@ class Agent:
             _remember_pid(run.run_dir, proc.pid)
             self.probe.claim(list(spec.gpus), [proc.pid])
         if not self._closing:
-            self._spawn(self.warm.refill())  # ready for the next generation
+            self._spawn(self._refill_warm(run))  # ready for the next generation
+
+    async def _refill_warm(self, run: Run, wait: float = 60.0) -> None:
+        """Start warm workers once ``run`` made its first step (or ended): not
+        while its own start-up needs the CPUs."""
+        deadline = time.monotonic() + wait
+        while not self._closing and not run.done.is_set() and time.monotonic() < deadline:
+            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
+            if prog.get("first_step_s") is not None or prog.get("phases"):
+                break
+            await asyncio.sleep(0.2)
+        if not self._closing:
+            await self.warm.refill()
 
     async def _spawn_warm(self, argv: list[str]) -> asyncio.subprocess.Process:
         with open(self.workdir / "warm.log", "ab") as out:
@@ -412,7 +424,7 @@ class Agent:
             manifest = wk.latest_manifest(run.ckpt_dir) or {}
             if manifest.get("job_id") == run.job_id and "step" in manifest:
                 extra.update(checkpoint_step=int(manifest["step"]), checkpoint_at=manifest.get("wall_time"))
-            prog = wk.read_json(run.progress_file) or {}
+            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
             extra.update(progress_step=int(prog.get("step", 0)), stop_sent_at=run.stop_sent_at)
             if run.node_rank == 0 and prog.get("first_step_s") is not None:
                 # also here: a STEPPED report may land after this one, or never
@@ -615,7 +627,7 @@ class Agent:
                 log.warning("profiling run failed", error=why)
                 return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus, error=why,
                                      wall_s=time.monotonic() - t0)
-            prog = wk.read_json(run.progress_file) or {}
+            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
             ph = prog.get("phases") or {}
             if "iteration" not in ph:
                 return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus,

@@ -4,15 +4,17 @@ for ``import torch`` (1-5 s of a switch on a CPU box).
 
 A warm worker is ``python -m agent.warm MODULE``. It imports ``MODULE`` and the
 modules that lists in ``WARM_IMPORTS`` (the reference workload: torch and
-torch.distributed) at idle CPU priority (``SCHED_IDLE``, so it never slows
-the training that runs meanwhile), then waits for one JSON line on stdin::
+torch.distributed), then waits for one JSON line on stdin::
 
     {"argv": [...], "env": {...}, "cwd": "...", "log": "..."}
 
-and becomes that rank: normal priority again, the environment replaced, the
-working folder changed, stdout/stderr appended to ``log``, and ``MODULE`` run
+and becomes that rank: the environment replaced, the working folder changed, stdout/stderr appended to ``log``, and ``MODULE`` run
 as ``__main__`` with ``argv`` (``runpy``), exactly as ``python -m MODULE
 argv...`` would. Its exit status is the job's.
+
+The imports run at normal priority: at idle priority (``SCHED_IDLE``, tried
+first) a busy machine starved them for minutes, so the agent starts them
+after a new generation's first step instead, not while it starts up.
 
 The agent side (``WarmPool``) keeps up to ``size`` warm workers per
 (interpreter, module): for modules named in ``$GEARSHIFT_WARM`` from the
@@ -147,21 +149,12 @@ def _kill(proc: Any) -> None:
 
 
 # ---------------------------------------------------------------- the warm process
-def _sched(idle: bool) -> None:
-    try:
-        policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-        os.sched_setscheduler(0, policy, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass  # not Linux, or not allowed: stay as is
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         print("usage: python -m agent.warm MODULE", file=sys.stderr)
         return 2
     module = argv[0]
-    _sched(idle=True)
     try:
         mod = importlib.import_module(module)
         heavy = getattr(mod, "WARM_IMPORTS", ())
@@ -177,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     if not line:
         return 0  # the agent closed the pool
     spec = json.loads(line)
-    _sched(idle=False)
     fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -192,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(spec["env"])
     sys.path[0] = spec["cwd"]  # as `python -m` puts the working folder first
     sys.argv = [module, *spec["argv"]]
+    sys.modules.pop(module, None)  # run it afresh as __main__ (its imports stay loaded)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 

@@ -262,8 +262,7 @@ class Trainer:
                 except Exception as exc:
                     print(f"checkpoint failed: {exc}", file=sys.stderr, flush=True)
                     return EXIT_TEMPFAIL
-                reporter.report(self.step, loss=self.loss_val, force=True, first_step_s=first_step_s, stopped=True,
-                                **common)
+                reporter.report(self.step, loss=self.loss_val, force=True, stopped=True, **common)
                 return EXIT_CHECKPOINTED
             if self.stop.requested:
                 return EXIT_CHECKPOINTED
@@ -346,4 +345,9 @@ class Trainer:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the checkpoint and manifest are closed and renamed: skip the interpreter's slow
+    # teardown of torch (part of every switch's teardown phase)
+    os._exit(code)
