@@ -83,7 +83,7 @@ async def measure(url: str, global_batch: int, steps: int, log) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.profile_accuracy")
     ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=16, help="measured steps per run (after 3 warm-up steps)")
+    ap.add_argument("--steps", type=int, default=30, help="measured steps per run (after 3 warm-up steps)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save-model", type=Path, default=None,
                     help="write the fitted model (gs_models value) here, e.g. workloads/torchref_model.json")

@@ -72,6 +72,9 @@ async def drive(url: str, spec: dict, holds: list[int], log, timeout: float) -> 
     switched: list[JobSwitched] = []
     progress: dict[str, int] = {"step": 0, "gen": 0}
     try:
+        from gearshift.demo import seed_models
+
+        await seed_models(nc)  # the workload's fitted model, as the demo does: no profiling runs first
         reply = await client.submit(codec.convert(spec, JobSpec), token=f"switch-check-{time.time_ns()}")
         job_id = reply.job_id
         await _reconfigure(nc, job_id, *START)  # pinned before its first round: it starts as DP1
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         # agents keep warm workers for the workload from the start (agent/warm.py), so even a
         # node's first generation of the job skips `import torch`; --cold measures without them
         os.environ["GEARSHIFT_WARM"] = "" if args.cold else "agent.reference.train"
-        with LocalCluster(nodes=2, gpus_per_node=2, cpus_per_node=8, interval=1.0, grace=30.0,
+        with LocalCluster(nodes=2, gpus_per_node=2, cpus_per_node=8, interval=0.25, grace=30.0,
                           data_dir=str(Path(tmp) / "cluster")) as cluster:
             log(f"cluster up at {cluster.url}; logs in {cluster.log_dir}; switches at steps {holds}, {steps} steps")
             try:
