@@ -4,7 +4,9 @@ for ``import torch`` (1-5 s of a switch on a CPU box).
 
 A warm worker is ``python -m agent.warm MODULE``. It imports ``MODULE`` and the
 modules that lists in ``WARM_IMPORTS`` (the reference workload: torch and
-torch.distributed), then waits for one JSON line on stdin::
+torch.distributed), calls its ``warm_up()`` if it has one (first-use costs:
+``torch.optim``'s first constructor imports ``torch._dynamo``), then waits for
+one JSON line on stdin::
 
     {"argv": [...], "env": {...}, "cwd": "...", "log": "..."}
 
@@ -160,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         heavy = getattr(mod, "WARM_IMPORTS", ())
         for name in heavy:
             importlib.import_module(name)
+        if heavy and callable(getattr(mod, "warm_up", None)):
+            mod.warm_up()  # first-use costs (lazy imports inside the libraries)
     except Exception as exc:  # the job itself will report it when started cold
         print(f"warm worker: importing {module} failed: {exc}", file=sys.stderr)
         return 1

@@ -64,8 +64,20 @@ from agent.worker import (
 )
 
 FORMAT = "gearshift-resharded-v1"
-# what a warm worker (agent/warm.py) imports ahead of the job
+# what a warm worker (agent/warm.py) imports ahead of the job, then it calls warm_up()
 WARM_IMPORTS = ("torch", "torch.distributed", "torch.utils.checkpoint", "numpy")
+
+
+def warm_up() -> None:
+    """First-use costs a warm worker pays ahead of the job: the first optimizer
+    imports torch._dynamo (torch.optim's constructor, ~1 s idle, 12 s on a
+    loaded box), the first backward starts autograd's machinery."""
+    import torch
+
+    w = torch.nn.Parameter(torch.ones(2, 2))
+    opt = torch.optim.Adam([w], lr=1e-3, foreach=False)
+    torch.nn.functional.gelu(w @ w).sum().backward()
+    opt.step()
 # Profiling runs report this quantile of each phase over the measured steps
 # (PhaseTimer.quantile_ms): other processes only ever add time.
 PROFILE_QUANTILE = 0.25
@@ -120,11 +132,13 @@ def plan_shape(env: WorkerEnv, args, B: int) -> tuple[int, int, int, int, int]:
 
 
 def main(argv=None) -> int:
+    marks = {"main": time.time()}  # restore broken down: launch -> main -> torch imported -> rendezvous -> state
     args = parse_args(argv)
     stop = StopSignal()
     env = WorkerEnv.from_env()
     import torch
     import torch.distributed as dist
+    marks["import"] = time.time()
 
     from .parallel import Comm, Layout
 
@@ -145,7 +159,11 @@ def main(argv=None) -> int:
                             rank=env.rank, world_size=env.world_size)
     try:
         layout = Layout(dp=dp, tp=tp, pp=pp, rank=env.rank)
-        return Trainer(args, env, stop, torch, dist, Comm(dist, layout), device, steps, B, ga, mb).run()
+        comm = Comm(dist, layout)
+        marks["rendezvous"] = time.time()
+        trainer = Trainer(args, env, stop, torch, dist, comm, device, steps, B, ga, mb)
+        marks["state"] = time.time()
+        return trainer.run(marks)
     finally:
         try:
             dist.destroy_process_group()
@@ -223,7 +241,7 @@ class Trainer:
         if self.step in self.holds and self.step > start_step:
             self.stop.wait(self.args.hold_timeout)
 
-    def run(self) -> int:
+    def run(self, marks: dict | None = None) -> int:
         from .data import micro_batches
         from .schedule import train_step
 
@@ -235,10 +253,16 @@ class Trainer:
         start_step = self.step
         ready = time.time()
         restore_s = ready - env.launched_at if env.launched_at else None
+        parts = {}
+        if marks and env.launched_at:  # seconds of each part of restore_s
+            last = env.launched_at
+            for k in ("main", "import", "rendezvous", "state"):
+                parts[f"{k}_s"] = round(marks[k] - last, 3)
+                last = marks[k]
         if self.rank == 0:
             print(f"{env.job_id}@{env.generation}: rank 0 of {lay.world}, plan {self.label()} on "
-                  f"{self.device.type}, resuming from step {self.step} of {steps}", flush=True)
-        common = dict(start_step=start_step, restore_s=restore_s)
+                  f"{self.device.type}, resuming from step {self.step} of {steps}; restore {parts}", flush=True)
+        common = dict(start_step=start_step, restore_s=restore_s, restore_parts=parts)
         reporter.report(self.step, loss=self.loss_val, force=True, **common)
         # profiling on a shared CPU box: CPU time of the rank's thread (see PhaseTimer)
         clock = os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall") if self.profiling else "wall"
