@@ -140,7 +140,7 @@ class Agent:
         self.reserved: set[int] = set()  # GPUs of profiling runs
         self._gpu_count = 0
         # warm workers for the next generation (agent/warm.py); $GEARSHIFT_WARM: modules to keep warm from the start
-        self.warm = WarmPool(1, spawn=self._spawn_warm, log=self.log,
+        self.warm = WarmPool(1, spawn=self._spawn_warm, log=self.log, status_file=self.workdir / "warm.json",
                              prewarm=[m for m in os.environ.get("GEARSHIFT_WARM", "").split(",") if m])
 
     # ------------------------------------------------------------ life cycle

@@ -57,8 +57,10 @@ class WarmPool:
 
     READY_TIMEOUT_S = 300.0
 
-    def __init__(self, size: int, *, spawn: Callable[..., Any], log: Any, prewarm: Sequence[str] = ()):
+    def __init__(self, size: int, *, spawn: Callable[..., Any], log: Any, prewarm: Sequence[str] = (),
+                 status_file: Any = None):
         self.size = max(1, size)
+        self.status_file = status_file  # {"ready": {module: n}}, rewritten on every change (tools read it)
         self._spawn = spawn  # async (argv) -> asyncio.subprocess.Process with stdin and stdout pipes
         self.log = log
         self.ready: dict[tuple[str, str], list[Any]] = {}
@@ -97,6 +99,7 @@ class WarmPool:
             self.starting[key] -= 1
         if line.strip() == b"ready" and not self._closed:
             self.ready[key].append(proc)
+            self._write_status()
             return
         if proc.returncode is None:
             _kill(proc)
@@ -116,8 +119,22 @@ class WarmPool:
             p = procs.pop(0)
             self._idle.discard(p)
             if p.returncode is None:
+                self._write_status()
                 return p
         return None
+
+    def _write_status(self) -> None:
+        if self.status_file is None:
+            return
+        from .worker import write_json_atomic
+
+        ready: dict[str, int] = {}
+        for (_, module), procs in self.ready.items():
+            ready[module] = ready.get(module, 0) + sum(1 for p in procs if p.returncode is None)
+        try:
+            write_json_atomic(self.status_file, {"ready": ready, "size": self.size})
+        except OSError:
+            pass
 
     @staticmethod
     async def hand_off(proc: Any, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log: str) -> bool:
@@ -139,6 +156,7 @@ class WarmPool:
                 _kill(p)
         self._idle.clear()
         self.ready.clear()
+        self._write_status()
 
 
 def _kill(proc: Any) -> None:

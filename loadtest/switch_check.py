@@ -66,7 +66,24 @@ async def _reconfigure(nc, job_id: str, plan: Plan, placement, label: str) -> Re
     return await call(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply, timeout=10)
 
 
-async def drive(url: str, spec: dict, holds: list[int], log, timeout: float) -> tuple[str, list[JobSwitched], dict]:
+WARM_MODULE = "agent.reference.train"
+WARM_WAIT_S = 300.0
+
+
+def warm_ready(agents: Path, placement) -> bool:
+    """Every node of ``placement`` has as many warm workers ready as ranks to start there."""
+    for node, gpus in placement:
+        try:
+            st = json.loads((agents / node / "warm.json").read_text())
+        except (OSError, ValueError):
+            return False
+        if st.get("ready", {}).get(WARM_MODULE, 0) < gpus:
+            return False
+    return True
+
+
+async def drive(url: str, spec: dict, holds: list[int], log, timeout: float,
+                agents: Path | None = None) -> tuple[str, list[JobSwitched], dict]:
     client = await Client.connect(url, retry_for=10)
     nc = client.nc
     switched: list[JobSwitched] = []
@@ -107,9 +124,16 @@ async def drive(url: str, spec: dict, holds: list[int], log, timeout: float) -> 
             if pending and start_gen is not None and rec.state == JobState.RUNNING \
                     and progress["gen"] == rec.generation and progress["step"] >= pending[0][0]:
                 at, (plan, placement, label) = pending.pop(0)
+                waited = time.monotonic()
+                # the job holds at its step meanwhile: measure switches with the agents' warm pool ready, as in
+                # steady state (refilling takes `import torch` once, ~2 s idle, 10-25 s on a loaded 2-core box)
+                while agents is not None and not warm_ready(agents, placement) \
+                        and time.monotonic() - waited < WARM_WAIT_S:
+                    await asyncio.sleep(0.2)
                 r = await _reconfigure(nc, job_id, plan, placement, label)
                 requested.append({"at_step": at, "seen_step": progress["step"], "to": plan.label(),
-                                  "from_generation": r.generation})
+                                  "from_generation": r.generation, "warm_wait_s": round(time.monotonic() - waited, 1),
+                                  "warm_ready": agents is not None and warm_ready(agents, placement)})
                 log(f"step {progress['step']}: reconfigure to {label} (generation {r.generation})")
             if time.monotonic() - t0 > timeout:
                 raise TimeoutError(f"switch_check did not finish in {timeout:.0f} s")
@@ -124,6 +148,19 @@ async def drive(url: str, spec: dict, holds: list[int], log, timeout: float) -> 
                                   "run_s": time.monotonic() - t0}
     finally:
         await client.close()
+
+
+def restore_parts(agents: Path, job_id: str) -> dict[int, dict]:
+    """generation -> rank 0's restore broken down (launch -> main -> import -> rendezvous -> state)."""
+    out = {}
+    for f in agents.glob(f"*/run/{job_id}/g*/progress-0.json"):
+        try:
+            got = json.loads(f.read_text()).get("restore_parts")
+        except (OSError, ValueError):
+            continue
+        if got:
+            out[int(f.parent.name[1:])] = got
+    return out
 
 
 def read_losses(path: Path) -> list[dict]:
@@ -198,11 +235,13 @@ def main(argv: list[str] | None = None) -> int:
                           data_dir=str(Path(tmp) / "cluster")) as cluster:
             log(f"cluster up at {cluster.url}; logs in {cluster.log_dir}; switches at steps {holds}, {steps} steps")
             try:
-                job_id, switched, info = asyncio.run(drive(cluster.url, spec, holds, log, args.timeout))
+                agents = None if args.cold else Path(tmp) / "cluster" / "agents"
+                job_id, switched, info = asyncio.run(drive(cluster.url, spec, holds, log, args.timeout, agents))
             except (TimeoutError, RuntimeError) as exc:
                 print(json.dumps({"ok": False, "error": str(exc)}) if args.json else f"FAILED: {exc}")
                 return 1
             manifest = json.loads((Path(tmp) / "cluster" / "ckpt" / job_id / "manifest.json").read_text())
+            parts = restore_parts(Path(tmp) / "cluster" / "agents", job_id)
         log("training the same job uninterrupted: DP1 and TP2 (local processes)")
         t = time.monotonic()
         runs = {"dp1": {"dp": 1}, "tp2": {"tp": 2}}
@@ -222,9 +261,12 @@ def main(argv: list[str] | None = None) -> int:
     per_switch = [
         {"from": ev.from_plan.label() if ev.from_plan else None, "to": ev.plan.label() if ev.plan else None,
          "from_gpus": ev.from_gpus, "gpus": ev.gpus, "nodes": ev.nodes, "requested_at_step": h,
-         "at_step": ev.resumed_step, "steps_lost": ev.steps_lost, **{k: round(getattr(ev, k), 3) for k in PHASES}}
-        for ev, h in zip(switched, holds)
+         "at_step": ev.resumed_step, "steps_lost": ev.steps_lost, **{k: round(getattr(ev, k), 3) for k in PHASES},
+         "restore_parts_s": parts.get(ev.generation), **{k: req.get(k) for k in ("warm_wait_s", "warm_ready")}}
+        for ev, h, req in zip(switched, holds, info["requested"] + [{}] * len(holds))
     ]
+    got_parts = [p["restore_parts_s"] for p in per_switch if p["restore_parts_s"]]
+    mean_parts = {k: round(sum(p[k] for p in got_parts) / len(got_parts), 3) for k in got_parts[0]} if got_parts else {}
     mean = {k: round(sum(getattr(ev, k) for ev in switched) / len(switched), 3) for k in PHASES} if switched else {}
     kinds = {"dp": any(p.dp > 1 for p, _, _ in SCHEDULE), "tp": any(p.tp > 1 for p, _, _ in SCHEDULE),
              "pp": any(p.pp > 1 for p, _, _ in SCHEDULE), "zero3": any(p.zero == 3 for p, _, _ in SCHEDULE),
@@ -256,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_lost": lost,
         "steps_repeated": repeated,
         "switch_cost_mean_s": mean,
+        "restore_mean_by_part_s": mean_parts,
         "switch_cost": per_switch,
         "run_s": round(info["run_s"], 1),
         "uninterrupted_s": round(base_s, 1),
