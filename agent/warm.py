@@ -129,7 +129,10 @@ class WarmPool:
         from .worker import write_json_atomic
 
         ready: dict[str, int] = {}
-        for (_, module), procs in self.ready.items():
+        for key, procs in self.ready.items():
+            if key in self.refused:
+                continue
+            module = key[1]
             ready[module] = ready.get(module, 0) + sum(1 for p in procs if p.returncode is None)
         try:
             write_json_atomic(self.status_file, {"ready": ready, "size": self.size})

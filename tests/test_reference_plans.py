@@ -38,14 +38,14 @@ def test_warm_key_only_for_python_m_without_import_variables():
 @needs_torch
 @pytest.mark.timeout(600)
 def test_checkpoint_reshards_between_tp_pp_zero3_and_offload_and_keeps_the_trajectory(tmp_path):
-    """DP1 -> TP2 -> PP2 (GPipe, GA2) -> DP2 + ZeRO-3 + offload, each resuming the
-    last one's checkpoint, ends where an uninterrupted DP1 run ends."""
+    """TP2 -> PP2 (GPipe, GA2) -> DP2 + ZeRO-3 + offload, each resuming the last
+    one's checkpoint, ends where an uninterrupted DP1 run ends."""
     ck = tmp_path / "switched"
-    chain = [({"dp": 1}, 2), ({"tp": 2}, 4), ({"pp": 2, "ga": 2}, 6), ({"dp": 2, "zero": 3, "offload": True}, 8)]
+    chain = [({"tp": 2}, 2), ({"pp": 2, "ga": 2}, 4), ({"dp": 2, "zero": 3, "offload": True}, 6)]
     for plan, steps in chain:
         m = reference.run_local(plan, steps, 32, ck, extra_args=ARGS)
         assert m["step"] == steps and m["plan"] == plan
-    base = reference.run_local({"dp": 1}, 8, 32, tmp_path / "base", extra_args=ARGS)
+    base = reference.run_local({"dp": 1}, 6, 32, tmp_path / "base", extra_args=ARGS)
     assert abs(m["loss"] - base["loss"]) <= 1e-9 * abs(base["loss"])
     assert sorted(p.name for p in (ck / m["path"]).iterdir())[:1] == ["meta.pt"]  # ranks write their own pieces
 
@@ -77,13 +77,17 @@ async def test_warm_worker_runs_a_rank_and_modules_without_heavy_imports_are_not
                                                     stdout=asyncio.subprocess.PIPE, start_new_session=True)
 
     log = Log()
-    pool = WarmPool(1, spawn=spawn, log=log, prewarm=["agent.reference.train", "agent.emulated_worker"])
+    status = tmp_path / "warm.json"
+    pool = WarmPool(1, spawn=spawn, log=log, prewarm=["agent.reference.train", "agent.emulated_worker"],
+                    status_file=status)
     await pool.refill()
+    assert json.loads(status.read_text())["ready"] == {"agent.reference.train": 1}
     cmd = reference.command(*ARGS)
     emulated = [sys.executable, "-m", "agent.emulated_worker"]
     assert pool.take(emulated, {}) is None and (sys.executable, "agent.emulated_worker") in pool.refused
     proc = pool.take(cmd, {})
     assert proc is not None and pool.take(cmd, {}) is None  # one per slot
+    assert json.loads(status.read_text())["ready"] == {"agent.reference.train": 0}
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731",
            "GEARSHIFT_PLAN": json.dumps({"dp": 1}), "GEARSHIFT_STEPS": "3", "GEARSHIFT_GLOBAL_BATCH": "32",
            "GEARSHIFT_CKPT_DIR": str(tmp_path / "ck"), "GEARSHIFT_JOB_ID": "warm"}

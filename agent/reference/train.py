@@ -185,8 +185,6 @@ class Trainer:
         self.steps, self.B, self.ga, self.mb = steps, B, ga, mb
         self.rank = env.rank
         self.profiling = env.profile_steps > 0
-        init = full_init(args, torch)
-        self.full_shapes = {n: tuple(t.shape) for n, t in init.items()}
         self.model = build_local(args, torch, self.lay, comm).to(device)
         self.model.grad_ckpt = env.grad_ckpt
         self.opt = FlatOptimizer(torch, list(self.model.named_parameters()), comm, zero=env.zero,
@@ -196,11 +194,14 @@ class Trainer:
         manifest = None if self.profiling else latest_manifest(env.ckpt_dir)
         if manifest and manifest.get("format") == FORMAT:
             meta, full = ckpt.load_full(torch, env.ckpt_dir / manifest["path"])
+            self.full_shapes = {n: tuple(t["param"].shape) for n, t in full.items()}
             ckpt.restore(torch, self.opt, self.lay, full, int(meta["adam_step"]))
             ckpt.restore_rng(torch, meta, self.rank)
             self.step, self.loss_val = int(meta["step"]), meta.get("loss")
             self.done = bool(manifest.get("done")) and self.step >= steps
         else:
+            init = full_init(args, torch)  # the same initial model under every plan
+            self.full_shapes = {n: tuple(t.shape) for n, t in init.items()}
             ckpt.restore(torch, self.opt, self.lay, ckpt.fresh(init, torch), 0)
         X, Y = dataset(args, torch)
         self.X, self.Y = X.to(device), Y.to(device)
