@@ -424,7 +424,7 @@ class Agent:
             manifest = wk.latest_manifest(run.ckpt_dir) or {}
             if manifest.get("job_id") == run.job_id and "step" in manifest:
                 extra.update(checkpoint_step=int(manifest["step"]), checkpoint_at=manifest.get("wall_time"))
-            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
+            prog = wk.read_json(run.progress_file) or {}
             extra.update(progress_step=int(prog.get("step", 0)), stop_sent_at=run.stop_sent_at)
             if run.node_rank == 0 and prog.get("first_step_s") is not None:
                 # also here: a STEPPED report may land after this one, or never
@@ -627,7 +627,7 @@ class Agent:
                 log.warning("profiling run failed", error=why)
                 return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus, error=why,
                                      wall_s=time.monotonic() - t0)
-            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
+            prog = wk.read_json(run.progress_file) or {}
             ph = prog.get("phases") or {}
             if "iteration" not in ph:
                 return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus,
