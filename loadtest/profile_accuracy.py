@@ -17,7 +17,9 @@ Timing: the reference workload runs one torch thread per rank, and the phase
 times are the median over the measured steps of the rank's thread CPU time
 (``GEARSHIFT_PROFILE_CLOCK=cpu``): on a shared two-core machine wall time is
 mostly a measure of what else runs there. On dedicated hardware leave the
-clock at its default (wall). A pipeline's bubble is waiting, which thread CPU
+clock at its default (wall). Each plan runs twice (``--repeats``), round-robin over
+the plans, and the faster run counts: load from other processes only ever adds
+time, and a burst of it rarely hits both runs. A pipeline's bubble is waiting, which thread CPU
 time leaves out: PP runs replay their schedule on every stage's measured busy
 times to get the step time (``agent/reference/schedule.pipeline_makespan``).
 """
@@ -53,7 +55,7 @@ HELD_OUT = [
 ]
 
 
-async def measure(url: str, global_batch: int, steps: int, log) -> dict:
+async def measure(url: str, global_batch: int, steps: int, log, repeats: int = 2) -> dict:
     nc = await connect(url, name="profile-accuracy", retry_for=10)
     try:
         model = codec.convert(reference.model_spec(), ModelSpec)
@@ -62,14 +64,16 @@ async def measure(url: str, global_batch: int, steps: int, log) -> dict:
         env = {"GEARSHIFT_PROFILE_CLOCK": "cpu"}
         t = time.monotonic()
         prof = await call(nc, PROFILER_PROFILE, ProfileRequest(model=model, global_batch=global_batch, command=cmd,
-                                                                env=env, max_dp=2, steps=steps), ProfileReply,
+                                                                env=env, max_dp=2, steps=steps, repeats=repeats),
+                          ProfileReply,
                           timeout=1800)
         log(f"profiled {len(prof.samples)} plans in {time.monotonic() - t:.0f}s; fit train error "
             f"{prof.fit.train_error:.3f}" if prof.fit else "no fit")
         held = [p for p in HELD_OUT if p not in [s.plan for s in prof.samples]]
         t = time.monotonic()
         meas = await call(nc, PROFILER_PROFILE, ProfileRequest(model=model, global_batch=global_batch, command=cmd,
-                                                                env=env, plans=held, steps=steps, fit=False),
+                                                                env=env, plans=held, steps=steps, fit=False,
+                                                                repeats=repeats),
                           ProfileReply, timeout=1800)
         log(f"measured {len(meas.samples)} held-out plans in {time.monotonic() - t:.0f}s")
         pred = await call(nc, PERFMODEL_PREDICT, PredictRequest(
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.profile_accuracy")
     ap.add_argument("--global-batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30, help="measured steps per run (after 3 warm-up steps)")
+    ap.add_argument("--repeats", type=int, default=2, choices=range(1, 6),
+                    help="runs per plan (round-robin), the fastest counts: other load only adds time")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--save-model", type=Path, default=None,
                     help="write the fitted model (gs_models value) here, e.g. workloads/torchref_model.json")
@@ -100,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         with LocalCluster(nodes=1, gpus_per_node=2, cpus_per_node=2, interval=1.0,
                           data_dir=str(Path(tmp) / "cluster")) as cluster:
             log(f"cluster up at {cluster.url}")
-            got = asyncio.run(measure(cluster.url, args.global_batch, args.steps, log))
+            got = asyncio.run(measure(cluster.url, args.global_batch, args.steps, log, args.repeats))
     prof, meas, pred = got["profile"], got["measured"], got["predicted"]
     rows = []
     for s, t in zip(meas.samples, pred.iter_time_s):

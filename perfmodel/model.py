@@ -110,7 +110,7 @@ PARAM_PRIOR = {
     "kappa_dp": (1.0, 0.7),
     "gamma_z": (2.0, 1.0),
     # ~0 unless a fit's samples say otherwise: fits without 3D micro-batch data predict as before
-    "c_mb3d": (0.01, 3.0),
+    "c_mb3d": (0.01, 6.0),
 }
 CLUSTER_PRIOR = {
     "bw_nvlink": (150.0, 1.0),
