@@ -64,6 +64,7 @@ from services.runtime import VERSION, Endpoint, get_logger, serve
 
 from . import launch, worker as wk
 from .logs import read_rank_logs
+from .warm import WarmPool
 from .probe import GpuProbe
 
 DEFAULT_GRACE_S = 10.0
@@ -141,6 +142,9 @@ class Agent:
         self._nodes_kv: Any = None
         self.reserved: set[int] = set()  # GPUs of profiling runs
         self._gpu_count = 0
+        # warm workers for the next generation (agent/warm.py); $GEARSHIFT_WARM: modules to keep warm from the start
+        self.warm = WarmPool(1, spawn=self._spawn_warm, log=self.log, status_file=self.workdir / "warm.json",
+                             prewarm=[m for m in os.environ.get("GEARSHIFT_WARM", "").split(",") if m])
 
     # ------------------------------------------------------------ life cycle
     async def start(self) -> "Agent":
@@ -150,6 +154,8 @@ class Agent:
         self._alloc_kv = await _bucket(self.js, subj.ALLOC_BUCKET)
         self._nodes_kv = await _bucket(self.js, subj.NODES_BUCKET)
         await self._beat()  # capacity visible before the first allocation can arrive
+        self.warm.size = max(1, len(await self.probe.sample()))
+        self._spawn(self.warm.refill())
         self._svc = await serve(
             self.nc,
             f"agent-{self.node}",
@@ -192,6 +198,7 @@ class Agent:
             self._tasks[0].cancel()
             self._dirty.set()  # the reconciler finishes its pass (a launch in flight included) and ends
             await asyncio.gather(self._tasks[1], return_exceptions=True)
+        self.warm.close()
         for run in list(self.runs.values()):
             self._begin_stop(run, "agent stopping", by_agent=True)
         while self._side_tasks:  # supervisors publish the EXITED reports
@@ -302,6 +309,7 @@ class Agent:
         run.ckpt_dir.mkdir(parents=True, exist_ok=True)
         master = await self._master_addr(first_node)
         run.launched_at = time.time()
+        cmd = launch.command(alloc)
         for spec in launch.rank_specs(alloc, self.node):
             progress_file = run.run_dir / f"progress-{spec.rank}.json"
             if spec.rank == 0:
@@ -311,20 +319,45 @@ class Agent:
                 launched_at=run.launched_at,
             )
             env.update(extra_env or {})
-            with open(run.run_dir / f"rank-{spec.rank}.log", "ab") as out:
-                proc = await asyncio.create_subprocess_exec(
-                    *launch.command(alloc),
-                    env=env,
-                    cwd=run.run_dir,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
-                    start_new_session=True,  # own process group: one signal reaches its children
-                    preexec_fn=_die_with_agent,  # no orphan outlives a crashed agent
-                )
+            log_path = run.run_dir / f"rank-{spec.rank}.log"
+            proc = self.warm.take(cmd, alloc.env)  # interpreter and imports ready: it becomes this rank
+            if proc is not None and not await self.warm.hand_off(proc, cmd, env, str(run.run_dir), str(log_path)):
+                proc = None
+            if proc is None:
+                with open(log_path, "ab") as out:
+                    proc = await asyncio.create_subprocess_exec(
+                        *cmd,
+                        env=env,
+                        cwd=run.run_dir,
+                        stdin=asyncio.subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=asyncio.subprocess.STDOUT,
+                        start_new_session=True,  # own process group: one signal reaches its children
+                        preexec_fn=_die_with_agent,  # no orphan outlives a crashed agent
+                    )
             run.procs.append(proc)
             _remember_pid(run.run_dir, proc.pid)
             self.probe.claim(list(spec.gpus), [proc.pid])
+        if not self._closing:
+            self._spawn(self._refill_warm(run))  # ready for the next generation
+
+    async def _refill_warm(self, run: Run, wait: float = 60.0) -> None:
+        """Start warm workers once ``run`` made its first step (or ended): not
+        while its own start-up needs the CPUs."""
+        deadline = time.monotonic() + wait
+        while not self._closing and not run.done.is_set() and time.monotonic() < deadline:
+            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
+            if prog.get("first_step_s") is not None or prog.get("phases"):
+                break
+            await asyncio.sleep(0.2)
+        if not self._closing:
+            await self.warm.refill()
+
+    async def _spawn_warm(self, argv: list[str]) -> asyncio.subprocess.Process:
+        with open(self.workdir / "warm.log", "ab") as out:
+            return await asyncio.create_subprocess_exec(
+                *argv, cwd=self.workdir, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=out,
+                start_new_session=True, preexec_fn=_die_with_agent)
 
     async def _master_addr(self, first_node: str) -> str:
         if first_node == self.node:
@@ -669,7 +702,16 @@ def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
             return True
         except OSError:
             return False
-    return f"GEARSHIFT_JOB_ID={job_id}".encode() in env and f"GEARSHIFT_GENERATION={generation}".encode() in env
+    if f"GEARSHIFT_JOB_ID={job_id}".encode() in env and f"GEARSHIFT_GENERATION={generation}".encode() in env:
+        return True
+    # a warm worker (agent/warm.py) keeps the agent's environment: it moved into the run's folder
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            warm = b"agent.warm" in f.read()
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return False
+    return warm and cwd.name == f"g{generation}" and cwd.parent.name == job_id
 
 
 async def _reap_orphans(run_root: Path, grace: float, log: Any) -> int:
