@@ -396,7 +396,7 @@ class Rubick:
                 why = f"started with {c.describe()}: {c.throughput / refs[i]:.2f}x its request's predicted throughput"
             if j.spec.guaranteed:
                 why += f"; guarantee {targets[i]:.3g} samples/s kept ({c.throughput:.3g})"
-            d.allocations[j.job_id] = JobDecision(placement, c.plan, f"{self.name}: {why} on {describe(placement)}", c.throughput, gain)
+            d.allocations[j.job_id] = JobDecision(placement, c.plan, f"{self.name}: {why} on {describe(placement)}", float(c.throughput), None if gain is None else float(gain))
         free = {n.name: n.gpus_total - used[n.name] for n in nodes}
         block = max(free.values(), default=0)
         total_free = sum(free.values())
