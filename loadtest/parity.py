@@ -183,6 +183,24 @@ class Driver:
                     self._push(st["from"], f"oom:{rec.generation}", jid)
         await self._settle(None)
 
+    async def publish_progress(self) -> None:
+        """Rank 0's progress line (``gs.job.<id>.progress``), as agents publish it."""
+        from bus_schema.messages import JobProgress
+
+        t = self.clock()
+        want = {}
+        for jid, st in self.run.items():
+            steps = int(self._progress(st, t))
+            want[jid] = (st["gen"], steps)
+            p = JobProgress(job_id=jid, generation=st["gen"], node=st["nodes"][0], ts=t, steps_done=steps,
+                            steps=st["steps"])
+            await self.nc.publish(subj.job_progress(jid), codec.encode(p))
+        await self.nc.flush()
+        for _ in range(500):  # the optimizer's subscription runs on this loop: let it catch up
+            if all(self.opt.progress.get(j) == w for j, w in want.items()):
+                break
+            await asyncio.sleep(0.01)
+
     async def _settle(self, _records) -> None:
         """Reports are applied as they are sent (``report``); nothing to wait for."""
         self.sent = 0
@@ -245,6 +263,7 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
         opt = await Optimizer(nc, policy="rubick", interval=1e9, policy_options=policy_options,
                               max_retries=10_000, node_timeout=1e12).open()
         opt.is_leader = True
+        await nc.subscribe("gs.job.*.progress", cb=opt.on_progress)  # what _lead subscribes to
         opt.leader_since = time.monotonic()
         from policies.kernels import warm_up
 
@@ -278,6 +297,7 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
             if not live:
                 continue
             await drv.nodes()
+            await drv.publish_progress()
             if verbose:
                 print(f"parity: live round at t={t:.0f}, {len(drv.done)}/{len(trace.jobs)} done", file=sys.stderr,
                       flush=True)
