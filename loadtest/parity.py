@@ -177,7 +177,8 @@ class Driver:
                 self.run[jid] = st
                 await self.report(jid, rec.generation, st["nodes"][0], RunReportKind.STARTED, launched_at=t)
                 if st["rate"] > 0:
-                    self._push(st["from"], f"stepped:{rec.generation}", jid)
+                    # rank 0 reports STEPPED when its first step is done
+                    self._push(st["from"] + step_time, f"stepped:{rec.generation}", jid)
                     self._push(st["from"] + (tj.spec.steps - steps0) / st["rate"], f"done:{rec.generation}", jid)
                 else:
                     self._push(st["from"], f"oom:{rec.generation}", jid)
@@ -218,7 +219,8 @@ class Driver:
             node = st["nodes"][0]
             if what == "stepped":
                 await self.report(jid, st["gen"], node, RunReportKind.STEPPED, start_step=int(st["steps0"]),
-                                  launched_at=t - self.restart, restore_s=self.restart, first_step_s=st["step_time"])
+                                  launched_at=st["from"] - self.restart, restore_s=self.restart,
+                                  first_step_s=st["step_time"])
             elif what == "done":
                 for n in st["nodes"]:
                     await self.report(jid, st["gen"], n, RunReportKind.EXITED, exit_code=0, steps_done=st["steps"],
