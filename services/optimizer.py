@@ -51,6 +51,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
+    JobProgress,
     ACTIVE_STATES,
     Allocation,
     JobSwitched,
@@ -142,6 +143,7 @@ class Optimizer:
         self._tasks: list[asyncio.Task] = []
         self._svc: Any = None
         self._subs: list[Any] = []
+        self.progress: dict[str, tuple[int, int]] = {}  # job -> (generation, steps) from JobProgress
         self.is_leader = False
         self.leader_since: float | None = None
         self.records_seen: dict[str, JobRecord] = {}  # the last round's records
@@ -212,6 +214,7 @@ class Optimizer:
         self._subs = [
             await self.nc.subscribe(subj.OPTIMIZER_KICK, cb=on_kick),
             await self.nc.subscribe("gs.evt.job.*.submitted", cb=on_kick),
+            await self.nc.subscribe("gs.job.*.progress", cb=self.on_progress),
         ]
         self._tasks = [
             asyncio.create_task(self.lease.hold(lost)),
@@ -406,6 +409,18 @@ class Optimizer:
         )
 
     # ------------------------------------------------------------ rounds
+    async def on_progress(self, msg: Any) -> None:
+        """Steps done between exits, for the policy's view (in memory, newest generation
+        only; the record itself still learns them at exits and checkpoints)."""
+        try:
+            p = codec.decode(msg.data, JobProgress)
+        except msgspec.MsgspecError:
+            return
+        got = self.progress.get(p.job_id)
+        if got is None or (p.generation, p.steps_done) > got:
+            self.progress[p.job_id] = (p.generation, p.steps_done)
+            self.models.observe_progress(p.job_id, p.generation, p.ts, p.steps_done)  # speed, once it trains
+
     async def _round_loop(self) -> None:
         while self.is_leader:
             try:
@@ -513,6 +528,9 @@ class Optimizer:
         views = [self._view(r) for r in records.values()
                  if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
         views = [v for v in views if all(p.node in alive for p in v.placement)]
+        if len(self.progress) > len(views):  # forget jobs that ended
+            live_ids = {v.job_id for v in views}
+            self.progress = {k: v for k, v in self.progress.items() if k in live_ids}
         await self.models.refresh([records[v.job_id] for v in views])
         if self.queues is not None:
             self.policy.set_config(await self.queues.config(self.share_base))
@@ -552,9 +570,10 @@ class Optimizer:
             await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}", subj.round_event(ev.__struct_config__.tag))
         return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
 
-    @staticmethod
-    def _view(rec: JobRecord) -> JobView:
-        return job_view(rec, now())
+    def _view(self, rec: JobRecord) -> JobView:
+        # with the progress agents publish between exits (gs.job.<id>.progress), as the simulator knows it
+        got = self.progress.get(rec.job_id)
+        return job_view(rec, now(), got[1] if got is not None and got[0] == rec.generation else None)
 
     async def _apply(
         self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
