@@ -108,7 +108,8 @@ ROUTES: tuple[Route, ...] = (
     Route("gs.node.<node>.heartbeat", PUBLISH, m.NodeReport, senders=("agent",),
           doc="node heartbeat (NVML sample); also the KV entry gs_nodes.<node>"),
     Route("gs.job.<job>.progress", PUBLISH, m.JobProgress, senders=("agent",),
-          receivers=("admission", "tools", "dashboard"), doc="live steps and speed of a running job"),
+          receivers=("admission", "optimizer", "tools", "dashboard"),
+          doc="live steps and speed of a running job (the optimizer feeds the policy's view and the learning oracle)"),
     Route("gs.report.<node>.<job>", STREAM, m.RunReport, senders=("agent",), receivers=("optimizer",),
           stream=s.REPORTS_STREAM, doc="a rank started, stepped (first step of a generation) or exited"),
     # events

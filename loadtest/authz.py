@@ -522,16 +522,18 @@ def main(argv: list[str] | None = None) -> int:
             checks = asyncio.run(run_suite(cluster.url, cluster.auth_dir.root))
             dead = cluster.check_alive()
             logs = Path(cluster.log_dir or tmp)
-            violations_in_services = sum(
-                f.read_text(errors="replace").lower().count("permissions violation") for f in logs.glob("*.log")
-            )
+            # which process hit which refusal: a service denied its own work is a broken rule, not a passed check
+            violation_lines = [f"{f.stem}: {line.strip()[:300]}" for f in sorted(logs.glob("*.log"))
+                               for line in f.read_text(errors="replace").splitlines()
+                               if "permissions violation" in line.lower()]
+            violations_in_services = len(violation_lines)
     refused = [c for c in checks if c.expect == "refused"]
     allowed = [c for c in checks if c.expect == "allowed"]
     summary = dict(
         forbidden_tried=len(refused), forbidden_refused=sum(c.ok for c in refused),
         allowed_tried=len(allowed), allowed_worked=sum(c.ok for c in allowed),
         roles=sorted({c.role for c in checks}), services_died=dead,
-        permission_errors_in_service_logs=violations_in_services, duration_s=round(time.monotonic() - t0, 1),
+        permission_errors_in_service_logs=violations_in_services, permission_errors=violation_lines[:10], duration_s=round(time.monotonic() - t0, 1),
     )
     summary["ok"] = (summary["forbidden_refused"] == len(refused) and summary["allowed_worked"] == len(allowed)
                      and not dead and violations_in_services == 0)
