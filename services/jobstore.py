@@ -64,7 +64,9 @@ async def kv_snapshot(kv: Any, keys: str = ">") -> dict[str, tuple[bytes, int]]:
             msg = await sub.next_msg(timeout=5)
             op = (msg.headers or {}).get("KV-Operation")
             key = msg.subject[len(prefix):]
-            if op in ("DEL", "PURGE"):
+            if key.startswith("_"):  # fencing marks (services.fencing), not data
+                pass
+            elif op in ("DEL", "PURGE"):
                 out.pop(key, None)
             else:
                 out[key] = (msg.data, msg.metadata.sequence.stream)
@@ -80,6 +82,7 @@ class JobStore:
         self.nc = nc
         self.js = nc.jetstream()
         self.kv: Any = None
+        self.fence: Any = None  # services.fencing.Fence while this store writes for a leader
 
     async def open(self) -> "JobStore":
         self.kv = await self.js.key_value(subj.JOBS_BUCKET)
@@ -114,8 +117,13 @@ class JobStore:
             new = change(rec)
             if new is None:
                 return None
+            if new.state != rec.state:
+                rec.check_transition(new.state)  # the state machine, enforced on every write
             try:
-                await self.kv.update(job_id, codec.encode(new), last=rev)
+                if self.fence is not None:  # a leader's write: refused once it is deposed
+                    await self.fence.update(subj.JOBS_BUCKET, job_id, codec.encode(new), rev)
+                else:
+                    await self.kv.update(job_id, codec.encode(new), last=rev)
             except KeyWrongLastSequenceError:
                 await asyncio.sleep(0)
                 continue
