@@ -27,13 +27,20 @@ class Leadership:
         self.lease = Lease(lease_kv, name, instance, ttl=ttl, renew=ttl / 4)
         self.fence = Fence(nc, buckets, instance)
         self.lost: asyncio.Event | None = None
+        self._hold: asyncio.Task | None = None
+
+    def stop_renewing(self) -> None:
+        """Fault injection: stop the renewal loop, so that only the fence can
+        notice a takeover (the worst case: a leader whose lease check is late)."""
+        if self._hold is not None:
+            self._hold.cancel()
 
     async def run(self, stop: asyncio.Event, lead: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         while not stop.is_set():
             if await self.lease.try_acquire():
                 self.lost = asyncio.Event()
                 await self.fence.take()
-                hold = asyncio.create_task(self.lease.hold(self.lost))
+                hold = self._hold = asyncio.create_task(self.lease.hold(self.lost))
                 try:
                     await lead(self.lost)
                 finally:

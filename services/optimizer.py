@@ -317,7 +317,9 @@ class Optimizer:
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
-        _maybe_pause()
+        if _pause_requested():
+            self.leadership.stop_renewing()
+            _pause()
 
         gpu_count = {n.node: len(n.gpus) for n in nodes}
         changes += await self._apply(decision, records, gpu_count, held)
@@ -494,16 +496,20 @@ class Optimizer:
         return allocation_for(rec)
 
 
-def _maybe_pause() -> None:
-    """Fault injection for the fencing test: if the file named by
-    GEARSHIFT_FAULT_PAUSE_MID_ROUND exists, remove it, leave ``<file>.paused``
-    and stop this process (SIGSTOP) after deciding and before writing."""
+def _pause_requested() -> bool:
+    """Fault injection for the fencing test: the file named by
+    GEARSHIFT_FAULT_PAUSE_MID_ROUND exists. The round then stops this process
+    (SIGSTOP) after deciding and before writing, its lease renewal stopped."""
     path = os.environ.get(PAUSE_ENV)
-    if path and os.path.exists(path):
-        os.unlink(path)
-        with open(path + ".paused", "w") as f:
-            f.write(str(os.getpid()))
-        os.kill(os.getpid(), signal.SIGSTOP)
+    return bool(path) and os.path.exists(path)
+
+
+def _pause() -> None:
+    path = os.environ[PAUSE_ENV]
+    os.unlink(path)
+    with open(path + ".paused", "w") as f:
+        f.write(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
