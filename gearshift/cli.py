@@ -85,7 +85,12 @@ async def cmd_submit(args: argparse.Namespace) -> int:
 async def cmd_get(args: argparse.Namespace) -> int:
     async def go(c: Client) -> int:
         if args.what in ("jobs", "job"):
-            jobs = await c.jobs(tenant=args.tenant)
+            filters: dict[str, Any] = {"all": args.all, "limit": args.page_size}
+            if args.state:
+                filters["states"] = args.state.split(",")
+            if args.node:
+                filters["node"] = args.node
+            jobs = await c.jobs(tenant=args.tenant, **filters)
             if args.output == "json":
                 _print_json(jobs)
             else:
@@ -254,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("what", choices=["jobs", "job", "nodes", "node"])
     g.add_argument("-o", "--output", choices=["table", "json"], default="table")
     g.add_argument("--tenant", default=None)
+    g.add_argument("--all", action="store_true", help="jobs: finished ones in the history store too")
+    g.add_argument("--state", default=None, help="jobs: only these states (comma-separated)")
+    g.add_argument("--node", default=None, help="jobs: only those placed on this node")
+    g.add_argument("--page-size", type=int, default=1000, help="jobs: how many to ask for per request")
 
     d = sub.add_parser("describe", help="show one job with its events")
     d.add_argument("kind", choices=["job"])

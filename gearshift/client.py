@@ -73,9 +73,23 @@ class Client:
         return await call(self.nc, self._subject(subj.ADMISSION_SUBMIT), SubmitRequest(spec=spec, token=token),
                           SubmitReply, self.timeout)
 
-    async def jobs(self, tenant: str | None = None) -> list[JobRecord]:
-        return (await call(self.nc, self._subject(subj.ADMISSION_LIST), ListRequest(tenant=tenant), JobList,
-                           self.timeout)).jobs
+    async def jobs(self, tenant: str | None = None, **filters: Any) -> list[JobRecord]:
+        """Every job that matches, page after page (``filters``: states, node,
+        all, limit = page size; see ListRequest)."""
+        out: list[JobRecord] = []
+        async for page in self.job_pages(tenant=tenant, **filters):
+            out.extend(page)
+        return out
+
+    async def job_pages(self, tenant: str | None = None, **filters: Any) -> AsyncIterator[list[JobRecord]]:
+        cursor = None
+        while True:
+            req = ListRequest(tenant=tenant, cursor=cursor, **filters)
+            got = await call(self.nc, self._subject(subj.ADMISSION_LIST), req, JobList, self.timeout)
+            yield got.jobs
+            if got.next_cursor is None:
+                return
+            cursor = got.next_cursor
 
     async def job(self, job_id: str) -> JobRecord:
         return await call(self.nc, self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, self.timeout)

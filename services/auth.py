@@ -87,7 +87,7 @@ def permissions(ident: Identity) -> dict[str, Any]:
     if ident.role == "optimizer":
         return {
             "publish": {"allow": ["$JS.API.>", "$JS.FC.>", f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
-                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), "gs.evt.>", "gs.agent.*.>",
+                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.HISTORY_BUCKET), "gs.evt.>", "gs.agent.*.>",
                                   subj.OPTIMIZER + ".kick", subj.PERFMODEL + ".>", subj.PROFILER + ".>"]},
             "subscribe": {"allow": ["gs.>", inbox, *srv_sub]},
             "allow_responses": True,

@@ -86,16 +86,40 @@ class JobStore:
 
     async def open(self) -> "JobStore":
         self.kv = await self.js.key_value(subj.JOBS_BUCKET)
+        self.history = await self.js.key_value(subj.HISTORY_BUCKET)
         return self
 
-    async def get(self, job_id: str) -> tuple[JobRecord, int] | None:
+    async def get(self, job_id: str, *, history: bool = True) -> tuple[JobRecord, int] | None:
+        """The live record (and its revision); a finished job moved to the
+        history store comes from there (revision 0: it is never written again)."""
+        got = await self._get(self.kv, job_id)
+        if got is None and history:
+            got = await self._get(self.history, job_id)
+            return None if got is None else (got[0], 0)
+        return got
+
+    @staticmethod
+    async def _get(kv: Any, job_id: str) -> tuple[JobRecord, int] | None:
         try:
-            entry = await self.kv.get(job_id)
+            entry = await kv.get(job_id)
         except KeyNotFoundError:
             return None
         if entry.value is None or entry.operation in ("DEL", "PURGE"):
             return None
         return codec.decode(entry.value, JobRecord), entry.revision
+
+    async def archive(self, rec: JobRecord) -> bool:
+        """Move a finished record (events published, nothing draining) from
+        ``gs_jobs`` to the history store: written there first, then deleted
+        here, so a crash in between leaves it in both, never in neither."""
+        if not rec.terminal or rec.outbox or rec.draining:
+            return False
+        await self.history.put(rec.job_id, codec.encode(rec))
+        if self.fence is not None:
+            await self.fence.delete(subj.JOBS_BUCKET, rec.job_id)
+        else:
+            await self.kv.delete(rec.job_id)
+        return True
 
     async def create(self, rec: JobRecord) -> bool:
         """Write a new record; False if the id exists already."""
@@ -110,7 +134,7 @@ class JobStore:
         """Apply ``change`` with CAS, retrying on conflicts. Returns the new
         record, or None when the job is unknown or ``change`` returned None."""
         for _ in range(100):
-            got = await self.get(job_id)
+            got = await self.get(job_id, history=False)  # history is never written again
             if got is None:
                 return None
             rec, rev = got
@@ -134,7 +158,7 @@ class JobStore:
 
     async def flush(self, job_id: str) -> JobRecord | None:
         """Publish a record's outbox, then remove what was published (CAS)."""
-        got = await self.get(job_id)
+        got = await self.get(job_id, history=False)
         if got is None:
             return None
         rec, _ = got

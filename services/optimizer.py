@@ -111,6 +111,7 @@ class Optimizer:
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         wait_for_models: bool = False,
         write_parallel: int = 32,
+        archive_after: float = 30.0,
     ):
         self.nc = nc
         self.js = nc.jetstream()
@@ -123,6 +124,7 @@ class Optimizer:
         self.drain_timeout = drain_timeout
         self.wait_for_models = wait_for_models
         self.write_parallel = write_parallel
+        self.archive_after = archive_after
         self.store = JobStore(nc)
         self.round_no = 0
         self.last_explain: list[ExplainEntry] = []
@@ -325,6 +327,7 @@ class Optimizer:
         changes += await self._apply(decision, records, gpu_count, held)
         await self.writer.reconcile(records)
         await self._explain(decision, records)
+        await self._archive()
 
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
@@ -348,6 +351,15 @@ class Optimizer:
         for job_id, d in decision.allocations.items():
             explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
         self.last_explain = explain
+
+    async def _archive(self, most: int = 2000) -> int:
+        """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
+        seconds after they ended (events published, nothing draining)."""
+        cutoff = now() - self.archive_after
+        done = [r for r in self.jobs.finished.values()
+                if (r.finished_at or 0) <= cutoff and not r.outbox and not r.draining][:most]
+        await bounded([self.store.archive(r) for r in done], self.write_parallel)
+        return len(done)
 
     @staticmethod
     def _view(rec: JobRecord) -> JobView:
@@ -402,12 +414,13 @@ class Optimizer:
 
     async def _allocate(self, rec: JobRecord, d: Any, placement: list) -> JobRecord | None:
         ts = now()
-        new = await self.store.update(rec.job_id, lambda r: lifecycle.allocate(r, rec, d, placement, ts))
+        new = await self.store.update(rec.job_id, lambda r: lifecycle.allocate(r, rec, d, placement, ts), flush=False)
         if new is not None:
             if new.draining:
                 await self.writer.delete(new.job_id)  # the old generation checkpoints and stops
             else:
                 await self.writer.put(new)
+            new = await self.store.flush(new.job_id) or new  # job.scheduled once its allocation exists
             log.info("job scheduled", job_id=new.job_id, generation=new.generation, plan=d.plan.label(),
                      nodes=[p.node for p in placement], draining=[p.node for p in new.draining])
         return new
@@ -519,7 +532,7 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
         nc, policy=args.policy, interval=args.interval, node_timeout=args.node_timeout,
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
-        lease_ttl=args.lease_ttl,
+        lease_ttl=args.lease_ttl, archive_after=args.archive_after,
     ).open()
     await opt.run(stop)
     await nc.drain()
@@ -534,6 +547,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between timer rounds")
     ap.add_argument("--node-timeout", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
     ap.add_argument("--lease-ttl", type=float, default=6.0, help="seconds a silent leader keeps the lease")
+    ap.add_argument("--archive-after", type=float, default=30.0,
+                    help="seconds a finished job stays in gs_jobs before it moves to the history store")
     ap.add_argument("--max-retries", type=int, default=DEFAULT_MAX_RETRIES,
                     help="crashes retried from the last checkpoint before a job fails")
     ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,

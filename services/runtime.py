@@ -103,6 +103,7 @@ BUCKETS = {
     subj.ALLOC_BUCKET: dict(history=5),
     subj.MODELS_BUCKET: dict(history=5),
     subj.LEASE_BUCKET: dict(history=1),
+    subj.HISTORY_BUCKET: dict(history=1, ttl=subj.HISTORY_RETENTION_S),
 }
 
 

@@ -134,6 +134,7 @@ class JobsView(KvView[JobRecord]):
     def __init__(self, js: Any, bucket: str):
         super().__init__(js, bucket, lambda b: codec.decode(b, JobRecord))
         self.live: dict[str, JobRecord] = {}
+        self.finished: dict[str, JobRecord] = {}  # terminal, still in the hot bucket
         self.tenant_live: Counter[str] = Counter()
         self.order: list[tuple[float, str]] = []  # (submitted_at, job_id), sorted
 
@@ -149,11 +150,14 @@ class JobsView(KvView[JobRecord]):
             self.live.pop(key, None)
         else:
             self.live[key] = new
+        if new.terminal:
+            self.finished[key] = new
 
     def removed(self, key: str, old: JobRecord) -> None:
         if not old.terminal:
             self.tenant_live[old.spec.tenant] -= 1
         self.live.pop(key, None)
+        self.finished.pop(key, None)
         i = bisect.bisect_left(self.order, (old.submitted_at, key))
         if i < len(self.order) and self.order[i] == (old.submitted_at, key):
             del self.order[i]
@@ -179,6 +183,24 @@ class NodesView(KvView[NodeReport]):
 
     def __init__(self, js: Any, bucket: str):
         super().__init__(js, bucket, lambda b: codec.decode(b, NodeReport))
+        self._gpus: dict[str, int] = {}
+        self._capacity: tuple[int, int | None] | None = (0, None)
+
+    def changed(self, key: str, old: NodeReport | None, new: NodeReport) -> None:
+        if self._gpus.get(key) != len(new.gpus):
+            self._gpus[key] = len(new.gpus)
+            self._capacity = None
+
+    def removed(self, key: str, old: NodeReport) -> None:
+        self._gpus.pop(key, None)
+        self._capacity = None
+
+    def capacity(self) -> tuple[int, int | None]:
+        """(GPUs of all registered nodes, most GPUs on one node); recomputed
+        only when a node comes, goes or changes its GPU count."""
+        if self._capacity is None:
+            self._capacity = (sum(self._gpus.values()), max(self._gpus.values(), default=None))
+        return self._capacity
 
     def age(self, key: str) -> float | None:
         """Seconds since the server stored this node's last report."""
