@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import MAX_MESSAGE_BYTES, JobRecord, ListRequest
@@ -99,7 +99,8 @@ async def history_page(js: Any, after: int, limit: int, keep: Callable[[JobRecor
     if info.state.messages == 0 or info.state.last_seq <= after:
         return [], after, False
     sub = await js.subscribe(f"$KV.{subj.HISTORY_BUCKET}.>", stream=stream, ordered_consumer=True,
-                             deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1)
+                             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                                   opt_start_seq=after + 1))
     out: list[JobRecord] = []
     last = after
     try:
