@@ -102,8 +102,8 @@ class AllocWriter:
         nodes = [p.node for p in rec.placement]
         keep = {node_key(n, rec.job_id) for n in nodes}
         stale = self.view.copies.get(subj.token(rec.job_id), set()) - keep
-        await self.fence.put(self.bucket, rec.job_id, data)
-        await bounded([self.fence.put(self.bucket, k, data) for k in keep]
+        await bounded([self.fence.put(self.bucket, rec.job_id, data)]
+                      + [self.fence.put(self.bucket, k, data) for k in keep]
                       + [self.fence.delete(self.bucket, k) for k in stale], self.parallel)
 
     async def delete(self, job_id: str) -> None:

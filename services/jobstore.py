@@ -124,44 +124,60 @@ class JobStore:
     async def create(self, rec: JobRecord) -> bool:
         """Write a new record; False if the id exists already."""
         try:
-            await self.kv.create(rec.job_id, codec.encode(rec))
+            rev = await self.kv.create(rec.job_id, codec.encode(rec))
         except KeyWrongLastSequenceError:
             return False
-        await self.flush(rec.job_id)
+        await self.flush(rec.job_id, have=(rec, rev))
         return True
 
-    async def update(self, job_id: str, change: Change, *, flush: bool = True) -> JobRecord | None:
+    async def update(self, job_id: str, change: Change, *, flush: bool = True,
+                     hint: tuple[JobRecord, int] | None = None) -> JobRecord | None:
         """Apply ``change`` with CAS, retrying on conflicts. Returns the new
-        record, or None when the job is unknown or ``change`` returned None."""
+        record, or None when the job is unknown or ``change`` returned None.
+        ``hint``: the record and revision a view holds, tried first (a stale
+        one costs a failed CAS, then the record is read)."""
+        got = await self._update(job_id, change, hint)
+        if got is None:
+            return None
+        new, rev = got
+        if flush and new.outbox:
+            new = await self.flush(job_id, have=(new, rev)) or new
+        return new
+
+    async def _update(self, job_id: str, change: Change,
+                      hint: tuple[JobRecord, int] | None = None) -> tuple[JobRecord, int] | None:
         for _ in range(100):
-            got = await self.get(job_id, history=False)  # history is never written again
+            hinted = hint is not None
+            got = hint or await self.get(job_id, history=False)  # history is never written again
+            hint = None
             if got is None:
                 return None
             rec, rev = got
             new = change(rec)
             if new is None:
+                if hinted:
+                    continue  # "nothing to do" may come from a stale view: ask the bucket
                 return None
             if new.state != rec.state:
                 rec.check_transition(new.state)  # the state machine, enforced on every write
             try:
                 if self.fence is not None:  # a leader's write: refused once it is deposed
-                    await self.fence.update(subj.JOBS_BUCKET, job_id, codec.encode(new), rev)
+                    rev = await self.fence.update(subj.JOBS_BUCKET, job_id, codec.encode(new), rev)
                 else:
-                    await self.kv.update(job_id, codec.encode(new), last=rev)
+                    rev = await self.kv.update(job_id, codec.encode(new), last=rev)
             except KeyWrongLastSequenceError:
                 await asyncio.sleep(0)
                 continue
-            if flush and new.outbox:
-                new = await self.flush(job_id) or new
-            return new
+            return new, rev
         raise RuntimeError(f"job {job_id}: too many concurrent updates")
 
-    async def flush(self, job_id: str) -> JobRecord | None:
-        """Publish a record's outbox, then remove what was published (CAS)."""
-        got = await self.get(job_id, history=False)
+    async def flush(self, job_id: str, *, have: tuple[JobRecord, int] | None = None) -> JobRecord | None:
+        """Publish a record's outbox, then remove what was published (CAS).
+        ``have``: the record just written and its revision (saves a read)."""
+        got = have or await self.get(job_id, history=False)
         if got is None:
             return None
-        rec, _ = got
+        rec, rev = got
         if not rec.outbox:
             return rec
         for ev in rec.outbox:
@@ -174,7 +190,8 @@ class JobStore:
                 return None
             return msgspec.structs.replace(r, outbox=left)
 
-        return await self.update(job_id, clear, flush=False) or rec
+        got = await self._update(job_id, clear, (rec, rev))
+        return got[0] if got else rec
 
     async def all(self) -> list[tuple[JobRecord, int]]:
         snap = await kv_snapshot(self.kv)

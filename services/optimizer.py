@@ -234,7 +234,7 @@ class Optimizer:
             out = lifecycle.apply_report(rec, r, max_retries=self.max_retries, now=now())
             return out.new
 
-        new = await self.store.update(r.job_id, change)
+        new = await self.store.update(r.job_id, change, hint=self._hint(r.job_id))
         if new is not None:
             log.info("job state", job_id=r.job_id, state=new.state.value, generation=r.generation,
                      kind=r.kind.value, draining=[p.node for p in new.draining])
@@ -345,8 +345,8 @@ class Optimizer:
             explain.append(ExplainEntry(job_id=job_id, state=records[job_id].state.value, reason=why))
             if records[job_id].reason != why and records[job_id].state == JobState.PENDING:
                 todo.append(self.store.update(
-                    job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None
-                ))
+                    job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
+                    hint=self._hint(job_id)))
         await bounded(todo, self.write_parallel)
         for job_id, d in decision.allocations.items():
             explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
@@ -360,6 +360,11 @@ class Optimizer:
                 if (r.finished_at or 0) <= cutoff and not r.outbox and not r.draining][:most]
         await bounded([self.store.archive(r) for r in done], self.write_parallel)
         return len(done)
+
+    def _hint(self, job_id: str) -> tuple[JobRecord, int] | None:
+        """The record and revision the view holds: the first CAS try (no read)."""
+        e = self.jobs.entries.get(job_id)
+        return None if e is None else (e[0], e[1])
 
     @staticmethod
     def _view(rec: JobRecord) -> JobView:
@@ -414,13 +419,16 @@ class Optimizer:
 
     async def _allocate(self, rec: JobRecord, d: Any, placement: list) -> JobRecord | None:
         ts = now()
-        new = await self.store.update(rec.job_id, lambda r: lifecycle.allocate(r, rec, d, placement, ts), flush=False)
-        if new is not None:
+        got = await self.store._update(rec.job_id, lambda r: lifecycle.allocate(r, rec, d, placement, ts),
+                                       self._hint(rec.job_id))
+        new = None
+        if got is not None:
+            new, rev = got
             if new.draining:
                 await self.writer.delete(new.job_id)  # the old generation checkpoints and stops
             else:
                 await self.writer.put(new)
-            new = await self.store.flush(new.job_id) or new  # job.scheduled once its allocation exists
+            new = await self.store.flush(new.job_id, have=(new, rev)) or new  # job.scheduled once its allocation exists
             log.info("job scheduled", job_id=new.job_id, generation=new.generation, plan=d.plan.label(),
                      nodes=[p.node for p in placement], draining=[p.node for p in new.draining])
         return new
@@ -431,7 +439,7 @@ class Optimizer:
         """PENDING again, its old ranks draining; the allocation is withdrawn."""
         ts = now()
         new = await self.store.update(rec.job_id, lambda r: lifecycle.back_to_queue(
-            r, rec.generation, why, event, ts, alive, with_checkpoint))
+            r, rec.generation, why, event, ts, alive, with_checkpoint), hint=self._hint(rec.job_id))
         if new is not None:
             await self.writer.delete(rec.job_id)
             if event is JobRequeued:
