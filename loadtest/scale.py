@@ -276,7 +276,9 @@ class Run:
             out["cli_get_jobs_all"] = {"listed": len(listed), "seconds": r(time.monotonic() - t, 2),
                                        "rc": cli.returncode, "error": cli.stderr[-300:] if cli.returncode else None}
             states = {j["job_id"]: j["state"] for j in listed}
-            lost = [j for j in self.sent if states.get(j) != "completed"]
+            lost = [j for j in self.sent if j not in states]  # acknowledged, and gone
+            unfinished = [j for j in self.sent if states.get(j) in ("pending", "scheduled", "running", "cancelling")]
+            failed = [j for j in self.sent if states.get(j) in ("failed", "cancelled")]
             rounds = [d for d, _ in self.rounds]
             big = [d for d, live in self.rounds if live >= FLOORS["round_live_jobs"]]
             out |= {
@@ -291,6 +293,8 @@ class Run:
                 "heartbeats": len(self.hb_lag),
                 "acked": len(self.sent), "completed": len([j for j in self.sent if states.get(j) == "completed"]),
                 "lost_jobs": len(lost), "lost_sample": lost[:5],
+                "unfinished_at_deadline": len(unfinished), "unfinished_sample": unfinished[:5],
+                "failed_jobs": len(failed),
                 "peak_rss_mb": {n: round(v / 2**20, 1) for n, v in sorted(procs.peak.items())},
                 "load_average_before": [round(x, 2) for x in load_before],
                 "load_average_end": [round(x, 2) for x in os.getloadavg()],
@@ -304,6 +308,7 @@ class Run:
                 "round_p99_le_2s_with_5000_live": p99_big is not None and p99_big <= FLOORS["round_p99_ms"],
                 "heartbeat_lag_p99_le_1s": (out["heartbeat_lag_p99_s"] or 1e9) <= FLOORS["heartbeat_lag_p99_s"],
                 "no_lost_jobs": not lost and out["acked"] == a.jobs + sum(p["asked"] for p in out.get("probes", [])),
+                "all_completed": not unfinished and not failed,
                 "cli_pages_through_all": len(listed) >= len(self.sent) and cli.returncode == 0,
             }
             out["passed"] = all(out["floors"].values())
