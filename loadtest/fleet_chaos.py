@@ -94,7 +94,7 @@ async def scenario(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         async def on_lost(msg: Any) -> None:
             lost_nodes.add(msg.subject.split(".")[3])
 
-        sub = await nc.subscribe(subj.node_event("*", "node.lost"), cb=on_lost)
+        sub = await nc.subscribe("gs.evt.node.*.lost", cb=on_lost)  # subj.node_event(node, "node.lost")
         while True:  # the optimizer leads once it answers
             try:
                 await nc.request(subj.OPTIMIZER_EXPLAIN, b"", timeout=2)
