@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all bench clean schema chaos authz fuzz switch-check profile-accuracy
+.PHONY: chromium venv demo test test-all bench clean schema chaos authz fuzz switch-check profile-accuracy
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,10 +18,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m gearshift.demo
 
-test: $(STAMP)
+# issue 12: the dashboard's browser tests drive Debian's chromium (no browser download);
+# installed once, skipped when already there (as root on CI; sudo otherwise)
+CHROMIUM ?= /usr/bin/chromium
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium
+chromium: $(CHROMIUM)
+
+test: $(STAMP) openssl $(CHROMIUM)
 	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(STAMP) openssl $(CHROMIUM)
 	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m pytest -q -m ''
 
 # issue 7: fault injection, authorisation and the full fuzz run (see README "Guarantees")
@@ -51,3 +60,13 @@ profile-accuracy: $(STAMP)
 .PHONY: evaluation
 evaluation: $(STAMP)
 	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m sim.evaluation --out docs/evaluation.md
+
+# issue 12: deploy/make-certs.sh (and its test) use the openssl command
+.PHONY: openssl
+openssl:
+	@command -v openssl >/dev/null || (apt-get update -qq && apt-get install -y -qq openssl)
+
+# the observability check (issue 12)
+.PHONY: observability
+observability: $(STAMP) $(CHROMIUM)
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m loadtest.observability --json

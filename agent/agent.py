@@ -57,6 +57,7 @@ from bus_schema.messages import (
     RunReportKind,
     StopCommand,
 )
+from services import observe
 from services.auth_alloc import node_alloc_watch
 from services.runtime import VERSION, Endpoint, get_logger, serve
 
@@ -247,6 +248,9 @@ class Agent:
     async def _reconcile_once(self) -> None:
         todo = core.reconcile(dict(self.desired), self.runs, self.launched)
         for job_id, reason in todo.stop:
+            want = self.desired.get(job_id)
+            if want is not None:  # a newer generation replaces the running one
+                observe.reconcile_lag("replace", want)
             self._begin_stop(self.runs[job_id], reason, by_agent=True)
         for want in todo.launch:
             if self._closing:
@@ -257,6 +261,7 @@ class Agent:
 
     # ------------------------------------------------------------ launching
     async def _launch(self, alloc: Allocation) -> None:
+        observe.reconcile_lag("launch", alloc)
         self.launched[alloc.job_id] = alloc.generation
         nodes = alloc.nodes()
         node_rank = nodes.index(self.node)
@@ -457,7 +462,9 @@ class Agent:
         )
 
     async def _beat(self) -> None:
-        data = codec.encode(await self.node_report())
+        report = await self.node_report()
+        observe.gpu_report(report)
+        data = codec.encode(report)
         await self.nc.publish(subj.node_heartbeat(self.node), data)
         await self._nodes_kv.put(self.node, data)
 
@@ -665,7 +672,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds from SIGTERM to SIGKILL")
     p.add_argument("--address", default="127.0.0.1", help="address other nodes use to reach this one")
-    args = p.parse_args(argv)
+    from services.config import AgentConfig, parse_args as parse_config
+
+    args = parse_config(p, AgentConfig, argv)  # --config FILE, GEARSHIFT_AGENT_<FIELD>
     args.node = subj.token(args.node) if args.node else "node"
     if args.workdir is None:
         args.workdir = str(Path(tempfile.gettempdir()) / f"gearshift-agent-{args.node}")
@@ -697,11 +706,19 @@ async def run_agent(args, stop: asyncio.Event) -> int:
         nc, args.node, probe, args.workdir,
         cpus=args.cpus, heartbeat=args.heartbeat, grace=args.grace, address=args.address, ckpt_root=args.ckpt_root,
     )
+    obs = None
     try:
+        obs = await observe.serve_http(f"agent-{args.node}", "agent", nc, lambda: {"node": args.node})
         await agent.start()
+        obs.set_ready()
         await stop.wait()
+    except observe.MetricsPortBusy as exc:
+        log.error(str(exc))
+        return 4
     finally:
         await agent.stop()
+        if obs is not None:
+            await obs.close()
         await nc.drain()
     return 0
 

@@ -222,6 +222,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
         print(f"gearshift up: {args.nodes} nodes x {args.gpus_per_node} GPUs, policy {args.policy}; "
               f"logs in {cluster.log_dir}. Ctrl-C stops.\n{export}", file=sys.stderr, flush=True)
+        print(f"gearshift up: dashboard {cluster.dashboard_url} ; metrics and health of every process: "
+              f"{cluster.observe_dir}/*.json", file=sys.stderr, flush=True)
         while not stopping:
             dead = cluster.check_alive()
             if dead:

@@ -41,6 +41,7 @@ class LocalCluster:
     # authorisation: one NATS user per role, credentials written to <data_dir>/auth
     auth: bool = False
     tenants: list[str] = field(default_factory=lambda: ["default"])
+    dashboard: bool = True  # the live web dashboard (services.dashboard)
 
     def __post_init__(self) -> None:
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -74,7 +75,9 @@ class LocalCluster:
 
             set_url(self.auth_dir, self.url)
         _ensure_infra(self.url, self.admin_creds)  # streams and buckets exist before any process needs them
-        env = {**os.environ, "GEARSHIFT_NATS_URL": self.url, "GEARSHIFT_LOG_FORMAT": "json", **self.extra_env}
+        # every process serves metrics and health on a free port and announces it in <data>/observe
+        env = {**os.environ, "GEARSHIFT_NATS_URL": self.url, "GEARSHIFT_LOG_FORMAT": "json",
+               "GEARSHIFT_METRICS_PORT": "0", "GEARSHIFT_OBSERVE_DIR": str(self.observe_dir), **self.extra_env}
         env.pop("GEARSHIFT_CREDS", None)
         py = sys.executable
         self._spawn("admission", [py, "-m", "services.admission", "--max-gpus", str(self.nodes * self.gpus_per_node)],
@@ -99,9 +102,32 @@ class LocalCluster:
                  "--ckpt-root", str(ckpt), "--heartbeat", str(self.heartbeat), "--grace", str(self.grace)],
                 self._env_for(env, f"agent-{name}"),
             )
+        if self.dashboard:  # reads the bus as the operator; actions use the signed-in person's identity
+            self._spawn("dashboard", [py, "-m", "services.dashboard"], self._env_for(env, "admin"))
         if wait:
             self.wait_ready()
         return self.url
+
+    @property
+    def observe_dir(self) -> Path:
+        assert self.data_dir is not None
+        return Path(self.data_dir) / "observe"
+
+    def endpoints(self) -> dict[str, dict]:
+        """What each running process announced: metrics, healthz, readyz URLs (and the dashboard's page)."""
+        import json
+
+        out = {}
+        for f in sorted(self.observe_dir.glob("*.json")):
+            try:
+                out[f.stem] = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue  # being replaced
+        return out
+
+    @property
+    def dashboard_url(self) -> str | None:
+        return self.endpoints().get("dashboard", {}).get("dashboard")
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Block until admission and the optimizer answer and every node has reported."""
@@ -189,7 +215,7 @@ async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalClust
             try:
                 have = len((await call(nc, subj.ADMISSION_NODES, None, NodeList, timeout=2)).nodes)
                 leader = await nc.request("$SRV.PING.optimizer", b"", timeout=1)
-                if have >= nodes and leader:
+                if have >= nodes and leader and (not cluster.dashboard or cluster.dashboard_url):
                     return
             except Exception:  # not answering yet (no responders, timeout)
                 pass

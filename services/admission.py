@@ -37,6 +37,7 @@ from bus_schema.messages import (
 )
 from bus_schema.validate import SpecError, check_spec
 
+from . import observe
 from .jobstore import JobStore, with_event
 from .paging import BadCursor, list_page
 from .views import JobsView, NodesView
@@ -245,11 +246,14 @@ async def start_admission(nc: Any, **options: Any) -> tuple[Admission, Any]:
 async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = None,
                 max_jobs_per_tenant: int = 1000) -> None:
     nc = await connect(url, name="gearshift-admission")
+    obs = await observe.serve_http("admission", "admission", nc)
     adm, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant)
+    obs.set_ready()
     log.info("admission ready", url=nc.connected_url.geturl() if nc.connected_url else url)
     await stop.wait()
     await svc.stop()
     await adm.close()
+    await obs.close()
     await nc.drain()
 
 
@@ -260,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-jobs-per-tenant", type=int,
                     default=int(os.environ.get("GEARSHIFT_MAX_JOBS_PER_TENANT") or 1000),
                     help="live (not finished) jobs a tenant may have; more are refused with 429")
-    args = ap.parse_args(argv)
+    from services.config import AdmissionConfig, parse_args
+
+    args = parse_args(ap, AdmissionConfig, argv)  # --config FILE, GEARSHIFT_ADMISSION_<FIELD>
     run_service(lambda stop: amain(stop, args.server, args.max_gpus, args.max_jobs_per_tenant))
 
 

@@ -23,6 +23,8 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import AnyJobEvent, Event, JobRecord, event_kind
 
+from . import observe
+
 Change = Callable[[JobRecord], JobRecord | None]
 
 
@@ -182,6 +184,7 @@ class JobStore:
             return rec
         for ev in rec.outbox:
             await publish_event(self.js, ev, event_msg_id(ev), subj.job_event(ev.job_id, event_kind(ev)))
+        observe.job_events(rec, rec.outbox)
         done = rec.outbox[-1].seq
 
         def clear(r: JobRecord) -> JobRecord | None:

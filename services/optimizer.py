@@ -77,7 +77,7 @@ from bus_schema.messages import (
 )
 from policies import Decision, JobView, check_decision, make_policy
 
-from . import capacity, lifecycle
+from . import capacity, lifecycle, observe
 from .alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
 from .fencing import Deposed
 from .jobstore import JobStore, publish_event
@@ -170,6 +170,7 @@ class Optimizer:
         self.is_leader = True
         self.leader_since = time.monotonic()
         self.store.fence = self.leadership.fence
+        observe.LEADER.set(1)
         log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
         from policies.kernels import warm_up
 
@@ -212,6 +213,7 @@ class Optimizer:
             await s.unsubscribe()
         await self._svc.stop()
         self.store.fence = None
+        observe.LEADER.set(0)
 
     async def _flush_outboxes(self) -> None:
         await self.jobs.sync()
@@ -331,6 +333,10 @@ class Optimizer:
 
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
+        observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
+        observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
+        observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
+        observe.job_states(records.values())
         if changes:
             ev = RoundCompleted(
                 ts=now(), round=self.round_no, policy=self.policy.name, pending=pending,
@@ -542,7 +548,11 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
         lease_ttl=args.lease_ttl, archive_after=args.archive_after,
     ).open()
+    # a standby is ready too (it waits for the lease); readyz says which one leads
+    obs = await observe.serve_http("optimizer", "optimizer", nc, lambda: {"leader": opt.is_leader, "round": opt.round_no})
+    obs.set_ready()
     await opt.run(stop)
+    await obs.close()
     await nc.drain()
 
 
@@ -564,7 +574,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-for-models", action="store_true",
                     default=os.environ.get("GEARSHIFT_WAIT_FOR_MODELS", "") not in ("", "0"),
                     help="jobs without a fitted or shipped performance model wait for the profiler")
-    args = ap.parse_args(argv)
+    from services.config import OptimizerConfig, parse_args
+
+    args = parse_args(ap, OptimizerConfig, argv)  # --config FILE, GEARSHIFT_OPTIMIZER_<FIELD>
     run_service(lambda stop: amain(stop, args))
 
 

@@ -31,6 +31,7 @@ from bus_schema.perfmodel import (  # noqa: F401
     FitRequest, PredictReply, PredictRequest, ProfileSample, ResourceSpec,
 )
 
+from . import observe
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, run_service, serve
 
 log = get_logger(service="perfmodel")
@@ -229,17 +230,22 @@ async def start_perfmodel(nc: Any) -> tuple[PerfmodelService, Any]:
 
 async def amain(stop: asyncio.Event, url: str | None = None) -> None:
     nc = await connect(url, name="gearshift-perfmodel")
+    obs = await observe.serve_http("perfmodel", "perfmodel", nc)
     _, svc = await start_perfmodel(nc)
+    obs.set_ready()
     log.info("perfmodel ready", url=nc.connected_url.geturl() if nc.connected_url else url)
     await stop.wait()
     await svc.stop()
+    await obs.close()
     await nc.drain()
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="gearshift-perfmodel")
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
-    args = ap.parse_args(argv)
+    from services.config import PerfmodelConfig, parse_args
+
+    args = parse_args(ap, PerfmodelConfig, argv)  # --config FILE, GEARSHIFT_PERFMODEL_<FIELD>
     run_service(lambda stop: amain(stop, args.server))
 
 

@@ -48,6 +48,7 @@ from bus_schema.messages import (
 
 from .jobstore import JobStore, kv_snapshot, with_event
 from .perfmodel_service import PERFMODEL_FIT, FitReply, FitRequest, ProfileSample, ResourceSpec, kv_key
+from . import observe
 from .runtime import Endpoint, RequestError, bad_request, call, connect, ensure_infra, get_logger, run_service, serve
 
 log = get_logger(service="profiler")
@@ -191,6 +192,7 @@ class Profiler:
                 for plan in plans:
                     res = await self._run_one(req, plan, deadline)
                     results.append(res)
+                    observe.PROFILE_RUNS.labels("ok" if res.ok else "failed").inc()
                     log.info("profiling run", model_key=key, plan=plan.label(), ok=res.ok,
                              iter_ms=res.iter_ms, error=res.error or None)
                     if res.ok and res.iter_ms:
@@ -278,12 +280,15 @@ class Profiler:
 
 async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
     nc = await connect(args.server, name="gearshift-profiler")
+    obs = await observe.serve_http("profiler", "profiler", nc)
     await ensure_infra(nc)
     prof = await Profiler(nc, steps=args.steps, max_dp=args.max_dp).open()
     svc = await serve(nc, "profiler", prof.endpoints(), "gearshift profiler")
+    obs.set_ready()
     log.info("profiler ready")
     await prof.watch(stop)
     await svc.stop()
+    await obs.close()
     await nc.drain()
 
 
@@ -292,7 +297,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="measured steps per profiling run")
     ap.add_argument("--max-dp", type=int, default=None, help="largest DP degree to profile (default: node GPUs)")
-    args = ap.parse_args(argv)
+    from services.config import ProfilerConfig, parse_args
+
+    args = parse_args(ap, ProfilerConfig, argv)  # --config FILE, GEARSHIFT_PROFILER_<FIELD>
     run_service(lambda stop: amain(stop, args))
 
 

@@ -35,6 +35,8 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import MAX_MESSAGE_BYTES, ErrorReply
 
+from . import observe
+
 VERSION = "0.1.0"
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -62,6 +64,8 @@ async def connect(url: str | None = None, name: str = "gearshift", *, retry_for:
     # "nats://a:1,nats://b:2": a server list (a cluster); the client fails over
     servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
     kw = {**auth_options(), **kw}
+    # count connection errors and reconnections (gearshift_bus_errors_total), then call the caller's callbacks
+    kw.update(observe.bus_callbacks(kw.pop("error_cb", None), kw.pop("reconnected_cb", None)))
     deadline = time.monotonic() + retry_for
     last: Exception | None = None
     while True:
@@ -230,11 +234,14 @@ def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
                 result = await (ep.handler(payload, req.subject) if ep.with_subject else ep.handler(payload))
                 await req.respond(codec.encode(result))
                 log.debug("request", ms=round((time.perf_counter() - started) * 1e3, 2))
+                observe.request(ep.name, "200", time.perf_counter() - started)
             except RequestError as err:
                 log.info("request rejected", code=err.code, error=err.message, field=err.field)
+                observe.request(ep.name, err.code, time.perf_counter() - started)
                 await respond_error(req, err)
             except Exception as exc:  # a bug must not kill the service
                 log.exception("request failed")
+                observe.request(ep.name, "500", time.perf_counter() - started)
                 await respond_error(req, RequestError("500", f"internal error: {type(exc).__name__}: {exc}"))
 
     return handle
@@ -243,9 +250,12 @@ def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
 async def serve(nc: NATS, name: str, endpoints: list[Endpoint], description: str = "", metadata: dict | None = None):
     """Register a nats.micro service (discoverable via $SRV.PING/INFO/STATS)."""
     log = get_logger(service=name)
+    metadata = dict(metadata or {})
+    if observe.current_url():  # `nats micro info <name>` tells where to scrape
+        metadata["metrics"] = observe.current_url()
     svc = await add_service(
         nc,
-        ServiceConfig(name=name, version=VERSION, description=description, metadata=metadata or {}),
+        ServiceConfig(name=name, version=VERSION, description=description, metadata=metadata),
     )
     for ep in endpoints:
         await svc.add_endpoint(EndpointConfig(name=ep.name, subject=ep.subject, handler=_wrap(ep, log)))
@@ -267,8 +277,10 @@ async def call(nc: NATS, subject: str, request: Any, reply_type: Any, timeout: f
     try:
         msg = await nc.request(subject, data, timeout=timeout)
     except nats.errors.NoRespondersError:
+        observe.bus_error("no_responders")
         raise ServiceCallError("503", f"no service answers on {subject}") from None
     except nats.errors.TimeoutError:
+        observe.bus_error("timeout")
         raise ServiceCallError("504", f"timed out after {timeout}s waiting for {subject}") from None
     headers = msg.headers or {}
     if ERROR_CODE_HEADER in headers:
@@ -290,7 +302,11 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await main(stop)
+        try:
+            await main(stop)
+        except observe.MetricsPortBusy as exc:  # one clear line, no traceback
+            get_logger().error(str(exc))
+            raise SystemExit(4) from None
 
     use_uvloop = os.environ.get("GEARSHIFT_LOOP", "uvloop") == "uvloop"
     if use_uvloop:
