@@ -151,7 +151,7 @@ async def scenario(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             "load_average": [round(x, 2) for x in os.getloadavg()], "wall_s": round(time.monotonic() - t0, 1),
         }
         out["passed"] = (not lost and states.get("completed", 0) == len(acked) and dups == 0 and gaps == 0
-                         and out["killed_nodes_reported_lost"] == len(victims) and (requeued or runs_killed == 0))
+                         and out["killed_nodes_reported_lost"] == len(victims) and bool(requeued or runs_killed == 0))
         return out
     finally:
         if fleet is not None:
