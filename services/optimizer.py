@@ -62,9 +62,7 @@ from bus_schema.messages import (
     ACTIVE_STATES,
     ExplainEntry,
     ExplainReply,
-    JobPreempted,
     JobRecord,
-    JobRequeued,
     JobState,
     NodeLost,
     NodeReport,
@@ -83,6 +81,7 @@ from .fencing import Deposed
 from .jobstore import JobStore, publish_event
 from .leadership import Leadership
 from .policy_bridge import ModelOracle, job_view
+from .record_writer import RecordWriter
 from .report_consumer import consume_reports
 from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
 from .views import JobsView, NodesView
@@ -152,6 +151,8 @@ class Optimizer:
         )
         self.lease = self.leadership.lease
         self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel)
+        self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
+                                    drain_timeout=self.drain_timeout, archive_after=self.archive_after)
         return self
 
     async def close(self) -> None:
@@ -236,7 +237,7 @@ class Optimizer:
             out = lifecycle.apply_report(rec, r, max_retries=self.max_retries, now=now())
             return out.new
 
-        new = await self.store.update(r.job_id, change, hint=self._hint(r.job_id))
+        new = await self.store.update(r.job_id, change, hint=self.records.hint(r.job_id))
         if new is not None:
             log.info("job state", job_id=r.job_id, state=new.state.value, generation=r.generation,
                      kind=r.kind.value, draining=[p.node for p in new.draining])
@@ -305,8 +306,8 @@ class Optimizer:
         records = dict(self.jobs.live)  # O(live jobs): finished ones are not here
         nodes = await self.live_nodes()
         alive = {n.node for n in nodes}
-        changes = await self._requeue_lost(records, alive)
-        changes += await self._settle_drains(records, alive)
+        changes = await self.records.requeue_lost(records, alive) if self._grace_over() else 0
+        changes += await self.records.settle_drains(records, alive)
 
         held = capacity.held_gpus(records.values(), nodes)
         node_states = capacity.node_states(nodes, held)
@@ -326,10 +327,10 @@ class Optimizer:
             _pause()
 
         gpu_count = {n.node: len(n.gpus) for n in nodes}
-        changes += await self._apply(decision, records, gpu_count, held)
+        changes += await self.records.apply(decision, records, gpu_count, held)
         await self.writer.reconcile(records)
         await self._explain(decision, records)
-        await self._archive()
+        await self.records.archive()
 
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
@@ -352,137 +353,15 @@ class Optimizer:
             if records[job_id].reason != why and records[job_id].state == JobState.PENDING:
                 todo.append(self.store.update(
                     job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
-                    hint=self._hint(job_id)))
+                    hint=self.records.hint(job_id)))
         await bounded(todo, self.write_parallel)
         for job_id, d in decision.allocations.items():
             explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
         self.last_explain = explain
 
-    async def _archive(self, most: int = 2000) -> int:
-        """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
-        seconds after they ended (events published, nothing draining)."""
-        cutoff = now() - self.archive_after
-        done = [r for r in self.jobs.finished.values()
-                if (r.finished_at or 0) <= cutoff and not r.outbox and not r.draining][:most]
-        await bounded([self.store.archive(r) for r in done], self.write_parallel)
-        return len(done)
-
-    def _hint(self, job_id: str) -> tuple[JobRecord, int] | None:
-        """The record and revision the view holds: the first CAS try (no read)."""
-        e = self.jobs.entries.get(job_id)
-        return None if e is None else (e[0], e[1])
-
     @staticmethod
     def _view(rec: JobRecord) -> JobView:
         return job_view(rec, now())
-
-    async def _changed(self, records: dict[str, JobRecord], updates: list[tuple[str, Any]]) -> int:
-        """Run record updates concurrently; keep ``records`` current; count changes."""
-        results = await bounded([u for _, u in updates], self.write_parallel)
-        n = 0
-        for (job_id, _), new in zip(updates, results):
-            if new is not None:
-                records[job_id] = new
-                n += 1
-        return n
-
-    async def _requeue_lost(self, records: dict[str, JobRecord], alive: set[str]) -> int:
-        """Jobs on lost nodes go back to the queue; ranks on nodes still alive drain first."""
-        if not self._grace_over():
-            return 0
-        updates = []
-        for rec in records.values():
-            gone = [p.node for p in rec.placement if p.node not in alive]
-            if rec.state in ACTIVE and gone:
-                updates.append((rec.job_id, self._back_to_queue(
-                    rec, "node lost: " + ",".join(gone), JobRequeued, alive, with_checkpoint=True)))
-        return await self._changed(records, updates)
-
-    async def _apply(
-        self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
-    ) -> int:
-        used = capacity.in_use(records.values(), held)
-        keep = {job_id for job_id, d in decision.allocations.items()
-                if records[job_id].state in ACTIVE and capacity.same_shape(records[job_id], d)}
-        # Preemptions first, so their GPUs are free for what follows.
-        changes = await self._changed(records, [
-            (rec.job_id, self._back_to_queue(rec, decision.waiting.get(rec.job_id, "preempted by policy"), JobPreempted))
-            for rec in list(records.values()) if rec.state in ACTIVE and rec.job_id not in decision.allocations])
-        updates = []
-        for job_id, d in list(decision.allocations.items()):  # entries may be deferred below
-            if job_id in keep:
-                continue
-            rec = records[job_id]
-            placement = capacity.assign(rec, d, used, gpu_count)
-            if placement is None:
-                # the policy counted GPUs that are still draining: next round
-                log.info("allocation deferred: GPUs still held", job_id=job_id)
-                decision.allocations.pop(job_id)
-                decision.waiting[job_id] = "waiting for GPUs that other jobs are still releasing"
-                continue
-            updates.append((job_id, self._allocate(rec, d, placement)))
-        return changes + await self._changed(records, updates)
-
-    async def _allocate(self, rec: JobRecord, d: Any, placement: list) -> JobRecord | None:
-        ts = now()
-        got = await self.store._update(rec.job_id, lambda r: lifecycle.allocate(r, rec, d, placement, ts),
-                                       self._hint(rec.job_id))
-        new = None
-        if got is not None:
-            new, rev = got
-            if new.draining:
-                await self.writer.delete(new.job_id)  # the old generation checkpoints and stops
-            else:
-                await self.writer.put(new)
-            new = await self.store.flush(new.job_id, have=(new, rev)) or new  # job.scheduled once its allocation exists
-            log.info("job scheduled", job_id=new.job_id, generation=new.generation, plan=d.plan.label(),
-                     nodes=[p.node for p in placement], draining=[p.node for p in new.draining])
-        return new
-
-    async def _back_to_queue(
-        self, rec: JobRecord, why: str, event: type, alive: set[str] | None = None, with_checkpoint: bool = False
-    ) -> JobRecord | None:
-        """PENDING again, its old ranks draining; the allocation is withdrawn."""
-        ts = now()
-        new = await self.store.update(rec.job_id, lambda r: lifecycle.back_to_queue(
-            r, rec.generation, why, event, ts, alive, with_checkpoint), hint=self._hint(rec.job_id))
-        if new is not None:
-            await self.writer.delete(rec.job_id)
-            if event is JobRequeued:
-                log.warning("job requeued", job_id=rec.job_id, reason=why)
-        return new
-
-    # ------------------------------------------------------------ drains, pins, models
-    async def _settle_drains(self, records: dict[str, JobRecord], alive: set[str]) -> int:
-        """End drains that cannot finish: nodes that are gone, or a drain older
-        than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
-        t = now()
-        updates = []
-        for rec in records.values():
-            if not rec.draining:
-                continue
-            timed_out = rec.drain_started is not None and t - rec.drain_started > self.drain_timeout
-            gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
-            if gone:
-                updates.append((rec.job_id, self._settle(rec.job_id, gone, timed_out)))
-        return await self._changed(records, updates)
-
-    async def _settle(self, job_id: str, gone: list[str], timed_out: bool) -> JobRecord | None:
-        released = False
-
-        def change(r: JobRecord) -> JobRecord | None:
-            nonlocal released
-            if not r.draining:
-                return None
-            new, released, _ = lifecycle.drained(r, gone, None, now())
-            return new
-
-        new = await self.store.update(job_id, change)
-        if new is not None:
-            log.warning("drain settled without reports", job_id=job_id, nodes=gone, timed_out=timed_out)
-            if released:
-                await self.writer.put(new)
-        return new
 
     async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
         """Pending jobs whose model has no fit yet: job id -> model key."""
