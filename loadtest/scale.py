@@ -337,6 +337,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--log-level", default="WARNING", help="services' log level")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workdir", default=None, help="keep the services' logs and data here")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
@@ -354,8 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for n in a.node_counts:
         with tempfile.TemporaryDirectory(prefix="gearshift-scale-") as d:
+            work = Path(a.workdir) / f"n{n}" if a.workdir else Path(d)  # --workdir keeps the services' logs
+            work.mkdir(parents=True, exist_ok=True)
             try:
-                runs.append(asyncio.run(Run(a, n, Path(d)).go()))
+                runs.append(asyncio.run(Run(a, n, work).go()))
             except Exception as exc:
                 runs.append({"nodes": n, "error": f"{type(exc).__name__}: {exc}", "passed": False})
     result: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs, "passed": all(x.get("passed") for x in runs)}

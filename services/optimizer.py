@@ -317,7 +317,9 @@ class Optimizer:
         views = [v for v in views if all(p.node in alive for p in v.placement)]
         await self.models.refresh([records[v.job_id] for v in views])
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
+        t_policy = time.perf_counter()
         decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
+        t_policy = time.perf_counter() - t_policy
         capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():
@@ -335,8 +337,12 @@ class Optimizer:
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
+        log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
+                  live=len(records), nodes=len(nodes), changes=changes)
         observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
+        log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
+                  live=len(records), nodes=len(nodes), changes=changes)
         observe.job_states(records.values())
         if changes:
             ev = RoundCompleted(
