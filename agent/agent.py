@@ -58,10 +58,12 @@ from bus_schema.messages import (
     StopCommand,
 )
 from services import observe
+from bus_schema.ops import LogsRequest
 from services.auth_alloc import node_alloc_watch
 from services.runtime import VERSION, Endpoint, get_logger, serve
 
 from . import core, launch
+from .logs import read_rank_logs
 from .probe import GpuProbe
 from .runner import Runner, SubprocessRunner
 
@@ -162,6 +164,8 @@ class Agent:
                 Endpoint("checkpoint", subj.agent_command(self.node, "checkpoint"), CheckpointCommand,
                          self._on_checkpoint),
                 Endpoint("profile", subj.agent_command(self.node, "profile"), ProfileCommand, self._on_profile),
+                Endpoint("logs", subj.agent_command(self.node, "logs"), LogsRequest,
+                         lambda req: asyncio.to_thread(read_rank_logs, self.workdir / "run", self.node, req)),
             ],
             description=f"gearshift agent on {self.node}",
             metadata={"node": self.node},

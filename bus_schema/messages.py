@@ -268,6 +268,14 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     failures: NonNegInt = 0  # crashes retried from the last checkpoint
     checkpoint_step: NonNegInt = 0  # step of the last checkpoint an agent reported
     pinned: "PinnedPlan | None" = None  # operator override (gs.optimizer.reconfigure)
+    # The latest progress report of a running job: filled in by admission's
+    # get/list replies from gs.job.<job>.progress, never stored.
+    live: "JobProgress | None" = None
+    # What the simulator keeps too (policies.api.make_job_view): when the current
+    # (or, while pending, the last) allocation started, and the GPU-seconds of the
+    # allocations that ended. Defaults keep older records decodable.
+    last_switch_at: float | None = None
+    attained_gpu_s: NonNegFloat = 0.0
 
     @property
     def terminal(self) -> bool:
@@ -439,6 +447,24 @@ class JobList(_Msg, kw_only=True, frozen=True):
 
 class NodeList(_Msg, kw_only=True, frozen=True):
     nodes: list[NodeReport]
+
+
+# ---------------------------------------------------------------- tenant queues (issue 13)
+class QueueSpec(_Input, kw_only=True, frozen=True):
+    """A tenant's queue: nominal GPU quota, fair-share weight, cohort whose members
+    borrow each other's unused quota up to ``borrow_limit`` and lend up to
+    ``lend_limit`` (None: no limit). ``policies.queues.Queue`` is the same in the core."""
+
+    tenant: Tenant
+    quota: Annotated[int, Meta(ge=0, le=1 << 20)]
+    weight: Annotated[float, Meta(gt=0, le=1e6)] = 1.0
+    cohort: Annotated[str, Meta(max_length=64, pattern=r"^[A-Za-z0-9_-]*$")] = ""
+    borrow_limit: Annotated[int, Meta(ge=0, le=1 << 20)] | None = None
+    lend_limit: Annotated[int, Meta(ge=0, le=1 << 20)] | None = None
+
+
+class QueueList(_Msg, kw_only=True, frozen=True):
+    queues: list[QueueSpec]
 
 
 class RoundReply(_Msg, kw_only=True, frozen=True):

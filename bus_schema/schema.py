@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+from . import contract
 from . import messages as m
 from . import perfmodel as pm
-from . import subjects as s
 
 BUS_VERSION = 1
 
@@ -14,33 +14,13 @@ MESSAGE_TYPES = [
     m.JobSpec, m.SubmitRequest, m.SubmitReply, m.JobRef, m.ListRequest, m.JobRecord, m.JobList,
     m.Plan, m.ModelSpec, m.Allocation, m.NodePlacement, m.NodeReport, m.NodeList, m.GpuReport,
     m.RunReport, m.JobProgress, m.StopCommand, m.AgentReply, m.ErrorReply, m.RoundReply,
-    m.ExplainReply, *m.EVENT_TYPES, *pm.PERFMODEL_TYPES,
+    m.ExplainReply, m.QueueSpec, m.QueueList, *m.EVENT_TYPES, *pm.PERFMODEL_TYPES,
 ]
+# and every type the contract table names (profiler, operator messages)
+MESSAGE_TYPES += [t for t in contract.message_types() if t not in MESSAGE_TYPES]
 
-SUBJECT_MAP = {
-    s.ADMISSION_SUBMIT: {"kind": "request", "request": "SubmitRequest", "reply": "SubmitReply"},
-    s.ADMISSION_CANCEL: {"kind": "request", "request": "JobRef", "reply": "JobRecord"},
-    s.ADMISSION_GET: {"kind": "request", "request": "JobRef", "reply": "JobRecord"},
-    s.ADMISSION_LIST: {"kind": "request", "request": "ListRequest", "reply": "JobList"},
-    s.ADMISSION_NODES: {"kind": "request", "request": "", "reply": "NodeList"},
-    s.OPTIMIZER_ROUND: {"kind": "request", "request": "", "reply": "RoundReply"},
-    s.OPTIMIZER_EXPLAIN: {"kind": "request", "request": "", "reply": "ExplainReply"},
-    pm.PERFMODEL_FIT: {"kind": "request", "request": "FitRequest", "reply": "FitReply"},
-    pm.PERFMODEL_PREDICT: {"kind": "request", "request": "PredictRequest", "reply": "PredictReply"},
-    pm.PERFMODEL_CURVE: {"kind": "request", "request": "CurveRequest", "reply": "CurveReply"},
-    "gs.agent.<node>.stop": {"kind": "request", "request": "StopCommand", "reply": "AgentReply"},
-    "gs.node.<node>.heartbeat": {"kind": "publish", "message": "NodeReport"},
-    "gs.job.<job>.progress": {"kind": "publish", "message": "JobProgress"},
-    "gs.report.<node>.<job>": {"kind": "jetstream", "stream": s.REPORTS_STREAM, "message": "RunReport"},
-    "gs.evt.job.<job>.<kind>": {"kind": "jetstream", "stream": s.EVENTS_STREAM, "message": "<job event by kind>"},
-    "gs.evt.node.<node>.<kind>": {"kind": "jetstream", "stream": s.EVENTS_STREAM, "message": "<node event by kind>"},
-    "gs.evt.round.<kind>": {"kind": "jetstream", "stream": s.EVENTS_STREAM, "message": "RoundCompleted"},
-    f"$KV.{s.JOBS_BUCKET}.<job>": {"kind": "kv", "message": "JobRecord"},
-    f"$KV.{s.ALLOC_BUCKET}.<job>": {"kind": "kv", "message": "Allocation"},
-    f"$KV.{s.NODES_BUCKET}.<node>": {"kind": "kv", "message": "NodeReport"},
-    "error replies": {"kind": "headers", "headers": ["Nats-Service-Error-Code", "Nats-Service-Error"],
-                      "message": "ErrorReply"},
-}
+# outside tools read the subjects from here; the one table is bus_schema.contract
+SUBJECT_MAP = contract.subject_map()
 
 
 def bus_schema() -> dict:

@@ -18,6 +18,8 @@ MODELS_BUCKET = "gs_models"
 LEASE_BUCKET = "gs_lease"
 HISTORY_BUCKET = "gs_history"  # finished jobs, moved out of gs_jobs, kept for HISTORY_RETENTION_S
 HISTORY_RETENTION_S = 7 * 24 * 3600.0
+NODE_MODES_BUCKET = "gs_node_modes"
+QUEUES_BUCKET = "gs_queues"  # tenant -> QueueSpec
 
 # request-reply services
 ADMISSION = "gs.admission"
@@ -26,9 +28,14 @@ ADMISSION_CANCEL = "gs.admission.cancel"
 ADMISSION_GET = "gs.admission.get"
 ADMISSION_LIST = "gs.admission.list"
 ADMISSION_NODES = "gs.admission.nodes"
+ADMISSION_QUEUES = "gs.admission.queues"  # -> QueueList
+ADMISSION_SET_QUEUE = "gs.admission.setqueue"  # QueueSpec -> QueueList (admin only)
 OPTIMIZER = "gs.optimizer"
 OPTIMIZER_ROUND = "gs.optimizer.round"
 OPTIMIZER_EXPLAIN = "gs.optimizer.explain"
+OPTIMIZER_RECONFIGURE = "gs.optimizer.reconfigure"
+OPTIMIZER_NODE = "gs.optimizer.node"
+OPTIMIZER_KICK = "gs.optimizer.kick"
 PERFMODEL = "gs.perfmodel"
 PROFILER = "gs.profiler"
 
@@ -69,3 +76,8 @@ def run_report(node: str, job_id: str) -> str:
 
 def agent_command(node: str, verb: str) -> str:
     return f"gs.agent.{token(node)}.{verb}"
+
+
+def agent_pattern(verb: str) -> str:
+    """``gs.agent.<node>.<verb>`` as the contract table spells it."""
+    return f"gs.agent.<node>.{verb}"

@@ -1,113 +1,220 @@
-"""A small async client over the bus, used by the CLI, the demo and tests."""
+"""``gearshift.client``: the public Python client of a gearshift cluster.
+
+Outside tools (dashboards, exporters, notebooks) and the ``gearshift`` command
+use it; it speaks only the bus contract (``bus_schema.contract``, printed by
+``gearshift schema``)::
+
+    from gearshift.client import Client
+
+    client = await Client.connect("nats://127.0.0.1:4222", creds="tools.creds")
+    async for ev in client.durable_events("my-exporter"):   # resumes after a restart
+        print(ev.event.kind, ev.event.job_id)
+        await ev.ack()
+
+Every call is typed (``msgspec`` structs of ``bus_schema``). A refusal by a
+service raises ``ServiceCallError`` (``code``, ``message``, ``field``); a
+subject the identity may not use raises ``ServiceCallError`` with code
+``"403"`` at once (the server's permission error, not a time-out); no server
+raises ``ServerUnavailable`` and bad credentials ``NotAuthorized``.
+
+Credentials: ``creds=`` (a gearshift credentials file, see ``services.auth``)
+or ``GEARSHIFT_CREDS``; a tenant identity's requests go to its own
+``gs.admission.<verb>.<tenant>`` subjects by themselves.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
-from nats.js.api import DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
-    JobList, JobRecord, JobSpec, ListRequest, NodeList, SubmitReply, SubmitRequest,
+    ExplainReply, JobList, JobRecord, JobSpec, ListRequest, NodeList, NodeShare, Plan, ReconfigureReply,
+    ReconfigureRequest, SubmitReply, SubmitRequest,
 )
-from bus_schema.validate import SpecError, check_spec
-from services.auth import current_creds, tenant_subject
-from services.runtime import call, connect
+from bus_schema.ops import LogsReply, LogsRequest, NodeMode, NodeModeReply, NodeModeRequest
+from services.auth import current_creds, load_creds, tenant_subject
+from services.runtime import ServiceCallError, call, connect
+
+from .spec_file import SpecFileError, load_spec, load_spec_text
+
+T = TypeVar("T")
+
+__all__ = ["Client", "DeliveredEvent", "SpecFileError", "load_spec", "load_spec_text", "ServiceCallError"]
 
 
-class SpecFileError(ValueError):
-    pass
+_VIOLATION = re.compile(r"permissions violation for (\w+) to \"?([^\"\s']+)", re.IGNORECASE)
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read a JSON or YAML job spec; errors name the field and the problem."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise SpecFileError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
+@dataclass
+class DeliveredEvent:
+    """One event from a durable consumer; ``ack()`` once it is handled, so a
+    restarted consumer resumes after it."""
 
-            data = yaml.safe_load(text)
-        else:
-            data = msgspec.json.decode(text)
-    except Exception as exc:
-        raise SpecFileError(f"{path}: not valid {'YAML' if p.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}") from None
-    try:
-        spec = msgspec.convert(data, JobSpec)
-    except msgspec.ValidationError as exc:
-        field = codec.error_field(exc)
-        raise SpecFileError(f"{path}: {field or 'spec'}: {exc}") from None
-    try:
-        check_spec(spec)
-    except SpecError as exc:
-        raise SpecFileError(f"{path}: {exc.field}: {exc.message}") from None
-    return spec
+    subject: str
+    stream_seq: int
+    event: Any
+    msg: Any
+    acked: bool = False
+
+    async def ack(self) -> None:
+        await self.msg.ack_sync()
+        self.acked = True
 
 
 class Client:
-    def __init__(self, nc: Any, timeout: float = 5.0, tenant: str | None = None):
+    def __init__(self, nc: Any, timeout: float = 5.0, tenant: str | None = None, user: str | None = None):
         self.nc = nc
         self.timeout = timeout
         # a tenant identity asks on gs.admission.<verb>.<tenant> (services.auth)
         self.tenant = tenant
+        self.user = user
+        self._refused: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
 
     @classmethod
-    async def connect(cls, url: str | None = None, retry_for: float = 3.0) -> "Client":
-        tenant = current_creds().get("tenant")
-        return cls(await connect(url, name="gearshift-cli", retry_for=retry_for), tenant=tenant)
+    async def connect(cls, url: str | None = None, retry_for: float = 3.0, creds: str | Path | None = None,
+                      timeout: float = 5.0) -> "Client":
+        """Connect with ``creds`` (a credentials file), else ``GEARSHIFT_CREDS``."""
+        data = load_creds(creds) if creds is not None else current_creds()
+        holder: dict[str, Client] = {}
 
-    def _subject(self, subject: str) -> str:
-        return tenant_subject(subject, self.tenant)
+        async def on_error(exc: Exception) -> None:
+            m = _VIOLATION.search(str(exc))
+            if m and "c" in holder:
+                holder["c"]._refused.put_nowait((m.group(1).lower(), m.group(2)))
+
+        extra: dict[str, Any] = {"error_cb": on_error}
+        if creds is not None:
+            from services.auth import connect_options
+
+            extra.update(connect_options(data))
+        nc = await connect(url, name="gearshift-client", retry_for=retry_for, identity=data.get("user"), **extra)
+        client = cls(nc, timeout=timeout, tenant=data.get("tenant"), user=data.get("user"))
+        holder["c"] = client
+        return client
 
     async def close(self) -> None:
         await self.nc.drain()
 
+    async def __aenter__(self) -> "Client":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def _subject(self, subject: str) -> str:
+        return tenant_subject(subject, self.tenant)
+
+    async def _guard(self, aw: Awaitable[T], what: str) -> T:
+        """Await ``aw``, but fail at once if the server refuses one of our
+        subjects meanwhile (NATS reports that asynchronously; the request
+        would otherwise wait for its time-out)."""
+        while not self._refused.empty():
+            self._refused.get_nowait()  # an old refusal: not this call's
+        task = asyncio.ensure_future(aw)
+        refused = asyncio.ensure_future(self._refused.get())
+        try:
+            done, _ = await asyncio.wait({task, refused}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            kind, subject = refused.result()
+            task.cancel()
+            who = f"identity {self.user!r}" if self.user else "this identity"
+            raise ServiceCallError("403", f"permission denied: {who} may not {what} ({kind} to {subject} refused "
+                                          "by the server)")
+        finally:
+            refused.cancel()
+
+    async def _call(self, subject: str, request: Any, reply_type: Any, what: str) -> Any:
+        return await self._guard(call(self.nc, subject, request, reply_type, self.timeout), what)
+
+    # ------------------------------------------------------------ jobs
     async def submit(self, spec: JobSpec, token: str | None = None) -> SubmitReply:
-        return await call(self.nc, self._subject(subj.ADMISSION_SUBMIT), SubmitRequest(spec=spec, token=token),
-                          SubmitReply, self.timeout)
+        return await self._call(self._subject(subj.ADMISSION_SUBMIT), SubmitRequest(spec=spec, token=token),
+                                SubmitReply, "submit jobs")
 
-    async def jobs(self, tenant: str | None = None, **filters: Any) -> list[JobRecord]:
-        """Every job that matches, page after page (``filters``: states, node,
-        all, limit = page size; see ListRequest)."""
+    async def jobs(self, tenant: str | None = None, states: list[str] | None = None,
+                   limit: int | None = None, **filters: Any) -> list[JobRecord]:
+        """Every job that matches (at most ``limit``), page after page;
+        ``filters``: ``node``, ``all`` (the history store too); see ListRequest."""
         out: list[JobRecord] = []
-        async for page in self.job_pages(tenant=tenant, **filters):
+        async for page in self.job_pages(tenant, states, limit, **filters):
             out.extend(page)
-        return out
+        return out[:limit] if limit is not None else out
 
-    async def job_pages(self, tenant: str | None = None, **filters: Any) -> AsyncIterator[list[JobRecord]]:
-        cursor = None
+    async def job_pages(self, tenant: str | None = None, states: list[str] | None = None,
+                        limit: int | None = None, **filters: Any) -> AsyncIterator[list[JobRecord]]:
+        cursor, got_n = None, 0
         while True:
-            req = ListRequest(tenant=tenant, cursor=cursor, **filters)
-            got = await call(self.nc, self._subject(subj.ADMISSION_LIST), req, JobList, self.timeout)
-            yield got.jobs
-            if got.next_cursor is None:
+            req = ListRequest(tenant=tenant, states=states or None, cursor=cursor, **filters)
+            if limit is not None:
+                req = msgspec.structs.replace(req, limit=max(1, limit - got_n))
+            page = await self._call(self._subject(subj.ADMISSION_LIST), req, JobList, "list jobs")
+            got_n += len(page.jobs)
+            yield page.jobs
+            if page.next_cursor is None or (limit is not None and got_n >= limit):
                 return
-            cursor = got.next_cursor
+            cursor = page.next_cursor
 
     async def job(self, job_id: str) -> JobRecord:
-        return await call(self.nc, self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, self.timeout)
+        return await self._call(self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, "read jobs")
 
     async def cancel(self, job_id: str) -> JobRecord:
-        return await call(self.nc, self._subject(subj.ADMISSION_CANCEL), {"job_id": job_id}, JobRecord, self.timeout)
+        return await self._call(self._subject(subj.ADMISSION_CANCEL), {"job_id": job_id}, JobRecord, "cancel jobs")
 
     async def nodes(self) -> NodeList:
-        return await call(self.nc, subj.ADMISSION_NODES, None, NodeList, self.timeout)
+        return await self._call(subj.ADMISSION_NODES, None, NodeList, "list nodes")
 
+    # ------------------------------------------------------------ operators
+    async def explain(self) -> ExplainReply:
+        return await self._call(subj.OPTIMIZER_EXPLAIN, None, ExplainReply, "ask the optimizer")
+
+    async def reconfigure(self, job_id: str, plan: Plan | None, placement: list[NodeShare] | None = None,
+                          reason: str = "") -> ReconfigureReply:
+        """Pin ``plan`` (on ``placement`` if given) for a job; ``plan=None`` unpins."""
+        req = ReconfigureRequest(job_id=job_id, plan=plan, placement=placement or [], reason=reason)
+        return await self._call(subj.OPTIMIZER_RECONFIGURE, req, ReconfigureReply, "reconfigure jobs")
+
+    async def node_modes(self, node: str | None = None, mode: NodeMode | str | None = None,
+                         reason: str = "") -> NodeModeReply:
+        """Cordon / drain / uncordon (``mode``) a node; without ``mode``: read them."""
+        req = NodeModeRequest(node=node, mode=NodeMode(mode) if mode is not None else None, reason=reason)
+        return await self._call(subj.OPTIMIZER_NODE, req, NodeModeReply, "change nodes")
+
+    async def logs(self, node: str, job_id: str, rank: int | None = None, generation: int | None = None,
+                   tail_bytes: int = 16 * 1024) -> LogsReply:
+        req = LogsRequest(job_id=job_id, rank=rank, generation=generation, tail_bytes=tail_bytes)
+        return await self._call(subj.agent_command(node, "logs"), req, LogsReply, "read logs")
+
+    async def queues(self):
+        from bus_schema.messages import QueueList
+
+        return (await self._call(subj.ADMISSION_QUEUES, None, QueueList, "list queues")).queues
+
+    async def set_queue(self, queue: dict):
+        """``queue``: QueueSpec fields (admission decodes and checks them)."""
+        from bus_schema.messages import QueueList
+
+        return (await self._call(subj.ADMISSION_SET_QUEUE, msgspec.json.encode(queue), QueueList,
+                                 "change queues")).queues
+
+    # ------------------------------------------------------------ events
     async def events(self, follow: bool = False, subject: str = subj.EVENTS_SUBJECTS) -> AsyncIterator[tuple[str, int, Any]]:
         """(subject, stream sequence, event) from the start of the stream; with
         ``follow`` keeps waiting for new ones, else stops once caught up."""
         js = self.nc.jetstream()
-        info = await js.stream_info(subj.EVENTS_STREAM)
+        info = await self._guard(js.stream_info(subj.EVENTS_STREAM), "read the event stream")
         if info.state.messages == 0 and not follow:
             return
-        sub = await js.subscribe(subject, stream=subj.EVENTS_STREAM, ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+        sub = await self._guard(js.subscribe(subject, stream=subj.EVENTS_STREAM, ordered_consumer=True,
+                                             deliver_policy=DeliverPolicy.ALL), "read the event stream")
         try:
             while True:
                 try:
@@ -121,4 +228,48 @@ class Client:
                 if not follow and msg.metadata.num_pending == 0:
                     return
         finally:
-            await sub.unsubscribe()
+            await _quietly(sub.unsubscribe())
+
+    async def durable_events(self, name: str, subject: str = subj.EVENTS_SUBJECTS, batch: int = 64,
+                             idle_stop: float | None = None) -> AsyncIterator[DeliveredEvent]:
+        """Events through a durable consumer ``name`` on ``GS_EVENTS``: the
+        server remembers what was acked, so after a restart the same name
+        resumes with the first event not acked (at least once: an event handled
+        but not acked before a crash comes again; de-duplicate on
+        ``(job_id, seq)``). ``idle_stop``: return after that many seconds
+        with nothing new (default: wait forever)."""
+        js = self.nc.jetstream()
+        config = ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=60)
+        psub = await self._guard(js.pull_subscribe(subject, durable=name, stream=subj.EVENTS_STREAM, config=config),
+                                 "own a durable consumer")
+        idle = 0.0
+        pending: list[DeliveredEvent] = []
+        try:
+            while True:
+                try:
+                    msgs = await psub.fetch(batch, timeout=1.0)
+                except asyncio.TimeoutError:
+                    idle += 1.0
+                    if idle_stop is not None and idle >= idle_stop:
+                        return
+                    continue
+                idle = 0.0
+                pending = [DeliveredEvent(m.subject, m.metadata.sequence.stream, codec.decode_event(m.data), m)
+                           for m in msgs]
+                for item in pending:
+                    yield item
+        finally:
+            # a consumer stopped mid-batch hands back what it did not ack, so
+            # the next run gets it at once (not after the ack wait)
+            for item in pending:
+                if not item.acked:
+                    await _quietly(item.msg.nak())
+            await _quietly(psub.unsubscribe())
+
+
+async def _quietly(aw: Awaitable[Any]) -> None:
+    """Clean-up that may find the connection already closing."""
+    try:
+        await aw
+    except Exception:
+        pass

@@ -44,7 +44,7 @@ class LocalCluster:
     dashboard: bool = True  # the live web dashboard (services.dashboard)
 
     def __post_init__(self) -> None:
-        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._tmp: Path | None = None  # a temp data dir we made (removed on stop unless logs are kept)
         self.server: NatsServer | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self._logs: list = []
@@ -57,8 +57,8 @@ class LocalCluster:
 
     def start(self, wait: bool = True) -> str:
         if self.data_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="gearshift-")
-            self.data_dir = self._tmp.name
+            self._tmp = Path(tempfile.mkdtemp(prefix="gearshift-"))
+            self.data_dir = str(self._tmp)
         root = Path(self.data_dir)
         self.log_dir = self.log_dir or str(root / "logs")
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,10 @@ class LocalCluster:
             self.auth_dir = write_auth_dir(root / "auth", [f"node{i}" for i in range(self.nodes)], self.tenants)
             config = self.auth_dir.config
         self.server = NatsServer(root / "jetstream", port=self.port, config=config)
-        self.server.start()
+        try:
+            self.server.start()
+        except RuntimeError as exc:
+            raise RuntimeError(_server_failure(str(exc), self.port)) from None
         if self.auth_dir is not None:
             from services.auth import set_url
 
@@ -153,7 +156,9 @@ class LocalCluster:
     def check_alive(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self, timeout: float | None = None, keep_logs: bool = False) -> None:
+        """Stop everything; a temp data dir is removed unless ``keep_logs``
+        (a failed start: its logs say why)."""
         timeout = timeout if timeout is not None else self.grace + 5
         # agents first (they stop their jobs), then the services, then the server
         order = [n for n in self.procs if n.startswith("node")] + [n for n in self.procs if not n.startswith("node")]
@@ -174,10 +179,19 @@ class LocalCluster:
                 p.wait()
         if self.server:
             self.server.stop()
+            if self.log_dir:
+                try:
+                    (Path(self.log_dir) / "nats-server.log").write_text("".join(self.server.log))
+                except OSError:
+                    pass
         for f in self._logs:
             f.close()
-        if self._tmp:
-            self._tmp.cleanup()
+        self._logs = []
+        if self._tmp and not keep_logs:
+            import shutil
+
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def __enter__(self) -> "LocalCluster":
         try:
@@ -189,6 +203,15 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _server_failure(text: str, port: int) -> str:
+    """One line for a nats-server that would not start."""
+    if "address already in use" in text:
+        return f"nats-server cannot listen on port {port}: the address is already in use (--port -1 picks a free one)"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    fatal = [ln for ln in lines if "[FTL]" in ln or "[ERR]" in ln]
+    return "nats-server did not start: " + ((fatal or lines or ["no output"])[-1])
 
 
 def _has_module(name: str) -> bool:

@@ -122,7 +122,7 @@ async def drive(url: str, items: list[WorkloadItem], timeout: float, progress: b
                 if steps.get(job_id, 0) >= switch_at:
                     asked.add(job_id)
                     req = ReconfigureRequest(job_id=job_id, plan=SWITCH_TO, reason="demo: DP1 -> DP2 + ZeRO-1")
-                    r = await call(client.nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply, timeout=5)
+                    r = await call(client.nc, subj.OPTIMIZER_RECONFIGURE, req, ReconfigureReply, timeout=5)
                     print(f"[{now:5.0f}s] torch job {job_id} at step {steps[job_id]}: asked to switch to "
                           f"{SWITCH_TO.label()} (generation {r.generation} -> next)", file=sys.stderr, flush=True)
             jobs = [j for j in await client.jobs(all=True) if j.job_id in set(ids)]  # finished ones move to history

@@ -166,7 +166,7 @@ async def workload(data: Path, watcher: Watcher, log) -> dict[str, Any]:
     from services.auth import connect_options, load_creds
     from services.runtime import connect
 
-    admin = load_creds(data / "up" / "auth" / "admin.json")
+    admin = load_creds(data / "up" / "auth" / "admin.creds")
     client = Client(await connect(admin["url"], name="observability", retry_for=10, **connect_options(admin)))
     jobs: dict[str, str] = {}
     try:

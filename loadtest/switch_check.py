@@ -84,7 +84,7 @@ async def drive(url: str, steps: int, global_batch: int, log) -> tuple[str, list
                                          placement=[{"node": n, "gpus": g} for n, g in placement],  # type: ignore
                                          reason=f"switch_check: {label}")
                 req = codec.convert(codec.to_builtins(req), ReconfigureRequest)
-                r = await call(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply, timeout=5)
+                r = await call(nc, subj.OPTIMIZER_RECONFIGURE, req, ReconfigureReply, timeout=5)
                 log(f"step {progress['step']}: reconfigure to {label} (generation {r.generation})")
             if time.monotonic() - t0 > 900:
                 raise TimeoutError("switch_check did not finish in 15 minutes")

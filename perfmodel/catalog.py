@@ -23,6 +23,18 @@ from .shapes import ModelShape
 # Bump whenever the model's formulas change: stored fits are then recomputed.
 MODEL_VERSION = "gearshift-perfmodel-5"
 FITTED_PATH = Path(__file__).parent / "data" / "fitted_rubick.json"
+# The belief: fitted on the profiling runs and the <= 7 rule-chosen rows only.
+BELIEF_PATH = Path(__file__).parent / "data" / "fitted_rubick_profiled.json"
+
+
+def fit_profiled_rows(data_dir=DATA_DIR) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The fit the live system could have: each model's profiling runs plus at
+    most 7 configurations chosen by the profiler's rule (``validate.profiled_data``),
+    as ``perfmodel validate`` fits its held-out model. Never any other row."""
+    from .fit import fit_joint
+    from .validate import profiled_data
+
+    return fit_joint(profiled_data(data_dir)[4])
 
 
 def fit_all_rows(data_dir=DATA_DIR) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -70,17 +82,30 @@ def _read(path: Path):
     return cl, ths
 
 
-@functools.lru_cache(maxsize=1)
-def shipped_fit() -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(cluster constants, {model: theta}) fitted on all shipped Rubick rows."""
-    got = _read(FITTED_PATH)
+def _stored(path: Path, fit) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    got = _read(path)
     if got is None:
-        got = fit_all_rows()
+        got = fit()
         try:
-            _write(FITTED_PATH, *got)
+            _write(path, *got)
         except OSError:
             pass  # read-only install: keep it in memory only
     return got
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_fit() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(cluster constants, {model: theta}) fitted on all shipped Rubick rows: the
+    model's in-sample capacity. Not a belief any scheduler could hold (it has seen
+    every measured row); the simulator's extended truth starts from it."""
+    return _stored(FITTED_PATH, fit_all_rows)
+
+
+@functools.lru_cache(maxsize=1)
+def belief_fit() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(cluster constants, {model: theta}) fitted only on what profiling measures
+    (``fit_profiled_rows``): the belief of the simulator and the optimizer."""
+    return _stored(BELIEF_PATH, fit_profiled_rows)
 
 
 def shipped_cluster() -> np.ndarray:
@@ -89,12 +114,18 @@ def shipped_cluster() -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=None)
-def fitted_model_for(name: str) -> PerfParams:
-    """Fitted parameters of a Rubick model (vit, roberta, bert, t5, gpt2, llama7, llama30)."""
+def fitted_model_for(name: str, fit: str = "in_sample") -> PerfParams:
+    """Fitted parameters of a Rubick model (vit, roberta, bert, t5, gpt2, llama7, llama30).
+    ``fit``: "in_sample" (every row, ``shipped_fit``) or "belief" (profiling only)."""
     if name not in MODELS:
         raise KeyError(f"no fitted model for {name!r}; known: {', '.join(MODELS)}")
-    cl, ths = shipped_fit()
+    cl, ths = (belief_fit if fit == "belief" else shipped_fit)()
     return PerfParams(rubick_shape(name).key, ths[name], cl)
+
+
+def belief_model_for(name: str) -> PerfParams:
+    """The belief's parameters of a Rubick model (fitted on its profiling only)."""
+    return fitted_model_for(name, "belief")
 
 
 def rubick_job(name: str) -> tuple[ModelShape, int]:
@@ -102,15 +133,16 @@ def rubick_job(name: str) -> tuple[ModelShape, int]:
     return rubick_shape(name), rubick_global_batch(name)
 
 
-def params_for_shape(shape: ModelShape) -> PerfParams:
+def params_for_shape(shape: ModelShape, fit: str = "belief") -> PerfParams:
     """Fitted parameters for any shape: the Rubick model of that name, else the
     Rubick model nearest in parameter count with its compute terms scaled by
-    params x sequence length (a heuristic until the job is profiled)."""
+    params x sequence length (a heuristic until the job is profiled). By default
+    the belief (profiling-only fit); ``fit="in_sample"`` for the all-rows fit."""
     if shape.name in MODELS:
-        p = fitted_model_for(shape.name)
+        p = fitted_model_for(shape.name, fit)
         return PerfParams(shape.key, p.theta, p.cluster, p.gpu_mem_gb)
     ref = min(MODELS, key=lambda m: abs(np.log(rubick_shape(m).params_m / shape.params_m)))
-    base, rs = fitted_model_for(ref), rubick_shape(ref)
+    base, rs = fitted_model_for(ref, fit), rubick_shape(ref)
     scale = (shape.params_m * shape.seq_len) / (rs.params_m * rs.seq_len)
     theta = base.theta.copy()
     for name in ("t_fwd", "t_3d"):
@@ -128,9 +160,11 @@ def shape_from_spec(model) -> ModelShape:
                       heads=int(getattr(model, "heads", 0) or 0))
 
 
-def sim_predictor(gpus_per_node: int = 8):
+def sim_predictor(gpus_per_node: int = 8, fit: str = "belief"):
     """The simulator's hook: predictor(spec, plan, per_node) -> seconds per step
-    (0 when the plan does not fit or is not valid on that placement)."""
+    (0 when the plan does not fit or is not valid on that placement). ``fit``:
+    "belief" (profiling-only, what policies get) or "in_sample" (all rows; the
+    extended regime's truth starts from it)."""
     from .plans import Resources, as_plan
     from .predict import predict
 
@@ -148,7 +182,7 @@ def sim_predictor(gpus_per_node: int = 8):
         hit = cache.get(key)
         if hit is None:
             shape = shape_from_spec(spec.model)
-            params = params_for_shape(shape)
+            params = params_for_shape(shape, fit)
             pr = predict(params, shape, int(spec.global_batch), [pl], Resources(shares, threads), engine="numpy")
             hit = float(pr.iter_time_s[0]) if pr.feasible[0] else 0.0
             cache[key] = hit
@@ -161,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     cl, ths = fit_all_rows()
     _write(FITTED_PATH, cl, ths)
     print(f"wrote {FITTED_PATH}")
+    _write(BELIEF_PATH, *fit_profiled_rows())
+    print(f"wrote {BELIEF_PATH}")
     return 0
 
 

@@ -305,15 +305,24 @@ def capacity_fit(shapes, prof, rows, cluster, thetas, held_out: dict, training: 
     return cluster, ths, [float(e) for m in MODELS for e in errs[m]]
 
 
-def run(data_dir=DATA_DIR) -> dict:
-    t0 = time.perf_counter()
-    data_dir = Path(data_dir)
+def profiled_data(data_dir=DATA_DIR):
+    """What the live system knows of each model before it schedules it: its
+    profiling runs plus the <= 7 configurations the rule picks (``training_rows``,
+    chosen without looking at their times). Returns (rows, prof, shapes, training,
+    fit data for ``fit_joint``). The belief (``perfmodel.catalog.belief_fit``) and
+    the held-out validation are both fitted on exactly this."""
     rows = {m: load_placements(m, data_dir) for m in MODELS}
     prof = {m: load_profile(m, data_dir) for m in MODELS}
     shapes = {m: rubick_shape(m, data_dir) for m in MODELS}
     training = {m: training_rows(m, prof[m], rows[m]) for m in MODELS}
-
     train = {m: (shapes[m], prof[m] + [r for r in rows[m] if r.name in training[m]]) for m in MODELS}
+    return rows, prof, shapes, training, train
+
+
+def run(data_dir=DATA_DIR) -> dict:
+    t0 = time.perf_counter()
+    data_dir = Path(data_dir)
+    rows, prof, shapes, training, train = profiled_data(data_dir)
     cl_oos, th_oos = fit_joint(train)
     hist = history_params(data_dir)
 

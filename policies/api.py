@@ -33,9 +33,10 @@ What callers should fill (simulator, optimizer service):
 - ``JobView``: ``placement``/``plan`` of running jobs (CPUs in the
   placement), ``steps_done``, ``attained_service`` (GPU-seconds, for
   las/tiresias/gavel), ``restarts``, ``started_at`` and ``last_switch_at``
-  (when the current allocation started; for a preempted job, when it was
-  preempted), ``target_throughput`` for guaranteed jobs if the promise is
-  not "its request as the model predicts it".
+  (when the current allocation started; for a job not running now, when its
+  last allocation started), ``target_throughput`` for guaranteed jobs if the
+  promise is not "its request as the model predicts it". Build it with
+  ``make_job_view`` (the simulator and the optimizer both do).
 - ``perf``: the fitted model, e.g. ``policies.oracle.PerfModelOracle()``;
   ``None`` makes model-driven policies fall back to ``AnalyticOracle``.
 - Keep one policy object across rounds: it caches curves and remembers
@@ -114,6 +115,22 @@ class JobView:
     @property
     def remaining_steps(self) -> float:
         return max(0.0, self.spec.steps - self.steps_done)
+
+
+def make_job_view(job_id: str, spec: JobSpec, submitted_at: float, now: float, *, steps_done: float = 0.0,
+                  placement: tuple[Placement, ...] = (), plan: Plan | None = None, attained_before: float = 0.0,
+                  restarts: int = 0, last_switch_at: float | None = None, started_at: float | None = None,
+                  target_throughput: float | None = None) -> JobView:
+    """The one way a ``JobView`` is made, live (``services.policy_bridge``) and in the
+    simulator: attained service = GPU-seconds of finished allocations
+    (``attained_before``) + the current one's GPUs x time since it started."""
+    attained = attained_before
+    if placement and last_switch_at is not None:
+        attained += sum(p.gpus for p in placement) * max(0.0, now - last_switch_at)
+    return JobView(job_id=job_id, spec=spec, submitted_at=submitted_at, steps_done=steps_done,
+                   placement=placement, plan=plan if placement else None, attained_service=attained,
+                   restarts=restarts, last_switch_at=last_switch_at, started_at=started_at,
+                   target_throughput=target_throughput)
 
 
 @dataclass(slots=True)

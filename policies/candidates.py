@@ -91,6 +91,13 @@ class CandidateSpace:
         return sorted({c for c in (*self.cpu_levels, req) if c <= limit})
 
 
+def oracle_key(spec, perf) -> object:
+    """``spec_key`` plus what the oracle says its answers for this spec depend on
+    (a learning oracle's per-model revision): for policies' own speed caches."""
+    own = getattr(perf, "spec_key", None) if perf is not None else None
+    return (spec_key(spec), own(spec)) if own is not None else spec_key(spec)
+
+
 def spec_key(spec) -> object:
     """What an oracle's answer may depend on: the spec minus identity and
     progress fields (name, steps, tenant, priority, guarantee, command)."""
@@ -111,12 +118,14 @@ class CandidateCache:
         """An oracle may say what its answers depend on (``perf.spec_key(spec)``);
         jobs with equal keys share candidates."""
         hit = self._keys.get(id(job.spec))
-        if hit is not None and hit[0] is job.spec and hit[1] is perf:
+        # An oracle that learns says so with ``revision``: its keys change with it.
+        rev = getattr(perf, "revision", 0)
+        if hit is not None and hit[0] is job.spec and hit[1] is perf and hit[3] == rev:
             return hit[2]
         k = self._key(job, perf)
         if len(self._keys) > 100_000:
             self._keys.clear()
-        self._keys[id(job.spec)] = (job.spec, perf, k)
+        self._keys[id(job.spec)] = (job.spec, perf, k, rev)
         return k
 
     def _key(self, job: JobView, perf: PerfOracle | None) -> object:

@@ -31,7 +31,7 @@ class Fifo:
                 decision.waiting[j.job_id] = f"waiting: behind {blocked_by} in FIFO order"
                 continue
             cpg = j.spec.cpus_per_gpu or self.default_cpus_per_gpu
-            placement = first_fit(j.spec.gpus, cpg, free_g, free_c, nodes)
+            placement = first_fit(j.spec.gpus, cpg, free_g, free_c, nodes, unit=default_plan(j.spec).tp)
             if placement is None:
                 decision.waiting[j.job_id] = (
                     f"waiting: needs {j.spec.gpus} GPUs, {sum(free_g.values())} free "

@@ -84,7 +84,7 @@ class Gavel:
                 ledger.take(j.placement)
                 d.allocations[j.job_id] = JobDecision(j.placement, j.plan or plan, f"gavel: kept (priority {prio[j.job_id]:.2f})")
                 continue
-            pl = ledger.place(plan.gpus, cpg, prefer=tuple(p.node for p in j.placement))
+            pl = ledger.place(plan.gpus, cpg, prefer=tuple(p.node for p in j.placement), unit=plan.tp)
             if pl is None:
                 lead = "preempted" if j.running else "waiting"
                 d.waiting[j.job_id] = (

@@ -6,12 +6,15 @@ from .api import NodeState, Placement
 
 
 def first_fit(
-    gpus: int, cpus_per_gpu: int, free_gpus: dict[str, int], free_cpus: dict[str, int], nodes: list[NodeState]
+    gpus: int, cpus_per_gpu: int, free_gpus: dict[str, int], free_cpus: dict[str, int], nodes: list[NodeState],
+    unit: int = 1,
 ) -> tuple[Placement, ...] | None:
     """Consolidated first fit: one node if any can hold the job, else the
     fewest nodes (largest free blocks first). ``None`` if it cannot fit.
 
-    ``free_gpus``/``free_cpus`` are read, not changed; see ``take``.
+    ``free_gpus``/``free_cpus`` are read, not changed; see ``take``. Each
+    node's share is a multiple of ``unit`` (a tensor-parallel group stays on
+    one node).
     """
     for n in nodes:
         if free_gpus[n.name] >= gpus and free_cpus[n.name] >= gpus * cpus_per_gpu:
@@ -24,6 +27,7 @@ def first_fit(
         if left == 0:
             break
         g = min(free_gpus[n.name], left, free_cpus[n.name] // cpus_per_gpu if cpus_per_gpu else left)
+        g -= g % unit
         if g <= 0:
             continue
         out.append(Placement(n.name, g, g * cpus_per_gpu))
@@ -87,7 +91,8 @@ class Ledger:
 
     # ---- choosing nodes
     def place(
-        self, gpus: int, cpus_per_gpu: int, *, nodes: int | None = None, prefer: tuple[str, ...] = ()
+        self, gpus: int, cpus_per_gpu: int, *, nodes: int | None = None, prefer: tuple[str, ...] = (),
+        unit: int = 1,
     ) -> tuple[Placement, ...] | None:
         """Find room for ``gpus`` GPUs with ``cpus_per_gpu`` CPUs each.
 
@@ -96,18 +101,20 @@ class Ledger:
         node if possible, else the fewest nodes. Preference, in order: the
         job's own nodes (``prefer``), capacity nobody reserved, best fit (the
         tightest node that holds the part, to keep large blocks whole), one
-        locality domain. Does not take the resources.
+        locality domain. ``unit``: every node's share is a multiple of it (a
+        plan's tensor-parallel degree: a TP group never spans nodes). Does not
+        take the resources.
         """
-        if gpus <= 0:
+        if gpus <= 0 or unit < 1 or gpus % unit:
             return None
         if nodes is not None:
-            if gpus % nodes:
+            if gpus % nodes or (gpus // nodes) % unit:
                 return None
             return self._place_symmetric(gpus // nodes, cpus_per_gpu, nodes, prefer)
         one = self._place_symmetric(gpus, cpus_per_gpu, 1, prefer)
         if one is not None:
             return one
-        return self._place_spread(gpus, cpus_per_gpu, prefer)
+        return self._place_spread(gpus, cpus_per_gpu, prefer, unit)
 
     def _score(self, name: str, need_g: int, need_c: int, prefer: tuple[str, ...]) -> tuple:
         unreserved = self.free_g[name] - self.res_g[name] >= need_g and self.free_c[name] - self.res_c[name] >= need_c
@@ -132,9 +139,11 @@ class Ledger:
                     break
         return tuple(Placement(n, per_node, need_c) for n in ok[:m])
 
-    def _place_spread(self, gpus: int, cpus_per_gpu: int, prefer: tuple[str, ...]) -> tuple[Placement, ...] | None:
+    def _place_spread(self, gpus: int, cpus_per_gpu: int, prefer: tuple[str, ...],
+                      unit: int = 1) -> tuple[Placement, ...] | None:
         def room(n: str) -> int:
-            return min(self.free_g[n], self.free_c[n] // cpus_per_gpu if cpus_per_gpu else self.free_g[n])
+            g = min(self.free_g[n], self.free_c[n] // cpus_per_gpu if cpus_per_gpu else self.free_g[n])
+            return g - g % unit
 
         order = sorted(self.free_g, key=lambda n: (n not in prefer, -room(n), self.order[n]))
         out: list[Placement] = []

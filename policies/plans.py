@@ -41,10 +41,14 @@ def candidate_plans(global_batch: int, layers: int, gpus: int, gpus_per_node: in
             if tp * pp == 1 or pp > layers:
                 continue
             dp = gpus // (tp * pp)
-            # Pipelines want at least pp micro-batches in flight.
-            for ga in sorted({max(1, pp), 2 * pp}):
-                if global_batch % (dp * ga):
-                    continue
+            # Pipelines want at least pp micro-batches in flight; when the batch
+            # per replica is too small for that (llama30: 4 samples), as many as it
+            # splits into (the measured 3D rows of such models run like this).
+            per_replica = global_batch // dp if global_batch % dp == 0 else 0
+            gas = [g for g in (pp, 2 * pp) if per_replica and per_replica % g == 0]
+            if not gas and per_replica:
+                gas = [max(g for g in _divisors(per_replica) if g < pp)]
+            for ga in gas:
                 mb = global_batch // (dp * ga)
                 for gc in (False, True):
                     out.append(Plan(dp=dp, tp=tp, pp=pp, ga=ga, micro_batch=mb, grad_ckpt=gc))

@@ -78,7 +78,7 @@ class PriorityPolicy:
             plan = default_plan(j.spec)
             gpus = plan.gpus
             prefer = tuple(p.node for p in j.placement)
-            placement = ledger.place(gpus, cpg, prefer=prefer)
+            placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
             victims: list[JobView] = []
             if placement is None and self.preemptive:
                 lower = [v for v in reversed(order) if v.job_id in holding and rank[v.job_id] > rank[j.job_id]]
@@ -91,7 +91,7 @@ class PriorityPolicy:
                     ledger.give(v.placement)
                     del holding[v.job_id]
                     victims.append(v)
-                    placement = ledger.place(gpus, cpg, prefer=prefer)
+                    placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
                     if placement is not None:
                         break
                 if placement is None:  # preempting did not help: undo

@@ -18,11 +18,33 @@ def register(name: str, factory: Callable[..., Policy]) -> None:
 
 
 def make_policy(name: str, **options) -> Policy:
+    """Options ``sharing`` (tenant queues, fair share, priorities: ``policies.sharing``)
+    and ``backfill`` (FIFO only: EASY backfill) compose sharing parts around any policy."""
+    sharing = options.pop("sharing", None)
+    backfill = options.pop("backfill", None)
     try:
         factory = _REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
-    return factory(**options)
+    if backfill is not None and name not in ("fifo", "fifo-easy"):
+        raise ValueError(f"backfill: only the FIFO family backfills, not {name!r}")
+    if name == "fifo" and (backfill is not None or sharing is not None):
+        # the key-ordered FIFO (same strict head-of-line order) so sharing can rank its queue
+        from .backfill import EasyFifo
+
+        policy = EasyFifo(backfill=bool(backfill), restart_cost=options.get("restart_cost", 0.0),
+                          name="fifo-easy" if backfill else "fifo")
+    else:
+        policy = factory(**options)
+    if sharing is None or sharing is False:
+        return policy
+    from .queues import ShareConfig
+    from .sharing import Shared
+
+    raw = {} if sharing is True else dict(sharing)
+    if "min_run_time" not in raw and "min_run_time" in options:
+        raw["min_run_time"] = options["min_run_time"]
+    return Shared(policy, ShareConfig.from_dict(raw))
 
 
 def policy_names() -> list[str]:
@@ -38,6 +60,13 @@ def _builtin() -> None:
         return Fifo(**kw)
 
     register("fifo", fifo)
+
+    def fifo_easy(restart_cost: float = 0.0, min_run_time: float = 0.0, **kw):
+        from .backfill import EasyFifo
+
+        return EasyFifo(backfill=True, restart_cost=restart_cost, **kw)
+
+    register("fifo-easy", fifo_easy)
     register("las", make_las)
     register("srtf", make_srtf)
     register("tiresias", Tiresias)

@@ -30,7 +30,7 @@ from scipy.sparse import coo_matrix
 from .api import DEFAULT_RESTART_COST, Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
 from .oracle import AnalyticOracle
 from .placement import Ledger, describe
-from .candidates import spec_key
+from .candidates import oracle_key
 from .plans import scaled_user_plan
 
 
@@ -69,7 +69,7 @@ class Sia:
         if plan is None:
             return 0.0, None
         cpg = job.spec.cpus_per_gpu or 1
-        key = (spec_key(job.spec), gpus, cpg, gpn)
+        key = (oracle_key(job.spec, perf), gpus, cpg, gpn)
         t = self._thr.get(key)
         if t is None:
             m = -(-gpus // gpn)

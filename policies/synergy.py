@@ -22,7 +22,7 @@ carries GPUs and CPUs only).
 from __future__ import annotations
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
-from .candidates import spec_key
+from .candidates import oracle_key
 from .ordering import fifo_key, las_key, srtf_key
 from .placement import Ledger, describe
 
@@ -40,7 +40,7 @@ class Synergy:
     def best_case_cpus(self, job: JobView, perf: PerfOracle | None, per_node_gpus: int, cpus_per_node: int) -> int:
         """Fewest CPUs per GPU within 1% of the best throughput (optimistic profile)."""
         plan = default_plan(job.spec)
-        key = (spec_key(job.spec), per_node_gpus, cpus_per_node)
+        key = (oracle_key(job.spec, perf), per_node_gpus, cpus_per_node)
         got = self._best.get(key)
         if got is not None:
             return got
@@ -84,11 +84,11 @@ class Synergy:
             plan = default_plan(j.spec)
             g = plan.gpus
             best = self.best_case_cpus(j, perf, min(g, gpn), cpn)
-            pl = ledger.place(g, best)
+            pl = ledger.place(g, best, unit=plan.tp)
             how = f"best-case {best} CPUs/GPU"
             if pl is None:
                 fair = min(best, min(prop.values()))
-                pl = ledger.place(g, fair)
+                pl = ledger.place(g, fair, unit=plan.tp)
                 how = f"proportional {fair} CPUs/GPU"
                 if pl is None and g <= gpn:
                     pl, victims = self._shrink_peers(g, fair, ledger, holding, prop, views)

@@ -25,13 +25,17 @@ from bus_schema.messages import (
     JobCancelled,
     JobCancelRequested,
     JobList,
+    JobProgress,
     JobRecord,
     JobRef,
+    JobSpec,
     JobState,
     JobSubmitted,
     ListRequest,
     NodeList,
     NodeReport,
+    QueueList,
+    QueueSpec,
     SubmitReply,
     SubmitRequest,
 )
@@ -40,10 +44,16 @@ from bus_schema.validate import SpecError, check_spec
 from . import observe
 from .jobstore import JobStore, with_event
 from .paging import BadCursor, list_page
+from .queues import QueueStore, most_gpus
 from .views import JobsView, NodesView
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, now, run_service, serve
 
 log = get_logger(service="admission")
+
+# latest progress reports kept (one per running job; more means ended jobs nobody listed)
+PROGRESS_KEPT = 20_000
+# a spec without ``tenant`` has this one
+DEFAULT_TENANT = next(f.default for f in msgspec.structs.fields(JobSpec) if f.name == "tenant")
 
 
 def job_id_for(tenant: str, token: str | None) -> str:
@@ -62,18 +72,48 @@ class Admission:
         self.jobs_view: JobsView | None = None
         self.nodes_view: NodesView | None = None
         self._created: dict[str, set[str]] = {}  # tenant -> ids created here, not yet in the view
+        # job -> its latest progress report (running jobs only; see with_live)
+        self.progress: dict[str, JobProgress] = {}
+        self._progress_sub: Any = None
+        self.queues = QueueStore(nc)
 
     async def open(self) -> "Admission":
         await self.store.open()
+        await self.queues.open()
         js = self.nc.jetstream()
         self.jobs_view = await JobsView(js, subj.JOBS_BUCKET).start()
         self.nodes_view = await NodesView(js, subj.NODES_BUCKET).start()
+        self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
         return self
 
     async def close(self) -> None:
         for view in (self.jobs_view, self.nodes_view):
             if view is not None:
                 await view.stop()
+
+    async def _on_progress(self, msg: Any) -> None:
+        try:
+            p = codec.decode(msg.data, JobProgress)
+        except msgspec.MsgspecError:
+            return
+        have = self.progress.get(p.job_id)
+        if have is None or (p.generation, p.ts) >= (have.generation, have.ts):
+            self.progress[p.job_id] = p
+        if len(self.progress) > PROGRESS_KEPT:  # jobs that ended unseen: forget the oldest reports
+            for job_id, _ in sorted(self.progress.items(), key=lambda kv: kv[1].ts)[: len(self.progress) // 4]:
+                del self.progress[job_id]
+
+    def with_live(self, rec: JobRecord) -> JobRecord:
+        """The record with its latest progress report, if it runs that generation."""
+        p = self.progress.get(rec.job_id)
+        if p is None:
+            return rec
+        if rec.terminal:
+            self.progress.pop(rec.job_id, None)  # it ended: no report will come
+            return rec
+        if rec.state != JobState.RUNNING or p.generation != rec.generation:
+            return rec
+        return msgspec.structs.replace(rec, live=p)
 
     async def nodes(self) -> list[NodeReport]:
         assert self.nodes_view is not None
@@ -106,6 +146,7 @@ class Admission:
             check_spec(spec, max_gpus=max_gpus, max_gpus_per_node=per_node)
         except SpecError as err:
             raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
+        await self._check_quota(spec)
         job_id = job_id_for(spec.tenant, req.token)
         if req.token is not None:
             existing = await self.store.get(job_id)
@@ -162,7 +203,7 @@ class Admission:
             new = got[0]
         else:
             # Wake the optimizer so the processes stop now, not at the next tick.
-            await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+            await self.nc.publish(subj.OPTIMIZER_KICK, b"")
         log.info("job cancel", job_id=ref.job_id, state=new.state.value)
         return new
 
@@ -170,7 +211,7 @@ class Admission:
         got = await self.store.get(ref.job_id)
         if got is None:
             raise RequestError("404", f"no job {ref.job_id}", "job_id")
-        return got[0]
+        return self.with_live(got[0])
 
     async def list(self, req: ListRequest) -> JobList:
         states = set(req.states or [])
@@ -184,10 +225,29 @@ class Admission:
             jobs, cursor = await list_page(self.nc.jetstream(), self.jobs_view, req)
         except BadCursor as err:
             raise bad_request(str(err), "cursor") from None
-        return JobList(jobs=jobs, next_cursor=cursor)
+        return JobList(jobs=[self.with_live(r) for r in jobs], next_cursor=cursor)
 
     async def list_nodes(self, _: None) -> NodeList:
         return NodeList(nodes=await self.nodes())
+
+    # ------------------------------------------------------------ tenant queues (issue 13)
+    async def _check_quota(self, spec) -> None:
+        """Admit only jobs their tenant's quota (+ what its cohort could lend) can ever hold."""
+        from policies.queues import ShareConfig
+
+        most = most_gpus(await self.queues.config(ShareConfig()), spec.tenant)
+        if most is not None and spec.gpus > most:
+            raise bad_request(f"spec.gpus: {spec.gpus} GPUs is more than tenant {spec.tenant} can ever hold "
+                              f"(quota + what its cohort can lend = {most})", "spec.gpus")
+
+    async def get_queues(self, _: None) -> QueueList:
+        return QueueList(queues=await self.queues.all())
+
+    async def set_queue(self, q: QueueSpec) -> QueueList:
+        await self.queues.put(q)
+        log.info("queue set", tenant=q.tenant, quota=q.quota, weight=q.weight, cohort=q.cohort)
+        await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+        return QueueList(queues=await self.queues.all())
 
     # ------------------------------------------------------------ tenant endpoints
     # ``gs.admission.<verb>.<tenant>``: with authorisation on, the server lets
@@ -201,10 +261,13 @@ class Admission:
         got = await self.store.get(job_id)
         if got is None or got[0].spec.tenant != tenant:
             raise RequestError("404", f"no job {job_id}", "job_id")
-        return got[0]
+        return self.with_live(got[0])
 
     async def submit_as(self, req: SubmitRequest, subject: str) -> SubmitReply:
         tenant = self._tenant_of(subject)
+        if req.spec.tenant == DEFAULT_TENANT and tenant != DEFAULT_TENANT:
+            # a tenant's spec without ``tenant`` (the default) is its own job
+            req = msgspec.structs.replace(req, spec=msgspec.structs.replace(req.spec, tenant=tenant))
         if req.spec.tenant != tenant:
             raise RequestError("403", f"tenant {tenant} may not submit jobs of tenant {req.spec.tenant}", "spec.tenant")
         return await self.submit(req)
@@ -229,6 +292,8 @@ class Admission:
             Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
             Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
             Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
+            Endpoint("queues", subj.ADMISSION_QUEUES, None, self.get_queues),
+            Endpoint("setqueue", subj.ADMISSION_SET_QUEUE, QueueSpec, self.set_queue),
             Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True),
             Endpoint("cancel-tenant", subj.ADMISSION_CANCEL + ".*", JobRef, self.cancel_as, with_subject=True),
             Endpoint("get-tenant", subj.ADMISSION_GET + ".*", JobRef, self.get_as, with_subject=True),

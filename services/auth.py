@@ -12,15 +12,25 @@ Roles (see ``deploy/README.md`` for the reasoning):
 - ``tenant-<t>``: may only send requests on ``gs.admission.<verb>.<t>``.
   Admission takes the tenant from the subject, which the server lets only
   that tenant's user (and the admin) publish on, so it can trust it.
-- ``tools``: may only read the event stream (replay and live).
+- ``tools``: may only read: the event stream (replay, live, and durable
+  consumers of its own that resume after a restart) and live progress.
 - ``admin``: the operator (and ``gearshift up``'s local user): everything.
 
 Every user gets its own reply-inbox prefix (``_INBOX_<user>``) and may only
 subscribe there, so nobody reads anybody else's replies.
 
-A credentials file is JSON: ``{"user", "password", "role", "inbox_prefix",
-"tenant"?, "node"?, "url"?, "tls_ca"?}``. ``connect_options`` turns the one
-named by ``GEARSHIFT_CREDS`` (or ``GEARSHIFT_USER``/``GEARSHIFT_PASSWORD``)
+Identities are NATS nkeys (Ed25519 key pairs): the server config holds only
+each user's public key, never a password, and proves a client by a signed
+nonce. Each identity gets two files, both mode 0600:
+
+- ``<user>.nk``: its nkey seed, what the ``nats`` CLI reads
+  (``nats --nkey <user>.nk --inbox-prefix _INBOX_<user> ...``);
+- ``<user>.creds``: the gearshift credentials (what ``GEARSHIFT_CREDS``
+  names; deploy/'s systemd units and Secrets carry it), JSON ``{"user", "role",
+  "nkey_seed", "inbox_prefix", "tenant"?, "node"?, "url"?, "tls_ca"?}``.
+
+``connect_options`` turns the file named by ``GEARSHIFT_CREDS`` (or
+``GEARSHIFT_USER``/``GEARSHIFT_PASSWORD`` for a server with password users)
 into nats-py connect options; with none set the connection is anonymous
 (what the tests' plain servers expect).
 """
@@ -29,13 +39,12 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus_schema import subjects as subj
+from bus_schema import contract, subjects as subj
 
 ACCOUNT = "GEARSHIFT"
 SERVICE_ROLES = ("admission", "optimizer", "perfmodel", "profiler")
@@ -46,16 +55,38 @@ def inbox_prefix(user: str) -> str:
     return f"_INBOX_{user}"
 
 
+def new_user_seed() -> str:
+    """A fresh NATS user nkey seed (``SU...``)."""
+    import nkeys
+
+    return nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode()
+
+
+def public_key(seed: str) -> str:
+    """The public key (``U...``) of a user seed: what the server config holds."""
+    import nkeys
+
+    kp = nkeys.from_seed(bytearray(seed.encode()))
+    try:
+        return kp.public_key.decode()
+    finally:
+        kp.wipe()
+
+
 @dataclass
 class Identity:
     user: str
     role: str
-    password: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+    seed: str = field(default_factory=new_user_seed, repr=False)
     tenant: str | None = None
     node: str | None = None
 
+    @property
+    def public_key(self) -> str:
+        return public_key(self.seed)
+
     def creds(self, url: str | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"user": self.user, "password": self.password, "role": self.role,
+        out: dict[str, Any] = {"user": self.user, "role": self.role, "nkey_seed": self.seed,
                                "inbox_prefix": inbox_prefix(self.user)}
         if self.tenant:
             out["tenant"] = self.tenant
@@ -72,46 +103,52 @@ def _kv(bucket: str, key: str = ">") -> str:
 
 
 def permissions(ident: Identity) -> dict[str, Any]:
-    """The NATS ``permissions`` block of one identity."""
-    inbox = inbox_prefix(ident.user) + ".>"
-    srv_sub = ["$SRV.>"]
+    """The NATS ``permissions`` block of one identity: its rights on the bus
+    subjects come from the contract table (``bus_schema.contract``); what is
+    added here are the JetStream API, KV and inbox rights of its role."""
     if ident.role == "admin":
         return {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}}
+    if ident.role not in contract.ROLES:
+        raise ValueError(f"unknown role {ident.role!r}")
+    node = subj.token(ident.node) if ident.node else None
+    tenant = subj.token(ident.tenant) if ident.tenant else None
+    bus_pub, bus_sub = contract.grants(ident.role, node=node, tenant=tenant)
+    inbox = inbox_prefix(ident.user) + ".>"
+    srv_sub = ["$SRV.>"]
+    js_api = ["$JS.API.>", "$JS.FC.>"]
     if ident.role == "admission":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.JOBS_BUCKET), "gs.evt.job.>",
-                                  subj.OPTIMIZER + ".kick"]},
-            "subscribe": {"allow": [subj.ADMISSION + ".>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, _kv(subj.JOBS_BUCKET), _kv(subj.QUEUES_BUCKET), *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "optimizer":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
-                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.HISTORY_BUCKET), "gs.evt.>", "gs.agent.*.>",
-                                  subj.OPTIMIZER + ".kick", subj.PERFMODEL + ".>", subj.PROFILER + ".>"]},
-            "subscribe": {"allow": ["gs.>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
+                                  _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.NODE_MODES_BUCKET), _kv(subj.QUEUES_BUCKET),
+                                  _kv(subj.HISTORY_BUCKET), *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "perfmodel":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.MODELS_BUCKET), "gs.evt.>"]},
-            "subscribe": {"allow": [subj.PERFMODEL + ".>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, _kv(subj.MODELS_BUCKET), *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "profiler":
         return {
-            "publish": {"allow": ["$JS.API.>", "$JS.FC.>", _kv(subj.MODELS_BUCKET), _kv(subj.JOBS_BUCKET), "gs.evt.>",
-                                  "gs.agent.*.>", subj.PERFMODEL + ".>", subj.OPTIMIZER + ".kick"]},
-            "subscribe": {"allow": ["gs.>", inbox, *srv_sub]},
+            "publish": {"allow": [*js_api, _kv(subj.MODELS_BUCKET), _kv(subj.JOBS_BUCKET), *bus_pub]},
+            "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }
     if ident.role == "agent":
-        n = subj.token(ident.node or "")
+        n = node or ""
         alloc = f"KV_{subj.ALLOC_BUCKET}"
         nodes = f"KV_{subj.NODES_BUCKET}"
         return {
             "publish": {"allow": [
-                f"gs.node.{n}.>", f"gs.report.{n}.>", _kv(subj.NODES_BUCKET, n), "gs.job.*.progress",
+                *bus_pub, _kv(subj.NODES_BUCKET, n),
                 "$JS.API.INFO", f"$JS.API.STREAM.INFO.{alloc}", f"$JS.API.STREAM.INFO.{nodes}",
                 f"$JS.API.STREAM.INFO.{subj.REPORTS_STREAM}",
                 # its allocations only: the server checks the filter in the subject
@@ -120,26 +157,27 @@ def permissions(ident: Identity) -> dict[str, Any]:
                 # other nodes' reports (the address of a multi-node job's rank 0)
                 f"$JS.API.DIRECT.GET.{nodes}.>", f"$JS.API.STREAM.MSG.GET.{nodes}",
             ]},
-            "subscribe": {"allow": [f"gs.agent.{n}.>", inbox, "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
+            "subscribe": {"allow": [*bus_sub, inbox, "$SRV.PING", "$SRV.INFO", "$SRV.STATS",
                                     f"$SRV.*.agent-{n}", f"$SRV.*.agent-{n}.>"]},
             "allow_responses": True,
         }
     if ident.role == "tenant":
-        t = subj.token(ident.tenant or "")
-        return {
-            "publish": {"allow": [f"{subj.ADMISSION}.{verb}.{t}" for verb in TENANT_VERBS]},
-            "subscribe": {"allow": [inbox]},
-        }
-    if ident.role == "tools":
-        ev = subj.EVENTS_STREAM
-        return {
-            "publish": {"allow": ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{ev}", f"$JS.API.CONSUMER.CREATE.{ev}",
-                                  f"$JS.API.CONSUMER.CREATE.{ev}.>", f"$JS.API.CONSUMER.MSG.NEXT.{ev}.*",
-                                  f"$JS.API.CONSUMER.INFO.{ev}.*", f"$JS.API.CONSUMER.DELETE.{ev}.*",
-                                  f"$JS.API.STREAM.MSG.GET.{ev}", f"$JS.API.DIRECT.GET.{ev}.>", f"$JS.FC.{ev}.>"]},
-            "subscribe": {"allow": [inbox, subj.EVENTS_SUBJECTS]},
-        }
-    raise ValueError(f"unknown role {ident.role!r}")
+        return {"publish": {"allow": bus_pub}, "subscribe": {"allow": [*bus_sub, inbox]}}
+    # tools: reads the event stream, live and replayed, and may own durable
+    # consumers on it (create, fetch, ack, delete). GS_EVENTS holds no
+    # service's consumer, so every named consumer there is a tool's: NATS
+    # permissions match whole tokens, so the stream is the prefix they own.
+    ev = subj.EVENTS_STREAM
+    return {
+        "publish": {"allow": ["$JS.API.INFO", f"$JS.API.STREAM.INFO.{ev}", f"$JS.API.CONSUMER.CREATE.{ev}",
+                              f"$JS.API.CONSUMER.CREATE.{ev}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{ev}.*",
+                              f"$JS.API.CONSUMER.MSG.NEXT.{ev}.*", f"$JS.API.CONSUMER.INFO.{ev}.*",
+                              f"$JS.API.CONSUMER.DELETE.{ev}.*", f"$JS.API.CONSUMER.LIST.{ev}",
+                              f"$JS.API.CONSUMER.NAMES.{ev}", f"$JS.ACK.{ev}.>",
+                              f"$JS.API.STREAM.MSG.GET.{ev}", f"$JS.API.DIRECT.GET.{ev}.>", f"$JS.FC.{ev}.>",
+                              *bus_pub]},
+        "subscribe": {"allow": [inbox, *bus_sub]},
+    }
 
 
 def identities(nodes: list[str], tenants: list[str]) -> list[Identity]:
@@ -164,11 +202,12 @@ def server_config(idents: list[Identity]) -> str:
         if perms.get("allow_responses"):
             lines.append("        allow_responses: true")
         users.append(
-            f"      {{ user: {_q(ident.user)}, password: {_q(ident.password)}, permissions: {{\n"
+            f"      # {ident.user}\n"
+            f"      {{ nkey: {_q(ident.public_key)}, permissions: {{\n"
             + "\n".join(lines) + "\n      }}"
         )
     return (
-        "# written by gearshift (services.auth): one user per role; keep this file private\n"
+        "# written by gearshift (services.auth): one nkey user per role (public keys only)\n"
         "accounts {\n"
         f"  {ACCOUNT}: {{\n"
         "    jetstream: enabled\n"
@@ -185,7 +224,11 @@ class AuthDir:
     idents: list[Identity]
 
     def creds(self, user: str) -> Path:
-        return self.root / f"{user}.json"
+        return self.root / f"{user}.creds"
+
+    def nkey(self, user: str) -> Path:
+        """The seed file the ``nats`` CLI takes with ``--nkey``."""
+        return self.root / f"{user}.nk"
 
 
 def write_auth_dir(root: str | os.PathLike, nodes: list[str], tenants: list[str], url: str | None = None) -> AuthDir:
@@ -198,7 +241,8 @@ def write_auth_dir(root: str | os.PathLike, nodes: list[str], tenants: list[str]
     config = root / "nats-auth.conf"
     _write_private(config, server_config(idents))
     for ident in idents:
-        _write_private(root / f"{ident.user}.json", json.dumps(ident.creds(url), indent=2) + "\n")
+        _write_private(root / f"{ident.user}.creds", json.dumps(ident.creds(url), indent=2) + "\n")
+        _write_private(root / f"{ident.user}.nk", ident.seed + "\n")
     return AuthDir(root, config, idents)
 
 
@@ -223,13 +267,16 @@ def well_known_dir() -> Path:
 def well_known_file(url: str) -> Path:
     """Where ``gearshift up`` leaves the admin credentials for a server URL."""
     first = url.split(",")[0].strip().removeprefix("nats://").removeprefix("tls://")
-    return well_known_dir() / (first.replace(":", "_").replace("/", "_") + ".json")
+    return well_known_dir() / (first.replace(":", "_").replace("/", "_") + ".creds")
 
 
 def load_creds(path: str | os.PathLike) -> dict[str, Any]:
-    data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or "user" not in data or "password" not in data:
-        raise ValueError(f"{path}: not a gearshift credentials file (needs user and password)")
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read credentials: {exc}") from None
+    if not isinstance(data, dict) or "user" not in data or not ("nkey_seed" in data or "password" in data):
+        raise ValueError(f"{path}: not a gearshift credentials file (needs user and nkey_seed)")
     return data
 
 
@@ -247,8 +294,11 @@ def connect_options(creds: dict[str, Any] | None = None) -> dict[str, Any]:
     creds = current_creds() if creds is None else creds
     opts: dict[str, Any] = {}
     if creds:
-        opts["user"] = creds["user"]
-        opts["password"] = creds["password"]
+        if creds.get("nkey_seed"):
+            opts["nkeys_seed_str"] = creds["nkey_seed"]
+        else:  # a server with password users (GEARSHIFT_USER/GEARSHIFT_PASSWORD)
+            opts["user"] = creds["user"]
+            opts["password"] = creds["password"]
         if creds.get("inbox_prefix"):
             opts["inbox_prefix"] = creds["inbox_prefix"]
     ca = os.environ.get("GEARSHIFT_TLS_CA") or creds.get("tls_ca")
@@ -264,8 +314,9 @@ def tenant_subject(subject: str, tenant: str | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.auth --out DIR --nodes a,b --tenants x,y``: a
-    deployment's server config (include it from nats-server.conf) and one
-    credentials file per identity; hand each file only to its role's host."""
+    deployment's server config (include it from nats-server.conf; public
+    nkeys only) and per identity a credentials file and an nkey seed file;
+    hand each identity's files only to its role's host."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m services.auth", description=main.__doc__)
@@ -276,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     d = write_auth_dir(args.out, [n for n in args.nodes.split(",") if n], [t for t in args.tenants.split(",") if t],
                        args.url)
-    print(f"wrote {d.config} and {len(d.idents)} credentials files to {d.root}")
+    print(f"wrote {d.config} and {len(d.idents)} identities (<user>.creds and <user>.nk) to {d.root}")
     return 0
 
 

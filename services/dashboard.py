@@ -158,8 +158,8 @@ class Dashboard:
     async def login(self, creds_text: str) -> tuple[str, Session]:
         try:
             creds = json.loads(creds_text)
-            if not isinstance(creds, dict) or "user" not in creds or "password" not in creds:
-                raise ValueError("needs user and password")
+            if not isinstance(creds, dict) or "user" not in creds or not ("nkey_seed" in creds or "password" in creds):
+                raise ValueError("needs user and nkey_seed")
         except (ValueError, TypeError) as exc:
             raise Refused(400, f"not a gearshift credentials file: {exc}") from None
         sess = Session(user=str(creds["user"]), role=str(creds.get("role", "")), tenant=creds.get("tenant"), nc=None)
@@ -181,7 +181,7 @@ class Dashboard:
             connecting.cancel()
             await asyncio.gather(connecting, return_exceptions=True)
             if refused in done:
-                raise Refused(401, "sign-in refused by the server: wrong user or password")
+                raise Refused(401, "sign-in refused by the server: unknown identity or wrong key")
             raise Refused(504, "the NATS server did not answer the sign-in in time")
         try:
             sess.nc = connecting.result()

@@ -33,6 +33,7 @@ from bus_schema.messages import (
 )
 
 from .jobstore import with_event
+from .policy_bridge import segment_gpu_s
 
 ACTIVE = ACTIVE_STATES
 
@@ -55,10 +56,15 @@ class Outcome:
     ended: bool = False
 
 
+def drains(rec: JobRecord, r: RunReport) -> bool:
+    """Is ``r`` the exit of a rank of ``rec``'s draining generation?"""
+    return (r.kind == RunReportKind.EXITED and bool(rec.draining) and r.generation == rec.drain_generation
+            and r.node in {p.node for p in rec.draining})
+
+
 def apply_report(rec: JobRecord, r: RunReport, *, max_retries: int, now: float) -> Outcome:
     """One agent report applied to ``rec``; stale generations change nothing."""
-    if (r.kind == RunReportKind.EXITED and rec.draining and r.generation == rec.drain_generation
-            and r.node in {p.node for p in rec.draining}):
+    if drains(rec, r):
         new, released, ended = drained(rec, [r.node], r, now)
         return Outcome(new, released, ended)
     if rec.generation != r.generation or rec.terminal:
@@ -106,6 +112,7 @@ def apply_report(rec: JobRecord, r: RunReport, *, max_retries: int, now: float) 
         retry = rec.failures + 1
         new = msgspec.structs.replace(
             rec, state=JobState.PENDING, placement=[], steps_done=steps, failures=retry,
+            attained_gpu_s=rec.attained_gpu_s + segment_gpu_s(rec, ts),
             restarts=rec.restarts + 1, switch=None, reason=f"retry {retry}/{max_retries}: {why}", **drain,
         )
         return Outcome(with_event(new, JobRequeued, ts=ts, reason=new.reason, retry=retry,
@@ -193,7 +200,7 @@ def back_to_queue(r: JobRecord, rec_generation: int, why: str, event: type, ts: 
         return None
     new = msgspec.structs.replace(
         r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
-        **drain_fields(r, ts, alive),
+        attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts), **drain_fields(r, ts, alive),
     )
     extra = {"checkpoint_step": r.checkpoint_step} if with_checkpoint else {}
     return with_event(new, event, ts=ts, reason=why, **extra)
@@ -214,6 +221,7 @@ def allocate(r: JobRecord, rec: JobRecord, d: Any, placement: list, ts: float) -
     new = msgspec.structs.replace(
         r, state=JobState.SCHEDULED, generation=gen, plan=d.plan, placement=placement,
         scheduled_at=r.scheduled_at or ts, reason=d.reason, restarts=r.restarts + (1 if reconfig else 0),
+        last_switch_at=ts, attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts),
     )
     if reconfig:  # gang barrier: generation gen starts once every rank of r.generation exited
         new = msgspec.structs.replace(

@@ -62,6 +62,7 @@ from bus_schema.messages import (
     ACTIVE_STATES,
     ExplainEntry,
     ExplainReply,
+    JobPreempted,
     JobRecord,
     JobState,
     NodeLost,
@@ -73,14 +74,17 @@ from bus_schema.messages import (
     RoundReply,
     RunReport,
 )
+from bus_schema.ops import NodeModeReply, NodeModeRequest
 from policies import Decision, JobView, check_decision, make_policy
+from policies.sharing import Shared
 
-from . import capacity, lifecycle, observe
+from . import capacity, lifecycle, node_modes, observe
 from .alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
 from .fencing import Deposed
 from .jobstore import JobStore, publish_event
 from .leadership import Leadership
 from .policy_bridge import ModelOracle, job_view
+from .queues import QueueStore
 from .record_writer import RecordWriter
 from .report_consumer import consume_reports
 from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
@@ -91,7 +95,7 @@ log = get_logger(service="optimizer")
 ACTIVE = ACTIVE_STATES
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
-OPTIMIZER_RECONFIGURE = subj.OPTIMIZER + ".reconfigure"
+OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
 PAUSE_ENV = "GEARSHIFT_FAULT_PAUSE_MID_ROUND"  # fault injection: path of a file that, present, stops the leader mid-round
 
 
@@ -135,12 +139,22 @@ class Optimizer:
         self._subs: list[Any] = []
         self.is_leader = False
         self.leader_since: float | None = None
+        self.records_seen: dict[str, JobRecord] = {}  # the last round's records
 
     async def open(self) -> "Optimizer":
         await self.store.open()
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
+        self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
         self.models = ModelOracle(self.models_kv)
+        self.queues = None
+        if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
+            self.queues = await QueueStore(self.nc).open()
+            self.share_base = self.policy.cfg
+            await self.queues.seed(self.share_base)
+            usage = await self.queues.load_usage()
+            if usage:
+                self.policy.fair.load(usage)
         # standbys keep their views warm too: a takeover need not read the buckets
         self.jobs = await JobsView(self.js, subj.JOBS_BUCKET).start()
         self.nodes = await NodesView(self.js, subj.NODES_BUCKET).start()
@@ -187,6 +201,7 @@ class Optimizer:
                 Endpoint("round", subj.OPTIMIZER_ROUND, None, self._round_endpoint),
                 Endpoint("explain", subj.OPTIMIZER_EXPLAIN, None, self._explain_endpoint),
                 Endpoint("reconfigure", OPTIMIZER_RECONFIGURE, ReconfigureRequest, self._reconfigure_endpoint),
+                Endpoint("node", subj.OPTIMIZER_NODE, NodeModeRequest, self._node_endpoint),
             ],
             "gearshift scheduling rounds",
             {"policy": self.policy.name, "instance": self.instance},
@@ -196,7 +211,7 @@ class Optimizer:
             self.kick.set()
 
         self._subs = [
-            await self.nc.subscribe(subj.OPTIMIZER + ".kick", cb=on_kick),
+            await self.nc.subscribe(subj.OPTIMIZER_KICK, cb=on_kick),
             await self.nc.subscribe("gs.evt.job.*.submitted", cb=on_kick),
         ]
         self._tasks = [
@@ -234,6 +249,8 @@ class Optimizer:
 
         def change(rec: JobRecord) -> JobRecord | None:
             nonlocal out
+            if not lifecycle.drains(rec, r):
+                self.models.observe_report(rec, r)  # what ran teaches the oracle (policies.learning)
             out = lifecycle.apply_report(rec, r, max_retries=self.max_retries, now=now())
             return out.new
 
@@ -308,8 +325,16 @@ class Optimizer:
         alive = {n.node for n in nodes}
         changes = await self.records.requeue_lost(records, alive) if self._grace_over() else 0
         changes += await self.records.settle_drains(records, alive)
+        # Operators' cordons and drains (services.node_modes).
+        modes = await node_modes.read_modes(self.modes_kv)
+        changes += await self.records.changed(records, [
+            (rec.job_id, self.records.back_to_queue(rec, why, JobPreempted))
+            for rec, why in node_modes.to_move(records.values(), modes)])
+        self.records_seen = records
 
         held = capacity.held_gpus(records.values(), nodes)
+        for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
+            held.setdefault(node, set()).update(gpus)
         node_states = capacity.node_states(nodes, held)
         unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
         views = [self._view(r) for r in records.values()
@@ -317,9 +342,13 @@ class Optimizer:
         views = [v for v in views if all(p.node in alive for p in v.placement)]
         await self.models.refresh([records[v.job_id] for v in views])
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
+        if self.queues is not None:
+            self.policy.set_config(await self.queues.config(self.share_base))
         t_policy = time.perf_counter()
         decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
         t_policy = time.perf_counter() - t_policy
+        if self.queues is not None:
+            await self.queues.save_usage(self.policy.fair.state())
         capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():
@@ -374,6 +403,15 @@ class Optimizer:
         from .perfmodel_service import unmodelled_jobs
 
         return {job_id: key for job_id, (key, _) in (await unmodelled_jobs(self.models_kv, records.values())).items()}
+
+    async def _node_endpoint(self, req: NodeModeRequest) -> NodeModeReply:
+        """Cordon / drain / uncordon a node (applied by the next round, kicked now)."""
+        if req.mode is not None:
+            known = {n.node for n in await self.live_nodes()}
+            await node_modes.set_mode(self.modes_kv, req, known)
+            log.info("node mode", node=req.node, mode=req.mode.value, reason=req.reason)
+            await self.round()  # applied before the reply: the jobs it moves are in it
+        return node_modes.reply(await node_modes.read_modes(self.modes_kv), self.records_seen.values(), req.node)
 
     async def _reconfigure_endpoint(self, req: ReconfigureRequest) -> ReconfigureReply:
         from .runtime import RequestError, bad_request

@@ -11,33 +11,34 @@ from typing import Any
 
 from bus_schema.messages import ACTIVE_STATES as ACTIVE, JobRecord
 from policies import JobView, Placement
+from policies.api import make_job_view
 
 from .jobstore import kv_snapshot
 
 
 
 def job_view(rec: JobRecord, now: float) -> JobView:
-    """The policy's view of one job; running jobs carry their holding."""
+    """The policy's view of one job, built as the simulator builds it
+    (``policies.api.make_job_view``): attained service = GPU-seconds of ended
+    allocations (``attained_gpu_s``) + the current one since ``last_switch_at``."""
     running = rec.state in ACTIVE
     placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement) if running else ()
-    # GPU-seconds received: finished segments are not tracked one by one in
-    # the record, so this counts the current segment plus a lower bound for
-    # earlier ones from the steps done (enough for LAS/Tiresias ordering).
-    held = sum(p.gpus for p in placement)
-    since = rec.scheduled_at if running and rec.scheduled_at else None
-    attained = held * max(0.0, now - since) if since else 0.0
-    return JobView(
-        job_id=rec.job_id,
-        spec=rec.spec,
-        submitted_at=rec.submitted_at,
-        steps_done=rec.steps_done,
-        placement=placement,
-        plan=rec.plan if running else None,
-        attained_service=attained,
-        restarts=rec.restarts,
-        last_switch_at=(rec.scheduled_at if running else None),
-        started_at=rec.started_at,
-    )
+    # records written before last_switch_at existed: the first scheduling time
+    switch = rec.last_switch_at if rec.last_switch_at is not None else rec.scheduled_at
+    return make_job_view(rec.job_id, rec.spec, rec.submitted_at, now, steps_done=rec.steps_done,
+                         placement=placement, plan=rec.plan if running else None,
+                         attained_before=rec.attained_gpu_s, restarts=rec.restarts,
+                         last_switch_at=switch, started_at=rec.started_at)
+
+
+def segment_gpu_s(rec: JobRecord, ts: float) -> float:
+    """GPU-seconds of the allocation ``rec`` holds now, up to ``ts``."""
+    if rec.state not in ACTIVE or not rec.placement:
+        return 0.0
+    since = rec.last_switch_at if rec.last_switch_at is not None else rec.scheduled_at
+    if since is None:
+        return 0.0
+    return sum(len(p.gpus) for p in rec.placement) * max(0.0, ts - since)
 
 
 class ModelOracle:
@@ -50,9 +51,14 @@ class ModelOracle:
     def __init__(self, models_kv: Any):
         from policies.oracle import PerfModelOracle
 
+        from policies.learning import LearningOracle
+
         self.kv = models_kv
-        self.oracle = PerfModelOracle()
+        self.base = PerfModelOracle()
+        # What policies get: the fitted model, corrected by what ran (observe()).
+        self.oracle = LearningOracle(self.base)
         self._revisions: dict[str, int] = {}
+        self._stepped: dict[str, tuple] = {}  # job -> (generation, ts, step, plan, placement)
 
     async def refresh(self, records: list[JobRecord]) -> int:
         """Load parameters that changed since the last round; returns how many."""
@@ -71,7 +77,45 @@ class ModelOracle:
             got = snap.get(key)
             if got is None or self._revisions.get(name) == got[1]:
                 continue
-            self.oracle.set_params(name, PerfParams.from_dict(msgspec.json.decode(got[0])))
+            self.base.set_params(name, PerfParams.from_dict(msgspec.json.decode(got[0])))
             self._revisions[name] = got[1]
             loaded += 1
         return loaded
+
+    def observe_report(self, rec: JobRecord, r: Any) -> bool:
+        """Feed the oracle from one agent report: STEPPED of the job's current
+        generation marks (time, step, plan, placement) once it trains; a later
+        rank-0 EXITED of that generation gives the step time between the two; an
+        exit whose message says the GPU ran out of memory marks the plan
+        infeasible. True if the oracle changed."""
+        if not r.rank0:
+            return False
+        kind = getattr(r.kind, "value", r.kind)
+        if kind == "stepped":
+            if rec.plan is not None and rec.placement and r.generation == rec.generation:
+                placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
+                self._stepped[rec.job_id] = (r.generation, r.ts, int(r.start_step) + 1, rec.plan, placement)
+            return False
+        if kind != "exited":
+            return False
+        mark = self._stepped.get(rec.job_id)
+        if mark is None or mark[0] != r.generation:
+            if r.exit_code not in (0, None) and not r.stopped and is_oom(r.message) and rec.plan is not None \
+                    and rec.placement and r.generation == rec.generation:
+                placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
+                return self.oracle.observe(rec.spec, rec.plan, placement, oom=True)
+            return False
+        del self._stepped[rec.job_id]
+        _, t0, s0, plan, placement = mark
+        if r.exit_code not in (0, None) and not r.stopped and is_oom(r.message):
+            return self.oracle.observe(rec.spec, plan, placement, oom=True)
+        steps = max(int(r.progress_step or 0), int(r.steps_done or 0))
+        if steps <= s0 or r.ts <= t0:
+            return False
+        return self.oracle.observe(rec.spec, plan, placement, step_time=(r.ts - t0) / (steps - s0))
+
+
+def is_oom(message: str) -> bool:
+    """Does a worker's exit message say the GPU ran out of memory (PyTorch/CUDA)?"""
+    m = (message or "").lower()
+    return "out of memory" in m or "outofmemoryerror" in m

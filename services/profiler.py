@@ -28,10 +28,9 @@ import argparse
 import asyncio
 import os
 import time
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
-from msgspec import Meta, Struct
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
@@ -39,11 +38,18 @@ from bus_schema.messages import (
     JobProfiled,
     JobRecord,
     JobState,
-    ModelSpec,
     NodeReport,
     Plan,
     ProfileCommand,
     ProfileResult,
+)
+from bus_schema.profiler import (  # noqa: F401  (re-exported: the messages live in bus_schema)
+    DEFAULT_PROFILE_STEPS,
+    PROFILER_PROFILE,
+    PROFILER_STATUS,
+    ProfileReply,
+    ProfileRequest,
+    ProfilerStatus,
 )
 
 from .jobstore import JobStore, kv_snapshot, with_event
@@ -53,36 +59,8 @@ from .runtime import Endpoint, RequestError, bad_request, call, connect, ensure_
 
 log = get_logger(service="profiler")
 
-PROFILER_PROFILE = f"{subj.PROFILER}.profile"
-PROFILER_STATUS = f"{subj.PROFILER}.status"
 MAX_PLANS = 7
-DEFAULT_STEPS = 10
-
-
-class ProfileRequest(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    model: ModelSpec
-    global_batch: Annotated[int, Meta(ge=1, le=1 << 24)]
-    command: list[str] | None = None
-    env: dict[str, str] | None = None
-    step_time: float | None = None  # emulated worker: seconds per step on one GPU
-    plans: list[Plan] | None = None  # default: profiling_plans(...)
-    max_dp: Annotated[int, Meta(ge=1, le=64)] | None = None  # default: the largest node's GPUs
-    steps: Annotated[int, Meta(ge=1, le=1000)] = DEFAULT_STEPS
-    fit: bool = True
-
-
-class ProfileReply(Struct, kw_only=True, frozen=True):
-    model_key: str
-    samples: list[ProfileSample]
-    results: list[ProfileResult]
-    fit: FitReply | None = None
-    wall_s: float = 0.0
-
-
-class ProfilerStatus(Struct, kw_only=True, frozen=True):
-    busy: str | None = None  # model key being profiled
-    done: list[str] = []
-    failed: dict[str, str] = {}
+DEFAULT_STEPS = DEFAULT_PROFILE_STEPS
 
 
 def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS) -> list[Plan]:
@@ -266,7 +244,7 @@ class Profiler:
                 await self.store.update(rec.job_id, lambda r, reply=reply: with_event(
                     r, JobProfiled, ts=ts, model_key=reply.model_key, plans=len(reply.samples),
                     train_error=reply.fit.train_error if reply.fit else None) if not r.terminal else None)
-            await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
+            await self.nc.publish(subj.OPTIMIZER_KICK, b"")
 
     async def status(self, _: None) -> ProfilerStatus:
         return ProfilerStatus(busy=self.busy, done=list(self.done), failed=dict(self.failed))

@@ -49,51 +49,95 @@ class ServerUnavailable(RuntimeError):
     pass
 
 
+class NotAuthorized(ServerUnavailable):
+    """The server refused the credentials (an unknown nkey, a wrong password)."""
+
+
 def auth_options() -> dict[str, Any]:
     """Credentials from the environment: ``GEARSHIFT_CREDS`` (a file with
-    ``user``/``password`` lines, see ``services.auth``), ``GEARSHIFT_USER`` +
+    an nkey seed, see ``services.auth``), ``GEARSHIFT_USER`` +
     ``GEARSHIFT_PASSWORD``; TLS from ``GEARSHIFT_TLS_CA``. None set: no auth."""
     from . import auth
 
     return auth.connect_options()
 
 
-async def connect(url: str | None = None, name: str = "gearshift", *, retry_for: float = 5.0, **kw: Any) -> NATS:
-    """Connect, retrying for ``retry_for`` seconds; then reconnect forever."""
+def _current_user() -> str | None:
+    from . import auth
+
+    try:
+        return auth.current_creds().get("user")
+    except ValueError:
+        return None
+
+
+def _describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "no answer"
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, ConnectionRefusedError) or "Connect call failed" in text or "refused" in text.lower():
+        return "connection refused"
+    return text
+
+
+async def connect(url: str | None = None, name: str = "gearshift", *, retry_for: float = 5.0,
+                  identity: str | None = None, **kw: Any) -> NATS:
+    """Connect, retrying for ``retry_for`` seconds; then reconnect forever.
+
+    nats-py reports each failed attempt to ``error_cb`` (by default as a
+    logged traceback): here they become one log line each, and the last one
+    is what ``ServerUnavailable`` says. Refused credentials fail at once."""
     url = server_url(url)
     # "nats://a:1,nats://b:2": a server list (a cluster); the client fails over
     servers: str | list[str] = [u.strip() for u in url.split(",") if u.strip()] if "," in url else url
+    seen: list[BaseException] = []
+    refused = asyncio.Event()
+    user_cb = kw.pop("error_cb", None)
+
+    async def on_error(exc: Exception) -> None:
+        seen.append(exc)
+        del seen[:-5]
+        if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+            refused.set()
+        if user_cb is not None:
+            await user_cb(exc)
+        elif not refused.is_set():
+            # stdlib logging (stderr), as nats-py's own default, but one line instead of a traceback
+            logging.getLogger("gearshift.nats").warning("nats error: %s", _describe(exc))
+
     kw = {**auth_options(), **kw}
-    # count connection errors and reconnections (gearshift_bus_errors_total), then call the caller's callbacks
-    kw.update(observe.bus_callbacks(kw.pop("error_cb", None), kw.pop("reconnected_cb", None)))
+    # count connection errors and reconnections (gearshift_bus_errors_total), then call ours and the caller's
+    kw.update(observe.bus_callbacks(on_error, kw.pop("reconnected_cb", None)))
     deadline = time.monotonic() + retry_for
-    last: Exception | None = None
-    while True:
-        nc = NATS()
-        try:
-            # bounded: a TLS handshake that fails verification would otherwise be retried forever
-            await asyncio.wait_for(
-                nc.connect(
-                    servers,
-                    name=name,
-                    connect_timeout=2,
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    allow_reconnect=True,
-                    **kw,
-                ),
-                timeout=max(2.0, deadline - time.monotonic()) + 3.0,
-            )
-            return nc
-        except Exception as exc:  # nats raises several types for "nobody there"
-            last = exc
-            try:
-                await nc.close()
-            except Exception:
-                pass
-            if time.monotonic() >= deadline:
-                raise ServerUnavailable(f"no NATS server answers at {url}: {exc or type(exc).__name__}") from last
-            await asyncio.sleep(0.2)
+    nc = NATS()
+    # nats-py retries the first connect by itself (max_reconnect_attempts=-1):
+    # bounded here by the deadline, and cut short when the server refuses the user
+    connecting = asyncio.ensure_future(nc.connect(
+        servers,
+        name=name,
+        connect_timeout=min(2.0, max(0.5, retry_for)),
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.25,
+        allow_reconnect=True,
+        **kw,
+    ))
+    gave_up = asyncio.ensure_future(refused.wait())
+    # a TLS handshake that fails verification would otherwise be retried forever
+    done, _ = await asyncio.wait({connecting, gave_up}, timeout=max(0.5, retry_for),
+                                 return_when=asyncio.FIRST_COMPLETED)
+    gave_up.cancel()
+    if connecting in done and connecting.exception() is None:
+        return nc
+    connecting.cancel()
+    try:
+        await nc.close()
+    except Exception:
+        pass
+    if refused.is_set():
+        who = identity or kw.get("user") or _current_user() or "anonymous"
+        raise NotAuthorized(f"the server at {url} refused the credentials of user {who!r} (authorization violation)")
+    last = seen[-1] if seen else (connecting.exception() if connecting.done() and not connecting.cancelled() else None)
+    raise ServerUnavailable(f"no NATS server answers at {url} ({_describe(last)})")
 
 
 # ------------------------------------------------------------------ infra
@@ -108,6 +152,8 @@ BUCKETS = {
     subj.MODELS_BUCKET: dict(history=5),
     subj.LEASE_BUCKET: dict(history=1),
     subj.HISTORY_BUCKET: dict(history=1, ttl=subj.HISTORY_RETENTION_S),
+    subj.NODE_MODES_BUCKET: dict(history=1),
+    subj.QUEUES_BUCKET: dict(history=5),
 }
 
 
@@ -247,9 +293,25 @@ def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
     return handle
 
 
+def check_endpoint(ep: Endpoint) -> None:
+    """An endpoint must be a row of the bus contract (``bus_schema.contract``)
+    with the same request type: a service cannot drift from what outside tools read."""
+    from bus_schema import contract
+
+    pattern = ep.subject.replace("*", "<any>")
+    route = contract.route_for(pattern, contract.REQUEST)
+    if route is None:
+        raise ValueError(f"endpoint {ep.name}: subject {ep.subject} is not in the bus contract (bus_schema.contract)")
+    if route.request is not ep.request_type:
+        raise ValueError(f"endpoint {ep.name}: request type {getattr(ep.request_type, '__name__', None)} differs from "
+                         f"the contract's {getattr(route.request, '__name__', None)} for {route.subject}")
+
+
 async def serve(nc: NATS, name: str, endpoints: list[Endpoint], description: str = "", metadata: dict | None = None):
     """Register a nats.micro service (discoverable via $SRV.PING/INFO/STATS)."""
     log = get_logger(service=name)
+    for ep in endpoints:
+        check_endpoint(ep)
     metadata = dict(metadata or {})
     if observe.current_url():  # `nats micro info <name>` tells where to scrape
         metadata["metrics"] = observe.current_url()
@@ -271,8 +333,15 @@ class ServiceCallError(Exception):
         self.field = field
 
 
-async def call(nc: NATS, subject: str, request: Any, reply_type: Any, timeout: float = 5.0) -> Any:
-    """Request-reply with a typed reply; error replies raise ServiceCallError."""
+async def call(nc: NATS, subject: str, request: Any, reply_type: Any = None, timeout: float = 5.0) -> Any:
+    """Request-reply with a typed reply (by default the one the bus contract
+    names for the subject); error replies raise ServiceCallError."""
+    if reply_type is None:
+        from bus_schema import contract
+
+        reply_type = contract.reply_type(subject)
+        if reply_type is None:
+            raise ValueError(f"{subject} is not a request subject of the bus contract")
     data = b"" if request is None else (request if isinstance(request, bytes) else codec.encode(request))
     try:
         msg = await nc.request(subject, data, timeout=timeout)

@@ -34,6 +34,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=0.05, help="log-normal sigma of ground truth where unmeasured")
     p.add_argument("--unmeasured-slowdown", type=float, default=1.0,
                    help="multiply ground-truth step time where nothing was measured (robustness check; default 1)")
+    p.add_argument("--regime", choices=("measured", "extended"), default="measured",
+                   help="measured (default): policies may choose only measured configurations or the job's "
+                        "request; extended: any configuration, truth from an independent source where "
+                        "nothing was measured (sim/README.md)")
+    p.add_argument("--systematic", type=_nonneg, default=0.15,
+                   help="extended truth: log-normal sigma of the error per (model, plan family) (default 0.15)")
+    p.add_argument("--distance-slowdown", type=_nonneg, default=0.10,
+                   help="extended truth: slower by this per unit of distance from measured configurations (0.10)")
+    p.add_argument("--headroom", type=_fraction, default=0.10,
+                   help="extended truth: out of memory when the independent estimate leaves less of the GPU free (0.10)")
+    p.add_argument("--no-learning", action="store_true",
+                   help="policies' oracle does not learn from what runs (ablation)")
     p.add_argument("--measured-targets", action="store_true",
                    help="give policies each guaranteed job's measured request speed as its target "
                         "(default: policies predict the request with the model)")
@@ -48,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the fitted performance model is the policies' belief and the ground truth "
                         "where nothing was measured (if perfmodel provides one); off: tables and scaling only")
     p.add_argument("--no-progress", action="store_true", help="no progress line even on a terminal")
+    p.add_argument("--policy-options", type=_policy_options, default={},
+                   help='JSON keyword options for every policy, as the optimizer\'s --policy-options, e.g. '
+                        '\'{"backfill": true}\' (FIFO) or \'{"sharing": {"queues": {"a": {"quota": 32, "weight": 2, '
+                        '"cohort": "all"}}, "half_life": 21600}}\' (policies/sharing.py)')
     return p
 
 
@@ -55,6 +71,23 @@ def _restart_label(args: argparse.Namespace) -> str:
     if args.restart_cost == "measured":
         return f"measured model (mean {args.restart_cost_s:.0f} s)"
     return f"{args.restart_cost:g} s"
+
+
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = _nonneg(text)
+    if v >= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be in [0, 1)")
+    return v
 
 
 def _restart_cost(text: str) -> str | float:
@@ -69,17 +102,28 @@ def _restart_cost(text: str) -> str | float:
     return value
 
 
-def make_named_policy(name: str, seed: int, restart_cost: float):
+def _policy_options(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--policy-options: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--policy-options: expected a JSON object")
+    return value
+
+
+def make_named_policy(name: str, seed: int, restart_cost: float, options: dict | None = None):
     """``policies.registry.make_policy`` with the run's restart cost and seed, for the
-    policies that take them (a policy that charges restarts must know their price)."""
+    policies that take them (a policy that charges restarts must know their price),
+    plus ``options`` (``--policy-options``: sharing, backfill)."""
     from policies.registry import make_policy
 
-    opts = {"restart_cost": restart_cost, "seed": seed}
+    opts = {"restart_cost": restart_cost, "seed": seed, **(options or {})}
     while True:
         try:
             return make_policy(name, **opts)
         except TypeError as e:
-            dropped = [k for k in opts if repr(k) in str(e) or f"'{k}'" in str(e)]
+            dropped = [k for k in opts if (repr(k) in str(e) or f"'{k}'" in str(e)) and k in ("restart_cost", "seed")]
             if not dropped:
                 raise
             for k in dropped:
@@ -109,7 +153,10 @@ def ratios(summaries: list[dict]) -> dict[str, dict[str, float]]:
         best = min(vals) if vals else math.nan
         for s in summaries:
             v = s[key]
-            out.setdefault(s["policy"], {})[name] = best / v if v and not math.isnan(v) and not math.isnan(best) else math.nan
+            # A policy that left jobs unfinished has no comparable average: its
+            # finished jobs alone would flatter it (the ratio is left undefined).
+            ok = v and not math.isnan(v) and not math.isnan(best) and s["unfinished"] == 0
+            out.setdefault(s["policy"], {})[name] = best / v if ok else math.nan
     return out
 
 
@@ -168,15 +215,18 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     cfg = SimConfig(interval=args.interval, restart_cost=restart_cost, restart_model=restart_model,
                     seed=args.seed, noise=args.noise,
                     horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, measured_targets=args.measured_targets, round_on_arrival=not args.no_event_rounds,
-                    round_on_completion=not args.no_event_rounds)
+                    round_on_completion=not args.no_event_rounds, regime=args.regime, systematic=args.systematic,
+                    distance_slowdown=args.distance_slowdown, headroom=args.headroom, learn=not args.no_learning)
     from .perfmodel_bridge import find_predictor
 
     predictor = find_predictor(cluster.gpus_per_node) if args.perfmodel == "auto" else None
+    truth_predictor = find_predictor(cluster.gpus_per_node, "in_sample") if predictor is not None else None
     tty = sys.stderr.isatty() and not args.no_progress
     results = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        policy = make_named_policy(name, args.seed, restart_cost)
-        res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None)
+        policy = make_named_policy(name, args.seed, restart_cost, args.policy_options)
+        res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None,
+                       truth_predictor=truth_predictor)
         res.policy = name
         if tty:
             sys.stderr.write("\r" + " " * 78 + "\r")
@@ -206,7 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "config": {"interval": args.interval, "restart_cost": args.restart_cost, "restart_cost_charged_s": args.restart_cost_s,
                        "seed": args.seed,
                        "noise": args.noise, "event_rounds": not args.no_event_rounds,
-                       "unmeasured_slowdown": args.unmeasured_slowdown, "perfmodel": args.perfmodel},
+                       "unmeasured_slowdown": args.unmeasured_slowdown, "perfmodel": args.perfmodel,
+                       "regime": args.regime, "systematic": args.systematic,
+                       "distance_slowdown": args.distance_slowdown, "headroom": args.headroom,
+                       "learning": not args.no_learning, "policy_options": args.policy_options},
             "results": summaries,
             "ratios_vs_best_baseline": rat,
         }
@@ -215,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         r0 = results[0] if results else None
         if r0:
             print(f"trace {r0.trace}: {len(r0.records)} jobs on {r0.cluster.label()} "
-                  f"({r0.cluster.gpus} GPUs), rounds every {args.interval:g} s, restart {_restart_label(args)}, seed {args.seed}")
+                  f"({r0.cluster.gpus} GPUs), rounds every {args.interval:g} s, restart {_restart_label(args)}, seed {args.seed}, "
+                  f"regime {args.regime}")
         print(format_table(summaries, rat))
         print("JCT x / mksp x: best baseline's value / this policy's (higher is better; baselines = policies not named rubick*);"
               " meas %: allocations whose speed was measured, the rest from the performance model")

@@ -33,9 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus_schema.messages import Plan
-from policies.api import AllocationError, JobView, NodeState, Placement, Policy, check_decision
+from policies.api import AllocationError, JobView, NodeState, Placement, Policy, check_decision, make_job_view
 
 from .trace import ClusterSpec, Trace, TraceJob
+from policies.learning import LearningOracle
+
 from .truth import BeliefOracle, GroundTruth, Predictor
 
 FUTURE, PENDING, RUNNING, DONE = 0, 1, 2, 3
@@ -74,6 +76,15 @@ class SimConfig:
     # (JobView.target_throughput); off: policies use the model's prediction of the request.
     measured_targets: bool = False
     record_timeline: bool = True
+    # "measured": policies may choose only configurations with a measured row or the
+    # job's own request; "extended": any configuration, truth from sim.extended where
+    # nothing was measured (needs the fitted model). See sim/README.md.
+    regime: str = "measured"
+    systematic: float = 0.15  # extended truth: log-normal sigma per (model, plan family)
+    distance_slowdown: float = 0.10  # extended truth: x(1 + this x distance from measured)
+    headroom: float = 0.10  # extended truth: OOM when the memory estimate leaves less free
+    # Policies' oracle learns from what runs (policies.learning.LearningOracle).
+    learn: bool = True
 
 
 @dataclass(slots=True)
@@ -109,6 +120,8 @@ class JobRecord:
     min_rate_ratio: float = math.inf  # guaranteed jobs: worst rate / requested rate
     preempted_after_start: bool = False
     request_step_time: float = 0.0
+    observed: bool = True  # the current allocation's speed was told to the oracle
+    attained_before: float = 0.0  # GPU-seconds of finished allocations
 
 
 @dataclass(slots=True)
@@ -130,14 +143,23 @@ class SimResult:
 class Simulator:
     def __init__(self, trace: Trace, policy: Policy, cluster: ClusterSpec | None = None,
                  config: SimConfig | None = None, predictor: Predictor | None = None,
-                 progress: Callable[[float, int, int], None] | None = None):
+                 progress: Callable[[float, int, int], None] | None = None,
+                 truth_predictor: Predictor | None = None):
         self.trace = trace
         self.policy = policy
         self.cluster = cluster or trace.cluster
         self.cfg = config or SimConfig()
-        self.truth = GroundTruth(self.cluster.gpus_per_node, self.cfg.noise, self.cfg.seed, predictor,
-                                 unmeasured_slowdown=self.cfg.unmeasured_slowdown)
-        self.oracle = BeliefOracle(self.cluster.gpus_per_node, predictor)
+        cfg = self.cfg
+        if cfg.regime not in ("measured", "extended"):
+            raise ValueError(f"regime must be 'measured' or 'extended', not {cfg.regime!r}")
+        self.truth = GroundTruth(self.cluster.gpus_per_node, cfg.noise, cfg.seed, predictor,
+                                 unmeasured_slowdown=cfg.unmeasured_slowdown, truth_predictor=truth_predictor,
+                                 systematic=cfg.systematic if truth_predictor else 0.0,
+                                 distance_slowdown=cfg.distance_slowdown if truth_predictor else 0.0,
+                                 headroom=cfg.headroom if truth_predictor else None)
+        allowed = self.truth.measured_config if cfg.regime == "measured" else None
+        self.belief = BeliefOracle(self.cluster.gpus_per_node, predictor, allowed=allowed)
+        self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
         self.progress = progress
         c = self.cluster
         self.node_names = [f"n{i:03d}" for i in range(c.nodes)]
@@ -218,6 +240,7 @@ class Simulator:
     # ------------------------------------------------------------ allocation changes
     def _release(self, r: JobRecord, t: float) -> None:
         self._advance(r, t)
+        r.attained_before = r.attained
         lost = max(0.0, min(t, r.productive_from) - r.alloc_at)
         r.restart_lost += lost
         r.restart_gpu_seconds += lost * r.gpus_held
@@ -247,6 +270,7 @@ class Simulator:
             r.stalled += 1
         else:
             self.n_progressing += 1
+        r.observed = False
         if r.job.spec.guaranteed:
             r.min_rate_ratio = min(r.min_rate_ratio, r.rate * r.request_step_time)
         r.state = RUNNING
@@ -283,7 +307,9 @@ class Simulator:
         """Run the policy and apply its decision. True if any allocation changed."""
         self.rounds += 1
         self._advance_all(t)
-        views = [r.view for r in self.live.values()]
+        if self.cfg.learn:
+            self._observe(t)
+        views = [self._view(r, t) for r in self.live.values()]
         nodes = self._nodes()
         decision = self.policy.schedule(t, nodes, views, self.oracle)
         if self.cfg.full_check:
@@ -319,6 +345,23 @@ class Simulator:
         if changed and self.cfg.check_invariants:
             self._check_capacity()
         return changed
+
+    @staticmethod
+    def _view(r: JobRecord, t: float) -> JobView:
+        """The policy's copy of a job, made by the function the optimizer uses too."""
+        v = r.view
+        return make_job_view(v.job_id, v.spec, v.submitted_at, t, steps_done=r.steps_done, placement=r.placement,
+                             plan=r.plan, attained_before=r.attained_before, restarts=v.restarts,
+                             last_switch_at=v.last_switch_at, started_at=v.started_at,
+                             target_throughput=v.target_throughput)
+
+    def _observe(self, t: float) -> None:
+        """Tell the oracle the speed of allocations that have started training (what
+        a running job's step reports reveal), once per allocation."""
+        for r in self.running.values():
+            if not r.observed and r.rate > 0 and t >= r.productive_from:
+                r.observed = True
+                self.oracle.observe(r.job.spec, r.plan, r.placement, step_time=1.0 / r.rate)
 
     def _validate(self, allocs) -> set[str]:
         """Refuse a decision the cluster cannot hold, before applying any of it.
@@ -430,6 +473,8 @@ class Simulator:
                 if r.version != ver or r.state != RUNNING:
                     continue
                 if r.rate <= 0:  # its plan does not fit: the launch fails, the job is re-queued
+                    if cfg.learn:  # ... and the oracle learns that the plan does not fit
+                        self.oracle.observe(r.job.spec, r.plan, r.placement, oom=True)
                     self._release(r, ft)
                     r.state = PENDING
                     r.placement, r.plan = (), None
@@ -458,9 +503,10 @@ class Simulator:
                 break
             run_round = t >= next_round or (arrived and cfg.round_on_arrival) or (completed and cfg.round_on_completion)
             if run_round and self.live:
-                changed = self._round(t)
-                if not changed and not self.running and nxt >= n and not heap:
-                    break  # deadlock: nothing runs, nothing will arrive, the policy starts nothing
+                # A round that starts nothing while nothing runs is not the end: a policy
+                # may wait on time (minimum run time after a failed launch); the stall
+                # limit ends a real deadlock.
+                self._round(t)
             if t >= next_round:
                 next_round = (math.floor(t / interval) + 1) * interval
             if cfg.record_timeline:
@@ -497,5 +543,5 @@ def _same_alloc(d, r: JobRecord) -> bool:
 
 
 def simulate(trace: Trace, policy: Policy, cluster: ClusterSpec | None = None, config: SimConfig | None = None,
-             predictor: Predictor | None = None, progress=None) -> SimResult:
-    return Simulator(trace, policy, cluster, config, predictor, progress).run()
+             predictor: Predictor | None = None, progress=None, truth_predictor: Predictor | None = None) -> SimResult:
+    return Simulator(trace, policy, cluster, config, predictor, progress, truth_predictor).run()

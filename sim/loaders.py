@@ -205,7 +205,31 @@ def trace_names() -> list[str]:
     return sorted(NAMED) + ["synthetic"]
 
 
+def resample(trace: Trace, seed: int) -> Trace:
+    """A held-out workload: the same arrival times, each slot filled with a job drawn
+    (with replacement, seeded) from the trace's own jobs."""
+    import random
+
+    import msgspec
+
+    rng = random.Random(f"resample|{trace.name}|{seed}")
+    jobs = sorted(trace.jobs, key=lambda j: j.submit)
+    out = []
+    for i, slot in enumerate(jobs):
+        t = rng.choice(jobs)
+        jid = f"{t.job_id}~{i}"
+        out.append(TraceJob(jid, slot.submit, msgspec.structs.replace(t.spec, name=jid), truth_key=t.truth_key))
+    return Trace(f"{trace.name}:resample={seed}", out, trace.cluster, note=f"resample of {trace.name}, seed {seed}")
+
+
 def load_named(name: str, seed: int = 0, **synthetic_options) -> Trace:
+    if ":resample=" in name:  # e.g. rubick-base:resample=1
+        base, _, s = name.partition(":resample=")
+        try:
+            rs = int(s)
+        except ValueError:
+            raise ValueError(f"trace {name!r}: resample needs an integer seed") from None
+        return resample(load_named(base, seed), rs)
     if name == "synthetic" or name.startswith("synthetic:"):
         from .synthetic import synthetic_trace, parse_options
 

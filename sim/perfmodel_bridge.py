@@ -12,12 +12,14 @@ from __future__ import annotations
 from .truth import Predictor
 
 
-def find_predictor(gpus_per_node: int) -> Predictor | None:
+def find_predictor(gpus_per_node: int, fit: str = "belief") -> Predictor | None:
+    """``fit="belief"``: fitted on profiling runs only (what policies get);
+    ``"in_sample"``: fitted on every measured row (the extended truth's source)."""
     try:
         import perfmodel
     except Exception:
         return None
     make = getattr(perfmodel, "sim_predictor", None)
     if callable(make):
-        return make(gpus_per_node=gpus_per_node)
+        return make(gpus_per_node=gpus_per_node, fit=fit)
     return None

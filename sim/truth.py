@@ -127,11 +127,34 @@ def _scaled(anchor_time: float, anchor_gpus: int, anchor_nodes: int, gpus: int, 
     return t * (1 + CROSS_NODE_PENALTY * max(0, nodes - anchor_nodes))
 
 
+def _table_family(f: str) -> str:
+    """A table's plan family in ``sim.extended.family`` terms."""
+    if (len(f) == 3 and f.isdigit()) or f.startswith("tp"):
+        return "3D"
+    return "zero-offload" if f.startswith("zero-offload") else f
+
+
 class GroundTruth:
     def __init__(self, gpus_per_node: int, noise: float = 0.05, seed: int = 0,
-                 predictor: Predictor | None = None, tables: dict | None = None, unmeasured_slowdown: float = 1.0):
+                 predictor: Predictor | None = None, tables: dict | None = None, unmeasured_slowdown: float = 1.0,
+                 truth_predictor: Predictor | None = None, systematic: float = 0.0,
+                 distance_slowdown: float = 0.0, headroom: float | None = None):
+        """``predictor``: the belief's model (used for truth only when no
+        ``truth_predictor`` is given, the old behaviour). ``truth_predictor``: the
+        extended regime's source where nothing was measured (the all-rows fit), times
+        ``systematic`` error per (model, family), ``1 + distance_slowdown x distance``
+        and an OOM where ``sim.extended.memory_gb`` leaves less than ``headroom``."""
         if unmeasured_slowdown <= 0:
             raise ValueError("unmeasured_slowdown must be > 0")
+        for name, v in (("systematic", systematic), ("distance_slowdown", distance_slowdown)):
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if headroom is not None and not 0 <= headroom < 1:
+            raise ValueError("headroom must be in [0, 1)")
+        self.truth_predictor = truth_predictor
+        self.systematic = systematic
+        self.distance_slowdown = distance_slowdown
+        self.headroom = headroom
         self.unmeasured_slowdown = unmeasured_slowdown
         self.gpus_per_node = gpus_per_node
         self.noise = noise
@@ -147,6 +170,9 @@ class GroundTruth:
             for (f, key), t in rows.items():
                 fam.setdefault(f, []).append((tuple(int(c) for c in key), t))
             self._by_family[model] = fam
+        # (family, GPUs) measured per model: the extended truth's distance
+        self._measured_at = {m: sorted({(_table_family(f), sum(int(c) for c in key)) for f, key in rows})
+                             for m, rows in self.tables.items()}
 
     def _noise(self, *parts: object) -> float:
         if self.noise <= 0:
@@ -156,7 +182,9 @@ class GroundTruth:
     def step_time(self, job: TraceJob, plan: Plan, placement: tuple[Placement, ...]) -> tuple[float, str]:
         per_node = tuple(sorted((p.gpus for p in placement if p.gpus > 0)))
         threads = sum(p.cpus for p in placement) // max(1, sum(per_node))
-        ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time if not job.truth_key else 0,
+        # The job's own step time is part of the key even for tabled models: the
+        # ``request`` source returns it (jobs of one model have different ones).
+        ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time,
               job.spec.plan, job.spec.gpus, plan, per_node, threads)
         hit = self._cache.get(ck)
         if hit is None:
@@ -175,8 +203,8 @@ class GroundTruth:
         table = self.tables.get(job.truth_key)
         if table and family and key:
             t = table.get((family, key))
-            if t:
-                return t, "measured"
+            if t:  # the measurement x this run's noise (belief never saw the noise)
+                return t * self._noise(job.truth_key, family, key), "measured"
         req_plan = spec.plan or Plan(dp=spec.gpus)
         req_nodes = len(packed(spec.gpus, self.gpus_per_node))
         if spec.step_time and _same_kind(plan, req_plan) and gpus == spec.gpus and nodes <= req_nodes:
@@ -184,20 +212,64 @@ class GroundTruth:
         who = job.truth_key or job.job_id
         noise = self._noise(who, family or plan.label(), key or per_node)
         if self.predictor is not None:
-            t = self.predictor(with_threads(spec, self._placement), plan, per_node)
+            pred = self.truth_predictor or self.predictor
+            t = pred(with_threads(spec, self._placement), plan, per_node)
             if table is None and spec.step_time:
                 # No tables for this model: the model gives the ratio to the job's
                 # measured request, not the absolute speed.
-                ref = self.predictor(spec, req_plan, packed(spec.gpus, self.gpus_per_node))
+                ref = pred(spec, req_plan, packed(spec.gpus, self.gpus_per_node))
                 if ref <= 0:  # the model cannot even run the measured request: not usable here
                     return _scaled(spec.step_time, spec.gpus, req_nodes, gpus, nodes) * noise, "scaled"
                 t = spec.step_time * t / ref
-            return (t * noise if t > 0 else 0.0), "perfmodel"
+            if t <= 0:
+                return 0.0, "perfmodel"
+            if self.truth_predictor is None:
+                return t * noise, "perfmodel"
+            return self._extended(job, plan, gpus, t * noise)
         if table is not None:
             return self._from_tables(job.truth_key, plan, family, per_node, key, noise)
         if spec.step_time:
             return _scaled(spec.step_time, spec.gpus, req_nodes, gpus, nodes) * noise, "scaled"
         raise ValueError(f"job {job.job_id}: no measured speed, no request speed and no predictor")
+
+    def _extended(self, job: TraceJob, plan: Plan, gpus: int, t: float) -> tuple[float, str]:
+        """The extended regime where nothing was measured (``sim.extended``)."""
+        from . import extended as ext
+
+        spec = job.spec
+        if (self.headroom is not None and not self._ran(job, plan, gpus)
+                and ext.runs_out_of_memory(spec.model, spec.global_batch, plan, self.headroom)):
+            return 0.0, "extended"
+        fam = ext.family(plan)
+        who = job.truth_key or spec.model.name
+        measured = self._measured_at.get(job.truth_key) or [(ext.family(spec.plan or Plan(dp=spec.gpus)), spec.gpus)]
+        t *= ext.systematic(self.seed, who, fam, self.systematic)
+        t *= 1.0 + self.distance_slowdown * ext.distance(gpus, fam, measured)
+        return t, "extended"
+
+    def _ran(self, job: TraceJob, plan: Plan, gpus: int) -> bool:
+        """Is there evidence this plan fits in memory: the job's own request, or a
+        measured row of its family (memory per GPU depends on the plan, not on the
+        placement) on as many GPUs (3D: the same PP-TP-DP digits)."""
+        req = job.spec.plan or Plan(dp=job.spec.gpus)
+        if _same_kind(plan, req) and gpus == job.spec.gpus:
+            return True
+        family = rubick_family(plan)
+        rows = self._by_family.get(job.truth_key, {}).get(family or "", [])
+        return any(sum(shape) == gpus for shape, _ in rows)
+
+    def measured_config(self, spec: JobSpec, plan: Plan, per_node: tuple[int, ...]) -> bool:
+        """Is (plan, placement) measured for this job's model, or the job's own request
+        (the measured regime's rule for what a policy may choose)?"""
+        per_node = tuple(sorted(g for g in per_node if g > 0))
+        table = self.tables.get(spec.model.name)
+        if table:
+            family, key = rubick_family(plan), placement_key(per_node)
+            if family and key and table.get((family, key)):
+                return True
+        req_plan = spec.plan or Plan(dp=spec.gpus)
+        return (_same_kind(plan, req_plan) and sum(per_node) == spec.gpus
+                and len(per_node) <= len(packed(spec.gpus, self.gpus_per_node)))
 
     def _from_tables(self, model: str, plan: Plan, family: str | None, per_node: tuple[int, ...],
                      key: str | None, noise: float) -> tuple[float, str]:
@@ -238,9 +310,14 @@ class GroundTruth:
 
 
 class BeliefOracle:
-    """The ``PerfOracle`` handed to policies: the fitted model, never the tables."""
+    """The ``PerfOracle`` handed to policies: the fitted model, never the tables.
 
-    def __init__(self, gpus_per_node: int, predictor: Predictor | None = None):
+    ``allowed(spec, plan, per_node)``: the measured regime's rule; a configuration
+    it refuses is answered 0 (may not be chosen)."""
+
+    def __init__(self, gpus_per_node: int, predictor: Predictor | None = None,
+                 allowed: Callable[[JobSpec, Plan, tuple[int, ...]], bool] | None = None):
+        self.allowed = allowed
         self.gpus_per_node = gpus_per_node
         self.predictor = predictor
         self._cache: dict[tuple, float] = {}
@@ -249,6 +326,15 @@ class BeliefOracle:
             from policies.oracle import AnalyticOracle
 
             self._analytic = AnalyticOracle(gpus_per_node=gpus_per_node)
+        else:
+            # The same plan space as the optimizer's oracle (perfmodel.enumerate_plans),
+            # so a policy weighs the same plans live and in simulation.
+            try:
+                from policies.oracle import PerfModelOracle
+
+                self.plans = PerfModelOracle().plans
+            except ImportError:
+                pass
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
         spec = job.spec
@@ -256,12 +342,17 @@ class BeliefOracle:
         if not per_node:
             return 0.0
         if self._analytic is not None:
+            if self.allowed is not None and not self.allowed(spec, plan, per_node):
+                return 0.0
             return self._analytic.throughput(job, plan, placement)
         threads = sum(p.cpus for p in placement) // sum(per_node)
         ck = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node, threads)
         v = self._cache.get(ck)
         if v is None:
-            v = self._compute(with_threads(spec, placement), plan, per_node)
+            if self.allowed is not None and not self.allowed(spec, plan, per_node):
+                v = 0.0
+            else:
+                v = self._compute(with_threads(spec, placement), plan, per_node)
             self._cache[ck] = v
         return v
 

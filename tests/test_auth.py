@@ -75,11 +75,37 @@ def test_server_config_and_creds(tmp_path):
     d = auth.write_auth_dir(tmp_path / "auth", ["node0"], ["nlp"], url="nats://127.0.0.1:1")
     assert (d.config.stat().st_mode & 0o777) == 0o600
     text = d.config.read_text()
+    assert "password" not in text and not any(i.seed in text for i in d.idents)  # public keys only, no secret
     for user in ("admin", "tools", "admission", "optimizer", "agent-node0", "tenant-nlp"):
-        assert f'user: "{user}"' in text
         creds = json.loads(d.creds(user).read_text())
-        assert creds["inbox_prefix"] == f"_INBOX_{user}" and creds["password"]
+        assert creds["inbox_prefix"] == f"_INBOX_{user}" and creds["nkey_seed"].startswith("SU")
+        assert f'nkey: "{auth.public_key(creds["nkey_seed"])}"' in text
+        # the seed file the nats CLI reads with --nkey
+        assert d.nkey(user).read_text().strip() == creds["nkey_seed"]
+        assert (d.nkey(user).stat().st_mode & 0o777) == 0o600
     assert "$KV.gs_alloc.node0.>" in text and '"gs.admission.submit.nlp"' in text
+
+
+async def test_nkey_seed_file_connects_and_a_stranger_is_refused(tmp_path):
+    """What the nats CLI does with --nkey: sign the server's nonce with the seed file."""
+    import nats
+
+    from services.natsd import NatsServer
+    from services.runtime import NotAuthorized, connect
+
+    d = auth.write_auth_dir(tmp_path / "auth", ["node0"], ["nlp"])
+    server = NatsServer(tmp_path / "js", config=d.config)
+    url = server.start()
+    try:
+        nc = await nats.connect(url, nkeys_seed=str(d.nkey("tools")), inbox_prefix="_INBOX_tools",
+                                allow_reconnect=False)
+        await nc.close()
+        with pytest.raises(NotAuthorized, match="refused the credentials"):
+            await connect(url, retry_for=3, nkeys_seed_str=auth.new_user_seed(), identity="stranger")
+        with pytest.raises(NotAuthorized):  # no credentials at all
+            await connect(url, retry_for=3)
+    finally:
+        server.stop()
 
 
 def test_authz_suite_on_a_cluster(tmp_path):

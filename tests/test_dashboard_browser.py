@@ -53,7 +53,7 @@ class Existing:
 
     def __init__(self, data_dir: str):
         self.root = Path(data_dir)
-        admin = json.loads((self.root / "auth" / "admin.json").read_text())
+        admin = json.loads((self.root / "auth" / "admin.creds").read_text())
         self.url = admin["url"]
         self.auth_root = self.root / "auth"
 
@@ -107,7 +107,7 @@ def bus(cluster, coro_fn):
 
     async def go():
         nc = await connect(cluster.url, name="dash-test", retry_for=5,
-                           **connect_options(load_creds(cluster.auth_root / "admin.json")))
+                           **connect_options(load_creds(cluster.auth_root / "admin.creds")))
         try:
             return await coro_fn(nc)
         finally:
@@ -131,7 +131,7 @@ def submit(cluster, body: dict) -> str:
 
 def sign_in(page, cluster, user: str) -> None:
     page.locator("#login-box summary").click()
-    page.fill("#creds", (cluster.auth_root / f"{user}.json").read_text())
+    page.fill("#creds", (cluster.auth_root / f"{user}.creds").read_text())
     page.click("#login")
     sync_api.expect(page.locator("#who")).to_contain_text(f"signed in as {user}")
 
@@ -208,16 +208,18 @@ def test_cancel_from_the_page_is_refused_without_permission_and_works_with_it(pa
     shoot(page, shots, "4-cancelled")
 
 
-def test_sign_in_with_a_wrong_password_is_refused_by_the_server(cluster):
+def test_sign_in_with_a_wrong_key_is_refused_by_the_server(cluster):
     import urllib.error
     import urllib.request
 
-    creds = json.loads((cluster.auth_root / "tenant-nlp.json").read_text())
-    creds["password"] = "not-" + creds["password"]
+    creds = json.loads((cluster.auth_root / "tenant-nlp.creds").read_text())
+    from services.auth import new_user_seed
+
+    creds["nkey_seed"] = new_user_seed()  # a well-formed key the server does not know
     req = urllib.request.Request(cluster.dashboard_url + "api/login", method="POST",
                                  data=json.dumps({"creds": json.dumps(creds)}).encode(),
                                  headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=30)
     assert err.value.code == 401
-    assert "wrong user or password" in json.loads(err.value.read())["error"]
+    assert "unknown identity or wrong key" in json.loads(err.value.read())["error"]

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from cli_helpers import wait_for
 
 from gearshift.cluster import LocalCluster
 
@@ -23,17 +24,6 @@ def run_cli(url, *args, check=True, timeout=30):
     if check and p.returncode != 0:
         raise AssertionError(f"gearshift {' '.join(args)} failed ({p.returncode}): {p.stderr}")
     return p
-
-
-def wait_for(pred, timeout=30.0, step=0.2):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(step)
-    raise AssertionError(f"condition not met in {timeout}s (last: {last!r})")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,175 @@
+"""A performance oracle that learns from what runs (the same code live and in simulation).
+
+``LearningOracle(base)`` wraps any ``PerfOracle`` (the fitted model) and takes
+observations of configurations that actually ran:
+
+    oracle.observe(spec, plan, placement, step_time=0.42)   # seconds per step
+    oracle.observe(spec, plan, placement, oom=True)         # out of memory at start
+
+* An observed speed *replaces* the prediction for that configuration (model,
+  global batch, plan, per-node GPU counts). Other CPU-thread counts on the same
+  configuration keep the model's CPU sensitivity, scaled to the observation.
+* It also refits, online, one scale factor per (model, plan family): the
+  geometric mean of observed/predicted over the family's observed
+  configurations, shrunk towards 1 by a prior worth ``prior`` observations.
+  Unobserved configurations of that family are predicted as model x factor.
+  (The model's own parameters are not refitted per observation: a joint fit takes
+  seconds; this one-parameter correction is what changes between rounds.)
+* An out-of-memory start marks the plan infeasible for that model and batch on
+  any placement (memory per GPU depends on the plan, not on where it runs), and
+  with it every plan of the same layout that needs at least as much memory (a
+  micro-batch as large or larger, no checkpointing where it had none): the
+  oracle answers 0 and policies stop choosing them.
+
+Each observation that changes an answer bumps ``revision`` and the model's entry
+in ``spec_key``, so policies' cached curves for that model are rebuilt.
+
+Live, the optimizer feeds it from the agents' STEPPED/EXITED reports (step time
+between reports of one generation) and OOM exits; in simulation, the engine
+feeds it what the ground truth reveals once a job trains (and OOM launches).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bus_schema.messages import JobSpec, Plan
+
+from .api import JobView, Placement
+
+CHANGE_TOL = 0.02  # an observation within 2% of the current answer changes nothing
+
+
+def plan_family(plan: Plan) -> str:
+    """Rubick's plan families: 3D, zero-offload, zero-dp, gc, ga."""
+    if plan.tp > 1 or plan.pp > 1:
+        return "3D"
+    if plan.offload:
+        return "zero-offload"
+    if plan.zero:
+        return "zero-dp"
+    if plan.grad_ckpt:
+        return "gc"
+    return "ga"
+
+
+def _norm(plan: Plan, batch: int) -> tuple:
+    mb = plan.micro_batch or (batch // max(1, plan.dp * plan.ga))
+    return (plan.dp, plan.tp, plan.pp, plan.zero, bool(plan.offload), plan.ga, mb, bool(plan.grad_ckpt))
+
+
+def _model_of(spec: JobSpec) -> tuple:
+    m = spec.model
+    return (m.name, m.params, m.layers, m.hidden, m.seq_len, int(spec.global_batch))
+
+
+class LearningOracle:
+    def __init__(self, base: Any, prior: float = 1.0):
+        self.base = base
+        self.prior = prior
+        self.revision = 0
+        # (model, plan, per_node) -> (observed samples/s, the model's prediction then)
+        self._exact: dict[tuple, tuple[float, float]] = {}
+        self._oom: set[tuple] = set()  # (model, plan)
+        self._oom_by_model: dict[tuple, list[tuple]] = {}
+        self._fam: dict[tuple, dict[tuple, float]] = {}  # (model, family) -> {config: log ratio}
+        self._factor: dict[tuple, float] = {}  # (model, family) -> refitted scale
+        self._version: dict[tuple, int] = {}  # model -> changes
+        if hasattr(base, "plans"):
+            self.plans = base.plans
+
+    # ------------------------------------------------------------ learning
+    def observe(self, job: JobView | JobSpec, plan: Plan, placement: tuple[Placement, ...], *,
+                step_time: float | None = None, oom: bool = False) -> bool:
+        """Record what one configuration did; True if any answer changed."""
+        spec = job.spec if isinstance(job, JobView) else job
+        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        if not per_node or sum(per_node) != plan.gpus:
+            return False
+        model = _model_of(spec)
+        pkey = _norm(plan, spec.global_batch)
+        if oom:
+            if self._dominated(model, pkey):
+                return False
+            self._oom.add((model, pkey))
+            self._oom_by_model.setdefault(model, []).append(pkey)
+            return self._bump(model)
+        if step_time is None or not step_time > 0 or not math.isfinite(step_time):
+            return False
+        view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
+        predicted = float(self.base.throughput(view, plan, placement))
+        observed = spec.global_batch / step_time
+        ck = (model, pkey, per_node)
+        old = self._exact.get(ck)
+        if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:
+            return False
+        self._exact[ck] = (observed, predicted)
+        if predicted > 0:  # the model's error here refits the family's scale
+            fk = (model, plan_family(plan))
+            logs = self._fam.setdefault(fk, {})
+            logs[(pkey, per_node)] = math.log(observed / predicted)
+            self._factor[fk] = math.exp(sum(logs.values()) / (len(logs) + self.prior))
+        return self._bump(model)
+
+    def _bump(self, model: tuple) -> bool:
+        self._version[model] = self._version.get(model, 0) + 1
+        self.revision += 1
+        return True
+
+    def _dominated(self, model: tuple, pkey: tuple) -> bool:
+        """Does a plan that ran out of memory need no more memory than ``pkey``? Same
+        layout (dp, tp, pp, ZeRO, offload), a micro-batch at least as large, and
+        checkpointing only if the failed plan had it too."""
+        for f in self._oom_by_model.get(model, ()):
+            if f[:5] == pkey[:5] and pkey[6] >= f[6] and (f[7] or not pkey[7]):
+                return True
+        return False
+
+    def infeasible(self, spec: JobSpec, plan: Plan) -> bool:
+        return self._dominated(_model_of(spec), _norm(plan, spec.global_batch))
+
+    def observed(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...]) -> float | None:
+        """Observed samples/s of exactly this configuration, if it ran."""
+        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        got = self._exact.get((_model_of(spec), _norm(plan, spec.global_batch), per_node))
+        return got[0] if got else None
+
+    # ------------------------------------------------------------ answering
+    def spec_key(self, spec: JobSpec) -> object:
+        own = getattr(self.base, "spec_key", None)
+        if own is not None:
+            base = own(spec)
+        else:  # what any oracle's answer may depend on (never shared across models)
+            from .candidates import spec_key
+
+            base = spec_key(spec)
+        return ("learned", base, self._version.get(_model_of(spec), 0))
+
+    def _adjust(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...], t: float) -> float:
+        if not self._version:
+            return t
+        model = _model_of(spec)
+        if model not in self._version:
+            return t
+        pkey = _norm(plan, spec.global_batch)
+        if model in self._oom_by_model and self._dominated(model, pkey):
+            return 0.0
+        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        if t <= 0:  # the model's (or the regime's) "may not run" stands
+            return t
+        got = self._exact.get((model, pkey, per_node))
+        if got is not None:
+            observed, then = got
+            # The observation replaces the prediction; other CPU counts on the same
+            # configuration keep the model's CPU sensitivity around it.
+            return observed * (t / then) if then > 0 else observed
+        return t * self._factor.get((model, plan_family(plan)), 1.0)
+
+    def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
+        return self._adjust(job.spec, plan, placement, self.base.throughput(job, plan, placement))
+
+    def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
+        many = getattr(self.base, "throughput_many", None)
+        raw = many(job, plans, placement) if many is not None else [self.base.throughput(job, p, placement) for p in plans]
+        return [self._adjust(job.spec, p, placement, float(t)) for p, t in zip(plans, raw)]

@@ -1,0 +1,285 @@
+"""Sharing parts composed around any policy (Blox-style; issue 13).
+
+``Shared(inner, cfg)`` is a policy: each round it
+1. updates every tenant's decayed usage (``FairShare``) and ranks jobs by
+   *standing*: priority class (higher first), then starved (waited past
+   ``starvation_wait``), then the tenant's decayed usage / weight, then
+   arrival. Ordering policies (the priority family, FIFO) use this rank
+   ahead of their own key (``order_key``);
+2. **make room** (preemption choice), in standing order, for pending jobs
+   that have a right to run now:
+   - *reclaim*: the job fits its tenant's nominal quota and cohort members
+     borrow: borrowers' jobs are preempted, lowest priority first, a job
+     past its minimum run time before one that is not (only reclaim may take
+     a job inside its minimum run time), each from a tenant still borrowing
+     when it is chosen (Kueue's rule; whole jobs, so a borrower may end
+     below its quota);
+   - *priority*: jobs of a lower priority class past their minimum run time;
+   - *starvation*: jobs of no higher priority, of tenants better served by
+     fair share, past their minimum run time;
+3. **admission filter**: the inner policy sees running jobs (minus the
+   victims) and only the pending jobs their tenant's quota (+ what the cohort
+   may lend) admits; owners' demand within quota is claimed before anything
+   is lent;
+4. checks the inner decision: a job made room for is placed if the inner
+   policy did not; a job inside its minimum run time that the inner policy
+   dropped is kept where it fits; a cohort never borrows more than it lends
+   (newest starts of the over-borrowing tenant are undone).
+
+Everything is a function of the job views and ``now``, so the optimizer and
+the simulator decide the same way. ``log`` (off by default) records rounds
+and preemptions for ``loadtest.fairness``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace as dc_replace
+
+from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
+from .placement import Ledger, describe
+from .queues import FairShare, QuotaBook, ShareConfig
+
+
+@dataclass(slots=True)
+class Victim:
+    job: JobView
+    kind: str  # reclaim | priority | starvation
+    for_job: str
+
+
+def _place(ledger: Ledger, job: JobView, plan) -> tuple | None:
+    """Room for ``plan`` (a TP group never spans nodes), preferring the job's own nodes."""
+    return ledger.place(plan.gpus, job.spec.cpus_per_gpu or 1, prefer=tuple(p.node for p in job.placement),
+                        unit=plan.tp)
+
+
+class Shared:
+    def __init__(self, inner: Policy, cfg: ShareConfig | None = None, *, log: bool = False):
+        self.inner = inner
+        self.cfg = cfg or ShareConfig()
+        self.name = getattr(inner, "name", "policy")
+        self.fair = FairShare(self.cfg.half_life)
+        self.standing: dict[str, tuple] = {}
+        self.wait_since: dict[str, float] = {}
+        self.log: list[dict] | None = [] if log else None
+        self.last_stats: dict = {}
+        base = getattr(inner, "key", None)
+        if callable(base):  # the priority family and EASY FIFO order by a key: put standing first
+            inner.key = lambda j, now, perf, _b=base: self.standing.get(j.job_id, ()) + tuple(_b(j, now, perf))
+
+    def set_config(self, cfg: ShareConfig) -> None:
+        """Queues changed at run time (admission's ``set queue``)."""
+        self.cfg = cfg
+        self.fair.half_life = cfg.half_life
+
+    # ------------------------------------------------------------ parts
+    def _protected(self, j: JobView, now: float) -> bool:
+        return j.switched_at is not None and now - j.switched_at < self.cfg.min_run_time
+
+    def _rank(self, now: float, jobs: list[JobView]) -> list[JobView]:
+        for j in jobs:
+            if j.running:
+                self.wait_since.pop(j.job_id, None)
+            else:
+                self.wait_since.setdefault(j.job_id, now)
+        live = {j.job_id for j in jobs}
+        for jid in [k for k in self.wait_since if k not in live]:
+            del self.wait_since[jid]
+        sw = self.cfg.starvation_wait
+        for j in jobs:
+            q = self.cfg.queue(j.spec.tenant)
+            starved = (not j.running and sw is not None and now - self.wait_since[j.job_id] >= sw)
+            self.standing[j.job_id] = (-j.spec.priority, not starved, self.fair.standing(q.tenant, q.weight))
+        for jid in [k for k in self.standing if k not in live]:
+            del self.standing[jid]
+        return sorted(jobs, key=lambda j: self.standing[j.job_id] + (j.submitted_at, j.job_id))
+
+    def _make_room(self, now: float, j: JobView, kind: str, ledger: Ledger, book: QuotaBook,
+                   holding: dict[str, JobView]) -> list[JobView] | None:
+        """Victims whose GPUs let ``j`` be placed (taken from ``ledger``), or None."""
+        t, prio = j.spec.tenant, j.spec.priority
+        if kind == "reclaim":
+            cohort = set(book.members(self.cfg.queue(t).cohort)) - {t}
+            cands = [v for v in holding.values() if v.spec.tenant in cohort and book.borrowed(v.spec.tenant) > 0]
+            cands.sort(key=lambda v: (v.spec.priority, self._protected(v, now), -(v.switched_at or 0.0), v.job_id))
+        elif kind == "priority-own":
+            cands = [v for v in holding.values() if v.spec.tenant == t and v.spec.priority < prio
+                     and not self._protected(v, now)]
+            cands.sort(key=lambda v: (v.spec.priority, -(v.switched_at or 0.0), v.job_id))
+        else:
+            mine = self.standing[j.job_id][-1]
+            cands = [v for v in holding.values() if not self._protected(v, now) and (
+                v.spec.priority < prio if kind == "priority"
+                else v.spec.priority <= prio and self.standing[v.job_id][-1] > mine and v.spec.tenant != t)]
+            cands.sort(key=lambda v: (v.spec.priority, -self.standing[v.job_id][-1], -(v.switched_at or 0.0), v.job_id))
+        plan = default_plan(j.spec)
+        taken: list[JobView] = []
+        for v in cands:
+            if kind == "reclaim" and book.borrowed(v.spec.tenant) <= 0:
+                continue  # no longer borrowing (Kueue's rule: a victim's queue must borrow when chosen)
+            ledger.give(v.placement)
+            book.add(v.spec.tenant, -v.gpus)
+            taken.append(v)
+            quota_ok = kind != "priority-own" or book.within_quota(t, j.spec.gpus) or (
+                book.borrowable(t) >= book.use.get(t, 0) + j.spec.gpus - book.quota(t) - book.borrowed(t))
+            if quota_ok and _place(ledger, j, plan) is not None:
+                return taken
+        for v in taken:  # not enough: undo
+            ledger.take(v.placement)
+            book.add(v.spec.tenant, v.gpus)
+        return None
+
+    # ------------------------------------------------------------ a round
+    def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        held: dict[str, int] = {}
+        for j in jobs:
+            if j.running:
+                held[j.spec.tenant] = held.get(j.spec.tenant, 0) + j.gpus
+        self.fair.update(now, held)
+        order = self._rank(now, jobs)
+        ledger = Ledger(nodes)
+        holding = {j.job_id: j for j in order if j.running}
+        for j in holding.values():
+            ledger.take(j.placement)
+        book = QuotaBook(self.cfg, held)
+        victims: list[Victim] = []
+        visible: list[JobView] = []
+        must: dict[str, str] = {}
+        spots: dict[str, tuple] = {}  # where a job made room for goes
+        owed: list[str] = []  # within quota, no room, cohort borrowing: reclaim is due
+        pending = [j for j in order if not j.running]
+        # owners' demand within quota is claimed first; then borrowing, in standing order
+        claimed = {j.job_id for j in pending if book.claim(j.spec.tenant, j.spec.gpus)}
+        for j in pending:
+            if j.job_id not in claimed and not book.borrow(j.spec.tenant, j.spec.gpus):
+                # over quota: only its own tenant's lower classes may make room (Kueue's withinClusterQueue)
+                taken = self._make_room(now, j, "priority-own", ledger, book, holding)
+                if not taken:
+                    continue
+                for v in taken:
+                    del holding[v.job_id]
+                    victims.append(Victim(v, "priority", j.job_id))
+                must[j.job_id] = "priority"
+                book.add(j.spec.tenant, j.spec.gpus)
+                visible.append(j)
+                spots[j.job_id] = _place(ledger, j, default_plan(j.spec))
+                ledger.take(spots[j.job_id])
+                continue
+            visible.append(j)
+            plan = default_plan(j.spec)
+            spot = _place(ledger, j, plan)
+            if spot is None:
+                if j.job_id in claimed and any(book.borrowed(m) for m in book.members(self.cfg.queue(j.spec.tenant).cohort)):
+                    owed.append(j.job_id)
+                for kind in self._rights(now, j, book, claimed):
+                    taken = self._make_room(now, j, kind, ledger, book, holding)
+                    if taken:
+                        for v in taken:
+                            del holding[v.job_id]
+                            victims.append(Victim(v, kind, j.job_id))
+                        spot = spots[j.job_id] = _place(ledger, j, plan)
+                        must[j.job_id] = kind
+                        break
+            if spot is not None:
+                ledger.take(spot)
+        gone = {v.job.job_id for v in victims}
+        # a job made room for is shown holding its room, so the inner policy cannot give it away
+        view = [j for j in order if j.running and j.job_id not in gone] + [
+            dc_replace(j, placement=spots[j.job_id], plan=default_plan(j.spec)) if j.job_id in spots else j
+            for j in visible]
+        decision = self.inner.schedule(now, nodes, view, perf)
+        self._repair(now, nodes, jobs, decision, must, gone, claimed)
+        for v in victims:
+            decision.allocations.pop(v.job.job_id, None)
+            decision.waiting[v.job.job_id] = (f"preempted ({v.kind}) for {v.for_job}"
+                                              + (f" of tenant {self._tenant(jobs, v.for_job)}" if v.kind == "reclaim" else ""))
+        shown = {j.job_id for j in visible}
+        for j in pending:
+            if j.job_id not in decision.allocations and j.job_id not in shown:
+                q = self.cfg.queue(j.spec.tenant)
+                decision.waiting[j.job_id] = (f"waiting: tenant {q.tenant} holds {held.get(q.tenant, 0)} GPUs, "
+                                              f"quota {q.quota} + what cohort {q.cohort or '-'} lends now")
+        self._record(now, jobs, decision, victims, owed)
+        return decision
+
+    @staticmethod
+    def _tenant(jobs: list[JobView], jid: str) -> str:
+        return next((j.spec.tenant for j in jobs if j.job_id == jid), "?")
+
+    def _rights(self, now: float, j: JobView, book: QuotaBook, claimed: set[str]) -> list[str]:
+        kinds = []
+        if j.job_id in claimed and any(book.borrowed(m) for m in book.members(self.cfg.queue(j.spec.tenant).cohort)):
+            kinds.append("reclaim")
+        kinds.append("priority")
+        if not self.standing[j.job_id][1]:
+            kinds.append("starvation")
+        return kinds
+
+    def _repair(self, now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision,
+                must: dict[str, str], gone: set[str], claimed: set[str]) -> None:
+        by_id = {j.job_id: j for j in jobs}
+        ledger = Ledger(nodes)
+        for d in decision.allocations.values():
+            ledger.take(d.placement)
+        # jobs made room for: place them if the inner policy did not
+        for jid in must:
+            if jid not in decision.allocations:
+                j = by_id[jid]
+                plan = default_plan(j.spec)
+                spot = _place(ledger, j, plan)
+                if spot is not None:
+                    ledger.take(spot)
+                    decision.allocations[jid] = JobDecision(spot, plan, f"{self.name}+sharing: {must[jid]} on {describe(spot)}")
+                    decision.waiting.pop(jid, None)
+        # the inner policy may not take a job inside its minimum run time (only reclaim may)
+        for j in jobs:
+            if j.running and j.job_id not in gone and j.job_id not in decision.allocations and self._protected(j, now):
+                if ledger.fits(j.placement):
+                    ledger.take(j.placement)
+                    decision.allocations[j.job_id] = JobDecision(j.placement, j.plan or default_plan(j.spec),
+                                                                 "kept: inside its minimum run time")
+                    decision.waiting.pop(j.job_id, None)
+        # a cohort lends only what its members do not use: undo the newest starts of over-borrowers
+        held: dict[str, int] = {}
+        for jid, d in decision.allocations.items():
+            t = by_id[jid].spec.tenant
+            held[t] = held.get(t, 0) + sum(p.gpus for p in d.placement)
+        for jid in claimed:  # an owner's waiting demand within quota is not lendable
+            if jid not in decision.allocations:
+                t = by_id[jid].spec.tenant
+                held[t] = held.get(t, 0) + by_id[jid].spec.gpus
+        book = QuotaBook(self.cfg, held)
+        for t in book.over_limit():
+            starts = [jid for jid in decision.allocations if not by_id[jid].running and by_id[jid].spec.tenant == t]
+            starts.sort(key=lambda jid: self.standing.get(jid, ()) + (by_id[jid].submitted_at, jid), reverse=True)
+            for jid in starts:
+                if t not in book.over_limit():
+                    break
+                d = decision.allocations.pop(jid)
+                book.add(t, -sum(p.gpus for p in d.placement))
+                decision.waiting[jid] = f"waiting: tenant {t} would borrow more than its cohort lends"
+
+    def _record(self, now: float, jobs: list[JobView], decision: Decision, victims: list[Victim],
+                owed: list[str]) -> None:
+        kinds = {v.job.job_id: v.kind for v in victims}
+        preempted = [j for j in jobs if j.running and j.job_id not in decision.allocations]
+        self.last_stats = {"victims": len(victims), "preempted": len(preempted)}
+        if self.log is None:
+            return
+        held: dict[str, int] = {}
+        demand: dict[str, int] = {}
+        by_id = {j.job_id: j for j in jobs}
+        for jid, d in decision.allocations.items():
+            t = by_id[jid].spec.tenant
+            held[t] = held.get(t, 0) + sum(p.gpus for p in d.placement)
+        for j in jobs:
+            demand[j.spec.tenant] = demand.get(j.spec.tenant, 0) + j.spec.gpus
+        self.log.append({
+            "t": now, "held": held, "demand": demand,
+            "quota": {t: self.cfg.queue(t).quota for t in demand},
+            "preempted": [{"job": j.job_id, "tenant": j.spec.tenant, "kind": kinds.get(j.job_id, "policy"),
+                           "ran_s": now - j.switched_at if j.switched_at is not None else None,
+                           "priority": j.spec.priority} for j in preempted],
+            "started": [jid for jid in decision.allocations if not by_id[jid].running],
+            "owed": owed,
+        })

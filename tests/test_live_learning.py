@@ -1,0 +1,82 @@
+"""Live side of issue 10: the optimizer keeps what the simulator keeps (last switch,
+attained GPU-seconds) and feeds its oracle from run reports, over a real nats-server."""
+
+from __future__ import annotations
+
+import time
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import JobRecord, JobSpec, JobState, ModelSpec, NodePlacement, Plan, RunReport, RunReportKind
+from services.policy_bridge import is_oom, job_view, segment_gpu_s
+
+from test_optimizer import _state, cluster, job, submit, wait_for  # noqa: F401  (cluster is a fixture)
+
+SPEC = JobSpec(name="x", model=ModelSpec(name="m", params=100, layers=4, hidden=64, seq_len=128), global_batch=8,
+               steps=10, gpus=2)
+
+
+def _rec(**kw) -> JobRecord:
+    base = dict(job_id="x", spec=SPEC, state=JobState.RUNNING, submitted_at=0.0, scheduled_at=10.0,
+                started_at=12.0, plan=Plan(dp=2), placement=[NodePlacement(node="n0", gpus=[0, 1], cpus=4)])
+    base.update(kw)
+    return JobRecord(**base)
+
+
+def test_view_counts_service_from_the_last_switch_not_the_first_schedule():
+    # Defect 6: after a preemption and a resume at 500, the view counted service (and
+    # the minimum run time) from scheduled_at = 10.
+    rec = _rec(last_switch_at=500.0, attained_gpu_s=300.0, restarts=1)
+    v = job_view(rec, 560.0)
+    assert v.last_switch_at == 500.0 and v.switched_at == 500.0
+    assert v.attained_service == 300.0 + 2 * 60.0
+    pending = _rec(state=JobState.PENDING, placement=[], last_switch_at=500.0, attained_gpu_s=420.0)
+    assert job_view(pending, 9000.0).attained_service == 420.0  # queued time is not service
+    assert segment_gpu_s(rec, 600.0) == 200.0 and segment_gpu_s(pending, 600.0) == 0.0
+
+
+def test_old_records_decode_and_fall_back_to_scheduled_at():
+    old = {"job_id": "x", "spec": codec.decode(codec.encode(SPEC), dict), "state": "running",
+           "scheduled_at": 10.0, "placement": [{"node": "n0", "gpus": [0, 1], "cpus": 4}], "plan": {"dp": 2}}
+    rec = codec.decode(codec.encode(old), JobRecord)
+    assert rec.last_switch_at is None and rec.attained_gpu_s == 0.0
+    assert job_view(rec, 40.0).attained_service == 2 * 30.0
+
+
+def test_oom_message_detection():
+    assert is_oom("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not is_oom("exited with code 3: boom")
+
+
+async def _report(nc, job_id, gen, node, kind, ts, **kw):
+    r = RunReport(job_id=job_id, generation=gen, node=node, kind=kind, ts=ts, **kw)
+    await nc.jetstream().publish(subj.run_report(node, job_id), codec.encode(r),
+                                 headers={"Nats-Msg-Id": f"{node}:{job_id}:{gen}:{kind.value}:{ts}"})
+
+
+async def test_optimizer_learns_speed_and_oom_from_reports_and_keeps_service(nc, cluster):
+    opt = cluster
+    a = await submit(nc, "a", 2, steps=1000)
+    rec = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))
+    node = rec.placement[0].node
+    t0 = time.time()
+    await _report(nc, a, 1, node, RunReportKind.STARTED, t0)
+    await wait_for(lambda: _state(nc, a, JobState.RUNNING))
+    await _report(nc, a, 1, node, RunReportKind.STEPPED, t0 + 1, start_step=0, first_step_s=0.5, restore_s=0.5)
+    # 2 s per step between the first step and the crash at step 51: 100 s / 50 steps
+    await _report(nc, a, 1, node, RunReportKind.EXITED, t0 + 101, exit_code=3, message="boom", progress_step=51,
+                  steps_done=51)
+    again = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED, generation=2))
+    plan = rec.plan
+    from policies.api import Placement
+
+    pl = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
+    assert abs(opt.models.oracle.observed(rec.spec, plan, pl) - rec.spec.global_batch / 2.0) < 1e-6
+    # the requeue kept the GPU-seconds of the ended allocation and restarted the clock
+    assert again.attained_gpu_s > 0 and again.last_switch_at is not None
+    assert again.last_switch_at >= rec.last_switch_at
+    # an out-of-memory exit marks the plan infeasible for the policies
+    node = again.placement[0].node
+    await _report(nc, a, 2, node, RunReportKind.EXITED, time.time(), exit_code=1,
+                  message="torch.OutOfMemoryError: CUDA out of memory")
+    await wait_for(lambda: _state(nc, a, JobState.FAILED))
+    assert opt.models.oracle.infeasible(again.spec, again.plan)
