@@ -65,7 +65,7 @@ ROUTES: tuple[Route, ...] = (
     _req(s.ADMISSION_SUBMIT, m.SubmitRequest, m.SubmitReply, (), "admission", "submit a job"),
     _req(s.ADMISSION_CANCEL, m.JobRef, m.JobRecord, (), "admission", "cancel a job"),
     _req(s.ADMISSION_GET, m.JobRef, m.JobRecord, (), "admission", "one job (with its live progress)"),
-    _req(s.ADMISSION_LIST, m.ListRequest, m.JobList, (), "admission", "jobs, filtered by tenant and state"),
+    _req(s.ADMISSION_LIST, m.ListRequest, m.JobList, (), "admission", "jobs, filtered by tenant, state and node; paged (limit, cursor; all: the history store too)"),
     _req(s.ADMISSION_SUBMIT + ".<tenant>", m.SubmitRequest, m.SubmitReply, ("tenant",), "admission",
          "submit as <tenant> (a spec without tenant gets it)"),
     _req(s.ADMISSION_CANCEL + ".<tenant>", m.JobRef, m.JobRecord, ("tenant",), "admission", "cancel own job"),
