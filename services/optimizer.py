@@ -96,6 +96,7 @@ ACTIVE = ACTIVE_STATES
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
 OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
+REASON_WRITES_PER_ROUND = 64  # waiting reasons rewritten into records per round (oldest jobs first)
 PAUSE_ENV = "GEARSHIFT_FAULT_PAUSE_MID_ROUND"  # fault injection: path of a file that, present, stops the leader mid-round
 
 
@@ -369,10 +370,6 @@ class Optimizer:
         log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
                   live=len(records), nodes=len(nodes), changes=changes)
         observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
-        observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
-        log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
-                  live=len(records), nodes=len(nodes), changes=changes)
-        observe.job_states(records.values())
         if changes:
             ev = RoundCompleted(
                 ts=now(), round=self.round_no, policy=self.policy.name, pending=pending,
@@ -382,13 +379,17 @@ class Optimizer:
         return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
 
     async def _explain(self, decision: Decision, records: dict[str, JobRecord]) -> None:
-        explain, todo = [], []
+        explain, stale = [], []
         for job_id, why in decision.waiting.items():
             explain.append(ExplainEntry(job_id=job_id, state=records[job_id].state.value, reason=why))
             if records[job_id].reason != why and records[job_id].state == JobState.PENDING:
-                todo.append(self.store.update(
-                    job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
-                    hint=self.records.hint(job_id)))
+                stale.append((records[job_id].submitted_at, job_id, why))
+        # A waiting job's reason can change every round for every pending job
+        # (FIFO's "behind <head>"): a bounded number of record writes per round,
+        # oldest first; the explain endpoint always has all of them fresh.
+        todo = [self.store.update(
+            job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
+            hint=self.records.hint(job_id)) for _, job_id, why in sorted(stale)[:REASON_WRITES_PER_ROUND]]
         await bounded(todo, self.write_parallel)
         for job_id, d in decision.allocations.items():
             explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
