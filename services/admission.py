@@ -155,17 +155,27 @@ class Admission:
         live = self._live_count(spec.tenant)
         if live >= self.max_jobs_per_tenant:
             raise RequestError("429", f"tenant {spec.tenant} has {live} live jobs, the limit", "spec.tenant")
+        # counted before the first await: submits run concurrently, and a burst
+        # must not slip past the limit between the check and the write
+        mine = self._created.setdefault(spec.tenant, set())
+        fresh = job_id not in mine
+        mine.add(job_id)
         ts = now()
         rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted")
         rec = with_event(
             rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
         )
-        if not await self.store.create(rec):
+        try:
+            created = await self.store.create(rec)
+        except BaseException:
+            if fresh:
+                mine.discard(job_id)
+            raise
+        if not created:
             # a concurrent submit with the same token won the race
             existing = await self.store.get(job_id)
             assert existing is not None
             return self._same_submission(existing[0], req)
-        self._created.setdefault(spec.tenant, set()).add(job_id)
         log.info("job submitted", job_id=job_id, name=spec.name, gpus=spec.gpus, tenant=spec.tenant)
         return SubmitReply(job_id=job_id, created=True, state=JobState.PENDING)
 
@@ -287,14 +297,15 @@ class Admission:
 
     def endpoints(self) -> list[Endpoint]:
         return [
-            Endpoint("submit", subj.ADMISSION_SUBMIT, SubmitRequest, self.submit),
+            Endpoint("submit", subj.ADMISSION_SUBMIT, SubmitRequest, self.submit, concurrent=True),
             Endpoint("cancel", subj.ADMISSION_CANCEL, JobRef, self.cancel),
             Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
             Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
             Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
             Endpoint("queues", subj.ADMISSION_QUEUES, None, self.get_queues),
             Endpoint("setqueue", subj.ADMISSION_SET_QUEUE, QueueSpec, self.set_queue),
-            Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True),
+            Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True,
+                     concurrent=True),
             Endpoint("cancel-tenant", subj.ADMISSION_CANCEL + ".*", JobRef, self.cancel_as, with_subject=True),
             Endpoint("get-tenant", subj.ADMISSION_GET + ".*", JobRef, self.get_as, with_subject=True),
             Endpoint("list-tenant", subj.ADMISSION_LIST + ".*", ListRequest, self.list_as, with_subject=True),
