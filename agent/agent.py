@@ -62,10 +62,11 @@ from bus_schema.ops import LogsRequest
 from services.auth_alloc import node_alloc_watch
 from services.runtime import VERSION, Endpoint, get_logger, serve
 
-from . import core, launch
+from . import core, launch, worker as wk
 from .logs import read_rank_logs
+from .warm import WarmPool
 from .probe import GpuProbe
-from .runner import Runner, SubprocessRunner
+from .runner import Runner, SubprocessRunner, _die_with_agent
 
 DEFAULT_GRACE_S = 10.0
 
@@ -130,8 +131,15 @@ class Agent:
         self.address = address
         self.progress_interval = progress_interval
         self.log = get_logger(agent=self.node)
-        # how ranks run: real processes, or in-process for the fleet emulator
-        self.runner: Runner = runner if runner is not None else SubprocessRunner()
+        # how ranks run: real processes (with warm workers for the next generation,
+        # agent/warm.py; $GEARSHIFT_WARM: modules to keep warm from the start), or
+        # in-process for the fleet emulator
+        self.warm: WarmPool | None = None
+        if runner is None:
+            self.warm = WarmPool(1, spawn=self._spawn_warm, log=self.log, status_file=self.workdir / "warm.json",
+                                 prewarm=[m for m in os.environ.get("GEARSHIFT_WARM", "").split(",") if m])
+            runner = SubprocessRunner(self.warm)
+        self.runner: Runner = runner
         self._alloc_watch = alloc_watch or node_alloc_watch  # (js, node) -> watch of this node's allocations
         self.desired: dict[str, Allocation] = {}
         self.runs: dict[str, Run] = {}
@@ -156,6 +164,9 @@ class Agent:
         self._alloc_kv = await _bucket(self.js, subj.ALLOC_BUCKET)
         self._nodes_kv = await _bucket(self.js, subj.NODES_BUCKET)
         await self._beat()  # capacity visible before the first allocation can arrive
+        if self.warm is not None:
+            self.warm.size = max(1, len(await self.probe.sample()))
+            self._spawn(self.warm.refill())
         self._svc = await serve(
             self.nc,
             f"agent-{self.node}",
@@ -198,6 +209,8 @@ class Agent:
             self._tasks[0].cancel()
             self._dirty.set()  # the reconciler finishes its pass (a launch in flight included) and ends
             await asyncio.gather(self._tasks[1], return_exceptions=True)
+        if self.warm is not None:
+            self.warm.close()
         for run in list(self.runs.values()):
             self._begin_stop(run, "agent stopping", by_agent=True)
         while self._side_tasks:  # supervisors publish the EXITED reports
@@ -300,6 +313,7 @@ class Agent:
         alloc = run.alloc
         master = await self._master_addr(first_node)
         run.launched_at = time.time()
+        cmd = launch.command(alloc)
         for spec in launch.rank_specs(alloc, self.node):
             progress_file = run.run_dir / f"progress-{spec.rank}.json"
             if spec.rank == 0:
@@ -309,9 +323,29 @@ class Agent:
                 launched_at=run.launched_at,
             )
             env.update(extra_env or {})
-            proc = await self.runner.start_rank(run, spec, env)
+            proc = await self.runner.start_rank(run, spec, env)  # a warm worker if one is ready (SubprocessRunner)
             run.procs.append(proc)
             self.probe.claim(list(spec.gpus), [proc.pid])
+        if not self._closing and self.warm is not None:
+            self._spawn(self._refill_warm(run))  # ready for the next generation
+
+    async def _refill_warm(self, run: Run, wait: float = 60.0) -> None:
+        """Start warm workers once ``run`` made its first step (or ended): not
+        while its own start-up needs the CPUs."""
+        deadline = time.monotonic() + wait
+        while not self._closing and not run.done.is_set() and time.monotonic() < deadline:
+            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
+            if prog.get("first_step_s") is not None or prog.get("phases"):
+                break
+            await asyncio.sleep(0.2)
+        if not self._closing:
+            await self.warm.refill()
+
+    async def _spawn_warm(self, argv: list[str]) -> asyncio.subprocess.Process:
+        with open(self.workdir / "warm.log", "ab") as out:
+            return await asyncio.create_subprocess_exec(
+                *argv, cwd=self.workdir, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=out,
+                start_new_session=True, preexec_fn=_die_with_agent)
 
     async def _master_addr(self, first_node: str) -> str:
         if first_node == self.node:
@@ -560,8 +594,9 @@ class Agent:
         """Run one plan for a few steps on GPUs no allocation uses; reply with
         the per-phase means (ms per step) from rank 0's progress file."""
         need = cmd.plan.dp * cmd.plan.tp * cmd.plan.pp
-        self._gpu_count = len(await self.probe.sample())
-        free = self._free_gpus()
+        gpus_now = await self.probe.sample()
+        self._gpu_count = len(gpus_now)
+        free = [i for i in self._free_gpus() if gpus_now[i].healthy]
         if len(free) < need:
             return ProfileResult(ok=False, node=self.node, plan=cmd.plan,
                                  error=f"{need} GPUs wanted, {len(free)} free on {self.node}")
@@ -700,6 +735,8 @@ async def run_agent(args, stop: asyncio.Event) -> int:
         except NoGpuDriver as exc:
             log.error(f"no usable NVIDIA driver ({exc}); refusing to start: pass --fake-gpus N to emulate GPUs")
             return 2
+        for note in probe.notes:  # devices skipped (cgroup, CUDA_VISIBLE_DEVICES), XIDs not watchable
+            log.warning("gpu probe: " + note)
     try:
         nc = await connect(args.server, name=f"agent-{args.node}")
     except ServerUnavailable as exc:

@@ -18,6 +18,8 @@ from typing import Mapping
 from bus_schema import codec
 from bus_schema.messages import Allocation
 
+from .probe import cuda_visible_devices
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EMULATED_COMMAND = (sys.executable, "-m", "agent.emulated_worker")
 DEFAULT_STEP_TIME = 0.1
@@ -102,7 +104,8 @@ def environment(
         GEARSHIFT_GLOBAL_BATCH=str(alloc.global_batch),
         GEARSHIFT_STEP_TIME=str(alloc.step_time or DEFAULT_STEP_TIME),
         GEARSHIFT_LAUNCHED_AT=repr(launched_at if launched_at is not None else time.time()),
-        CUDA_DEVICE_ORDER="PCI_BUS_ID",  # so CUDA's indices are NVML's
-        CUDA_VISIBLE_DEVICES=",".join(str(g) for g in spec.gpus),
+        CUDA_DEVICE_ORDER="PCI_BUS_ID",
+        # UUIDs from the node's NVML probe (indices when its GPUs are emulated)
+        CUDA_VISIBLE_DEVICES=cuda_visible_devices(spec.gpus),
     )
     return env

@@ -10,10 +10,19 @@ by itself (so NVML ignores it), a fake one has to be told.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from typing import Protocol, runtime_checkable
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
-from bus_schema.messages import GpuProcess, GpuReport
+import msgspec
+
+from bus_schema.messages import GpuHealth, GpuProcess, GpuReport
+
+from . import nvml_devices as nd
+
+_INHERIT = object()
 
 
 class NoGpuDriver(RuntimeError):
@@ -104,32 +113,101 @@ class FakeProbe:
 
 
 class NvmlProbe:
-    """The driver's view through nvidia-ml-py. Every call runs in a thread
-    (NVML calls block); a metric a GPU does not support reads as None/empty
-    instead of failing the whole sample."""
+    """The driver's view through nvidia-ml-py (see ``agent.nvml_devices`` for
+    the rules). NVML is initialised once per probe, and again after a driver
+    reload. Each GPU is read in its own daemon thread with a deadline
+    (``sample_timeout``): a hung NVML call makes that GPU ``stale``, it never
+    stops the heartbeat. NVML is documented thread-safe, so GPUs are read in
+    parallel. ``nvml`` is the library module (pynvml when None); tests pass a
+    scripted one."""
 
     kind = "nvml"
 
-    def __init__(self) -> None:
-        self._nvml = None
-        self._handles: list = []
-        self._lock = threading.Lock()  # NVML handles are not documented thread-safe
+    def __init__(self, *, nvml: Any = None, sample_timeout: float = 0.5, open_timeout: float = 30.0,
+                 xid_poll_ms: int = 1000, visible: str | None | object = _INHERIT):
+        self._nv = nvml
+        self.sample_timeout = sample_timeout
+        self.open_timeout = open_timeout
+        self.xid_poll_ms = xid_poll_ms
+        # an inherited restriction (the agent started inside a slice of the host)
+        self._visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is _INHERIT else visible
+        self._inited = False
+        self._opened = False
+        self._devices: list[nd.Device] = []
+        self._api: nd.Api | None = None
+        self._pending: dict[int, tuple[Future, float]] = {}
+        self._last: dict[int, GpuReport] = {}
+        self._xids: dict[str, int] = {}  # physical GPU UUID ("" = cannot tell) -> last critical XID
+        self._watcher: nd.XidWatcher | None = None
+        self._gone: str | None = None  # why NVML must be re-initialised
+        self._reinit: Future | None = None
+        self.notes: list[str] = []  # devices skipped, APIs missing: for the agent's log
+
+    def _module(self) -> Any:
+        if self._nv is None:
+            try:
+                import pynvml  # lazy: machines without GPUs never need it
+            except ImportError as exc:  # pragma: no cover - it is a dependency
+                raise NoGpuDriver(f"nvidia-ml-py is not installed ({exc})") from None
+            self._nv = pynvml
+        return self._nv
 
     async def open(self) -> None:
-        await asyncio.to_thread(self._open_sync)
+        if self._opened:  # once: agent.run_agent and Agent.start both open
+            return
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(_in_thread(self._open_sync)), self.open_timeout)
+        except asyncio.TimeoutError:
+            raise NoGpuDriver(f"NVML did not answer within {self.open_timeout:.0f}s") from None
+        self._opened = True
 
     def _open_sync(self) -> None:
+        nv = self._module()
         try:
-            import pynvml  # lazy: machines without GPUs never need it
-        except ImportError as exc:  # pragma: no cover - it is a dependency
-            raise NoGpuDriver(f"nvidia-ml-py is not installed ({exc})") from None
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
+            nv.nvmlInit()
+        except (nv.NVMLError, nv.NVMLLibraryMismatchError) as exc:
             raise NoGpuDriver(f"NVML unavailable: {exc}") from None
-        self._nvml = pynvml
-        count = pynvml.nvmlDeviceGetCount()
-        self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        self._inited = True
+        try:
+            devices, notes = nd.enumerate_devices(nv, self._visible)
+        except (nd.Reinit, nv.NVMLError, nv.NVMLLibraryMismatchError) as exc:
+            self._shutdown_sync()
+            raise NoGpuDriver(f"NVML could not list the GPUs: {exc}") from None
+        self._install(nv, devices, notes)
+
+    def _install(self, nv: Any, devices: list[nd.Device], notes: list[str]) -> None:
+        self._devices, self._api, self._xids, self._gone = devices, nd.Api(nv), {}, None
+        self._pending.clear()
+        self._watcher = nd.XidWatcher(nv, devices, self._on_xid, self.xid_poll_ms)
+        self._watcher.start()
+        self.notes = notes + ([self._watcher.note] if self._watcher.note else [])
+        _set_cuda_ids(self, {d.index: d.uuid for d in devices if d.uuid})
+
+    def _on_xid(self, uuid: str, xid: int) -> None:
+        self._xids[uuid] = xid  # a plain dict store: atomic under the GIL
+
+    def _shutdown_sync(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._inited:
+            self._inited = False
+            try:
+                self._nv.nvmlShutdown()
+            except self._nv.NVMLError:
+                pass
+
+    def _reinit_sync(self) -> None:
+        """After a driver reload: shut NVML down, start it again, list the GPUs again."""
+        nv = self._nv
+        self._shutdown_sync()
+        try:
+            nv.nvmlInit()
+            self._inited = True
+            devices, notes = nd.enumerate_devices(nv, self._visible)
+        except (nd.Reinit, nv.NVMLError, nv.NVMLLibraryMismatchError) as exc:
+            self._gone = f"NVML re-initialisation failed: {exc}"
+            return
+        self._install(nv, devices, notes)
 
     def claim(self, indices: list[int], pids: list[int]) -> None:
         return None  # the driver sees the processes itself
@@ -138,58 +216,100 @@ class NvmlProbe:
         return None
 
     async def sample(self) -> list[GpuReport]:
-        return await asyncio.to_thread(self._sample_sync)
-
-    def _maybe(self, fn, *args):
-        """``fn(*args)``, or None when this GPU does not support/allow it."""
-        nv = self._nvml
-        try:
-            return fn(*args)
-        except nv.NVMLError as exc:
-            if isinstance(exc, nv.NVMLError_Uninitialized):
-                raise
-            return None
-
-    def _sample_sync(self) -> list[GpuReport]:
-        nv = self._nvml
-        if nv is None:
+        if not self._opened:
             raise RuntimeError("NvmlProbe.sample before open")
-        out = []
-        with self._lock:
-            for i, h in enumerate(self._handles):
-                uuid = self._maybe(nv.nvmlDeviceGetUUID, h) or f"GPU-index-{i}"
-                name = self._maybe(nv.nvmlDeviceGetName, h) or ""
-                mem = self._maybe(nv.nvmlDeviceGetMemoryInfo, h)
-                util = self._maybe(nv.nvmlDeviceGetUtilizationRates, h)
-                procs = self._maybe(nv.nvmlDeviceGetComputeRunningProcesses, h) or []
-                out.append(
-                    GpuReport(
-                        index=i,
-                        uuid=_text(uuid),
-                        name=_text(name),
-                        memory_used=int(getattr(mem, "used", 0) or 0),
-                        memory_total=int(getattr(mem, "total", 0) or 0),
-                        utilization=None if util is None else float(util.gpu),
-                        processes=[
-                            GpuProcess(
-                                pid=int(p.pid),
-                                # None when NVML cannot tell (e.g. no permission, MIG)
-                                used_memory=None if p.usedGpuMemory is None else int(p.usedGpuMemory),
-                            )
-                            for p in procs
-                        ],
-                    )
-                )
-        return out
+        if self._gone is not None:
+            if self._reinit is None or self._reinit.done():  # one attempt at a time
+                self._reinit = _in_thread(self._reinit_sync)
+            await asyncio.wait([asyncio.wrap_future(self._reinit)], timeout=self.sample_timeout)
+            gone = self._gone
+            if gone is not None or not self._reinit.done():
+                return [d.unhealthy(GpuHealth.NO_DRIVER, gone or "re-initialising NVML", self._last.get(d.index))
+                        for d in self._devices]
+        devices, nv, api = self._devices, self._nv, self._api
+        now = time.monotonic()
+        for d in devices:
+            if d.index not in self._pending:  # a hung read is not started twice
+                self._pending[d.index] = (_in_thread(nd.read, nv, d, api), now)
+        waiting = [asyncio.wrap_future(self._pending[d.index][0]) for d in devices]
+        if waiting:
+            await asyncio.wait(waiting, timeout=self.sample_timeout)
+        return [self._result(d) for d in devices]
+
+    def _result(self, d: nd.Device) -> GpuReport:
+        fut, started = self._pending[d.index]
+        last = self._last.get(d.index)
+        if not fut.done():
+            return d.unhealthy(GpuHealth.STALE, f"NVML has not answered for {time.monotonic() - started:.1f}s", last)
+        del self._pending[d.index]
+        try:
+            rep = fut.result()
+        except nd.Reinit as exc:
+            self._gone = str(exc)
+            return d.unhealthy(GpuHealth.NO_DRIVER, str(exc), last)
+        except Exception as exc:  # one GPU's surprise never fails the heartbeat
+            rep = d.unhealthy(GpuHealth.ERROR, f"{type(exc).__name__}: {exc}", last)
+        xid = self._xids.get(d.parent_uuid, self._xids.get(""))
+        if xid is not None and rep.healthy:
+            rep = msgspec.structs.replace(rep, health=GpuHealth.XID, health_reason=f"critical XID {xid}")
+        self._last[d.index] = rep
+        return rep
 
     async def close(self) -> None:
-        if self._nvml is not None:
-            nv, self._nvml = self._nvml, None
-            try:
-                await asyncio.to_thread(nv.nvmlShutdown)
-            except nv.NVMLError:
-                pass
+        if not self._opened:
+            return
+        self._opened = False
+        _set_cuda_ids(self, None)
+        fut = _in_thread(self._shutdown_sync)
+        await asyncio.wait([asyncio.wrap_future(fut)], timeout=max(self.sample_timeout, 1.0))
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+def _in_thread(fn: Callable, *args: Any) -> Future:
+    """``fn(*args)`` in a new daemon thread: one stuck in the driver never
+    blocks the agent's exit, as a pool's worker would."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            fut.set_exception(exc)
+
+    threading.Thread(target=run, name="nvml-call", daemon=True).start()
+    return fut
+
+
+# ---------------------------------------------------------------- CUDA ids
+# NVML is process-wide state, and so is this table: the open NvmlProbe's
+# device index -> UUID, which is what ranks get as CUDA_VISIBLE_DEVICES.
+_cuda_ids: dict[int, str] = {}
+_cuda_owner: object | None = None
+_cuda_lock = threading.Lock()
+
+
+def _set_cuda_ids(owner: object, ids: dict[int, str] | None) -> None:
+    global _cuda_owner
+    with _cuda_lock:
+        if ids is None:
+            if _cuda_owner is owner:
+                _cuda_ids.clear()
+                _cuda_owner = None
+            return
+        _cuda_ids.clear()
+        _cuda_ids.update(ids)
+        _cuda_owner = owner
+
+
+def cuda_visible_devices(indices: Iterable[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a rank on these GPU indices. With an NVML
+    probe open: the devices' UUIDs (``MIG-...`` for MIG instances), because
+    CUDA's numbering need not follow NVML's and an index cannot name a MIG
+    instance. Without one (emulated GPUs): the indices."""
+    indices = list(indices)
+    with _cuda_lock:
+        if _cuda_owner is None:
+            return ",".join(str(i) for i in indices)
+        missing = [i for i in indices if i not in _cuda_ids]
+        if missing:
+            raise ValueError(f"GPU indices {missing} are not in this node's NVML device table")
+        return ",".join(_cuda_ids[i] for i in indices)

@@ -41,22 +41,33 @@ class Runner(Protocol):
 
 
 class SubprocessRunner:
-    """Real processes; progress and checkpoints through the worker's files."""
+    """Real processes; progress and checkpoints through the worker's files.
+    With a ``warm`` pool (agent/warm.py) a rank becomes a worker whose
+    interpreter and imports are ready, when one is."""
+
+    def __init__(self, warm: Any = None):
+        self.warm = warm
 
     async def start_rank(self, run: Any, spec: launch.RankSpec, env: dict[str, str]) -> Rank:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         run.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        with open(run.run_dir / f"rank-{spec.rank}.log", "ab") as out:
-            proc = await asyncio.create_subprocess_exec(
-                *launch.command(run.alloc),
-                env=env,
-                cwd=run.run_dir,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,  # own process group: one signal reaches its children
-                preexec_fn=_die_with_agent,  # no orphan outlives a crashed agent
-            )
+        cmd = launch.command(run.alloc)
+        log_path = run.run_dir / f"rank-{spec.rank}.log"
+        proc = self.warm.take(cmd, run.alloc.env) if self.warm is not None else None
+        if proc is not None and not await self.warm.hand_off(proc, cmd, env, str(run.run_dir), str(log_path)):
+            proc = None
+        if proc is None:
+            with open(log_path, "ab") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *cmd,
+                    env=env,
+                    cwd=run.run_dir,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,  # own process group: one signal reaches its children
+                    preexec_fn=_die_with_agent,  # no orphan outlives a crashed agent
+                )
         _remember_pid(run.run_dir, proc.pid)
         return proc
 
@@ -91,7 +102,16 @@ def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
             return True
         except OSError:
             return False
-    return f"GEARSHIFT_JOB_ID={job_id}".encode() in env and f"GEARSHIFT_GENERATION={generation}".encode() in env
+    if f"GEARSHIFT_JOB_ID={job_id}".encode() in env and f"GEARSHIFT_GENERATION={generation}".encode() in env:
+        return True
+    # a warm worker (agent/warm.py) keeps the agent's environment: it moved into the run's folder
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            warm = b"agent.warm" in f.read()
+        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return False
+    return warm and cwd.name == f"g{generation}" and cwd.parent.name == job_id
 
 
 async def _reap_orphans(run_root: Path, grace: float, log: Any) -> int:

@@ -332,12 +332,25 @@ class CheckpointWriter:
                 if exc_type is not None:
                     shutil.rmtree(self_inner.tmp, ignore_errors=True)
                     return
-                final = writer.path(step)
-                if final.exists():  # the same step again (a repeated stop): replace it
-                    shutil.rmtree(final, ignore_errors=True)
-                os.replace(self_inner.tmp, final)
+                writer.commit(step, self_inner.tmp)
 
         return _Stage()
+
+    def shared_stage(self, step: int, tag: str) -> Path:
+        """A temp folder with a name every rank can compute (``tag``: e.g. the
+        generation), for checkpoints each rank writes a part of; one rank
+        creates it, all write, one ``commit``s."""
+        return self.ckpt_dir / f"step-{int(step):08d}.tmp-{tag}"
+
+    def commit(self, step: int, tmp: Path) -> Path:
+        """Rename a complete temp folder to ``step-<n>`` (replacing an older one of the same step)."""
+        import shutil
+
+        final = self.path(step)
+        if final.exists():  # the same step again (a repeated stop): replace it
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
 
     def prune(self, current: int) -> None:
         """Remove step folders older than the newest ``keep`` (never ``current``)

@@ -13,9 +13,12 @@ A subject pattern names its variable tokens in angle brackets: ``<node>``,
 ``<tenant>`` become the identity's own node or tenant (for an agent or a
 tenant user) and ``*`` for everyone else; other variables become ``*``.
 
-Roles: ``admin`` (operators), ``tools`` (outside readers), ``tenant``,
-``agent`` and the services ``admission``, ``optimizer``, ``perfmodel``,
-``profiler``. ``admin`` may use everything and is not listed.
+Roles: ``admin`` (operators), ``tools`` (outside readers), ``dashboard``
+(the web dashboard: read-only; its actions run on the signed-in person's own
+connection), ``tenant``, ``agent`` and the services ``admission``,
+``optimizer``, ``perfmodel``, ``profiler``. ``admin`` may use everything and
+is not listed. A KV route's receivers are read-only roles that watch the
+bucket (the services' bucket rights are their own, see ``services.auth``).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _req(subject: str, request: Any, reply: Any, callers: tuple[str, ...], serve
 
 
 _EVENT_WRITERS = ("admission", "optimizer", "profiler", "perfmodel")
-_EVENT_READERS = ("optimizer", "profiler", "tools")
+_EVENT_READERS = ("optimizer", "profiler", "tools", "dashboard")
 
 ROUTES: tuple[Route, ...] = (
     # admission: the admin's subjects, and each tenant's own (admission trusts the last token)
@@ -105,7 +108,7 @@ ROUTES: tuple[Route, ...] = (
     Route("gs.node.<node>.heartbeat", PUBLISH, m.NodeReport, senders=("agent",),
           doc="node heartbeat (NVML sample); also the KV entry gs_nodes.<node>"),
     Route("gs.job.<job>.progress", PUBLISH, m.JobProgress, senders=("agent",),
-          receivers=("admission", "tools"), doc="live steps and speed of a running job"),
+          receivers=("admission", "tools", "dashboard"), doc="live steps and speed of a running job"),
     Route("gs.report.<node>.<job>", STREAM, m.RunReport, senders=("agent",), receivers=("optimizer",),
           stream=s.REPORTS_STREAM, doc="a rank started, stepped (first step of a generation) or exited"),
     # events
@@ -117,10 +120,11 @@ ROUTES: tuple[Route, ...] = (
           stream=s.EVENTS_STREAM, doc="a scheduling round that changed something"),
     # state (KV buckets; permissions on these are the buckets', see services.auth)
     Route(f"$KV.{s.JOBS_BUCKET}.<job>", KV, m.JobRecord, senders=("admission", "optimizer", "profiler"),
-          doc="the authoritative job record"),
+          receivers=("dashboard",), doc="the authoritative job record"),
     Route(f"$KV.{s.ALLOC_BUCKET}.<job>", KV, m.Allocation, senders=("optimizer",),
           doc="a job's allocation (plus per-node copies <node>.<job> agents read)"),
-    Route(f"$KV.{s.NODES_BUCKET}.<node>", KV, m.NodeReport, senders=("agent",), doc="a node's last report"),
+    Route(f"$KV.{s.NODES_BUCKET}.<node>", KV, m.NodeReport, senders=("agent",),
+          receivers=("dashboard",), doc="a node's last report"),
     Route(f"$KV.{s.NODE_MODES_BUCKET}.<node>", KV, ops.NodeModeEntry, senders=("optimizer",),
           doc="cordoned / draining nodes (absent: active)"),
     Route(f"$KV.{s.QUEUES_BUCKET}.<tenant>", KV, m.QueueSpec, senders=("admission", "optimizer"),
@@ -130,7 +134,7 @@ ROUTES: tuple[Route, ...] = (
 )
 
 STREAM_SUBJECTS = {s.EVENTS_STREAM: s.EVENTS_SUBJECTS, s.REPORTS_STREAM: s.REPORTS_SUBJECTS}
-ROLES = ("admin", "tools", "tenant", "agent", "admission", "optimizer", "perfmodel", "profiler")
+ROLES = ("admin", "tools", "dashboard", "tenant", "agent", "admission", "optimizer", "perfmodel", "profiler")
 
 _VAR = re.compile(r"<([a-z]+)>")
 
@@ -211,6 +215,20 @@ def grants(role: str, node: str | None = None, tenant: str | None = None) -> tup
     return pub, sub
 
 
+def watched_buckets(role: str) -> list[str]:
+    """The KV buckets a read-only role watches (the KV routes it receives)."""
+    return [r.subject.split(".")[1] for r in ROUTES if r.kind == KV and role in r.receivers]
+
+
+def read_streams(role: str) -> list[str]:
+    """The JetStream streams a role reads through consumers (the stream routes it receives)."""
+    out: list[str] = []
+    for r in ROUTES:
+        if r.kind == STREAM and role in r.receivers and r.stream not in out:
+            out.append(r.stream)
+    return out
+
+
 def subject_map() -> dict[str, dict[str, Any]]:
     """The ``subjects`` section of ``gearshift schema``."""
     out: dict[str, dict[str, Any]] = {}
@@ -223,6 +241,8 @@ def subject_map() -> dict[str, dict[str, Any]]:
             entry.update(message=_name(r.request), publishers=["admin", *r.senders] if r.kind != KV else list(r.senders))
             if r.kind != KV:
                 entry["readers"] = ["admin", *r.receivers]
+            elif r.receivers:
+                entry["watched_by"] = list(r.receivers)
             if r.stream:
                 entry["stream"] = r.stream
         out[r.subject] = entry

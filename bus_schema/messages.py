@@ -292,14 +292,33 @@ class GpuProcess(_Msg, kw_only=True, frozen=True):
     used_memory: int | None = None  # bytes; None when NVML cannot tell
 
 
+class GpuHealth(str, enum.Enum):
+    """What the probe knows about a GPU. Anything but ``ok`` gets no work."""
+
+    OK = "ok"
+    LOST = "lost"  # NVML: GPU is lost (fell off the bus)
+    RESET_REQUIRED = "reset_required"
+    ERROR = "error"  # NVML: unknown error on this GPU
+    XID = "xid"  # a critical XID error was reported for it
+    STALE = "stale"  # the last NVML call for it did not return in time
+    UNREADABLE = "unreadable"  # its UUID or memory could not be read
+    NO_DRIVER = "no_driver"  # the driver went away (reload in progress)
+
+
 class GpuReport(_Msg, kw_only=True, frozen=True):
-    index: NonNegInt
-    uuid: str
+    index: NonNegInt  # position in the agent's device table: allocations name GPUs by it
+    uuid: str  # GPU-... or MIG-...; "" when NVML could not tell (never made up)
     name: str = ""
     memory_used: NonNegInt = 0  # bytes
     memory_total: NonNegInt = 0  # bytes
     utilization: Annotated[float, Meta(ge=0, le=100)] | None = None  # percent
     processes: list[GpuProcess] = []
+    health: GpuHealth = GpuHealth.OK  # default: reports from agents older than the field
+    health_reason: Label = ""
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == GpuHealth.OK
 
 
 class NodeReport(_Msg, kw_only=True, frozen=True):

@@ -27,6 +27,8 @@ class ProfileRequest(Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     max_dp: Annotated[int, Meta(ge=1, le=64)] | None = None  # default: the largest node's GPUs
     steps: Annotated[int, Meta(ge=1, le=1000)] = DEFAULT_PROFILE_STEPS
     fit: bool = True
+    # runs per plan, round-robin over the plans; the fastest counts (other load only ever adds time)
+    repeats: Annotated[int, Meta(ge=1, le=5)] = 1
 
 
 class ProfileReply(Struct, kw_only=True, frozen=True):

@@ -42,6 +42,7 @@ class LocalCluster:
     auth: bool = False
     tenants: list[str] = field(default_factory=lambda: ["default"])
     dashboard: bool = True  # the live web dashboard (services.dashboard)
+    real_gpus: bool = False  # agents read this host's GPUs through NVML (loadtest.gpu_check)
 
     def __post_init__(self) -> None:
         self._tmp: Path | None = None  # a temp data dir we made (removed on stop unless logs are kept)
@@ -100,13 +101,14 @@ class LocalCluster:
             name = f"node{i}"
             self._spawn(
                 name,
-                [py, "-m", "agent", "--node", name, "--fake-gpus", str(self.gpus_per_node), "--gpu-memory",
-                 self.gpu_memory, "--cpus", str(self.cpus_per_node), "--workdir", str(root / "agents" / name),
+                [py, "-m", "agent", "--node", name,
+                 *([] if self.real_gpus else ["--fake-gpus", str(self.gpus_per_node), "--gpu-memory", self.gpu_memory]),
+                 "--cpus", str(self.cpus_per_node), "--workdir", str(root / "agents" / name),
                  "--ckpt-root", str(ckpt), "--heartbeat", str(self.heartbeat), "--grace", str(self.grace)],
                 self._env_for(env, f"agent-{name}"),
             )
-        if self.dashboard:  # reads the bus as the operator; actions use the signed-in person's identity
-            self._spawn("dashboard", [py, "-m", "services.dashboard"], self._env_for(env, "admin"))
+        if self.dashboard:  # reads the bus with its own read-only identity; actions use the signed-in person's
+            self._spawn("dashboard", [py, "-m", "services.dashboard"], self._env_for(env, "dashboard"))
         if wait:
             self.wait_ready()
         return self.url

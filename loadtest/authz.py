@@ -172,6 +172,7 @@ class Suite:
             await self.agent_checks()
             await self.tenant_checks(jobs)
             await self.tools_checks()
+            await self.dashboard_checks(jobs)
             await self.service_checks()
         finally:
             await self.admin.close()
@@ -388,6 +389,93 @@ class Suite:
         except Exception as exc:
             self.record(role, "own a durable consumer of the event stream (create, fetch, ack, delete)", "allowed",
                         False, repr(exc))
+
+    async def dashboard_checks(self, jobs: dict[str, str]) -> None:
+        """The dashboard's identity reads what the page shows and nothing else:
+        no submit, no cancel (a person's own credentials do that), no KV write."""
+        role = "dashboard"
+        job = jobs["nlp"]
+        async with self.ident("dashboard") as d:
+            js = d.nc.jetstream()
+            for bucket, key in ((subj.JOBS_BUCKET, job), (subj.NODES_BUCKET, "node0")):
+                seen: list[str] = []
+                try:
+                    watcher = await (await js.key_value(bucket)).watchall()
+                    try:
+                        deadline = time.monotonic() + 10
+                        while time.monotonic() < deadline and key not in seen:
+                            try:
+                                e = await asyncio.wait_for(watcher.__anext__(), 1)
+                            except asyncio.TimeoutError:
+                                continue
+                            if e is not None:
+                                seen.append(e.key)
+                    finally:
+                        await watcher.stop()
+                    self.record(role, f"watch {bucket}", "allowed", key in seen, f"{len(seen)} keys")
+                except Exception as exc:
+                    self.record(role, f"watch {bucket}", "allowed", False, repr(exc))
+            try:
+                info = await js.stream_info(subj.EVENTS_STREAM)
+                sub = await js.subscribe(subj.EVENTS_SUBJECTS, stream=subj.EVENTS_STREAM, ordered_consumer=True,
+                                         config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                                               opt_start_seq=max(1, info.state.last_seq)))
+                msg = await sub.next_msg(timeout=5)
+                await sub.unsubscribe()
+                self.record(role, "follow the recent event stream", "allowed",
+                            msg.metadata.sequence.stream == info.state.last_seq)
+            except Exception as exc:
+                self.record(role, "follow the recent event stream", "allowed", False, repr(exc))
+            got: list[Any] = []
+
+            async def cb(msg: Any) -> None:
+                got.append(msg)
+
+            await d.nc.subscribe("gs.job.*.progress", cb=cb)
+            await d.nc.flush()
+            await self.admin.publish(f"gs.job.{job}.progress", b"{}")
+            await arrived(got)
+            self.record(role, "receive live progress", "allowed", bool(got))
+
+            async def untouched() -> bool:  # "changed" when the seeded job was cancelled
+                rec = codec.decode(await self.kv_value(subj.JOBS_BUCKET, job) or b"", JobRecord)
+                return rec.state.value in ("cancelling", "cancelled")
+
+            await self.refused_request(d, role, subj.ADMISSION_SUBMIT, codec.encode(SubmitRequest(spec=spec("nlp", "x"))))
+            await self.refused_request(d, role, f"{subj.ADMISSION}.submit.nlp", b"{}")
+            await self.refused_request(d, role, subj.ADMISSION_CANCEL, json.dumps({"job_id": job}).encode(), untouched)
+            await self.refused_request(d, role, f"{subj.ADMISSION}.cancel.nlp", json.dumps({"job_id": job}).encode(),
+                                       untouched)
+            await self.refused_request(d, role, subj.ADMISSION_LIST, b"{}")
+            await self.refused_request(d, role, subj.ADMISSION_SET_QUEUE, b"{}")
+            await self.refused_request(d, role, subj.OPTIMIZER_ROUND)
+            await self.refused_request(d, role, subj.OPTIMIZER_NODE, b'{"node": "node0", "mode": "cordoned"}')
+            await self.refused_kv_put(d, role, subj.JOBS_BUCKET, job)
+            await self.refused_kv_put(d, role, subj.NODES_BUCKET, "node0")
+            await self.refused_kv_put(d, role, subj.ALLOC_BUCKET, "node0.jforged")
+            await self.refused_request(d, role, "gs.evt.job.jforged.completed", b"{}")
+            await self.refused_request(d, role, f"$JS.API.STREAM.DELETE.{subj.EVENTS_STREAM}")
+            await self.refused_request(d, role, f"$JS.API.STREAM.PURGE.KV_{subj.JOBS_BUCKET}")
+            await self.refused_request(d, role, f"$JS.API.CONSUMER.DURABLE.CREATE.{subj.EVENTS_STREAM}.spy")
+            await self.refused_request(d, role, f"$JS.API.CONSUMER.CREATE.KV_{subj.ALLOC_BUCKET}")
+            await self.refused_request(d, role, f"$JS.API.STREAM.MSG.GET.KV_{subj.ALLOC_BUCKET}",
+                                       json.dumps({"seq": 1}).encode())
+            await self.refused_request(d, role, "gs.agent.node0.stop", b'{"job_id": "x", "generation": 1}')
+            await self.refused_subscribe(d, role, "gs.agent.>", "gs.agent.node0.stop")
+            await self.refused_subscribe(d, role, "gs.admission.>", "gs.admission.submit.nlp")
+            await self.refused_subscribe(d, role, "_INBOX.>", "_INBOX.abc")
+            # a durable consumer through the ephemeral subject: the server refuses it and none is made
+            durable = {"stream_name": subj.EVENTS_STREAM, "config": {"durable_name": "spy", "ack_policy": "none",
+                                                                   "deliver_subject": "_INBOX_dashboard.spy"}}
+            reply = await d.nc.request(f"$JS.API.CONSUMER.CREATE.{subj.EVENTS_STREAM}", json.dumps(durable).encode(),
+                                       timeout=3)
+            try:
+                await self.admin.jetstream().consumer_info(subj.EVENTS_STREAM, "spy")
+                made = True
+            except Exception:
+                made = False
+            self.record(role, "create a durable consumer on the event stream", "refused",
+                        b'"error"' in reply.data and not made, reply.data.decode()[:120])
 
     async def service_checks(self) -> None:
         """Each service can do its own job and not another's."""

@@ -9,6 +9,17 @@ Two scenarios, each a full emulated run of ``--jobs`` jobs:
   (``GEARSHIFT_REPLICAS=3``). The same service kills, one server killed with
   SIGKILL (and brought back later), and an agent killed mid-switch.
 
+Authorisation is on (``--no-auth`` turns it off): every service and agent
+connects as its own user (``services.auth``), jobs are submitted and
+cancelled by tenant users, the checker reads as the admin.
+
+The plan switches are not left to the policy: the first jobs are long, and
+the checker pins a new plan on one of them through ``gs.optimizer.reconfigure``
+and kills an agent of the job in the middle of that switch, twice per
+scenario. The first time the agent is frozen (SIGSTOP) before the pin, so it
+dies exactly between the new allocation and any reaction to it; the second
+time it dies at a random moment of the changeover.
+
 A supervisor restarts whatever died (what systemd's ``Restart=always`` does
 in a deployment). The client submits with idempotency tokens and retries
 until it has an answer, and cancels a few jobs. At the end it checks:
@@ -45,11 +56,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobRecord, JobSpec, ModelSpec, NodeList, SubmitReply, SubmitRequest, TERMINAL_STATES
+from bus_schema.messages import (
+    JobRecord, JobRef, JobSpec, JobState, ModelSpec, NodeList, ReconfigureReply, ReconfigureRequest, SubmitReply,
+    SubmitRequest, TERMINAL_STATES,
+)
 from services.natsd import NatsServer
 
 SERVICE_KINDS = ("admission", "optimizer", "perfmodel")
+TENANTS = ("vision", "nlp", "llm")
+NODE_TIMEOUT = 10  # seconds without a heartbeat before the optimizer calls a node lost
+# A successor agent does not report the generation it reaped, so a drain on a node whose
+# agent was killed mid-switch ends only by this timeout (120 s by default). Here jobs
+# last seconds, and the killed agent's ranks get SIGTERM with it (PDEATHSIG) and are
+# reaped by its successor within the 5 s grace: 30 s is safe, and the generation
+# sampler would see a second generation start early.
+DRAIN_TIMEOUT = 30
+SWITCH_TARGETS = 2  # the first jobs run long: the forced switches happen on them
 FAULT_KINDS = (
     "kill_admission", "kill_optimizer", "kill_perfmodel", "restart_nats_server", "kill_cluster_server",
     "kill_agent_mid_switch",
@@ -111,9 +136,10 @@ class Service:
 class NatsFleet:
     """One server, or a 3-server cluster, on fixed ports so a restarted server comes back where it was."""
 
-    def __init__(self, root: Path, size: int):
+    def __init__(self, root: Path, size: int, config: Path | None = None):
         self.root = root
         self.size = size
+        self.config = config  # authorisation (services.auth) when set
         self.ports = [free_port() for _ in range(size)]
         self.cluster_ports = [free_port() for _ in range(size)] if size > 1 else []
         self.servers: list[NatsServer | None] = [None] * size
@@ -130,7 +156,8 @@ class NatsFleet:
             routes = ",".join(f"nats://127.0.0.1:{p}" for p in self.cluster_ports)
             extra = ["--cluster", f"nats://127.0.0.1:{self.cluster_ports[i]}", "--cluster_name", "gschaos",
                      "--routes", routes]
-        return NatsServer(self.root / f"js{i}", port=self.ports[i], extra_args=extra, name=f"gs{i}")
+        return NatsServer(self.root / f"js{i}", port=self.ports[i], extra_args=extra, name=f"gs{i}",
+                          config=self.config)
 
     def start(self, i: int | None = None) -> None:
         for k in ([i] if i is not None else range(self.size)):
@@ -233,6 +260,7 @@ class Scenario:
     deadline: float = 300.0
     service_kills: int = 3  # per service kind, at least
     cancel_fraction: float = 0.1
+    auth: bool = True
 
 
 @dataclass
@@ -254,9 +282,115 @@ def workload(n: int, rng: random.Random, gpus_per_node: int) -> list[JobSpec]:
         gpus = rng.choice([1, 1, 2, 2, 4, 2 * gpus_per_node])
         specs.append(JobSpec(
             name=f"chaos-{i:03d}", model=rng.choice(models), global_batch=16, steps=rng.randint(80, 160),
-            gpus=gpus, tenant=rng.choice(["vision", "nlp", "llm"]), step_time=round(rng.uniform(0.04, 0.08), 3),
+            gpus=gpus, tenant=rng.choice(TENANTS), step_time=round(rng.uniform(0.04, 0.08), 3),
         ))
+    for i in range(min(SWITCH_TARGETS, n)):  # ~40 s each: long enough to be switched twice while running
+        specs[i] = msgspec.structs.replace(specs[i], steps=800, gpus=2, step_time=0.05)
     return specs
+
+
+def switch_targets(acked: dict[str, str]) -> list[str]:
+    """Job ids of the long jobs the forced switches use, in submission order."""
+    names = {f"chaos-{i:03d}" for i in range(SWITCH_TARGETS)}
+    return [j for j, n in acked.items() if n in names]
+
+
+class MidSwitchKiller:
+    """The fault "agent killed in the middle of a plan switch", forced: the
+    switch is pinned through ``gs.optimizer.reconfigure`` on a long target
+    job instead of waiting for the policy to choose one."""
+
+    def __init__(self, run: "ChaosRun"):
+        self.run = run
+
+    async def _running_target(self, nc: Any, give_up: float) -> JobRecord | None:
+        """A target job that runs (with steps still to go) and is not switching."""
+        deadline = time.monotonic() + give_up
+        while time.monotonic() < deadline and not self.run.done:
+            for job_id in switch_targets(self.run.acked):
+                try:
+                    rec = await self.run.request(nc, subj.ADMISSION_GET, JobRef(job_id=job_id), JobRecord, give_up=10)
+                except Exception:
+                    continue
+                if (rec.state == JobState.RUNNING and not rec.draining and rec.plan is not None
+                        and rec.steps_done < rec.spec.steps - 100):
+                    return rec
+            await asyncio.sleep(0.5)
+        return None
+
+    async def _generation_after(self, nc: Any, job_id: str, generation: int, give_up: float) -> JobRecord | None:
+        deadline = time.monotonic() + give_up
+        while time.monotonic() < deadline:
+            try:
+                rec = await self.run.request(nc, subj.ADMISSION_GET, JobRef(job_id=job_id), JobRecord, give_up=5)
+                if rec.generation > generation or rec.terminal:
+                    return rec
+            except Exception:
+                pass
+            await asyncio.sleep(0.1)
+        return None
+
+    async def _pin_and_wait(self, nc: Any, req: ReconfigureRequest, generation: int) -> JobRecord | None:
+        """Pin, then wait for the job's next generation (the switch decided)."""
+        await self.run.request(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply)
+        return await self._generation_after(nc, req.job_id, generation, give_up=60)
+
+    async def __call__(self, nc: Any, wanted: int = 2) -> None:
+        """Pin a new plan on a running target job (``gs.optimizer.reconfigure``,
+        the same GPUs per node, activation checkpointing flipped) and kill -9
+        an agent of the job in the middle of the switch. The first agent is
+        frozen (SIGSTOP) before the pin and killed once the new generation is
+        decided, so it dies between the new allocation and any reaction to
+        it; the next ones die at a random moment of the changeover."""
+        killed = attempts = 0
+        while killed < wanted and not self.run.done and attempts < 3 * wanted:
+            attempts += 1
+            rec = await self._running_target(nc, give_up=120)
+            if rec is None or rec.plan is None:
+                self.run.outcome.notes.append("no running target job to switch")
+                return
+            node = self.run.rng.choice([p.node for p in rec.placement])
+            agent = self.run.services[node]
+            frozen = killed == 0 and agent.alive()
+            plan = msgspec.structs.replace(rec.plan, grad_ckpt=not rec.plan.grad_ckpt)
+            req = ReconfigureRequest(job_id=rec.job_id, plan=plan, reason=f"chaos: switch {killed + 1}",
+                                     placement=[{"node": p.node, "gpus": len(p.gpus)} for p in rec.placement])  # type: ignore[misc]
+            req = codec.convert(codec.to_builtins(req), ReconfigureRequest)
+            if frozen:
+                assert agent.proc is not None
+                agent.proc.send_signal(signal.SIGSTOP)
+            try:
+                new = None
+                try:  # frozen for less than the node timeout, or the node is lost instead
+                    new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation),
+                                                 NODE_TIMEOUT - 3 if frozen else 60)
+                except asyncio.TimeoutError:
+                    pass
+                if new is None and frozen:  # the optimizer is restarting: go on unfrozen, kill at the decision
+                    assert agent.proc is not None
+                    agent.proc.send_signal(signal.SIGCONT)
+                    frozen = False
+                    self.run.outcome.notes.append(f"{rec.job_id}: no switch decision within {NODE_TIMEOUT - 3} s; agent thawed")
+                    try:
+                        new = await asyncio.wait_for(self._pin_and_wait(nc, req, rec.generation), 60)
+                    except asyncio.TimeoutError:
+                        pass
+                elif not frozen:
+                    await asyncio.sleep(self.run.rng.uniform(0.0, 0.4))
+                if new is None or new.terminal:
+                    self.run.outcome.notes.append(f"{rec.job_id}: the pinned switch did not start")
+                    continue
+                self.run.switches_seen += 1
+                agent.kill9()  # SIGKILL ends a stopped process too
+            finally:
+                if frozen and agent.alive():
+                    assert agent.proc is not None
+                    agent.proc.send_signal(signal.SIGCONT)
+            killed += 1
+            self.run.outcome.faults["kill_agent_mid_switch"] += 1
+            self.run.log("kill -9 agent mid-switch", node, rec.job_id, "gen", rec.generation, "->", new.generation,
+                     "frozen" if frozen else "")
+            await asyncio.sleep(3)
 
 
 class ChaosRun:
@@ -265,7 +399,12 @@ class ChaosRun:
         self.root = root
         self.verbose = verbose
         self.rng = random.Random(sc.seed)
-        self.fleet = NatsFleet(root / "nats", sc.servers)
+        self.auth = None
+        if sc.auth:
+            from services.auth import write_auth_dir
+
+            self.auth = write_auth_dir(root / "auth", [f"node{i}" for i in range(sc.nodes)], list(TENANTS))
+        self.fleet = NatsFleet(root / "nats", sc.servers, self.auth.config if self.auth else None)
         self.services: dict[str, Service] = {}
         self.outcome = Outcome(sc.name)
         self.run_id = f"{sc.name}-{os.getpid()}-{sc.seed}"
@@ -275,6 +414,7 @@ class ChaosRun:
         self.cancelled: set[str] = set()
         self.switches_seen = 0
         self.done = False
+        self.tenant_nc: dict[str, Any] = {}
 
     def log(self, *msg: Any) -> None:
         if self.verbose:
@@ -292,19 +432,34 @@ class ChaosRun:
         )
         return env
 
-    def _add(self, name: str, argv: list[str]) -> None:
+    def _add(self, name: str, argv: list[str], user: str) -> None:
         logs = self.root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        self.services[name] = Service(name, argv, self._env(), logs / f"{name}.log")
+        env = self._env()
+        if self.auth is not None:
+            env["GEARSHIFT_CREDS"] = str(self.auth.creds(user))
+        self.services[name] = Service(name, argv, env, logs / f"{name}.log")
+
+    def _creds(self, user: str) -> dict[str, Any]:
+        """nats-py connect options of ``user`` (none with authorisation off)."""
+        if self.auth is None:
+            return {}
+        from services.auth import connect_options, load_creds
+
+        return connect_options(load_creds(self.auth.creds(user)))
 
     async def setup(self) -> None:
         self.fleet.start()
+        if self.auth is not None:
+            from services.auth import set_url
+
+            set_url(self.auth, self.fleet.url)
         from services.runtime import connect, ensure_infra
 
         deadline = time.monotonic() + 60
         while True:  # a fresh cluster elects its JetStream meta leader first
             try:
-                nc = await connect(self.fleet.url, name="chaos-setup", retry_for=10)
+                nc = await connect(self.fleet.url, name="chaos-setup", retry_for=10, **self._creds("admin"))
                 try:
                     await ensure_infra(nc, replicas=self.sc.replicas)
                 finally:
@@ -316,15 +471,17 @@ class ChaosRun:
                 await asyncio.sleep(0.5)
         py = sys.executable
         total = self.sc.nodes * self.sc.gpus_per_node
-        self._add("admission", [py, "-m", "services.admission", "--max-gpus", str(total)])
+        self._add("admission", [py, "-m", "services.admission", "--max-gpus", str(total)], "admission")
         self._add("optimizer", [py, "-m", "services.optimizer", "--policy", self.sc.policy, "--interval", "1",
-                                "--node-timeout", "8"])
-        self._add("perfmodel", [py, "-m", "services.perfmodel_service"])
+                                "--node-timeout", str(NODE_TIMEOUT), "--drain-timeout", str(DRAIN_TIMEOUT)],
+                  "optimizer")
+        self._add("perfmodel", [py, "-m", "services.perfmodel_service"], "perfmodel")
         for i in range(self.sc.nodes):
             name = f"node{i}"
             self._add(name, [py, "-m", "agent", "--node", name, "--fake-gpus", str(self.sc.gpus_per_node),
                              "--cpus", "32", "--workdir", str(self.root / "agents" / name),
-                             "--ckpt-root", str(self.root / "ckpt"), "--heartbeat", "0.5", "--grace", "5"])
+                             "--ckpt-root", str(self.root / "ckpt"), "--heartbeat", "0.5", "--grace", "5"],
+                      f"agent-{name}")
         for s in self.services.values():
             s.start()
         self.sampler.start()
@@ -344,9 +501,20 @@ class ChaosRun:
     async def client(self) -> Any:
         from services.runtime import connect
 
-        return await connect(self.fleet.url, name="chaos-client", retry_for=30)
+        return await connect(self.fleet.url, name="chaos-client", retry_for=30, **self._creds("admin"))
 
-    async def _request(self, nc: Any, subject: str, body: Any, reply_type: Any, give_up: float = 90) -> Any:
+    async def as_tenant(self, tenant: str) -> tuple[Any, str]:
+        """The connection of ``tenant``'s user and its subject suffix (the admin's, unsuffixed, with auth off)."""
+        if self.auth is None:
+            return self.tenant_nc.setdefault("", await self.client()), ""
+        if tenant not in self.tenant_nc:
+            from services.runtime import connect
+
+            self.tenant_nc[tenant] = await connect(self.fleet.url, name=f"chaos-{tenant}", retry_for=30,
+                                                   **self._creds(f"tenant-{tenant}"))
+        return self.tenant_nc[tenant], "." + subj.token(tenant)
+
+    async def request(self, nc: Any, subject: str, body: Any, reply_type: Any, give_up: float = 90) -> Any:
         from services.runtime import ServiceCallError, call
 
         deadline = time.monotonic() + give_up
@@ -364,18 +532,22 @@ class ChaosRun:
     async def submit_all(self, nc: Any) -> None:
         specs = workload(self.sc.jobs, self.rng, self.sc.gpus_per_node)
         gap = self.sc.submit_over / max(1, len(specs))
+        tenant_of: dict[str, str] = {}
         for spec in specs:
+            tnc, suffix = await self.as_tenant(spec.tenant)
             try:
-                reply = await self._request(nc, subj.ADMISSION_SUBMIT,
+                reply = await self.request(tnc, subj.ADMISSION_SUBMIT + suffix,
                                             SubmitRequest(spec=spec, token=f"{self.run_id}-{spec.name}"), SubmitReply)
                 self.acked[reply.job_id] = spec.name
+                tenant_of[reply.job_id] = spec.tenant
             except Exception as exc:
                 self.submit_failed.append(f"{spec.name}: {exc}")
             if self.rng.random() < self.sc.cancel_fraction and self.acked:
                 victim = self.rng.choice(sorted(self.acked))
-                if victim not in self.cancelled:
+                if victim not in self.cancelled and victim not in switch_targets(self.acked):
+                    tnc, suffix = await self.as_tenant(tenant_of[victim])
                     try:
-                        await self._request(nc, subj.ADMISSION_CANCEL, {"job_id": victim}, JobRecord)
+                        await self.request(tnc, subj.ADMISSION_CANCEL + suffix, JobRef(job_id=victim), JobRecord)
                         self.cancelled.add(victim)
                     except Exception as exc:  # 409: it had finished already
                         self.log("cancel", victim, exc)
@@ -417,41 +589,6 @@ class ChaosRun:
             self.fleet.start(victim)
             self.fleet.restarts += 1
 
-    async def kill_agent_mid_switch(self, nc: Any, wanted: int = 2) -> None:
-        """On a plan switch (a running job gets a new generation), kill -9 the
-        agent of a node of the job at once, while old and new generation change over."""
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def on_event(msg: Any) -> None:
-            q.put_nowait(msg)
-
-        sub = await nc.subscribe("gs.evt.job.*.reconfigured", cb=on_event)
-        try:
-            killed = 0
-            while killed < wanted and not self.done:
-                try:
-                    msg = await asyncio.wait_for(q.get(), timeout=1)
-                except asyncio.TimeoutError:
-                    continue
-                self.switches_seen += 1
-                try:
-                    ev = codec.decode_event(msg.data)
-                except Exception:
-                    continue
-                nodes = [p.node for p in ev.placement]
-                prev = self.services.get(self.rng.choice(nodes)) if nodes else None
-                if prev is None or not prev.alive():
-                    continue
-                # the event is out before the allocation: land anywhere in the changeover
-                await asyncio.sleep(self.rng.uniform(0.0, 0.4))
-                prev.kill9()
-                killed += 1
-                self.outcome.faults["kill_agent_mid_switch"] += 1
-                self.log("kill -9 agent mid-switch", prev.name, ev.job_id, "gen", ev.generation)
-                await asyncio.sleep(5)
-        finally:
-            await sub.unsubscribe()
-
     # ------------------------------------------------------------ end
     async def wait_terminal(self, nc: Any) -> dict[str, JobRecord]:
         from bus_schema.messages import JobList, ListRequest
@@ -462,7 +599,7 @@ class ChaosRun:
             try:
                 jobs, cursor = [], None
                 while True:  # finished jobs move to the history store: list them too, page by page
-                    page = await self._request(nc, subj.ADMISSION_LIST, ListRequest(all=True, cursor=cursor), JobList)
+                    page = await self.request(nc, subj.ADMISSION_LIST, ListRequest(all=True, cursor=cursor), JobList)
                     jobs += page.jobs
                     if (cursor := page.next_cursor) is None:
                         break
@@ -495,6 +632,18 @@ class ChaosRun:
         finally:
             await sub.unsubscribe()
         return out
+
+    @staticmethod
+    def _describe(job_id: str, rec: JobRecord | None, evs: list[Any]) -> dict[str, Any]:
+        """What a job that never ended looked like: stuck (a record in a live
+        state, and why) or lost (no record)."""
+        if rec is None:
+            return {"job_id": job_id, "record": None}
+        return {"job_id": job_id, "state": rec.state.value, "generation": rec.generation, "reason": rec.reason,
+                "placement": [f"{p.node}:{list(p.gpus)}" for p in rec.placement],
+                "draining": [f"{p.node}:{list(p.gpus)}" for p in rec.draining], "steps_done": rec.steps_done,
+                "outbox": len(rec.outbox), "last_events": [e.__struct_config__.tag for e in
+                                                           sorted(evs, key=lambda e: e.seq)[-5:]]}
 
     def check(self, recs: dict[str, JobRecord], events: list[tuple[str, Any]]) -> dict[str, Any]:
         by_job: dict[str, list[Any]] = defaultdict(list)
@@ -532,7 +681,8 @@ class ChaosRun:
         return dict(
             jobs=len(self.acked), submit_failed=len(self.submit_failed), completed=states.get("completed", 0),
             cancelled=states.get("cancelled", 0), failed=states.get("failed", 0), lost_jobs=len(lost),
-            lost=lost[:20], duplicate_events=duplicates, event_gaps=gaps, kv_event_mismatches=mismatches,
+            lost=lost[:20], lost_detail=[self._describe(j, recs.get(j), by_job.get(j, [])) for j in lost[:10]],
+            duplicate_events=duplicates, event_gaps=gaps, kv_event_mismatches=mismatches,
             jobs_without_exactly_one_terminal_event=multi_terminal,
             two_generations_at_once=len({o["job_id"] for o in self.sampler.overlaps}),
             same_generation_twice_on_a_node=len({o["job_id"] for o in self.sampler.doubles}),
@@ -548,12 +698,12 @@ class ChaosRun:
         sup = asyncio.create_task(self.supervise())
         nc = await self.client()
         try:
-            await self._request(nc, subj.ADMISSION_NODES, None, NodeList)  # admission is up
+            await self.request(nc, subj.ADMISSION_NODES, None, NodeList)  # admission is up
             fault_window = self.sc.submit_over + 15
             tasks = [
                 asyncio.create_task(self.kill_services(fault_window)),
                 asyncio.create_task(self.nats_fault(self.rng.uniform(0.3, 0.6) * self.sc.submit_over)),
-                asyncio.create_task(self.kill_agent_mid_switch(nc)),
+                asyncio.create_task(MidSwitchKiller(self)(nc)),
             ]
             await self.submit_all(nc)
             await asyncio.gather(tasks[0], tasks[1])
@@ -566,6 +716,8 @@ class ChaosRun:
             self.done = True
             self.sampler.stop_flag.set()
             await nc.close()
+            for tnc in self.tenant_nc.values():
+                await tnc.close()
             await asyncio.gather(sup, return_exceptions=True)
             for s in self.services.values():
                 s.paused = True
@@ -579,6 +731,7 @@ class ChaosRun:
             faults=faults, kills={n: s.kills for n, s in self.services.items() if s.kills},
             service_restarts={n: s.starts - 1 for n, s in self.services.items() if s.starts > 1},
             nats_restarts=self.fleet.restarts, nats_kills=self.fleet.kills, switches_seen=self.switches_seen,
+            forced_switches=self.switches_seen, auth=self.auth is not None, notes=self.outcome.notes,
             duration_s=round(time.monotonic() - t0, 1),
         )
         return result
@@ -598,12 +751,17 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         submit_failed=total("submit_failed"), completed=total("completed"), cancelled=total("cancelled"),
         failed=total("failed"), kills=sum(sum(r["kills"].values()) for r in results) + total("nats_kills"),
         restarts=sum(sum(r["service_restarts"].values()) for r in results) + total("nats_restarts"),
-        faults=dict(faults),
+        faults=dict(faults), auth=all(r.get("auth") for r in results),
+        lost_detail=[d for r in results for d in r.get("lost_detail", [])],
     )
     kinds = {r["scenario"] for r in results}
     expected = [k for k in FAULT_KINDS if not (k == "restart_nats_server" and "single" not in kinds)
                 and not (k == "kill_cluster_server" and "cluster" not in kinds)]
     summary["fault_kinds_missing"] = [k for k in expected if faults.get(k, 0) < 1]
+    # forced, so every scenario has it (the other kinds are per scenario by construction)
+    summary["fault_kinds_missing"] += [f"kill_agent_mid_switch@{r['scenario']}" for r in results
+                                       if r["faults"].get("kill_agent_mid_switch", 0) < 1
+                                       and "kill_agent_mid_switch" not in summary["fault_kinds_missing"]]
     summary["ok"] = (
         summary["lost_jobs"] == 0 and summary["duplicate_events"] == 0 and summary["event_gaps"] == 0
         and summary["kv_event_mismatches"] == 0 and summary["two_generations_at_once"] == 0
@@ -623,6 +781,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=3, help="SIGKILLs per service kind and scenario")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds to wait for every job to end")
     ap.add_argument("--keep", default=None, help="keep data and logs in this folder")
+    ap.add_argument("--no-auth", action="store_true", help="anonymous connections (authorisation off)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
@@ -633,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         sc = Scenario(
             name=name, servers=1 if name == "single" else 3, replicas=1 if name == "single" else 3, jobs=args.jobs,
             policy=args.policy, seed=args.seed + i, submit_over=args.submit_over, service_kills=args.kills,
-            deadline=args.deadline,
+            deadline=args.deadline, auth=not args.no_auth,
         )
         if args.keep:
             root = Path(args.keep) / name

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import CLUSTER_NAMES, PARAM_NAMES, PerfParams
+from .model import CLUSTER_NAMES, PARAM_NAMES, PARAM_PRIOR, PerfParams
 from .rubick import DATA_DIR, MODELS, balance_weights, load_placements, load_profile, rubick_global_batch, rubick_shape
 from .shapes import ModelShape
 
@@ -74,9 +74,10 @@ def _read(path: Path):
     cl = np.array([doc["cluster"][n] for n in CLUSTER_NAMES])
     ths = {}
     for m, d in doc.get("models", {}).items():
-        if set(d["params"]) != set(PARAM_NAMES) or m not in MODELS or d["model_key"] != rubick_shape(m).key:
+        # a parameter appended since the fit was stored takes its prior centre (PerfParams.from_dict does too)
+        if set(d["params"]) - set(PARAM_NAMES) or m not in MODELS or d["model_key"] != rubick_shape(m).key:
             return None
-        ths[m] = np.array([d["params"][n] for n in PARAM_NAMES])
+        ths[m] = np.array([d["params"].get(n, PARAM_PRIOR[n][0]) for n in PARAM_NAMES])
     if set(ths) != set(MODELS):
         return None
     return cl, ths

@@ -56,7 +56,7 @@ def _iter_time_range(lo, hi, theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, o
     t_fwd = theta[0]; c_fwd = theta[1]; k_bwd = theta[2]; r_gc = theta[3]; gamma = theta[4]
     k_opt = theta[5]; k_cpu = theta[6]; c_off = theta[7]; c0 = theta[8]; f_node = theta[9]
     d_odd = theta[10]; t_3d = theta[11]; eta_tp = theta[12]; c_p2p = theta[13]; kappa = theta[14]
-    c3 = theta[15]; kappa_dp = theta[16]; gamma_z = theta[17]
+    c3 = theta[15]; kappa_dp = theta[16]; gamma_z = theta[17]; c_mb3d = theta[18]
     bw_nvl = cluster[0]; bw_nic = cluster[1]; lat = cluster[2]
     P = consts[0]; gbytes = consts[1]; act_mb = consts[2]; L = consts[3]
     for i in range(lo, hi):
@@ -69,7 +69,7 @@ def _iter_time_range(lo, hi, theta, cluster, consts, dp_a, tp_a, pp_a, zero_a, o
             bw_tp = bw_nic if straddle else bw_nvl
             comp = t_3d * (1.0 + r_gc * gc / (1.0 + k_bwd)) * mb / (tp * pp) * (1.0 + eta_tp * (tp - 1.0))
             tp_comm = math.ceil(L / pp) * 4.0 * 2.0 * (tp - 1.0) / tp * mb * act_mb / bw_tp
-            stage = comp + tp_comm
+            stage = comp + tp_comm + c_mb3d
             n_cross = min(pp - 1.0, n - 1.0)
             hop = 2.0 * mb * act_mb / tp
             hops = n_cross * hop / bw_nic + (pp - 1.0 - n_cross) * hop / bw_nvl + c_p2p * (pp - 1.0)

@@ -26,6 +26,8 @@ Data-parallel family (tp = pp = 1), after Rubick with multi-node terms:
   stage = t_3d*(1 + r_gc*gc/(1+k_bwd))*mb/(tp*pp)*(1+eta_tp*(tp-1))
           + TP all-reduces of activations (4 per layer, mb*s*h*2 bytes, NVLink,
             or the NIC when a TP group straddles nodes)
+          + c_mb3d (a micro-batch's fixed cost on a stage: c_fwd's 3D twin; our
+            own TP/PP runs show it, the Rubick rows do not identify it)
   pipe  = (m + pp - 1)*stage + PP hops (2*mb*s*h*2/tp bytes each way, NIC when the
           hop crosses nodes) + c_p2p*(pp-1)          # m = ga micro-batches
   dp    = hierarchical all-reduce of kappa_3d*grad_bytes*P/(tp*pp) MB in the DP
@@ -66,6 +68,7 @@ PARAM_NAMES = (
     # Appended (indices above are stable for stored fits):
     "kappa_dp",  # DP gradient-sync volume factor (framework efficiency: DDP buckets, wire dtype)
     "gamma_z",   # overlap exponent of the ZeRO (DeepSpeed) reduce-scatter with backward
+    "c_mb3d",    # ms per micro-batch per pipeline stage in 3D plans (fixed cost of a micro-batch)
 )
 P_INDEX = {n: i for i, n in enumerate(PARAM_NAMES)}
 
@@ -106,6 +109,8 @@ PARAM_PRIOR = {
     "c3": (10.0, 2.0),
     "kappa_dp": (1.0, 0.7),
     "gamma_z": (2.0, 1.0),
+    # ~0 unless a fit's samples say otherwise: fits without 3D micro-batch data predict as before
+    "c_mb3d": (0.01, 6.0),
 }
 CLUSTER_PRIOR = {
     "bw_nvlink": (150.0, 1.0),
@@ -203,7 +208,7 @@ def model_terms(
     """All terms of the model (ms), for the reference path and for fitting the
     profiled components: fwd/sync/opt of the DP family, and total time."""
     (t_fwd, c_fwd, k_bwd, r_gc, gamma, k_opt, k_cpu, c_off, c0, f_node, d_odd, t_3d, eta_tp, c_p2p, kappa, c3,
-     kappa_dp, gamma_z) = theta
+     kappa_dp, gamma_z, c_mb3d) = theta
     bw_nvl, bw_nic, lat = cluster
     P, gbytes, act_mb, L = consts
     dp = plans.dp.astype(np.float64)
@@ -252,7 +257,7 @@ def model_terms(
     bw_tp = np.where(straddle, bw_nic, bw_nvl)
     comp = t_3d * (1.0 + r_gc * gc / (1.0 + k_bwd)) * mb / (tp * pp) * (1.0 + eta_tp * (tp - 1.0))
     tp_comm = np.ceil(L / pp) * 4.0 * 2.0 * (tp - 1.0) / tp * mb * act_mb / bw_tp
-    stage = comp + tp_comm
+    stage = comp + tp_comm + c_mb3d
     n_cross = np.minimum(pp - 1.0, n - 1.0)
     hop = 2.0 * mb * act_mb / tp
     hops = n_cross * hop / bw_nic + (pp - 1.0 - n_cross) * hop / bw_nvl + c_p2p * (pp - 1.0)

@@ -14,6 +14,11 @@ Roles (see ``deploy/README.md`` for the reasoning):
   that tenant's user (and the admin) publish on, so it can trust it.
 - ``tools``: may only read: the event stream (replay, live, and durable
   consumers of its own that resume after a restart) and live progress.
+- ``dashboard``: the web dashboard's own reading: live progress, the event
+  stream (ephemeral consumers only) and watches of the KV buckets the bus
+  contract lets it watch (``gs_jobs``, ``gs_nodes``). It writes nothing and
+  calls no endpoint: an action (cancel) runs on a connection opened with the
+  signed-in person's own credentials.
 - ``admin``: the operator (and ``gearshift up``'s local user): everything.
 
 Every user gets its own reply-inbox prefix (``_INBOX_<user>``) and may only
@@ -163,6 +168,9 @@ def permissions(ident: Identity) -> dict[str, Any]:
         }
     if ident.role == "tenant":
         return {"publish": {"allow": bus_pub}, "subscribe": {"allow": [*bus_sub, inbox]}}
+    if ident.role == "dashboard":
+        return {"publish": {"allow": [*_watch_rights("dashboard"), *bus_pub]},
+                "subscribe": {"allow": [inbox, *bus_sub]}}
     # tools: reads the event stream, live and replayed, and may own durable
     # consumers on it (create, fetch, ack, delete). GS_EVENTS holds no
     # service's consumer, so every named consumer there is a tool's: NATS
@@ -180,8 +188,22 @@ def permissions(ident: Identity) -> dict[str, Any]:
     }
 
 
+def _watch_rights(role: str) -> list[str]:
+    """JetStream API rights of a read-only watcher: for each stream it reads
+    and each bucket it watches (``bus_schema.contract``), the stream's info,
+    ephemeral consumers (what KV watches and ordered consumers make; the
+    server refuses a durable name on this subject), their info (a KV watch
+    reads its pending count) and flow control."""
+    streams = [*contract.read_streams(role), *(f"KV_{b}" for b in contract.watched_buckets(role))]
+    out = ["$JS.API.INFO"]
+    for st in streams:
+        out += [f"$JS.API.STREAM.INFO.{st}", f"$JS.API.CONSUMER.CREATE.{st}", f"$JS.API.CONSUMER.INFO.{st}.*",
+                f"$JS.FC.{st}.>"]
+    return out
+
+
 def identities(nodes: list[str], tenants: list[str]) -> list[Identity]:
-    out = [Identity("admin", "admin"), Identity("tools", "tools")]
+    out = [Identity("admin", "admin"), Identity("tools", "tools"), Identity("dashboard", "dashboard")]
     out += [Identity(role, role) for role in SERVICE_ROLES]
     out += [Identity(f"agent-{subj.token(n)}", "agent", node=n) for n in nodes]
     out += [Identity(f"tenant-{subj.token(t)}", "tenant", tenant=t) for t in tenants]

@@ -15,8 +15,8 @@ ACTIVE = ACTIVE_STATES
 
 def held_gpus(records: Iterable[JobRecord], nodes: Iterable[NodeReport]) -> dict[str, set[int]]:
     """GPU indices that are not free although no decision holds them: what
-    cancelling and draining jobs hold until their processes exited, and the
-    GPUs agents profile on."""
+    cancelling and draining jobs hold until their processes exited, the GPUs
+    agents profile on, and unhealthy GPUs."""
     held: dict[str, set[int]] = {}
     for rec in records:
         if rec.state == JobState.CANCELLING:
@@ -31,6 +31,9 @@ def held_gpus(records: Iterable[JobRecord], nodes: Iterable[NodeReport]) -> dict
     for n in nodes:
         if n.reserved:
             held.setdefault(n.node, set()).update(n.reserved)
+        sick = [g.index for g in n.gpus if not g.healthy]  # lost, XID, stale...: no work
+        if sick:
+            held.setdefault(n.node, set()).update(sick)
     return held
 
 

@@ -108,12 +108,20 @@ class AgentConfig(ServiceConfig):
     address: str = "127.0.0.1"
 
 
+class DashboardConfig(ServiceConfig):
+    service: ClassVar[str] = "dashboard"
+    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"  # 0.0.0.0 in a pod
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # the page; 0: any free port (logged and announced)
+    require_login: bool | None = None  # None: on when the dashboard has credentials
+
+
 #: module run by ``python -m`` -> its config type
 CONFIGS: dict[str, type[ServiceConfig]] = {
     "services.admission": AdmissionConfig,
     "services.optimizer": OptimizerConfig,
     "services.perfmodel_service": PerfmodelConfig,
     "services.profiler": ProfilerConfig,
+    "services.dashboard": DashboardConfig,
     "agent": AgentConfig,
 }
 

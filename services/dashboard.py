@@ -34,7 +34,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import JobProgress, JobRecord, NodeReport
 
-from . import auth, observe
+from . import auth, config, observe
 from .dashboard_view import EVENTS, DashboardView
 from .runtime import ServerUnavailable, ServiceCallError, connect, get_logger, run_service
 
@@ -342,15 +342,15 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m services.dashboard", description="gearshift live web dashboard")
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"), help="NATS URL")
-    ap.add_argument("--host", default=os.environ.get("GEARSHIFT_DASHBOARD_HOST", "127.0.0.1"),
-                    help="address to listen on (0.0.0.0 in a pod)")
-    ap.add_argument("--port", type=int, default=int(os.environ.get("GEARSHIFT_DASHBOARD_PORT") or 0),
+    # GEARSHIFT_DASHBOARD_HOST / _PORT / _REQUIRE_LOGIN and --config: services.config
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    ap.add_argument("--port", type=int, default=0,
                     help="port for the page (0: any free port; the URL is logged and announced)")
     ap.add_argument("--require-login", dest="require_login", action="store_true", default=None,
                     help="actions need the person's credentials (default: on when the dashboard has credentials)")
     ap.add_argument("--no-login", dest="require_login", action="store_false",
                     help="anyone at the page may act with the dashboard's identity (only without authorisation)")
-    args = ap.parse_args(argv)
+    args = config.parse_args(ap, config.DashboardConfig, argv)
     run_service(lambda stop: amain(stop, args))
 
 

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -90,33 +89,6 @@ async def test_fake_probe_shows_claimed_gpus_as_used():
     assert gpus[1].processes[0].pid == 42 and gpus[1].memory_total == 1000
     probe.release([1])
     assert all(g.memory_used == 0 and not g.processes for g in await probe.sample())
-
-
-def _scripted_nvml():
-    """A stand-in for the NVML library (not for NATS): two GPUs, the second
-    supports neither utilisation nor per-process memory."""
-    import pynvml
-
-    def not_supported(*_):
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-
-    return SimpleNamespace(
-        NVMLError=pynvml.NVMLError,
-        NVMLError_Uninitialized=pynvml.NVMLError_Uninitialized,
-        nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
-        nvmlDeviceGetName=lambda h: b"H200",
-        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(total=100, used=10 * h, free=100 - 10 * h),
-        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=55, memory=1) if h == 0 else not_supported(),
-        nvmlDeviceGetComputeRunningProcesses=lambda h: [SimpleNamespace(pid=7, usedGpuMemory=None if h else 5)],
-    )
-
-
-async def test_nvml_probe_turns_unsupported_metrics_into_none():
-    probe = NvmlProbe()
-    probe._nvml, probe._handles = _scripted_nvml(), [0, 1]
-    g0, g1 = await probe.sample()
-    assert (g0.uuid, g0.name, g0.utilization, g0.processes[0].used_memory) == ("GPU-0", "H200", 55.0, 5)
-    assert g1.utilization is None and g1.processes[0].used_memory is None and g1.memory_used == 10
 
 
 async def test_nvml_probe_without_driver_raises_no_gpu_driver():

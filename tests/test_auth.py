@@ -76,7 +76,7 @@ def test_server_config_and_creds(tmp_path):
     assert (d.config.stat().st_mode & 0o777) == 0o600
     text = d.config.read_text()
     assert "password" not in text and not any(i.seed in text for i in d.idents)  # public keys only, no secret
-    for user in ("admin", "tools", "admission", "optimizer", "agent-node0", "tenant-nlp"):
+    for user in ("admin", "tools", "dashboard", "admission", "optimizer", "agent-node0", "tenant-nlp"):
         creds = json.loads(d.creds(user).read_text())
         assert creds["inbox_prefix"] == f"_INBOX_{user}" and creds["nkey_seed"].startswith("SU")
         assert f'nkey: "{auth.public_key(creds["nkey_seed"])}"' in text
@@ -84,6 +84,24 @@ def test_server_config_and_creds(tmp_path):
         assert d.nkey(user).read_text().strip() == creds["nkey_seed"]
         assert (d.nkey(user).stat().st_mode & 0o777) == 0o600
     assert "$KV.gs_alloc.node0.>" in text and '"gs.admission.submit.nlp"' in text
+
+
+def test_dashboard_role_is_read_only():
+    """The dashboard's rights come from the contract table: it reads progress,
+    events and watches gs_jobs/gs_nodes; it publishes on no bus subject and
+    writes no bucket (the authz suite checks the server enforces this)."""
+    from bus_schema import contract
+
+    perms = auth.permissions(auth.Identity("dashboard", "dashboard"))
+    pub, sub = perms["publish"]["allow"], perms["subscribe"]["allow"]
+    assert contract.grants("dashboard")[0] == []
+    assert not any(p.startswith(("gs.", "$KV.", "$SRV.")) or p in (">", "$JS.API.>") for p in pub), pub
+    assert "allow_responses" not in perms  # serves nothing
+    assert {"gs.job.*.progress", "gs.evt.>", "_INBOX_dashboard.>"} == set(sub)
+    assert contract.watched_buckets("dashboard") == ["gs_jobs", "gs_nodes"]
+    for stream in ("GS_EVENTS", "KV_gs_jobs", "KV_gs_nodes"):
+        assert f"$JS.API.CONSUMER.CREATE.{stream}" in pub  # ephemeral consumers only
+    assert not any("DURABLE" in p or "DELETE" in p or "PURGE" in p or "gs_alloc" in p for p in pub), pub
 
 
 async def test_nkey_seed_file_connects_and_a_stranger_is_refused(tmp_path):
@@ -119,7 +137,7 @@ def test_authz_suite_on_a_cluster(tmp_path):
     s = report["summary"]
     assert s["ok"] and s["forbidden_refused"] == s["forbidden_tried"] >= 50
     assert s["allowed_worked"] == s["allowed_tried"] >= 10
-    assert {"agent-node0", "tenant-nlp", "tools", "admission"} <= set(s["roles"])
+    assert {"agent-node0", "tenant-nlp", "tools", "dashboard", "admission"} <= set(s["roles"])
 
 
 async def test_tls_from_deploy_settings(tmp_path, monkeypatch):

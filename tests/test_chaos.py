@@ -35,8 +35,9 @@ def test_small_run_survives_service_kills_and_a_server_restart():
     s = report["summary"]
     assert_correct(s)
     assert s["jobs"] == 8 and s["completed"] + s["cancelled"] == 8
-    for kind in ("kill_admission", "kill_optimizer", "kill_perfmodel", "restart_nats_server"):
+    for kind in ("kill_admission", "kill_optimizer", "kill_perfmodel", "restart_nats_server", "kill_agent_mid_switch"):
         assert s["faults"].get(kind, 0) >= 1, s["faults"]
+    assert s["auth"] and not s["fault_kinds_missing"]
 
 
 @pytest.mark.slow

@@ -42,7 +42,9 @@ def test_struct_defaults_match_the_parsers_defaults(module, monkeypatch):
         if module == "agent" and name in ("node", "workdir"):
             continue  # computed from the host at parse time
         default = base.__struct_defaults__[base.__struct_fields__.index(name)]
-        assert ap.get_default(name) == default, (module, name)
+        # the default parse_args uses: the first action of the dest (argparse's
+        # get_default answers the last non-None one, wrong for a --x/--no-x pair)
+        assert config._options(ap)[name].default == default, (module, name)
 
 
 def test_precedence_flag_over_env_over_file_over_default(tmp_path):
@@ -176,3 +178,34 @@ def test_two_flags_sharing_a_destination():
         assert args.login is want, (argv, env)
     # the parser is left as it was: its defaults are back
     assert [a.default for a in ap._actions] == before
+
+
+def test_dashboard_real_parser_login_pair_and_page_port(tmp_path):
+    """The dashboard's real parser: its --require-login/--no-login pair from
+    flag, environment and file, and the page's address checked."""
+    f = tmp_path / "dashboard.yaml"
+    f.write_text("host: 0.0.0.0\nport: 8080\nrequire_login: false\n")
+    args, cfg = resolve("services.dashboard", ["--config", str(f)])
+    assert isinstance(cfg, config.DashboardConfig)
+    assert (args.host, args.port, args.require_login) == ("0.0.0.0", 8080, False)  # file
+    args, _ = resolve("services.dashboard", ["--config", str(f)], {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "yes"})
+    assert args.require_login is True  # env beats file
+    args, _ = resolve("services.dashboard", ["--config", str(f), "--no-login"],
+                      {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "yes"})
+    assert args.require_login is False  # flag beats env
+    args, _ = resolve("services.dashboard", ["--require-login"], {"GEARSHIFT_DASHBOARD_PORT": "9000"})
+    assert (args.require_login, args.port, args.host) == (True, 9000, "127.0.0.1")
+    args, _ = resolve("services.dashboard", [])
+    assert args.require_login is None  # decided at start: on when the dashboard has credentials
+    f.write_text("port: 70000\n")
+    with pytest.raises(config.ConfigError, match=rf"^dashboard\.port: Expected `int` <= 65535 \(from {f}\)"):
+        resolve("services.dashboard", ["--config", str(f)])
+    with pytest.raises(config.ConfigError, match=r"^dashboard\.require_login: expected a boolean.*GEARSHIFT_DASHBOARD"):
+        resolve("services.dashboard", [], {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "maybe"})
+
+
+def test_a_bad_dashboard_value_ends_the_real_process_with_one_line():
+    r = _run("services.dashboard", "--server", "nats://127.0.0.1:1", env={"GEARSHIFT_DASHBOARD_PORT": "http"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "python -m services.dashboard: error: dashboard.port: invalid int value 'http' (from GEARSHIFT_DASHBOARD_PORT)"]

@@ -72,7 +72,7 @@ def generated_secrets(tmp_path_factory) -> list[dict]:
     authdir = tmp / "auth"
     auth.write_auth_dir(authdir, ["gpu-1", "gpu-2"], ["nlp"])
     # the credentials tool's <role>.creds files (their format is its business)
-    for role in ("admission", "optimizer", "perfmodel", "profiler", "agent-gpu-1", "agent-gpu-2"):
+    for role in ("admission", "optimizer", "perfmodel", "profiler", "dashboard", "agent-gpu-1", "agent-gpu-2"):
         (authdir / f"{role}.creds").write_text(f"credentials of {role}\n")
     out = subprocess.run([sys.executable, str(K8S / "make-secrets.py"), "--auth", str(authdir), "--tls", str(tls)],
                          capture_output=True, text=True, timeout=60)
@@ -97,7 +97,7 @@ def test_every_manifest_passes_schema_validation(version, generated_secrets, mon
     monkeypatch.setattr(socket.socket, "connect", offline)  # CI has no network beyond package registries
     docs = manifests() + generated_secrets
     assert {d["kind"] for d in docs} >= {"Namespace", "ServiceAccount", "ConfigMap", "PersistentVolumeClaim",
-                                         "Deployment", "DaemonSet", "PodDisruptionBudget", "Secret"}
+                                         "Deployment", "DaemonSet", "PodDisruptionBudget", "Secret", "Service"}
     for doc in docs:
         # strict: an unknown field (a typo) is an error, as kubectl's server-side validation makes it
         kubernetes_validate.validate(doc, version, strict=True)
@@ -171,6 +171,28 @@ def test_optimizer_pair_and_gpu_daemonset():
     assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]
     grace = yaml.safe_load(by_kind("ConfigMap")["gearshift-config"]["data"]["agent.yaml"])["grace"]
     assert agent["terminationGracePeriodSeconds"] > grace  # SIGTERM -> checkpoint -> exit fits
+
+
+def test_dashboard_service_reaches_the_page_and_metrics():
+    """The Service selects the dashboard's pods and forwards to the ports the
+    page (its config file) and /metrics really listen on; the pod's identity
+    is the read-only dashboard role, never admin."""
+    dep = by_kind("Deployment")["gearshift-dashboard"]
+    (svc,) = [d for d in manifests() if d["kind"] == "Service" and d["metadata"]["name"] == "gearshift-dashboard"]
+    labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    env = container_env(c)
+    page = yaml.safe_load(by_kind("ConfigMap")["gearshift-config"]["data"]["dashboard.yaml"])
+    assert page["host"] == "0.0.0.0" and page["require_login"] is True
+    named = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert named == {"http": page["port"], "metrics": int(env["GEARSHIFT_METRICS_PORT"])} == \
+        {"http": 8080, "metrics": 9106}
+    assert {p["name"]: (p["port"], named[p["targetPort"]]) for p in svc["spec"]["ports"]} == \
+        {"http": (8080, 8080), "metrics": (9106, 9106)}
+    assert env["GEARSHIFT_CREDS"].endswith("/dashboard.creds")
+    (creds,) = [v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == "creds"]
+    assert creds["secret"]["secretName"] == "gearshift-creds-dashboard"
 
 
 def test_every_mounted_object_exists_and_each_role_gets_only_its_identity(generated_secrets):
@@ -309,7 +331,7 @@ def test_make_secrets_packages_extra_roles(tmp_path, generated_secrets):
     authdir, tls = tmp_path / "auth", tmp_path / "tls"
     authdir.mkdir()
     tls.mkdir()
-    for role in ("admission", "optimizer", "perfmodel", "profiler", "agent-gpu-1", "tools"):
+    for role in ("admission", "optimizer", "perfmodel", "profiler", "dashboard", "agent-gpu-1", "tools"):
         (authdir / f"{role}.creds").write_text(role)
     for f in ("nats-auth.conf",):
         (authdir / f).write_text("")

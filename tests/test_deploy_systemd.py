@@ -83,6 +83,11 @@ def test_service_units_match_the_real_parsers(name):
         assert opts["node"] == instance  # the instance name is the node
         assert svc["KillMode"] == ["control-group"]  # job processes die with their agent
         assert float(svc["TimeoutStopSec"][0]) > 60.0  # the agent's grace (deploy/config/agent.yaml) fits
+    elif module == "services.dashboard":
+        # read-only: it creates no stream or bucket, so it needs no replica count
+        assert "GEARSHIFT_REPLICAS" not in env
+        # actions with the signed-in person's credentials (the dashboard's own identity may not act)
+        assert config.check_file(example_for(module), module).require_login is True
     else:
         assert env["GEARSHIFT_REPLICAS"] == "3"
 

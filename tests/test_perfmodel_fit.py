@@ -8,7 +8,7 @@ from perfmodel.plans import ResourceArray, Resources, enumerate_plans
 from perfmodel.shapes import ModelShape
 
 SHAPE = ModelShape("synth", 1500.0, 24, 2048, 1024, 16)
-TRUE = default_theta() * np.array([1.3, 0.8, 1.1, 0.9, 1.5, 1.2, 0.7, 1.4, 0.9, 1.6, 20, 1.2, 0.8, 1.3, 1.1, 0.9, 1.2, 1.3])
+TRUE = default_theta() * np.array([1.3, 0.8, 1.1, 0.9, 1.5, 1.2, 0.7, 1.4, 0.9, 1.6, 20, 1.2, 0.8, 1.3, 1.1, 0.9, 1.2, 1.3, 100])
 
 
 def _samples(theta, cluster, placements=("1", "2", "4", "8", "44", "2222", "35", "17", "11111111", "233")):

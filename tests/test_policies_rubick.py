@@ -177,6 +177,9 @@ def test_switch_reason_carries_predicted_gain():
     a = d.allocations["l"]
     assert a.plan != spec.plan and a.predicted_gain is not None and a.predicted_gain > 0
     assert "predicted throughput" in a.reason and a.plan.label() in a.reason
+    # plain floats: the optimizer puts them into a JobReconfigured event (msgspec refuses numpy floats,
+    # and every round that switched a running job failed on it)
+    assert type(a.predicted_gain) is float and type(a.predicted_throughput) is float
 
 
 class _Optimist:
@@ -235,3 +238,10 @@ def test_guaranteed_job_may_take_a_trusted_single_node_data_parallel_option():
     d = decide(make_policy("rubick"), 0.0, ns, [g], CurveOracle({"lin": LIN}))
     a = d.allocations["G"]
     assert sum(p.gpus for p in a.placement) == 8 and a.plan.tp == a.plan.pp == 1
+
+
+def test_no_live_node_means_every_job_waits():
+    """A round with every node gone (all agents restarting) used to fail in the kernel."""
+    spec = JobSpec(name="a", model=LLAMA, global_batch=16, steps=100, gpus=2)
+    d = make_policy("rubick").schedule(0.0, [], [JobView("a", spec, submitted_at=0.0)], AnalyticOracle())
+    assert not d.allocations and "no live node" in d.waiting["a"]

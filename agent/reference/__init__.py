@@ -1,4 +1,4 @@
-"""The reference training workload (PyTorch on CPU, gloo): ``python -m agent.reference.train``.
+"""The reference training workload (PyTorch; CPU/gloo or CUDA/NCCL; any plan): ``python -m agent.reference.train``.
 
 Helpers here do not import torch: a job spec that runs the workload, and an
 uninterrupted local run to compare a switched run with.
@@ -24,8 +24,14 @@ def params_m(dim: int = DIM, hidden: int = HIDDEN, layers: int = LAYERS, classes
     return (dim * hidden + hidden + layers * per_block + hidden * classes + classes) / 1e6
 
 
+# TP splits the blocks' 4*HIDDEN features, so any TP degree dividing them works; the
+# perfmodel shape's "heads" (which TP degrees are valid) says 4: TP 1, 2 and 4.
+HEADS = 4
+
+
 def model_spec(name: str = "torchref") -> dict[str, Any]:
-    return {"name": name, "params": round(params_m(), 4), "layers": LAYERS, "hidden": HIDDEN, "seq_len": 1}
+    return {"name": name, "params": round(params_m(), 4), "layers": LAYERS, "hidden": HIDDEN, "seq_len": 1,
+            "heads": HEADS}
 
 
 def have_torch() -> bool:
@@ -50,7 +56,8 @@ def job_spec(name: str, *, steps: int, global_batch: int = 64, gpus: int = 1, pl
 
 
 def run_local(plan: dict, steps: int, global_batch: int, ckpt_dir: str | os.PathLike, *,
-              extra_args: tuple[str, ...] = (), timeout: float = 600, port: int | None = None) -> dict:
+              extra_args: tuple[str, ...] = (), timeout: float = 600, port: int | None = None,
+              env: dict[str, str] | None = None) -> dict:
     """Train without the cluster (the ranks as local processes); returns the final manifest."""
     import socket
 
@@ -58,18 +65,18 @@ def run_local(plan: dict, steps: int, global_batch: int, ckpt_dir: str | os.Path
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-    dp = int(plan.get("dp", 1))
+    world = int(plan.get("dp", 1)) * int(plan.get("tp", 1)) * int(plan.get("pp", 1))
     Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
     work = tempfile.mkdtemp(prefix="torchref-")
     procs = []
-    for r in range(dp):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(dp), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    for r in range(world):
+        renv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "GEARSHIFT_JOB_ID": "local", "GEARSHIFT_PLAN": json.dumps(plan), "GEARSHIFT_CKPT_DIR": str(ckpt_dir),
                "GEARSHIFT_STEPS": str(steps), "GEARSHIFT_GLOBAL_BATCH": str(global_batch),
                "GEARSHIFT_PROGRESS_FILE": os.path.join(work, f"progress-{r}.json"),
                "GEARSHIFT_LAUNCHED_AT": repr(time.time())}
-        procs.append(subprocess.Popen(command(*extra_args), env=env, stdout=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(command(*extra_args), env=renv, stdout=subprocess.DEVNULL))
     codes = [p.wait(timeout=timeout) for p in procs]
     if any(codes):
         raise RuntimeError(f"local reference run failed: exit codes {codes}")

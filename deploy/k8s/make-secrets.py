@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-ROLES = ("admission", "optimizer", "perfmodel", "profiler")
+ROLES = ("admission", "optimizer", "perfmodel", "profiler", "dashboard")
 NAMESPACE = "gearshift"
 
 

@@ -1,0 +1,218 @@
+"""Warm workers: Python processes with the job's heavy imports done, kept
+ready by the agent so the next generation of a job starts without paying
+for ``import torch`` (1-5 s of a switch on a CPU box).
+
+A warm worker is ``python -m agent.warm MODULE``. It imports ``MODULE`` and the
+modules that lists in ``WARM_IMPORTS`` (the reference workload: torch and
+torch.distributed), calls its ``warm_up()`` if it has one (first-use costs:
+``torch.optim``'s first constructor imports ``torch._dynamo``), then waits for
+one JSON line on stdin::
+
+    {"argv": [...], "env": {...}, "cwd": "...", "log": "..."}
+
+and becomes that rank: the environment replaced, the working folder changed, stdout/stderr appended to ``log``, and ``MODULE`` run
+as ``__main__`` with ``argv`` (``runpy``), exactly as ``python -m MODULE
+argv...`` would. Its exit status is the job's.
+
+The imports run at normal priority: at idle priority (``SCHED_IDLE``, tried
+first) a busy machine starved them for minutes, so the agent starts them
+after a new generation's first step instead, not while it starts up.
+
+The agent side (``WarmPool``) keeps up to ``size`` warm workers per
+(interpreter, module): for modules named in ``$GEARSHIFT_WARM`` from the
+start, and for any other ``python -m`` command once a job launched it. Only a
+command ``[python, "-m", module, ...]`` whose job environment does not
+change how Python imports (``PYTHON*``, ``LD_*`` variables) is started
+warm; anything else is started cold, as before. Warm workers get the same
+process group and parent-death signal as cold ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import runpy
+import sys
+from typing import Any, Callable, Mapping, Sequence
+
+IMPORT_VARS = ("PYTHON", "LD_")  # prefixes of variables that change what an import does
+
+
+def warm_key(cmd: Sequence[str], job_env: Mapping[str, str] | None) -> tuple[str, str] | None:
+    """(python, module) when ``cmd`` can run in a warm worker, else None."""
+    if len(cmd) < 3 or cmd[1] != "-m" or not os.path.isabs(cmd[0]):
+        return None
+    if any(k.startswith(IMPORT_VARS) for k in (job_env or {})):
+        return None
+    return cmd[0], cmd[2]
+
+
+class WarmPool:
+    """The agent's warm workers, per (python, module). A worker counts as
+    ready once it printed ``ready`` (its imports succeeded); a module whose
+    worker exits instead (import error, or no ``WARM_IMPORTS``: nothing worth
+    keeping warm) is not tried again."""
+
+    READY_TIMEOUT_S = 300.0
+
+    def __init__(self, size: int, *, spawn: Callable[..., Any], log: Any, prewarm: Sequence[str] = (),
+                 status_file: Any = None):
+        self.size = max(1, size)
+        self.status_file = status_file  # {"ready": {module: n}}, rewritten on every change (tools read it)
+        self._spawn = spawn  # async (argv) -> asyncio.subprocess.Process with stdin and stdout pipes
+        self.log = log
+        self.ready: dict[tuple[str, str], list[Any]] = {}
+        self.starting: dict[tuple[str, str], int] = {}
+        self.refused: set[tuple[str, str]] = set()
+        self._idle: set[Any] = set()  # every warm worker not handed to a job yet
+        self._closed = False
+        for module in prewarm:
+            self.ready.setdefault((sys.executable, module), [])
+
+    async def refill(self) -> None:
+        """Start warm workers up to ``size`` for every known key; each joins
+        ``ready`` when it reports its imports done."""
+        waits = []
+        for key in list(self.ready):
+            self.ready[key] = [p for p in self.ready[key] if p.returncode is None]
+            while not self._closed and key not in self.refused and \
+                    len(self.ready[key]) + self.starting.get(key, 0) < self.size:
+                try:
+                    proc = await self._spawn([key[0], "-m", "agent.warm", key[1]])
+                except OSError as exc:
+                    self.log.warning("warm worker did not start", module=key[1], error=str(exc))
+                    self.refused.add(key)
+                    break
+                self._idle.add(proc)
+                self.starting[key] = self.starting.get(key, 0) + 1
+                waits.append(self._await_ready(key, proc))
+        await asyncio.gather(*waits)
+
+    async def _await_ready(self, key: tuple[str, str], proc: Any) -> None:
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), self.READY_TIMEOUT_S)
+        except (asyncio.TimeoutError, OSError):
+            line = b""
+        finally:
+            self.starting[key] -= 1
+        if line.strip() == b"ready" and not self._closed:
+            self.ready[key].append(proc)
+            self._write_status()
+            return
+        if proc.returncode is None:
+            _kill(proc)
+        self._idle.discard(proc)
+        code = await proc.wait()
+        if not self._closed:
+            self.refused.add(key)
+            self.log.info("module not kept warm", module=key[1], exit_code=code)
+
+    def take(self, cmd: Sequence[str], job_env: Mapping[str, str] | None) -> Any | None:
+        """A ready warm worker for ``cmd``, or None (then start it cold). Learns the key."""
+        key = warm_key(cmd, job_env)
+        if key is None:
+            return None
+        procs = self.ready.setdefault(key, [])
+        while procs:
+            p = procs.pop(0)
+            self._idle.discard(p)
+            if p.returncode is None:
+                self._write_status()
+                return p
+        return None
+
+    def _write_status(self) -> None:
+        if self.status_file is None:
+            return
+        from .worker import write_json_atomic
+
+        ready: dict[str, int] = {}
+        for key, procs in self.ready.items():
+            if key in self.refused:
+                continue
+            module = key[1]
+            ready[module] = ready.get(module, 0) + sum(1 for p in procs if p.returncode is None)
+        try:
+            write_json_atomic(self.status_file, {"ready": ready, "size": self.size})
+        except OSError:
+            pass
+
+    @staticmethod
+    async def hand_off(proc: Any, cmd: Sequence[str], env: Mapping[str, str], cwd: str, log: str) -> bool:
+        """Make ``proc`` this rank; False when it is gone (start the rank cold)."""
+        line = json.dumps({"argv": list(cmd[3:]), "env": dict(env), "cwd": str(cwd), "log": str(log)}) + "\n"
+        try:
+            proc.stdin.write(line.encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
+    def close(self) -> None:
+        """Kill the warm workers (starting ones too); no more are started."""
+        self._closed = True
+        for p in self._idle:
+            if p.returncode is None:
+                _kill(p)
+        self._idle.clear()
+        self.ready.clear()
+        self._write_status()
+
+
+def _kill(proc: Any) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own group (start_new_session)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- the warm process
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m agent.warm MODULE", file=sys.stderr)
+        return 2
+    module = argv[0]
+    try:
+        mod = importlib.import_module(module)
+        heavy = getattr(mod, "WARM_IMPORTS", ())
+        for name in heavy:
+            importlib.import_module(name)
+        if heavy and callable(getattr(mod, "warm_up", None)):
+            mod.warm_up()  # first-use costs (lazy imports inside the libraries)
+    except Exception as exc:  # the job itself will report it when started cold
+        print(f"warm worker: importing {module} failed: {exc}", file=sys.stderr)
+        return 1
+    if not heavy:
+        return 3  # nothing worth keeping warm
+    print("ready", flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # the agent closed the pool
+    spec = json.loads(line)
+    fd = os.open(spec["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.chdir(spec["cwd"])
+    os.environ.clear()
+    os.environ.update(spec["env"])
+    sys.path[0] = spec["cwd"]  # as `python -m` puts the working folder first
+    sys.argv = [module, *spec["argv"]]
+    sys.modules.pop(module, None)  # run it afresh as __main__ (its imports stay loaded)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

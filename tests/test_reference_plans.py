@@ -1,0 +1,119 @@
+"""The reference workload under TP, PP, ZeRO-3 and offload (real torch processes
+over gloo), its checkpoint resharded between plans, and the warm worker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import pytest
+
+from agent import reference
+from agent.reference.model import stage_blocks, tp_dim
+from agent.reference.parallel import Layout
+from agent.warm import WarmPool, warm_key
+
+needs_torch = pytest.mark.skipif(not reference.have_torch(), reason="torch not installed")
+ARGS = ("--ckpt-every", "1000", "--hidden", "32", "--layers", "3", "--dataset", "1024")
+
+
+def test_layout_puts_tp_innermost_then_dp_then_pp():
+    lay = [Layout(dp=2, tp=2, pp=2, rank=r) for r in range(8)]
+    assert [(x.stage, x.dp_rank, x.tp_rank) for x in lay[:4]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+    assert lay[0].tp_groups()[:2] == [[0, 1], [2, 3]] and lay[0].dp_groups()[:2] == [[0, 2], [1, 3]]
+    assert lay[1].peer(+1) == 5 and lay[5].peer(-1) == 1 and lay[7].last_stage and not lay[3].last_stage
+    assert [list(stage_blocks(3, 2, s)) for s in range(2)] == [[0, 1], [2]]
+    assert tp_dim("blocks.2.up.weight") == 0 and tp_dim("blocks.0.down.weight") == 1 and tp_dim("out.weight") is None
+
+
+def test_warm_key_only_for_python_m_without_import_variables():
+    assert warm_key([sys.executable, "-m", "agent.reference.train", "--x"], {}) == (sys.executable, "agent.reference.train")
+    assert warm_key([sys.executable, "train.py"], {}) is None
+    assert warm_key(["python", "-m", "m"], {}) is None  # not an absolute interpreter path
+    assert warm_key([sys.executable, "-m", "m"], {"PYTHONPATH": "/elsewhere"}) is None
+
+
+@needs_torch
+@pytest.mark.timeout(600)
+def test_checkpoint_reshards_between_tp_pp_zero3_and_offload_and_keeps_the_trajectory(tmp_path):
+    """TP2 -> PP2 (GPipe, GA2) -> DP2 + ZeRO-3 + offload, each resuming the last
+    one's checkpoint, ends where an uninterrupted DP1 run ends."""
+    ck = tmp_path / "switched"
+    chain = [({"tp": 2}, 2), ({"pp": 2, "ga": 2}, 4), ({"dp": 2, "zero": 3, "offload": True}, 6)]
+    for plan, steps in chain:
+        m = reference.run_local(plan, steps, 32, ck, extra_args=ARGS)
+        assert m["step"] == steps and m["plan"] == plan
+    base = reference.run_local({"dp": 1}, 6, 32, tmp_path / "base", extra_args=ARGS)
+    assert abs(m["loss"] - base["loss"]) <= 1e-9 * abs(base["loss"])
+    assert sorted(p.name for p in (ck / m["path"]).iterdir())[:1] == ["meta.pt"]  # ranks write their own pieces
+
+
+@needs_torch
+def test_bad_plan_is_refused_with_a_clear_message(tmp_path):
+    import subprocess
+
+    env = {**os.environ, "GEARSHIFT_PLAN": json.dumps({"dp": 1, "pp": 4}), "WORLD_SIZE": "4",
+           "GEARSHIFT_STEPS": "2", "GEARSHIFT_GLOBAL_BATCH": "32", "GEARSHIFT_CKPT_DIR": str(tmp_path)}
+    r = subprocess.run(reference.command(*ARGS), env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "pp 4 > 3 blocks" in r.stderr and "Traceback" not in r.stderr
+
+
+@needs_torch
+@pytest.mark.timeout(300)
+async def test_warm_worker_runs_a_rank_and_modules_without_heavy_imports_are_not_kept_warm(tmp_path):
+    class Log:
+        def __init__(self):
+            self.lines = []
+
+        def info(self, msg, **kw):
+            self.lines.append((msg, kw))
+
+        warning = info
+
+    async def spawn(argv):
+        return await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE, start_new_session=True)
+
+    log = Log()
+    status = tmp_path / "warm.json"
+    pool = WarmPool(1, spawn=spawn, log=log, prewarm=["agent.reference.train", "agent.emulated_worker"],
+                    status_file=status)
+    await pool.refill()
+    assert json.loads(status.read_text())["ready"] == {"agent.reference.train": 1}
+    cmd = reference.command(*ARGS)
+    emulated = [sys.executable, "-m", "agent.emulated_worker"]
+    assert pool.take(emulated, {}) is None and (sys.executable, "agent.emulated_worker") in pool.refused
+    proc = pool.take(cmd, {})
+    assert proc is not None and pool.take(cmd, {}) is None  # one per slot
+    assert json.loads(status.read_text())["ready"] == {"agent.reference.train": 0}
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731",
+           "GEARSHIFT_PLAN": json.dumps({"dp": 1}), "GEARSHIFT_STEPS": "3", "GEARSHIFT_GLOBAL_BATCH": "32",
+           "GEARSHIFT_CKPT_DIR": str(tmp_path / "ck"), "GEARSHIFT_JOB_ID": "warm"}
+    assert await pool.hand_off(proc, cmd, env, str(tmp_path), str(tmp_path / "rank-0.log"))
+    assert await asyncio.wait_for(proc.wait(), 240) == 0
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["done"]
+    assert "resuming from step 0 of 3" in (tmp_path / "rank-0.log").read_text()
+    pool.close()
+
+
+def test_pipeline_makespan_replays_the_gpipe_schedule():
+    from agent.reference.schedule import pipeline_makespan
+
+    # equal stages: (m + pp - 1) * (f + b), the textbook GPipe step
+    assert pipeline_makespan([[1, 1], [1, 1]], [[2, 2], [2, 2]], [0, 0]) == 9
+    # the slow stage sets the pace; the optimizer step after the last backward adds once
+    assert pipeline_makespan([[1, 1, 1], [3, 3, 3]], [[1, 1, 1], [3, 3, 3]], [0.5, 0.5]) == 1 + 9 + 9 + 1 + 0.5
+
+
+def test_profiler_includes_tp_and_pp_where_the_model_and_node_allow_them():
+    from bus_schema.messages import Plan
+    from services.profiler import MAX_PLANS, profiling_plans
+
+    got = profiling_plans(64, 2, heads=4, layers=3)
+    assert len(got) <= MAX_PLANS and Plan(tp=2) in got and Plan(pp=2) in got and Plan(pp=2, ga=4) in got
+    assert all(64 % (p.dp * p.ga) == 0 and p.gpus <= 2 for p in got)
+    assert not any(p.tp > 1 or p.pp > 1 for p in profiling_plans(64, 1, heads=4, layers=3))  # one GPU per node
+    assert not any(p.tp > 1 for p in profiling_plans(64, 2, heads=3, layers=3))  # TP2 does not divide 3 heads
