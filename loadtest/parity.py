@@ -5,7 +5,8 @@
 Live: a real ``nats-server``, the real admission service and ``Optimizer`` (policy
 rubick, its ``LearningOracle`` fed from run reports), and emulated agents: this
 driver plays the agents, publishing STARTED / STEPPED / EXITED run reports on the
-real ``GS_REPORTS`` stream, with speeds from the simulator's own ground truth
+real ``GS_REPORTS`` stream (and handing each to the optimizer's report handler at once,
+so virtual time cannot overtake it), with speeds from the simulator's own ground truth
 (``sim.truth.GroundTruth``, same seed) for the plan and placement the optimizer
 chose. Time is virtual: the optimizer's and admission's clock is the driver's
 (injected, not slept), so the result does not depend on how busy the machine is.
@@ -132,6 +133,10 @@ class Driver:
         r = RunReport(job_id=job_id, generation=gen, node=node, kind=kind, ts=self.clock(), **kw)
         await self.nc.jetstream().publish(subj.run_report(node, job_id), codec.encode(r),
                                           headers={"Nats-Msg-Id": f"{node}:{job_id}:{gen}:{kind.value}"})
+        # Applied in order, now, by the optimizer's own report handler (what its
+        # GS_REPORTS consumer calls), so the virtual clock cannot run ahead of it.
+        async with self.opt._round_lock:
+            await self.opt.apply_report(r)
         self.sent += 1
 
     def _push(self, t: float, kind: str, jid: str) -> None:
@@ -172,21 +177,34 @@ class Driver:
                 self.run[jid] = st
                 await self.report(jid, rec.generation, st["nodes"][0], RunReportKind.STARTED, launched_at=t)
                 if st["rate"] > 0:
-                    self._push(st["from"], f"stepped:{rec.generation}", jid)
+                    # rank 0 reports STEPPED when its first step is done
+                    self._push(st["from"] + step_time, f"stepped:{rec.generation}", jid)
                     self._push(st["from"] + (tj.spec.steps - steps0) / st["rate"], f"done:{rec.generation}", jid)
                 else:
                     self._push(st["from"], f"oom:{rec.generation}", jid)
         await self._settle(None)
 
+    async def publish_progress(self) -> None:
+        """Rank 0's progress line (``gs.job.<id>.progress``), as agents publish it."""
+        from bus_schema.messages import JobProgress
+
+        t = self.clock()
+        want = {}
+        for jid, st in self.run.items():
+            steps = int(self._progress(st, t))
+            want[jid] = (st["gen"], steps)
+            p = JobProgress(job_id=jid, generation=st["gen"], node=st["nodes"][0], ts=t, steps_done=steps,
+                            steps=st["steps"])
+            await self.nc.publish(subj.job_progress(jid), codec.encode(p))
+        await self.nc.flush()
+        for _ in range(500):  # the optimizer's subscription runs on this loop: let it catch up
+            if all(self.opt.progress.get(j) == w for j, w in want.items()):
+                break
+            await asyncio.sleep(0.01)
+
     async def _settle(self, _records) -> None:
-        """Wait until the optimizer applied every report sent (its consumer runs on the loop)."""
-        self.total_sent += self.sent
+        """Reports are applied as they are sent (``report``); nothing to wait for."""
         self.sent = 0
-        deadline = time.monotonic() + 120
-        while self.applied[0] < self.total_sent and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        if self.applied[0] < self.total_sent:
-            raise RuntimeError(f"optimizer applied {self.applied[0]} of {self.total_sent} reports")
 
     async def advance(self, until: float) -> None:
         """Agents' events (first steps, completions, OOM exits) up to ``until``."""
@@ -201,7 +219,8 @@ class Driver:
             node = st["nodes"][0]
             if what == "stepped":
                 await self.report(jid, st["gen"], node, RunReportKind.STEPPED, start_step=int(st["steps0"]),
-                                  launched_at=t - self.restart, restore_s=self.restart, first_step_s=st["step_time"])
+                                  launched_at=st["from"] - self.restart, restore_s=self.restart,
+                                  first_step_s=st["step_time"])
             elif what == "done":
                 for n in st["nodes"]:
                     await self.report(jid, st["gen"], n, RunReportKind.EXITED, exit_code=0, steps_done=st["steps"],
@@ -216,7 +235,8 @@ class Driver:
         self.clock.t = max(self.clock.t, until)
 
 
-async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, grid: list[float], data_dir: Path):
+async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, grid: list[float], data_dir: Path,
+                   verbose: bool = False):
     import services.admission as adm_mod
     import services.optimizer as opt_mod
     from services.admission import start_admission
@@ -226,6 +246,14 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
 
     clock = Clock()
     opt_mod.now = adm_mod.now = clock  # the injected clock
+    if verbose:
+        import signal
+
+        def dump(*_):
+            for task in asyncio.all_tasks():
+                task.print_stack(file=sys.stderr)
+
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
     server = NatsServer(data_dir / "js")
     server.start()
     nc = await connect(server.url, name="parity", retry_for=5)
@@ -237,21 +265,13 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
         opt = await Optimizer(nc, policy="rubick", interval=1e9, policy_options=policy_options,
                               max_retries=10_000, node_timeout=1e12).open()
         opt.is_leader = True
+        await nc.subscribe("gs.job.*.progress", cb=opt.on_progress)  # what _lead subscribes to
         opt.leader_since = time.monotonic()
         from policies.kernels import warm_up
 
         await asyncio.to_thread(warm_up)
-        applied = [0]
-        orig_apply = opt.apply_report
-
-        async def counted(r):
-            await orig_apply(r)
-            applied[0] += 1
-
-        opt.apply_report = counted
-        consumer = asyncio.create_task(opt._consume_reports())
         drv = Driver(trace, cfg, truth, nc, opt, clock, cfg.restart_cost)
-        drv.applied, drv.total_sent, drv.sent, drv.base_steps = applied, 0, 0, {}
+        drv.sent, drv.base_steps = 0, {}
         pol_orig = opt.policy.schedule
 
         def schedule(now, nodes, jobs, perf):
@@ -268,6 +288,7 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
             while nxt < len(arrivals) and arrivals[nxt].submit <= t:
                 await drv.advance(arrivals[nxt].submit)
                 clock.t = arrivals[nxt].submit
+                await drv.nodes()  # the agents' heartbeats: admission sizes jobs by the live nodes
                 await drv.submit(arrivals[nxt])
                 nxt += 1
             await drv.advance(t)
@@ -278,11 +299,14 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
             if not live:
                 continue
             await drv.nodes()
+            await drv.publish_progress()
+            if verbose:
+                print(f"parity: live round at t={t:.0f}, {len(drv.done)}/{len(trace.jobs)} done", file=sys.stderr,
+                      flush=True)
             await opt.round()
             records = {r.job_id: r for r, _ in await opt.store.all()}
             await drv.after_round(records)
-        consumer.cancel()
-        await asyncio.gather(consumer, return_exceptions=True)
+        opt.is_leader = False
         await svc.stop()
         return rounds, inputs, len(drv.done)
     finally:
@@ -332,6 +356,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interval", type=float, default=120.0)
     ap.add_argument("--restart-cost", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = ap.parse_args(argv)
     from services.runtime import configure_logging
 
@@ -346,12 +371,14 @@ def main(argv=None) -> int:
     options = {"restart_cost": args.restart_cost}
     t0 = time.perf_counter()
     sim_rounds, sim_inputs, res, sim = run_sim(trace, cfg, predictor, truth_predictor, options)
+    if args.verbose:
+        print(f"parity: simulated {len(sim_rounds)} rounds in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     grid = sorted(sim_rounds)
     end = max(grid) if grid else 0.0
     grid = [k * args.interval for k in range(int(end // args.interval) + 40)]
     with tempfile.TemporaryDirectory(prefix="gs-parity-") as d:
         live_rounds, live_inputs, finished = asyncio.run(
-            run_live(trace, cfg, sim.truth, options, grid, Path(d)))
+            run_live(trace, cfg, sim.truth, options, grid, Path(d), args.verbose))
     rep = compare(sim_rounds, sim_inputs, live_rounds, live_inputs)
     causes: dict[str, int] = {}
     for x in rep["disagreements"]:

@@ -216,8 +216,6 @@ class Rubick:
 
     # ---------------------------------------------------------------- round
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
-        if not nodes:  # every node gone (the kernel cannot size an empty cluster): all wait
-            return Decision(waiting={j.job_id: f"{self.name}: no live node" for j in jobs})
         pb = self.build_problem(now, nodes, jobs, perf)
         level, out_nodes = self.solve(pb)
         live = {j.job_id for j in jobs}
@@ -387,7 +385,7 @@ class Rubick:
                 used[p.node] += p.gpus
             if j.running:
                 old = thr[i, stay[i]] if stay[i] >= 0 else 0.0
-                gain = float(c.throughput / old - 1.0) if old > 0 else None  # a numpy float does not encode
+                gain = (c.throughput / old - 1.0) if old > 0 else None
                 verb = "grew" if c.gpus > j.gpus else "shrunk" if c.gpus < j.gpus else "switched"
                 g = f"{gain:+.0%} predicted throughput" if gain is not None else "new allocation"
                 why = f"{verb} to {c.describe()}: {g} (was {j.plan.label() if j.plan else '?'} on {j.gpus} GPUs)"
@@ -398,8 +396,7 @@ class Rubick:
                 why = f"started with {c.describe()}: {c.throughput / refs[i]:.2f}x its request's predicted throughput"
             if j.spec.guaranteed:
                 why += f"; guarantee {targets[i]:.3g} samples/s kept ({c.throughput:.3g})"
-            d.allocations[j.job_id] = JobDecision(placement, c.plan, f"{self.name}: {why} on {describe(placement)}",
-                                                  float(c.throughput), gain)
+            d.allocations[j.job_id] = JobDecision(placement, c.plan, f"{self.name}: {why} on {describe(placement)}", float(c.throughput), None if gain is None else float(gain))
         free = {n.name: n.gpus_total - used[n.name] for n in nodes}
         block = max(free.values(), default=0)
         total_free = sum(free.values())

@@ -57,8 +57,9 @@ from typing import Any
 
 import msgspec
 
-from bus_schema import subjects as subj
+from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
+    JobProgress,
     ACTIVE_STATES,
     ExplainEntry,
     ExplainReply,
@@ -138,6 +139,7 @@ class Optimizer:
         self._tasks: list[asyncio.Task] = []
         self._svc: Any = None
         self._subs: list[Any] = []
+        self.progress: dict[str, tuple[int, int]] = {}  # job -> (generation, steps) from JobProgress
         self.is_leader = False
         self.leader_since: float | None = None
         self.records_seen: dict[str, JobRecord] = {}  # the last round's records
@@ -214,6 +216,7 @@ class Optimizer:
         self._subs = [
             await self.nc.subscribe(subj.OPTIMIZER_KICK, cb=on_kick),
             await self.nc.subscribe("gs.evt.job.*.submitted", cb=on_kick),
+            await self.nc.subscribe("gs.job.*.progress", cb=self.on_progress),
         ]
         self._tasks = [
             asyncio.create_task(self._consume_reports()),
@@ -267,6 +270,18 @@ class Optimizer:
             self.kick.set()
 
     # ------------------------------------------------------------ rounds
+    async def on_progress(self, msg: Any) -> None:
+        """Steps done between exits, for the policy's view (in memory, newest generation
+        only; the record itself still learns them at exits and checkpoints)."""
+        try:
+            p = codec.decode(msg.data, JobProgress)
+        except msgspec.MsgspecError:
+            return
+        got = self.progress.get(p.job_id)
+        if got is None or (p.generation, p.steps_done) > got:
+            self.progress[p.job_id] = (p.generation, p.steps_done)
+            self.models.observe_progress(p.job_id, p.generation, p.ts, p.steps_done)  # speed, once it trains
+
     async def _round_loop(self) -> None:
         while self.is_leader:
             try:
@@ -341,6 +356,9 @@ class Optimizer:
         views = [self._view(r) for r in records.values()
                  if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
         views = [v for v in views if all(p.node in alive for p in v.placement)]
+        if len(self.progress) > len(views):  # forget jobs that ended
+            live_ids = {v.job_id for v in views}
+            self.progress = {k: v for k, v in self.progress.items() if k in live_ids}
         await self.models.refresh([records[v.job_id] for v in views])
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
         if self.queues is not None:
@@ -395,9 +413,10 @@ class Optimizer:
             explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
         self.last_explain = explain
 
-    @staticmethod
-    def _view(rec: JobRecord) -> JobView:
-        return job_view(rec, now())
+    def _view(self, rec: JobRecord) -> JobView:
+        # with the progress agents publish between exits (gs.job.<id>.progress), as the simulator knows it
+        got = self.progress.get(rec.job_id)
+        return job_view(rec, now(), got[1] if got is not None and got[0] == rec.generation else None)
 
     async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
         """Pending jobs whose model has no fit yet: job id -> model key."""

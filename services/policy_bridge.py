@@ -17,7 +17,7 @@ from .jobstore import kv_snapshot
 
 
 
-def job_view(rec: JobRecord, now: float) -> JobView:
+def job_view(rec: JobRecord, now: float, progress: float | None = None) -> JobView:
     """The policy's view of one job, built as the simulator builds it
     (``policies.api.make_job_view``): attained service = GPU-seconds of ended
     allocations (``attained_gpu_s``) + the current one since ``last_switch_at``."""
@@ -25,7 +25,8 @@ def job_view(rec: JobRecord, now: float) -> JobView:
     placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement) if running else ()
     # records written before last_switch_at existed: the first scheduling time
     switch = rec.last_switch_at if rec.last_switch_at is not None else rec.scheduled_at
-    return make_job_view(rec.job_id, rec.spec, rec.submitted_at, now, steps_done=rec.steps_done,
+    steps = max(rec.steps_done, progress) if running and progress is not None else rec.steps_done
+    return make_job_view(rec.job_id, rec.spec, rec.submitted_at, now, steps_done=steps,
                          placement=placement, plan=rec.plan if running else None,
                          attained_before=rec.attained_gpu_s, restarts=rec.restarts,
                          last_switch_at=switch, started_at=rec.started_at)
@@ -94,7 +95,7 @@ class ModelOracle:
         if kind == "stepped":
             if rec.plan is not None and rec.placement and r.generation == rec.generation:
                 placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
-                self._stepped[rec.job_id] = (r.generation, r.ts, int(r.start_step) + 1, rec.plan, placement)
+                self._stepped[rec.job_id] = (r.generation, r.ts, int(r.start_step) + 1, rec.plan, placement, rec.spec)
             return False
         if kind != "exited":
             return False
@@ -106,13 +107,23 @@ class ModelOracle:
                 return self.oracle.observe(rec.spec, rec.plan, placement, oom=True)
             return False
         del self._stepped[rec.job_id]
-        _, t0, s0, plan, placement = mark
+        _, t0, s0, plan, placement, _spec = mark
         if r.exit_code not in (0, None) and not r.stopped and is_oom(r.message):
             return self.oracle.observe(rec.spec, plan, placement, oom=True)
         steps = max(int(r.progress_step or 0), int(r.steps_done or 0))
         if steps <= s0 or r.ts <= t0:
             return False
         return self.oracle.observe(rec.spec, plan, placement, step_time=(r.ts - t0) / (steps - s0))
+
+
+    def observe_progress(self, job_id: str, generation: int, ts: float, steps: int) -> bool:
+        """A progress line of a generation that reported STEPPED: the step time since
+        its first step (what the simulator tells its oracle once a job trains)."""
+        mark = self._stepped.get(job_id)
+        if mark is None or mark[0] != generation or steps <= mark[2] or ts <= mark[1]:
+            return False
+        _, t0, s0, plan, placement, spec = mark
+        return self.oracle.observe(spec, plan, placement, step_time=(ts - t0) / (steps - s0))
 
 
 def is_oom(message: str) -> bool:

@@ -20,10 +20,12 @@ Three parts, each seeded and documented in ``sim/README.md``:
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 from bus_schema.messages import ModelSpec, Plan
+from policies.learning import plan_family as family  # Rubick's families: 3D, zero-offload, zero-dp, gc, ga
+
+from .truth import _unit_normal
 
 GPU_MEM_GB = 80.0
 OVERHEAD_GB = 3.0
@@ -33,27 +35,8 @@ DISTANCE_SLOWDOWN = 0.10
 HEADROOM = 0.10
 
 
-def family(plan: Plan) -> str:
-    if plan.tp > 1 or plan.pp > 1:
-        return "3D"
-    if plan.offload:
-        return "zero-offload"
-    if plan.zero:
-        return "zero-dp"
-    if plan.grad_ckpt:
-        return "gc"
-    return "ga"
-
-
-def _normal(*parts: object) -> float:
-    h = hashlib.sha256("|".join(map(str, parts)).encode()).digest()
-    u1 = (int.from_bytes(h[:8], "big") + 1) / (2**64 + 2)
-    u2 = int.from_bytes(h[8:16], "big") / 2**64
-    return math.sqrt(-2 * math.log(u1)) * math.cos(2 * math.pi * u2)
-
-
 def systematic(seed: int, model: str, fam: str, sigma: float) -> float:
-    return math.exp(sigma * _normal(seed, "systematic", model, fam)) if sigma > 0 else 1.0
+    return math.exp(sigma * _unit_normal(seed, "systematic", model, fam)) if sigma > 0 else 1.0
 
 
 def distance(gpus: int, fam: str, measured: list[tuple[str, int]]) -> float:

@@ -322,6 +322,7 @@ class BeliefOracle:
         self.predictor = predictor
         self._cache: dict[tuple, float] = {}
         self._analytic = None
+        self._live = None  # the optimizer's own oracle class, for the models the fit knows
         if predictor is None:
             from policies.oracle import AnalyticOracle
 
@@ -332,7 +333,8 @@ class BeliefOracle:
             try:
                 from policies.oracle import PerfModelOracle
 
-                self.plans = PerfModelOracle().plans
+                self._live = PerfModelOracle()
+                self.plans = self._live.plans
             except ImportError:
                 pass
 
@@ -351,6 +353,9 @@ class BeliefOracle:
         if v is None:
             if self.allowed is not None and not self.allowed(spec, plan, per_node):
                 v = 0.0
+            elif self._live is not None and spec.model.name in MODELS:
+                # bit for bit what the optimizer's PerfModelOracle answers (same fit, same kernel)
+                v = float(self._live.throughput(job, plan, placement))
             else:
                 v = self._compute(with_threads(spec, placement), plan, per_node)
             self._cache[ck] = v

@@ -80,3 +80,23 @@ async def test_optimizer_learns_speed_and_oom_from_reports_and_keeps_service(nc,
                   message="torch.OutOfMemoryError: CUDA out of memory")
     await wait_for(lambda: _state(nc, a, JobState.FAILED))
     assert opt.models.oracle.infeasible(again.spec, again.plan)
+
+
+def test_first_progress_after_stepped_teaches_the_oracle_and_exit_refines():
+    from policies.api import Placement
+    from services.policy_bridge import ModelOracle
+
+    m = ModelOracle(None)
+    rec = _rec(generation=3)
+    stepped = RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.STEPPED, ts=100.0, start_step=9)
+    assert not m.observe_report(rec, stepped)  # a mark, nothing learned yet
+    assert not m.observe_progress("x", 2, 200.0, 60)  # another generation
+    assert m.observe_progress("x", 3, 150.0, 35)  # (150-100) s / (35-10) steps = 2 s/step
+    pl = (Placement("n0", 2, 4),)
+    assert abs(m.oracle.observed(SPEC, rec.plan, pl) - SPEC.global_batch / 2.0) < 1e-9
+    assert not m.observe_progress("x", 3, 160.0, 40)  # same speed again: no change
+    # the exit gives the average over the whole generation: 4 s/step
+    ex = RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.EXITED, ts=500.0, stopped=True,
+                   progress_step=110)
+    assert m.observe_report(rec, ex)
+    assert abs(m.oracle.observed(SPEC, rec.plan, pl) - SPEC.global_batch / 4.0) < 1e-9
