@@ -12,10 +12,19 @@ revision, and the epoch): it goes out as an atomic batch of two messages
 (NATS 2.12+ ``Nats-Batch-*``), the record with its own expected revision and
 a marker ``_fence`` with the epoch check; the server applies both or
 neither. The streams get ``allow_atomic`` for that (``enable_atomic``).
+
+A replicated stream (R3) reports a failed expected-sequence check as
+10164 (``JSStreamWrongLastSequenceConstantErr``, no sequence in it) where a
+single server says 10071; it also refuses a write while another write with
+the same expected-sequence subject is still being proposed, and every fenced
+write checks ``_epoch``. So a refusal is a deposition only if ``_epoch``
+really moved; otherwise the write is retried (put, delete) or reported as a
+conflict on the key (update: the caller re-reads and tries again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any
@@ -24,7 +33,10 @@ from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
 
 EPOCH_KEY = "_epoch"
 CHECK_KEY = "_fence"
-WRONG_LAST_SEQUENCE = 10071
+WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrF (single server)
+WRONG_LAST_SEQUENCE_CONSTANT = 10164  # JSStreamWrongLastSequenceConstantErr (replicated streams)
+WRONG_LAST = (WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT)
+RETRIES = 50  # a refused fenced put/delete while the epoch did not move: in-flight contention
 
 
 class Deposed(RuntimeError):
@@ -74,24 +86,26 @@ class Fence:
         except Exception:
             return True
 
+    async def _fenced(self, bucket: str, key: str, data: bytes, headers: dict[str, str], what: str) -> int:
+        for attempt in range(RETRIES):
+            try:
+                ack = await self.js.publish(f"$KV.{bucket}.{key}", data, headers={**self._headers(bucket), **headers})
+            except BadRequestError as exc:
+                if exc.err_code not in WRONG_LAST:
+                    raise
+                if await self._epoch_moved(bucket):
+                    self.refused += 1
+                    raise Deposed(f"{what} of {bucket}/{key} refused: a newer leader holds {bucket}") from None
+                await asyncio.sleep(0.005 * (attempt + 1))  # another fenced write was in flight
+                continue
+            return ack.seq
+        raise RuntimeError(f"{what} of {bucket}/{key}: refused {RETRIES} times while the epoch did not move")
+
     async def put(self, bucket: str, key: str, data: bytes) -> int:
-        try:
-            ack = await self.js.publish(f"$KV.{bucket}.{key}", data, headers=self._headers(bucket))
-        except BadRequestError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
-                self.refused += 1
-                raise Deposed(f"write of {bucket}/{key} refused: a newer leader holds {bucket}") from None
-            raise
-        return ack.seq
+        return await self._fenced(bucket, key, data, {}, "write")
 
     async def delete(self, bucket: str, key: str) -> None:
-        try:
-            await self.js.publish(f"$KV.{bucket}.{key}", b"", headers={**self._headers(bucket), "KV-Operation": "DEL"})
-        except BadRequestError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
-                self.refused += 1
-                raise Deposed(f"delete of {bucket}/{key} refused: a newer leader holds {bucket}") from None
-            raise
+        await self._fenced(bucket, key, b"", {"KV-Operation": "DEL"}, "delete")
 
     async def update(self, bucket: str, key: str, data: bytes, last: int) -> int:
         """Compare-and-set of ``key`` on revision ``last``, fenced. Raises
@@ -106,7 +120,7 @@ class Fence:
         err = body.get("error")
         if err is None:
             return int(body["seq"]) - 1  # the record is the batch's first message
-        if err.get("err_code") == WRONG_LAST_SEQUENCE:
+        if err.get("err_code") in WRONG_LAST:
             if await self._epoch_moved(bucket):
                 self.refused += 1
                 raise Deposed(f"update of {bucket}/{key} refused: a newer leader holds {bucket}")

@@ -148,7 +148,7 @@ class JobStore:
 
     async def _update(self, job_id: str, change: Change,
                       hint: tuple[JobRecord, int] | None = None) -> tuple[JobRecord, int] | None:
-        for _ in range(100):
+        for attempt in range(100):
             hinted = hint is not None
             got = hint or await self.get(job_id, history=False)  # history is never written again
             hint = None
@@ -168,7 +168,9 @@ class JobStore:
                 else:
                     rev = await self.kv.update(job_id, codec.encode(new), last=rev)
             except KeyWrongLastSequenceError:
-                await asyncio.sleep(0)
+                # a replicated stream also refuses while another write on the same
+                # expected-sequence subject is in flight: back off a little after a few
+                await asyncio.sleep(0 if attempt < 3 else 0.002 * attempt)
                 continue
             return new, rev
         raise RuntimeError(f"job {job_id}: too many concurrent updates")
