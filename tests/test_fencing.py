@@ -103,3 +103,50 @@ async def test_leader_paused_mid_round_is_deposed_and_its_writes_refused(nc, nat
         if task is not None:
             await task
         await svc.stop()
+
+
+async def test_fence_on_a_replicated_bucket(tmp_path):
+    """On a 3-server cluster with R3 buckets the server reports a failed
+    expected-sequence check as 10164 and refuses a write while another one
+    on the same expected subject (``_epoch``) is in flight: concurrent fenced
+    writes of one leader all land, a stale CAS is a key conflict, and only an
+    epoch that really moved is a deposition."""
+    from loadtest.chaos import NatsFleet
+    from services.runtime import connect, ensure_infra
+
+    fleet = NatsFleet(tmp_path, 3)
+    fleet.start()
+    nc = None
+    try:
+        nc = await connect(fleet.url, name="test", retry_for=10)
+        for _ in range(60):  # a fresh cluster elects its JetStream meta leader first
+            try:
+                await ensure_infra(nc, replicas=3)
+                break
+            except Exception:
+                await asyncio.sleep(0.5)
+        kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
+        assert (await nc.jetstream().stream_info(f"KV_{subj.ALLOC_BUCKET}")).config.num_replicas == 3
+        old, new = Fence(nc, [subj.ALLOC_BUCKET], "old"), Fence(nc, [subj.ALLOC_BUCKET], "new")
+        await old.take()
+        revs = await asyncio.gather(*[old.put(subj.ALLOC_BUCKET, f"k{i}", b"1") for i in range(40)])
+        assert len(set(revs)) == 40 and old.refused == 0
+        revs = await asyncio.gather(*[old.update(subj.ALLOC_BUCKET, f"k{i}", b"2", r) for i, r in enumerate(revs)],
+                                    return_exceptions=True)
+        # a CAS the server refused only for contention is a key conflict (the caller re-reads), never a crash
+        assert all(isinstance(r, int) or isinstance(r, KeyWrongLastSequenceError) for r in revs), revs
+        rev = (await kv.get("k0")).revision
+        with pytest.raises(KeyWrongLastSequenceError):
+            await old.update(subj.ALLOC_BUCKET, "k0", b"x", rev - 1)
+        await asyncio.gather(*[old.delete(subj.ALLOC_BUCKET, f"k{i}") for i in range(1, 40)])
+        assert old.refused == 0
+        await new.take()
+        with pytest.raises(Deposed):
+            await old.put(subj.ALLOC_BUCKET, "k0", b"3")
+        with pytest.raises(Deposed):
+            await old.update(subj.ALLOC_BUCKET, "k0", b"3", rev)
+        assert old.refused == 2 and (await kv.get("k0")).revision == rev
+    finally:
+        if nc is not None:
+            await nc.close()
+        fleet.stop_all()
