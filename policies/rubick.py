@@ -216,6 +216,8 @@ class Rubick:
 
     # ---------------------------------------------------------------- round
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        if not nodes:  # every node gone (the kernel cannot size an empty cluster): all wait
+            return Decision(waiting={j.job_id: f"{self.name}: no live node" for j in jobs})
         pb = self.build_problem(now, nodes, jobs, perf)
         level, out_nodes = self.solve(pb)
         live = {j.job_id for j in jobs}
@@ -385,7 +387,7 @@ class Rubick:
                 used[p.node] += p.gpus
             if j.running:
                 old = thr[i, stay[i]] if stay[i] >= 0 else 0.0
-                gain = (c.throughput / old - 1.0) if old > 0 else None
+                gain = float(c.throughput / old - 1.0) if old > 0 else None  # a numpy float does not encode
                 verb = "grew" if c.gpus > j.gpus else "shrunk" if c.gpus < j.gpus else "switched"
                 g = f"{gain:+.0%} predicted throughput" if gain is not None else "new allocation"
                 why = f"{verb} to {c.describe()}: {g} (was {j.plan.label() if j.plan else '?'} on {j.gpus} GPUs)"
