@@ -62,10 +62,11 @@ from bus_schema.ops import LogsRequest
 from services.auth_alloc import node_alloc_watch
 from services.runtime import VERSION, Endpoint, get_logger, serve
 
-from . import launch, worker as wk
+from . import core, launch, worker as wk
 from .logs import read_rank_logs
 from .warm import WarmPool
 from .probe import GpuProbe
+from .runner import Runner, SubprocessRunner, _die_with_agent
 
 DEFAULT_GRACE_S = 10.0
 
@@ -79,7 +80,7 @@ class Run:
     gpus: list[int]
     run_dir: Path
     ckpt_dir: Path
-    procs: list[asyncio.subprocess.Process] = field(default_factory=list)
+    procs: list[Any] = field(default_factory=list)  # runner.Rank handles
     progress_file: Path | None = None  # global rank 0's, when it runs here
     stopping: bool = False  # SIGTERM sent (by the agent, or after a rank failed)
     stopped_by_agent: bool = False
@@ -113,6 +114,8 @@ class Agent:
         address: str = "127.0.0.1",
         progress_interval: float = 1.0,
         ckpt_root: str | os.PathLike | None = None,
+        runner: Runner | None = None,
+        alloc_watch: Any = None,
     ):
         self.nc = nc
         self.js = nc.jetstream()
@@ -128,6 +131,16 @@ class Agent:
         self.address = address
         self.progress_interval = progress_interval
         self.log = get_logger(agent=self.node)
+        # how ranks run: real processes (with warm workers for the next generation,
+        # agent/warm.py; $GEARSHIFT_WARM: modules to keep warm from the start), or
+        # in-process for the fleet emulator
+        self.warm: WarmPool | None = None
+        if runner is None:
+            self.warm = WarmPool(1, spawn=self._spawn_warm, log=self.log, status_file=self.workdir / "warm.json",
+                                 prewarm=[m for m in os.environ.get("GEARSHIFT_WARM", "").split(",") if m])
+            runner = SubprocessRunner(self.warm)
+        self.runner: Runner = runner
+        self._alloc_watch = alloc_watch or node_alloc_watch  # (js, node) -> watch of this node's allocations
         self.desired: dict[str, Allocation] = {}
         self.runs: dict[str, Run] = {}
         self.launched: dict[str, int] = {}
@@ -142,9 +155,6 @@ class Agent:
         self._nodes_kv: Any = None
         self.reserved: set[int] = set()  # GPUs of profiling runs
         self._gpu_count = 0
-        # warm workers for the next generation (agent/warm.py); $GEARSHIFT_WARM: modules to keep warm from the start
-        self.warm = WarmPool(1, spawn=self._spawn_warm, log=self.log, status_file=self.workdir / "warm.json",
-                             prewarm=[m for m in os.environ.get("GEARSHIFT_WARM", "").split(",") if m])
 
     # ------------------------------------------------------------ life cycle
     async def start(self) -> "Agent":
@@ -154,8 +164,9 @@ class Agent:
         self._alloc_kv = await _bucket(self.js, subj.ALLOC_BUCKET)
         self._nodes_kv = await _bucket(self.js, subj.NODES_BUCKET)
         await self._beat()  # capacity visible before the first allocation can arrive
-        self.warm.size = max(1, len(await self.probe.sample()))
-        self._spawn(self.warm.refill())
+        if self.warm is not None:
+            self.warm.size = max(1, len(await self.probe.sample()))
+            self._spawn(self.warm.refill())
         self._svc = await serve(
             self.nc,
             f"agent-{self.node}",
@@ -172,9 +183,9 @@ class Agent:
         )
         # A predecessor killed with SIGKILL left its job processes running: stop
         # them before launching anything, or one generation would run twice.
-        await _reap_orphans(self.workdir / "run", self.grace, self.log)
+        await self.runner.reap(self.workdir / "run", self.grace, self.log)
         # only this node's allocations (<node>.<job> keys): see services.auth_alloc
-        self._watcher = await node_alloc_watch(self.js, self.node)
+        self._watcher = await self._alloc_watch(self.js, self.node)
         self._tasks = [
             asyncio.create_task(self._watch_loop(), name="agent-watch"),
             asyncio.create_task(self._reconcile_loop(), name="agent-reconcile"),
@@ -198,7 +209,8 @@ class Agent:
             self._tasks[0].cancel()
             self._dirty.set()  # the reconciler finishes its pass (a launch in flight included) and ends
             await asyncio.gather(self._tasks[1], return_exceptions=True)
-        self.warm.close()
+        if self.warm is not None:
+            self.warm.close()
         for run in list(self.runs.values()):
             self._begin_stop(run, "agent stopping", by_agent=True)
         while self._side_tasks:  # supervisors publish the EXITED reports
@@ -251,23 +263,17 @@ class Agent:
                 self.log.exception("reconcile failed")
 
     async def _reconcile_once(self) -> None:
-        for job_id, run in list(self.runs.items()):
-            if run.stopping:
-                continue
+        todo = core.reconcile(dict(self.desired), self.runs, self.launched)
+        for job_id, reason in todo.stop:
             want = self.desired.get(job_id)
-            if want is None:
-                self._begin_stop(run, "allocation removed", by_agent=True)
-            elif want.generation > run.generation:
+            if want is not None:  # a newer generation replaces the running one
                 observe.reconcile_lag("replace", want)
-                self._begin_stop(run, f"generation {want.generation} replaces {run.generation}", by_agent=True)
-            # an older generation than the running one is stale: keep running
-        for job_id, want in list(self.desired.items()):
+            self._begin_stop(self.runs[job_id], reason, by_agent=True)
+        for want in todo.launch:
             if self._closing:
                 return
-            if job_id in self.runs:  # running, or stopping: its end wakes us again
-                continue
-            if want.generation <= self.launched.get(job_id, 0):
-                continue
+            if want.job_id in self.runs or want.generation <= self.launched.get(want.job_id, 0):
+                continue  # changed while an earlier launch of this pass awaited
             await self._launch(want)
 
     # ------------------------------------------------------------ launching
@@ -291,7 +297,7 @@ class Agent:
         except Exception as exc:
             log.error("launch failed", error=str(exc))
             for proc in run.procs:
-                _signal_group(proc.pid, signal.SIGKILL)
+                self.runner.signal(proc, signal.SIGKILL)
             self.probe.release(run.gpus)
             self.runs.pop(alloc.job_id, None)
             run.done.set()
@@ -299,14 +305,12 @@ class Agent:
             return
         if run.stopping:  # stopped while launching: reach the ranks started since
             for proc in run.procs:
-                _signal_group(proc.pid, signal.SIGTERM)
+                self.runner.signal(proc, signal.SIGTERM)
         log.info("launched", pids=[p.pid for p in run.procs], gpus=run.gpus, plan=alloc.plan.label())
         self._spawn(self._supervise(run))
 
     async def _spawn_ranks(self, run: Run, first_node: str, extra_env: dict[str, str] | None = None) -> None:
         alloc = run.alloc
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-        run.ckpt_dir.mkdir(parents=True, exist_ok=True)
         master = await self._master_addr(first_node)
         run.launched_at = time.time()
         cmd = launch.command(alloc)
@@ -319,26 +323,10 @@ class Agent:
                 launched_at=run.launched_at,
             )
             env.update(extra_env or {})
-            log_path = run.run_dir / f"rank-{spec.rank}.log"
-            proc = self.warm.take(cmd, alloc.env)  # interpreter and imports ready: it becomes this rank
-            if proc is not None and not await self.warm.hand_off(proc, cmd, env, str(run.run_dir), str(log_path)):
-                proc = None
-            if proc is None:
-                with open(log_path, "ab") as out:
-                    proc = await asyncio.create_subprocess_exec(
-                        *cmd,
-                        env=env,
-                        cwd=run.run_dir,
-                        stdin=asyncio.subprocess.DEVNULL,
-                        stdout=out,
-                        stderr=asyncio.subprocess.STDOUT,
-                        start_new_session=True,  # own process group: one signal reaches its children
-                        preexec_fn=_die_with_agent,  # no orphan outlives a crashed agent
-                    )
+            proc = await self.runner.start_rank(run, spec, env)  # a warm worker if one is ready (SubprocessRunner)
             run.procs.append(proc)
-            _remember_pid(run.run_dir, proc.pid)
             self.probe.claim(list(spec.gpus), [proc.pid])
-        if not self._closing:
+        if not self._closing and self.warm is not None:
             self._spawn(self._refill_warm(run))  # ready for the next generation
 
     async def _refill_warm(self, run: Run, wait: float = 60.0) -> None:
@@ -371,7 +359,7 @@ class Agent:
 
     # ------------------------------------------------------------ running and ending
     async def _supervise(self, run: Run) -> None:
-        async def wait_rank(i: int, proc: asyncio.subprocess.Process) -> None:
+        async def wait_rank(i: int, proc: Any) -> None:
             code = launch.exit_status(await proc.wait())
             run.exit_codes.append(code)
             if code != 0 and not run.stopping:
@@ -382,7 +370,7 @@ class Agent:
         await self._report(run, RunReportKind.STARTED)  # always before EXITED
         await ranks
         for proc in run.procs:  # leave no grandchild behind
-            _signal_group(proc.pid, signal.SIGKILL)
+            self.runner.signal(proc, signal.SIGKILL)
         run.done.set()
         self.probe.release(run.gpus)
         self.runs.pop(run.job_id, None)
@@ -405,21 +393,21 @@ class Agent:
         run.stop_sent_at = time.time()
         for proc in run.procs:
             if proc.returncode is None:
-                _signal_group(proc.pid, signal.SIGTERM)
+                self.runner.signal(proc, signal.SIGTERM)
         try:
             await asyncio.wait_for(run.done.wait(), self.grace)
         except asyncio.TimeoutError:
             self.log.warning("grace period over, killing", job_id=run.job_id, grace=self.grace)
             for proc in run.procs:
                 if proc.returncode is None:
-                    _signal_group(proc.pid, signal.SIGKILL)
+                    self.runner.signal(proc, signal.SIGKILL)
 
     def _steps_done(self, run: Run, exit_code: int | None) -> int:
         """What the job has achieved: the checkpoint is what a restart resumes
         from; after a clean finish the last progress counts too."""
-        manifest = wk.latest_manifest(run.ckpt_dir)
+        manifest = self.runner.manifest(run)
         ckpt = int(manifest["step"]) if manifest and manifest.get("job_id") == run.job_id else None
-        prog = wk.read_json(run.progress_file) or {}
+        prog = self.runner.progress(run) or {}
         progress = int(prog.get("step", 0))
         if exit_code == 0:
             return max(ckpt or 0, progress)
@@ -428,10 +416,10 @@ class Agent:
     async def _report(self, run: Run, kind: RunReportKind, exit_code: int | None = None, **extra: Any) -> None:
         exited = kind == RunReportKind.EXITED
         if exited:
-            manifest = wk.latest_manifest(run.ckpt_dir) or {}
+            manifest = self.runner.manifest(run) or {}
             if manifest.get("job_id") == run.job_id and "step" in manifest:
                 extra.update(checkpoint_step=int(manifest["step"]), checkpoint_at=manifest.get("wall_time"))
-            prog = wk.read_json(run.progress_file) or {}
+            prog = self.runner.progress(run) or {}
             extra.update(progress_step=int(prog.get("step", 0)), stop_sent_at=run.stop_sent_at)
             if run.node_rank == 0 and prog.get("first_step_s") is not None:
                 # also here: a STEPPED report may land after this one, or never
@@ -523,7 +511,7 @@ class Agent:
         progress shows its first step; None if not due or already sent."""
         if run.stepped or run.node_rank != 0 or run.progress_file is None:
             return None
-        prog = prog if prog is not None else wk.read_json(run.progress_file)
+        prog = prog if prog is not None else self.runner.progress(run)
         if not prog or prog.get("first_step_s") is None:
             return None
         run.stepped = True
@@ -539,7 +527,7 @@ class Agent:
             for run in list(self.runs.values()):
                 if run.node_rank != 0 or run.progress_file is None:
                     continue
-                prog = wk.read_json(run.progress_file)
+                prog = self.runner.progress(run)
                 if prog is None:
                     continue
                 stepped = self._stepped_report(run, prog)
@@ -588,7 +576,7 @@ class Agent:
             return AgentReply(ok=False, node=self.node, error=f"{cmd.job_id}@{cmd.generation} is not running here")
         for proc in run.procs:
             if proc.returncode is None:
-                _signal_group(proc.pid, signal.SIGUSR1)
+                self.runner.signal(proc, signal.SIGUSR1)
         return AgentReply(ok=True, node=self.node)
 
     def _free_gpus(self) -> list[int]:
@@ -637,7 +625,7 @@ class Agent:
                 log.warning("profiling run failed", error=why)
                 return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus, error=why,
                                      wall_s=time.monotonic() - t0)
-            prog = wk.read_json(run.progress_file) or {}
+            prog = self.runner.progress(run) or {}
             ph = prog.get("phases") or {}
             if "iteration" not in ph:
                 return ProfileResult(ok=False, node=self.node, plan=cmd.plan, gpus=gpus,
@@ -650,7 +638,7 @@ class Agent:
             )
         finally:
             for proc in run.procs:
-                _signal_group(proc.pid, signal.SIGKILL)
+                self.runner.signal(proc, signal.SIGKILL)
             for proc in run.procs:
                 try:
                     await asyncio.wait_for(proc.wait(), 5)
@@ -679,101 +667,6 @@ async def _bucket(js: Any, name: str, wait: float = 60.0) -> Any:
                 raise RuntimeError(f"KV bucket {name} does not exist: is the control plane up?") from None
             get_logger().info("waiting for bucket", bucket=name)
             await asyncio.sleep(0.5)
-
-
-PIDS_FILE = "pids"
-
-
-def _remember_pid(run_dir: Path, pid: int) -> None:
-    with open(run_dir / PIDS_FILE, "a") as f:
-        f.write(f"{pid}\n")
-
-
-def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
-    """Guards against pid reuse: the process must carry the job's contract variables."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = f.read().split(b"\0")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc here: trust the pid file
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-    if f"GEARSHIFT_JOB_ID={job_id}".encode() in env and f"GEARSHIFT_GENERATION={generation}".encode() in env:
-        return True
-    # a warm worker (agent/warm.py) keeps the agent's environment: it moved into the run's folder
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            warm = b"agent.warm" in f.read()
-        cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
-    except OSError:
-        return False
-    return warm and cwd.name == f"g{generation}" and cwd.parent.name == job_id
-
-
-async def _reap_orphans(run_root: Path, grace: float, log: Any) -> int:
-    """SIGTERM (checkpoint), then SIGKILL, every job process a previous agent
-    on this workdir started and left behind; returns how many there were."""
-    found: list[int] = []
-    for pids_file in run_root.glob(f"*/g*/{PIDS_FILE}"):
-        job_id, generation = pids_file.parent.parent.name, pids_file.parent.name[1:]
-        try:
-            pids = [int(x) for x in pids_file.read_text().split()]
-        except (OSError, ValueError):
-            pids = []
-        for pid in pids:
-            if _is_our_process(pid, job_id, generation):
-                log.warning("stopping a job process left by a previous agent", job_id=job_id,
-                            generation=generation, pid=pid)
-                _signal_group(pid, signal.SIGTERM)
-                found.append(pid)
-        try:
-            pids_file.unlink()
-        except OSError:
-            pass
-    deadline = time.monotonic() + grace
-    while found and time.monotonic() < deadline:
-        found = [p for p in found if _pid_alive(p)]
-        await asyncio.sleep(0.05)
-    for pid in found:
-        _signal_group(pid, signal.SIGKILL)
-    return len(found)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        try:
-            os.kill(pid, 0)
-            return True
-        except OSError:
-            return False
-
-
-def _die_with_agent() -> None:
-    """In the child before exec: SIGTERM (checkpoint and leave) when the agent
-    dies, as systemd's KillMode=control-group would; an agent killed with
-    SIGKILL must not leave a generation running that nobody fences."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass  # not Linux: the next agent's _reap_orphans stops them
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _host_memory() -> tuple[int, int]:

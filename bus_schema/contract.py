@@ -68,7 +68,7 @@ ROUTES: tuple[Route, ...] = (
     _req(s.ADMISSION_SUBMIT, m.SubmitRequest, m.SubmitReply, (), "admission", "submit a job"),
     _req(s.ADMISSION_CANCEL, m.JobRef, m.JobRecord, (), "admission", "cancel a job"),
     _req(s.ADMISSION_GET, m.JobRef, m.JobRecord, (), "admission", "one job (with its live progress)"),
-    _req(s.ADMISSION_LIST, m.ListRequest, m.JobList, (), "admission", "jobs, filtered by tenant and state"),
+    _req(s.ADMISSION_LIST, m.ListRequest, m.JobList, (), "admission", "jobs, filtered by tenant, state and node; paged (limit, cursor; all: the history store too)"),
     _req(s.ADMISSION_SUBMIT + ".<tenant>", m.SubmitRequest, m.SubmitReply, ("tenant",), "admission",
          "submit as <tenant> (a spec without tenant gets it)"),
     _req(s.ADMISSION_CANCEL + ".<tenant>", m.JobRef, m.JobRecord, ("tenant",), "admission", "cancel own job"),
@@ -130,6 +130,8 @@ ROUTES: tuple[Route, ...] = (
           doc="cordoned / draining nodes (absent: active)"),
     Route(f"$KV.{s.QUEUES_BUCKET}.<tenant>", KV, m.QueueSpec, senders=("admission", "optimizer"),
           doc="a tenant's queue (set in the cluster config or by gs.admission.setqueue)"),
+    Route(f"$KV.{s.HISTORY_BUCKET}.<job>", KV, m.JobRecord, senders=("optimizer",),
+          doc="a finished job's last record, moved out of gs_jobs (kept HISTORY_RETENTION_S)"),
 )
 
 STREAM_SUBJECTS = {s.EVENTS_STREAM: s.EVENTS_SUBJECTS, s.REPORTS_STREAM: s.REPORTS_SUBJECTS}

@@ -123,9 +123,16 @@ class JobRef(_Input, kw_only=True, frozen=True):
 
 
 class ListRequest(_Input, kw_only=True, frozen=True):
+    """One page of jobs. A reply never exceeds MAX_MESSAGE_BYTES: it holds at
+    most ``limit`` jobs and fewer if they would not fit; ``JobList.next_cursor``
+    continues. ``all``: finished jobs moved to the history store too."""
+
     tenant: Tenant | None = None
     states: list[str] | None = None
+    node: NodeName | None = None  # jobs placed on this node
     limit: Annotated[int, Meta(ge=1, le=100_000)] = 10_000
+    cursor: Annotated[str, Meta(max_length=256)] | None = None  # JobList.next_cursor of the previous page
+    all: bool = False
 
 
 # ---------------------------------------------------------------- job record
@@ -454,6 +461,7 @@ class SubmitReply(_Msg, kw_only=True, frozen=True):
 
 class JobList(_Msg, kw_only=True, frozen=True):
     jobs: list[JobRecord]
+    next_cursor: str | None = None  # more jobs: ask again with this cursor
 
 
 class NodeList(_Msg, kw_only=True, frozen=True):

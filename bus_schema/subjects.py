@@ -16,6 +16,8 @@ NODES_BUCKET = "gs_nodes"
 ALLOC_BUCKET = "gs_alloc"
 MODELS_BUCKET = "gs_models"
 LEASE_BUCKET = "gs_lease"
+HISTORY_BUCKET = "gs_history"  # finished jobs, moved out of gs_jobs, kept for HISTORY_RETENTION_S
+HISTORY_RETENTION_S = 7 * 24 * 3600.0
 NODE_MODES_BUCKET = "gs_node_modes"
 QUEUES_BUCKET = "gs_queues"  # tenant -> QueueSpec
 

@@ -101,8 +101,8 @@ async def cmd_get(args: argparse.Namespace) -> int:
                 jobs = [await c.job(args.name)]
             elif args.watch:
                 return await _watch_jobs(c, args, states)
-            else:
-                jobs = await c.jobs(tenant=args.tenant, states=states, limit=args.limit)
+            else:  # paged: as many requests as it takes (--all: the history store too)
+                jobs = await c.jobs(tenant=args.tenant, states=states, limit=args.limit, all=args.all, node=args.node)
             if args.output == "json":
                 _print_json(jobs[0] if args.name else jobs)
             else:
@@ -312,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenant", default=None, help="only this tenant's jobs")
     g.add_argument("--state", default=None,
                    help="only jobs in these states, comma-separated (pending,scheduled,running,cancelling,...)")
+    g.add_argument("--node", default=None, help="only jobs placed on this node")
+    g.add_argument("--all", action="store_true", help="finished jobs moved to the history store too")
     g.add_argument("--limit", type=int, default=None, help="at most this many jobs (oldest first)")
     g.add_argument("-w", "--watch", action="store_true", help="keep watching: a line for every job that changes")
     g.add_argument("--interval", type=float, default=1.0, help="seconds between looks while watching")

@@ -141,11 +141,27 @@ class Client:
                                 SubmitReply, "submit jobs")
 
     async def jobs(self, tenant: str | None = None, states: list[str] | None = None,
-                   limit: int | None = None) -> list[JobRecord]:
-        req = ListRequest(tenant=tenant, states=states or None)
-        if limit is not None:
-            req = msgspec.structs.replace(req, limit=limit)
-        return (await self._call(self._subject(subj.ADMISSION_LIST), req, JobList, "list jobs")).jobs
+                   limit: int | None = None, **filters: Any) -> list[JobRecord]:
+        """Every job that matches (at most ``limit``), page after page;
+        ``filters``: ``node``, ``all`` (the history store too); see ListRequest."""
+        out: list[JobRecord] = []
+        async for page in self.job_pages(tenant, states, limit, **filters):
+            out.extend(page)
+        return out[:limit] if limit is not None else out
+
+    async def job_pages(self, tenant: str | None = None, states: list[str] | None = None,
+                        limit: int | None = None, **filters: Any) -> AsyncIterator[list[JobRecord]]:
+        cursor, got_n = None, 0
+        while True:
+            req = ListRequest(tenant=tenant, states=states or None, cursor=cursor, **filters)
+            if limit is not None:
+                req = msgspec.structs.replace(req, limit=max(1, limit - got_n))
+            page = await self._call(self._subject(subj.ADMISSION_LIST), req, JobList, "list jobs")
+            got_n += len(page.jobs)
+            yield page.jobs
+            if page.next_cursor is None or (limit is not None and got_n >= limit):
+                return
+            cursor = page.next_cursor
 
     async def job(self, job_id: str) -> JobRecord:
         return await self._call(self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, "read jobs")

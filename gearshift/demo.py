@@ -125,7 +125,7 @@ async def drive(url: str, items: list[WorkloadItem], timeout: float, progress: b
                     r = await call(client.nc, subj.OPTIMIZER_RECONFIGURE, req, ReconfigureReply, timeout=5)
                     print(f"[{now:5.0f}s] torch job {job_id} at step {steps[job_id]}: asked to switch to "
                           f"{SWITCH_TO.label()} (generation {r.generation} -> next)", file=sys.stderr, flush=True)
-            jobs = [j for j in await client.jobs() if j.job_id in set(ids)]
+            jobs = [j for j in await client.jobs(all=True) if j.job_id in set(ids)]  # finished ones move to history
             states: dict[str, int] = {}
             for j in jobs:
                 states[j.state.value] = states.get(j.state.value, 0) + 1

@@ -597,7 +597,12 @@ class ChaosRun:
         recs: dict[str, JobRecord] = {}
         while time.monotonic() < deadline:
             try:
-                jobs = (await self.request(nc, subj.ADMISSION_LIST, ListRequest(), JobList)).jobs
+                jobs, cursor = [], None
+                while True:  # finished jobs move to the history store: list them too, page by page
+                    page = await self.request(nc, subj.ADMISSION_LIST, ListRequest(all=True, cursor=cursor), JobList)
+                    jobs += page.jobs
+                    if (cursor := page.next_cursor) is None:
+                        break
                 recs = {j.job_id: j for j in jobs if j.job_id in self.acked}
                 live = [j for j in recs.values() if j.state not in TERMINAL_STATES or j.outbox]
                 if len(recs) == len(self.acked) and not live:

@@ -3,6 +3,10 @@
 Thin by design: decode (the runtime turns bad input into an error reply that
 names the field), check the spec against the cluster, write the record with
 compare-and-set, publish the event through the job's outbox.
+
+Nothing here scans a bucket per request: the capacity, the live jobs per
+tenant and the lists come from materialised views (``services.views``) kept
+current by KV watches; lists are paged (``services.paging``).
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ from bus_schema.messages import (
 )
 from bus_schema.validate import SpecError, check_spec
 
-from .jobstore import JobStore, kv_snapshot, with_event
 from . import observe
+from .jobstore import JobStore, with_event
+from .paging import BadCursor, list_page
 from .queues import QueueStore, most_gpus
+from .views import JobsView, NodesView
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, now, run_service, serve
 
 log = get_logger(service="admission")
@@ -63,7 +69,9 @@ class Admission:
         self.store = JobStore(nc)
         self.max_gpus = max_gpus
         self.max_jobs_per_tenant = max_jobs_per_tenant
-        self.nodes_kv: Any = None
+        self.jobs_view: JobsView | None = None
+        self.nodes_view: NodesView | None = None
+        self._created: dict[str, set[str]] = {}  # tenant -> ids created here, not yet in the view
         # job -> its latest progress report (running jobs only; see with_live)
         self.progress: dict[str, JobProgress] = {}
         self._progress_sub: Any = None
@@ -72,9 +80,16 @@ class Admission:
     async def open(self) -> "Admission":
         await self.store.open()
         await self.queues.open()
-        self.nodes_kv = await self.nc.jetstream().key_value(subj.NODES_BUCKET)
+        js = self.nc.jetstream()
+        self.jobs_view = await JobsView(js, subj.JOBS_BUCKET).start()
+        self.nodes_view = await NodesView(js, subj.NODES_BUCKET).start()
         self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
         return self
+
+    async def close(self) -> None:
+        for view in (self.jobs_view, self.nodes_view):
+            if view is not None:
+                await view.stop()
 
     async def _on_progress(self, msg: Any) -> None:
         try:
@@ -101,18 +116,27 @@ class Admission:
         return msgspec.structs.replace(rec, live=p)
 
     async def nodes(self) -> list[NodeReport]:
-        snap = await kv_snapshot(self.nodes_kv)
-        return sorted((codec.decode(v, NodeReport) for v, _ in snap.values()), key=lambda n: n.node)
+        assert self.nodes_view is not None
+        return sorted(self.nodes_view.values(), key=lambda n: n.node)
 
     async def _capacity(self) -> tuple[int | None, int | None]:
         """(most GPUs a job could ever get, GPUs per node) from config and registered nodes."""
-        nodes = await self.nodes()
+        assert self.nodes_view is not None
+        total, per_node = self.nodes_view.capacity()
         if self.max_gpus is not None:
-            per_node = max((len(n.gpus) for n in nodes), default=None)
             return self.max_gpus, per_node
-        if not nodes:
+        if per_node is None:
             return None, None  # no node has registered yet: nothing to compare with
-        return sum(len(n.gpus) for n in nodes), max(len(n.gpus) for n in nodes)
+        return total, per_node
+
+    def _live_count(self, tenant: str) -> int:
+        """Live jobs of ``tenant``: the view's counter, plus those created here
+        that the view has not seen yet (a burst of submits cannot slip past)."""
+        assert self.jobs_view is not None
+        mine = self._created.get(tenant)
+        if mine:
+            mine -= {j for j in mine if j in self.jobs_view.entries}
+        return self.jobs_view.tenant_live[tenant] + len(mine or ())
 
     # ------------------------------------------------------------ endpoints
     async def submit(self, req: SubmitRequest) -> SubmitReply:
@@ -128,15 +152,26 @@ class Admission:
             existing = await self.store.get(job_id)
             if existing is not None:
                 return self._same_submission(existing[0], req)
-        live = [r for r, _ in await self.store.all() if r.spec.tenant == spec.tenant and not r.terminal]
-        if len(live) >= self.max_jobs_per_tenant:
-            raise RequestError("429", f"tenant {spec.tenant} has {len(live)} live jobs, the limit", "spec.tenant")
+        live = self._live_count(spec.tenant)
+        if live >= self.max_jobs_per_tenant:
+            raise RequestError("429", f"tenant {spec.tenant} has {live} live jobs, the limit", "spec.tenant")
+        # counted before the first await: submits run concurrently, and a burst
+        # must not slip past the limit between the check and the write
+        mine = self._created.setdefault(spec.tenant, set())
+        fresh = job_id not in mine
+        mine.add(job_id)
         ts = now()
         rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted")
         rec = with_event(
             rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
         )
-        if not await self.store.create(rec):
+        try:
+            created = await self.store.create(rec)
+        except BaseException:
+            if fresh:
+                mine.discard(job_id)
+            raise
+        if not created:
             # a concurrent submit with the same token won the race
             existing = await self.store.get(job_id)
             assert existing is not None
@@ -194,11 +229,13 @@ class Admission:
         bad = states - known
         if bad:
             raise bad_request(f"unknown state(s) {sorted(bad)}; known: {sorted(known)}", "states")
-        recs = [r for r, _ in await self.store.all()]
-        recs = [r for r in recs if (req.tenant is None or r.spec.tenant == req.tenant)]
-        recs = [r for r in recs if not states or r.state.value in states]
-        recs.sort(key=lambda r: (r.submitted_at, r.job_id))
-        return JobList(jobs=[self.with_live(r) for r in recs[: req.limit]])
+        assert self.jobs_view is not None
+        await self.jobs_view.sync()  # a list right after a submit shows it
+        try:
+            jobs, cursor = await list_page(self.nc.jetstream(), self.jobs_view, req)
+        except BadCursor as err:
+            raise bad_request(str(err), "cursor") from None
+        return JobList(jobs=[self.with_live(r) for r in jobs], next_cursor=cursor)
 
     async def list_nodes(self, _: None) -> NodeList:
         return NodeList(nodes=await self.nodes())
@@ -260,14 +297,15 @@ class Admission:
 
     def endpoints(self) -> list[Endpoint]:
         return [
-            Endpoint("submit", subj.ADMISSION_SUBMIT, SubmitRequest, self.submit),
+            Endpoint("submit", subj.ADMISSION_SUBMIT, SubmitRequest, self.submit, concurrent=True),
             Endpoint("cancel", subj.ADMISSION_CANCEL, JobRef, self.cancel),
             Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
             Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
             Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
             Endpoint("queues", subj.ADMISSION_QUEUES, None, self.get_queues),
             Endpoint("setqueue", subj.ADMISSION_SET_QUEUE, QueueSpec, self.set_queue),
-            Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True),
+            Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True,
+                     concurrent=True),
             Endpoint("cancel-tenant", subj.ADMISSION_CANCEL + ".*", JobRef, self.cancel_as, with_subject=True),
             Endpoint("get-tenant", subj.ADMISSION_GET + ".*", JobRef, self.get_as, with_subject=True),
             Endpoint("list-tenant", subj.ADMISSION_LIST + ".*", ListRequest, self.list_as, with_subject=True),
@@ -285,11 +323,12 @@ async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | Non
                 max_jobs_per_tenant: int = 1000) -> None:
     nc = await connect(url, name="gearshift-admission")
     obs = await observe.serve_http("admission", "admission", nc)
-    _, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant)
+    adm, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant)
     obs.set_ready()
     log.info("admission ready", url=nc.connected_url.geturl() if nc.connected_url else url)
     await stop.wait()
     await svc.stop()
+    await adm.close()
     await obs.close()
     await nc.drain()
 

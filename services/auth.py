@@ -131,7 +131,7 @@ def permissions(ident: Identity) -> dict[str, Any]:
         return {
             "publish": {"allow": [*js_api, f"$JS.ACK.{subj.REPORTS_STREAM}.>", _kv(subj.JOBS_BUCKET),
                                   _kv(subj.ALLOC_BUCKET), _kv(subj.LEASE_BUCKET), _kv(subj.NODE_MODES_BUCKET), _kv(subj.QUEUES_BUCKET),
-                                  *bus_pub]},
+                                  _kv(subj.HISTORY_BUCKET), *bus_pub]},
             "subscribe": {"allow": [*bus_sub, inbox, *srv_sub]},
             "allow_responses": True,
         }

@@ -61,6 +61,8 @@ class OptimizerConfig(ServiceConfig):
     max_retries: NonNegInt = 3
     drain_timeout: Positive = 120.0
     wait_for_models: bool = False
+    lease_ttl: Positive = 6.0  # seconds a silent leader keeps the lease
+    archive_after: NonNegative = 30.0  # seconds a finished job stays in gs_jobs before the history store
 
     def __post_init__(self) -> None:
         if self.policy_options:

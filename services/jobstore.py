@@ -66,7 +66,9 @@ async def kv_snapshot(kv: Any, keys: str = ">") -> dict[str, tuple[bytes, int]]:
             msg = await sub.next_msg(timeout=5)
             op = (msg.headers or {}).get("KV-Operation")
             key = msg.subject[len(prefix):]
-            if op in ("DEL", "PURGE"):
+            if key.startswith("_"):  # fencing marks (services.fencing), not data
+                pass
+            elif op in ("DEL", "PURGE"):
                 out.pop(key, None)
             else:
                 out[key] = (msg.data, msg.metadata.sequence.stream)
@@ -82,56 +84,104 @@ class JobStore:
         self.nc = nc
         self.js = nc.jetstream()
         self.kv: Any = None
+        self.fence: Any = None  # services.fencing.Fence while this store writes for a leader
 
     async def open(self) -> "JobStore":
         self.kv = await self.js.key_value(subj.JOBS_BUCKET)
+        self.history = await self.js.key_value(subj.HISTORY_BUCKET)
         return self
 
-    async def get(self, job_id: str) -> tuple[JobRecord, int] | None:
+    async def get(self, job_id: str, *, history: bool = True) -> tuple[JobRecord, int] | None:
+        """The live record (and its revision); a finished job moved to the
+        history store comes from there (revision 0: it is never written again)."""
+        got = await self._get(self.kv, job_id)
+        if got is None and history:
+            got = await self._get(self.history, job_id)
+            return None if got is None else (got[0], 0)
+        return got
+
+    @staticmethod
+    async def _get(kv: Any, job_id: str) -> tuple[JobRecord, int] | None:
         try:
-            entry = await self.kv.get(job_id)
+            entry = await kv.get(job_id)
         except KeyNotFoundError:
             return None
         if entry.value is None or entry.operation in ("DEL", "PURGE"):
             return None
         return codec.decode(entry.value, JobRecord), entry.revision
 
+    async def archive(self, rec: JobRecord) -> bool:
+        """Move a finished record (events published, nothing draining) from
+        ``gs_jobs`` to the history store: written there first, then deleted
+        here, so a crash in between leaves it in both, never in neither."""
+        if not rec.terminal or rec.outbox or rec.draining:
+            return False
+        await self.history.put(rec.job_id, codec.encode(rec))
+        if self.fence is not None:
+            await self.fence.delete(subj.JOBS_BUCKET, rec.job_id)
+        else:
+            await self.kv.delete(rec.job_id)
+        return True
+
     async def create(self, rec: JobRecord) -> bool:
         """Write a new record; False if the id exists already."""
         try:
-            await self.kv.create(rec.job_id, codec.encode(rec))
+            rev = await self.kv.create(rec.job_id, codec.encode(rec))
         except KeyWrongLastSequenceError:
             return False
-        await self.flush(rec.job_id)
+        await self.flush(rec.job_id, have=(rec, rev))
         return True
 
-    async def update(self, job_id: str, change: Change, *, flush: bool = True) -> JobRecord | None:
+    async def update(self, job_id: str, change: Change, *, flush: bool = True,
+                     hint: tuple[JobRecord, int] | None = None) -> JobRecord | None:
         """Apply ``change`` with CAS, retrying on conflicts. Returns the new
-        record, or None when the job is unknown or ``change`` returned None."""
-        for _ in range(100):
-            got = await self.get(job_id)
+        record, or None when the job is unknown or ``change`` returned None.
+        ``hint``: the record and revision a view holds, tried first (a stale
+        one costs a failed CAS, then the record is read)."""
+        got = await self._update(job_id, change, hint)
+        if got is None:
+            return None
+        new, rev = got
+        if flush and new.outbox:
+            new = await self.flush(job_id, have=(new, rev)) or new
+        return new
+
+    async def _update(self, job_id: str, change: Change,
+                      hint: tuple[JobRecord, int] | None = None) -> tuple[JobRecord, int] | None:
+        for attempt in range(100):
+            hinted = hint is not None
+            got = hint or await self.get(job_id, history=False)  # history is never written again
+            hint = None
             if got is None:
                 return None
             rec, rev = got
             new = change(rec)
             if new is None:
+                if hinted:
+                    continue  # "nothing to do" may come from a stale view: ask the bucket
                 return None
+            if new.state != rec.state:
+                rec.check_transition(new.state)  # the state machine, enforced on every write
             try:
-                await self.kv.update(job_id, codec.encode(new), last=rev)
+                if self.fence is not None:  # a leader's write: refused once it is deposed
+                    rev = await self.fence.update(subj.JOBS_BUCKET, job_id, codec.encode(new), rev)
+                else:
+                    rev = await self.kv.update(job_id, codec.encode(new), last=rev)
             except KeyWrongLastSequenceError:
-                await asyncio.sleep(0)
+                # a replicated stream also refuses while another write on the same
+                # expected-sequence subject is in flight: back off a little after a few
+                await asyncio.sleep(0 if attempt < 3 else 0.002 * attempt)
                 continue
-            if flush and new.outbox:
-                new = await self.flush(job_id) or new
-            return new
+            return new, rev
         raise RuntimeError(f"job {job_id}: too many concurrent updates")
 
-    async def flush(self, job_id: str) -> JobRecord | None:
-        """Publish a record's outbox, then remove what was published (CAS)."""
-        got = await self.get(job_id)
+    async def flush(self, job_id: str, *, have: tuple[JobRecord, int] | None = None) -> JobRecord | None:
+        """Publish a record's outbox, then remove what was published (CAS).
+        ``have``: the record just written and its revision (saves a read)."""
+        got = have or await self.get(job_id, history=False)
         if got is None:
             return None
-        rec, _ = got
+        rec, rev = got
         if not rec.outbox:
             return rec
         for ev in rec.outbox:
@@ -145,7 +195,8 @@ class JobStore:
                 return None
             return msgspec.structs.replace(r, outbox=left)
 
-        return await self.update(job_id, clear, flush=False) or rec
+        got = await self._update(job_id, clear, (rec, rev))
+        return got[0] if got else rec
 
     async def all(self) -> list[tuple[JobRecord, int]]:
         snap = await kv_snapshot(self.kv)

@@ -33,6 +33,14 @@ Operators can pin a plan (``gs.optimizer.reconfigure``): while pinned the
 optimizer uses that plan (and placement, if given) instead of the policy's.
 With ``wait_for_models`` a job whose model has no fitted parameters (KV
 ``gs_models``) and no shipped fit waits for the profiler and says so.
+
+The parts live in their own modules, each testable without NATS:
+``lifecycle`` (report -> new state, ALLOWED_TRANSITIONS), ``capacity``
+(held GPUs, GPU assignment, pins), ``alloc_writer`` (fenced, concurrent
+allocation writes), ``report_consumer``, ``leadership`` (lease + fence) and
+``views`` (materialised views of gs_jobs, gs_nodes, gs_alloc). A round reads
+the views, so it costs O(live jobs + nodes), and its writes go out
+concurrently with bounded parallelism.
 """
 
 from __future__ import annotations
@@ -41,72 +49,56 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import time
 import uuid
 from typing import Any
 
 import msgspec
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
     JobProgress,
     ACTIVE_STATES,
-    Allocation,
-    JobSwitched,
-    NodeShare,
+    ExplainEntry,
+    ExplainReply,
+    JobPreempted,
+    JobRecord,
+    JobState,
+    NodeLost,
+    NodeReport,
     PinnedPlan,
     ReconfigureReply,
     ReconfigureRequest,
-    SwitchTiming,
-    ExplainEntry,
-    ExplainReply,
-    JobCancelled,
-    JobCompleted,
-    JobFailed,
-    JobPreempted,
-    JobReconfigured,
-    JobRecord,
-    JobRequeued,
-    JobRunning,
-    JobScheduled,
-    JobState,
-    NodeLost,
-    NodePlacement,
-    NodeReport,
-    Plan,
     RoundCompleted,
     RoundReply,
     RunReport,
-    RunReportKind,
 )
 from bus_schema.ops import NodeModeReply, NodeModeRequest
-from policies import Decision, JobView, NodeState, Placement, check_decision, make_policy
-from policies.api import JobDecision
-
-from . import auth_alloc, node_modes, observe
-from .policy_bridge import ModelOracle, job_view, segment_gpu_s
-from .queues import QueueStore
+from policies import Decision, JobView, check_decision, make_policy
 from policies.sharing import Shared
-from .jobstore import JobStore, kv_snapshot, publish_event, with_event
-from .lease import Lease
+
+from . import capacity, lifecycle, node_modes, observe
+from .alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
+from .fencing import Deposed
+from .jobstore import JobStore, publish_event
+from .leadership import Leadership
+from .policy_bridge import ModelOracle, job_view
+from .queues import QueueStore
+from .record_writer import RecordWriter
+from .report_consumer import consume_reports
 from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
+from .views import JobsView, NodesView
 
 log = get_logger(service="optimizer")
 
 ACTIVE = ACTIVE_STATES
-DEFAULT_STEP_TIME = 0.1
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
 OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
-
-
-def emulated_step_time(rec: JobRecord, plan: Plan) -> float:
-    """Seconds per step for the emulated worker: the spec's step time at its
-    requested GPUs, scaled linearly to the plan's GPUs."""
-    base = rec.spec.step_time or DEFAULT_STEP_TIME
-    return base * rec.spec.gpus / max(1, plan.gpus)
+REASON_WRITES_PER_ROUND = 64  # waiting reasons rewritten into records per round (oldest jobs first)
+PAUSE_ENV = "GEARSHIFT_FAULT_PAUSE_MID_ROUND"  # fault injection: path of a file that, present, stops the leader mid-round
 
 
 class Optimizer:
@@ -123,6 +115,8 @@ class Optimizer:
         max_retries: int = DEFAULT_MAX_RETRIES,
         drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
         wait_for_models: bool = False,
+        write_parallel: int = 32,
+        archive_after: float = 30.0,
     ):
         self.nc = nc
         self.js = nc.jetstream()
@@ -134,6 +128,8 @@ class Optimizer:
         self.max_retries = max_retries
         self.drain_timeout = drain_timeout
         self.wait_for_models = wait_for_models
+        self.write_parallel = write_parallel
+        self.archive_after = archive_after
         self.store = JobStore(nc)
         self.round_no = 0
         self.last_explain: list[ExplainEntry] = []
@@ -150,7 +146,6 @@ class Optimizer:
 
     async def open(self) -> "Optimizer":
         await self.store.open()
-        self.alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
@@ -163,38 +158,45 @@ class Optimizer:
             usage = await self.queues.load_usage()
             if usage:
                 self.policy.fair.load(usage)
-        self.lease = Lease(
-            await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
-            renew=self.lease_ttl / 4,
+        # standbys keep their views warm too: a takeover need not read the buckets
+        self.jobs = await JobsView(self.js, subj.JOBS_BUCKET).start()
+        self.nodes = await NodesView(self.js, subj.NODES_BUCKET).start()
+        self.allocs = await AllocView(self.js).start()
+        self.leadership = Leadership(
+            self.nc, await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,
+            buckets=[subj.JOBS_BUCKET, subj.ALLOC_BUCKET],
         )
+        self.lease = self.leadership.lease
+        self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel)
+        self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
+                                    drain_timeout=self.drain_timeout, archive_after=self.archive_after)
         return self
+
+    async def close(self) -> None:
+        for view in (self.jobs, self.nodes, self.allocs):
+            await view.stop()
 
     # ------------------------------------------------------------ lifecycle
     async def run(self, stop: asyncio.Event) -> None:
         """Wait for the lease, lead until it is lost or ``stop`` is set."""
-        while not stop.is_set():
-            if await self.lease.try_acquire():
-                lost = asyncio.Event()
-                await self._lead(stop, lost)
-                if stop.is_set():
-                    break
-                log.warning("lease lost; back to standby", instance=self.instance)
-            else:
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=min(1.0, self.lease_ttl / 4))
-                except asyncio.TimeoutError:
-                    pass
-        await self.lease.release()
+        try:
+            await self.leadership.run(stop, lambda lost: self._lead(stop, lost))
+        finally:
+            await self.close()
 
     async def _lead(self, stop: asyncio.Event, lost: asyncio.Event) -> None:
         self.is_leader = True
         self.leader_since = time.monotonic()
+        self.store.fence = self.leadership.fence
         observe.LEADER.set(1)
-        log.info("leading", instance=self.instance, policy=self.policy.name)
+        log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
         from policies.kernels import warm_up
 
         await asyncio.to_thread(warm_up)  # compile/load the numba kernels before the first round
-        await self.store.flush_all()  # events a dead leader wrote but never published
+        try:
+            await self._flush_outboxes()  # events a dead leader wrote but never published
+        except Deposed as exc:
+            self.leadership.deposed(exc)
         self._svc = await serve(
             self.nc,
             "optimizer",
@@ -217,7 +219,6 @@ class Optimizer:
             await self.nc.subscribe("gs.job.*.progress", cb=self.on_progress),
         ]
         self._tasks = [
-            asyncio.create_task(self.lease.hold(lost)),
             asyncio.create_task(self._consume_reports()),
             asyncio.create_task(self._round_loop()),
         ]
@@ -231,182 +232,42 @@ class Optimizer:
         for s in self._subs:
             await s.unsubscribe()
         await self._svc.stop()
-        self.is_leader = False
+        self.store.fence = None
         observe.LEADER.set(0)
+
+    async def _flush_outboxes(self) -> None:
+        await self.jobs.sync()
+        todo = [r.job_id for r in self.jobs.values() if r.outbox]
+        await bounded([self.store.flush(j) for j in todo], self.write_parallel)
 
     # ------------------------------------------------------------ reports
     async def _consume_reports(self) -> None:
-        psub = await self.js.pull_subscribe(
-            subj.REPORTS_SUBJECTS,
-            durable="optimizer",
-            stream=subj.REPORTS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30),
-        )
         try:
-            while self.is_leader:  # nats-py's fetch can swallow a cancel: check a flag too
-                try:
-                    msgs = await psub.fetch(64, timeout=1)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # timeout: nothing to do
-                    continue
-                for msg in msgs:
-                    try:
-                        report = codec.decode(msg.data, RunReport)
-                    except msgspec.MsgspecError:
-                        log.warning("dropping malformed run report", subject=msg.subject)
-                        await msg.term()
-                        continue
-                    # Not during a round: a round decides from the records it read
-                    # at its start, and a report settling a drain meanwhile would
-                    # have its fresh allocation deleted by that round's reconcile.
-                    async with self._round_lock:
-                        await self.apply_report(report)
-                    await msg.ack()
-        finally:
-            # a pull subscription left open blocks drain() on shutdown
-            await psub.unsubscribe()
+            await consume_reports(self.js, self.apply_report, self._round_lock, lambda: self.is_leader)
+        except Deposed as exc:
+            self.leadership.deposed(exc)
 
     async def apply_report(self, r: RunReport) -> None:
         """Move the job's state for one agent report; stale generations are ignored."""
-        ended = False
-        released = False
+        out = lifecycle.Outcome()
 
         def change(rec: JobRecord) -> JobRecord | None:
-            nonlocal ended, released
-            ended = released = False
-            if (r.kind == RunReportKind.EXITED and rec.draining and r.generation == rec.drain_generation
-                    and r.node in {p.node for p in rec.draining}):
-                new, released, ended = self._drained(rec, [r.node], r)
-                return new
-            self.models.observe_report(rec, r)  # what ran teaches the oracle (policies.learning)
-            if rec.generation != r.generation or rec.terminal:
-                return None
-            ts = r.ts
-            if r.kind == RunReportKind.STARTED:
-                new = rec
-                if rec.switch is not None and rec.switch.to_generation == r.generation and r.rank0:
-                    new = msgspec.structs.replace(
-                        new, switch=msgspec.structs.replace(rec.switch, launched=r.launched_at or ts))
-                if rec.state == JobState.SCHEDULED and r.rank0:
-                    new = msgspec.structs.replace(
-                        new, state=JobState.RUNNING, started_at=rec.started_at or ts, reason="running"
-                    )
-                    return with_event(new, JobRunning, ts=ts, nodes=[p.node for p in rec.placement])
-                return new if new is not rec else None
-            if r.kind == RunReportKind.STEPPED:
-                if rec.switch is None or rec.switch.to_generation != r.generation or not r.rank0:
-                    return None
-                return self._switched(rec, r)
-            if r.kind != RunReportKind.EXITED:
-                return None
-            steps = max(rec.steps_done, r.steps_done)
-            if r.checkpoint_step is not None:
-                rec = msgspec.structs.replace(rec, checkpoint_step=max(rec.checkpoint_step, r.checkpoint_step))
-            if rec.state == JobState.CANCELLING:
-                ended = True
-                new = msgspec.structs.replace(
-                    rec, state=JobState.CANCELLED, finished_at=ts, steps_done=steps, reason="cancelled by user"
-                )
-                return with_event(new, JobCancelled, ts=ts)
-            if rec.state not in ACTIVE:
-                return None
-            if r.exit_code == 0 and r.rank0:
-                ended = True
-                if rec.switch is not None and rec.switch.to_generation == r.generation and r.first_step_s is not None:
-                    # it finished before its STEPPED report was applied: close the switch now
-                    rec = self._switched(rec, r)
-                new = msgspec.structs.replace(
-                    rec, state=JobState.COMPLETED, finished_at=ts, steps_done=max(steps, rec.spec.steps),
-                    exit_code=0, reason="completed",
-                )
-                return with_event(new, JobCompleted, ts=ts, steps_done=new.steps_done)
-            if r.stopped or r.exit_code == 0:
-                return None  # stopped on our request, or a follower that finished: nothing to learn
-            ended = True
-            why = f"process on {r.node} exited with code {r.exit_code}" + (f": {r.message}" if r.message else "")
-            others = [p for p in rec.placement if p.node != r.node]
-            if rec.failures < self.max_retries:
-                # retry from the last checkpoint; the other nodes' ranks drain first
-                retry = rec.failures + 1
-                new = msgspec.structs.replace(
-                    rec, state=JobState.PENDING, placement=[], steps_done=steps, failures=retry,
-                    attained_gpu_s=rec.attained_gpu_s + segment_gpu_s(rec, ts),
-                    restarts=rec.restarts + 1, switch=None, reason=f"retry {retry}/{self.max_retries}: {why}",
-                    draining=others, drain_generation=rec.generation, drain_started=now() if others else None,
-                )
-                return with_event(new, JobRequeued, ts=ts, reason=new.reason, retry=retry,
-                                  checkpoint_step=rec.checkpoint_step)
-            why = f"{why} (after {rec.failures} retries)" if rec.failures else why
-            new = msgspec.structs.replace(
-                rec, state=JobState.FAILED, finished_at=ts, steps_done=steps, exit_code=r.exit_code, reason=why,
-                draining=others, drain_generation=rec.generation, drain_started=now() if others else None,
-                switch=None,
-            )
-            return with_event(new, JobFailed, ts=ts, reason=why, exit_code=r.exit_code)
+            nonlocal out
+            if not lifecycle.drains(rec, r):
+                self.models.observe_report(rec, r)  # what ran teaches the oracle (policies.learning)
+            out = lifecycle.apply_report(rec, r, max_retries=self.max_retries, now=now())
+            return out.new
 
-        new = await self.store.update(r.job_id, change)
+        new = await self.store.update(r.job_id, change, hint=self.records.hint(r.job_id))
         if new is not None:
             log.info("job state", job_id=r.job_id, state=new.state.value, generation=r.generation,
                      kind=r.kind.value, draining=[p.node for p in new.draining])
-        if released and new is not None:
-            await self._put_alloc(new)
-        if ended or released:
-            if ended and new is not None and new.state not in ACTIVE:
-                await self._delete_alloc(r.job_id)
+        if out.released and new is not None:
+            await self.writer.put(new)
+        if out.ended or out.released:
+            if out.ended and new is not None and new.state not in ACTIVE:
+                await self.writer.delete(r.job_id)
             self.kick.set()
-
-    def _drained(self, rec: JobRecord, nodes: list[str], r: RunReport | None) -> tuple[JobRecord, bool, bool]:
-        """``rec`` with ``nodes`` no longer draining -> (record, release the next
-        generation's allocation, job ended)."""
-        ts = now()
-        left = [p for p in rec.draining if p.node not in nodes]
-        new = msgspec.structs.replace(rec, draining=left, drain_started=rec.drain_started if left else None)
-        if r is not None and r.checkpoint_step is not None:
-            new = msgspec.structs.replace(new, checkpoint_step=max(rec.checkpoint_step, r.checkpoint_step))
-        sw = rec.switch
-        if sw is not None and r is not None:
-            ck = sw.checkpointed
-            if r.checkpoint_at is not None and r.checkpoint_at >= sw.started - 1:
-                ck = max(ck or 0.0, r.checkpoint_at)
-            sw = msgspec.structs.replace(
-                sw, checkpointed=ck, checkpoint_step=max(sw.checkpoint_step, r.checkpoint_step or 0),
-                progress_step=max(sw.progress_step, r.progress_step))
-        if left:
-            return msgspec.structs.replace(new, switch=sw), False, False
-        if sw is not None:
-            sw = msgspec.structs.replace(sw, drained=ts)
-        if rec.state == JobState.CANCELLING and rec.switch is not None:
-            # cancelled while switching: the new generation never started
-            new = msgspec.structs.replace(new, state=JobState.CANCELLED, finished_at=ts, switch=None,
-                                          reason="cancelled by user")
-            return with_event(new, JobCancelled, ts=ts), False, True
-        if rec.state in ACTIVE:
-            if sw is not None:
-                sw = msgspec.structs.replace(sw, released=ts)
-            return msgspec.structs.replace(new, switch=sw), True, False
-        return msgspec.structs.replace(new, switch=sw), False, False
-
-    def _switched(self, rec: JobRecord, r: RunReport) -> JobRecord:
-        """The new generation made its first step: the switch's cost by phase."""
-        sw = rec.switch
-        assert sw is not None
-        started = sw.started
-        ckpt = sw.checkpointed or started
-        released = sw.released or ckpt
-        launched = sw.launched or r.launched_at or released
-        restore = max(0.0, r.restore_s or 0.0)
-        first = max(0.0, r.first_step_s or 0.0)
-        done_at = launched + restore + first
-        new = msgspec.structs.replace(rec, switch=None)
-        return with_event(
-            new, JobSwitched, ts=r.ts, from_generation=sw.from_generation, from_plan=sw.from_plan, plan=rec.plan,
-            from_gpus=sw.from_gpus, gpus=sum(len(p.gpus) for p in rec.placement), nodes=[p.node for p in rec.placement],
-            checkpoint_s=max(0.0, ckpt - started), teardown_s=max(0.0, released - ckpt),
-            launch_s=max(0.0, launched - released), restore_s=restore, first_step_s=first,
-            total_s=max(0.0, done_at - started), checkpoint_step=sw.checkpoint_step, resumed_step=r.start_step,
-            steps_lost=max(0, sw.progress_step - sw.checkpoint_step),
-        )
 
     # ------------------------------------------------------------ rounds
     async def on_progress(self, msg: Any) -> None:
@@ -432,6 +293,9 @@ class Optimizer:
                 await self.round()
             except asyncio.CancelledError:
                 raise
+            except Deposed as exc:
+                self.leadership.deposed(exc)
+                return
             except Exception:
                 log.exception("round failed")
                 await asyncio.sleep(0.5)
@@ -443,22 +307,22 @@ class Optimizer:
         return ExplainReply(policy=self.policy.name, round=self.round_no, jobs=self.last_explain)
 
     async def live_nodes(self) -> list[NodeReport]:
-        snap = await kv_snapshot(self.nodes_kv)
-        reports = [codec.decode(v, NodeReport) for v, _ in snap.values()]
-        t = now()
-        alive = []
-        for n in reports:
-            if t - n.ts <= self.node_timeout:
-                alive.append(n)
-                self.lost_nodes.discard(n.node)
-            elif n.node not in self.lost_nodes and self._grace_over():
+        """Nodes heard from within ``node_timeout`` by the server's clock (the
+        time the server stored their last report), never the agent's."""
+        await self.nodes.sync()
+        alive, silent = self.nodes.alive(self.node_timeout)
+        for n in alive:
+            self.lost_nodes.discard(n.node)
+        for n, age in silent:
+            if n.node not in self.lost_nodes and self._grace_over():
                 self.lost_nodes.add(n.node)
+                t = now()
                 await publish_event(
-                    self.js, NodeLost(ts=t, node=n.node, reason=f"no heartbeat for {t - n.ts:.0f}s"),
+                    self.js, NodeLost(ts=t, node=n.node, reason=f"no heartbeat for {age:.0f}s"),
                     f"node:{n.node}:lost:{n.ts:.3f}", subj.node_event(n.node, "node.lost"),
                 )
-                log.warning("node lost", node=n.node, silent_s=round(t - n.ts, 1))
-        return sorted(alive, key=lambda n: n.node)
+                log.warning("node lost", node=n.node, silent_s=round(age, 1))
+        return alive
 
     def _grace_over(self) -> bool:
         # A new leader gives agents one timeout to be heard before calling nodes lost.
@@ -471,59 +335,23 @@ class Optimizer:
     async def _round(self) -> RoundReply:
         started = time.perf_counter()
         self.round_no += 1
-        records = {r.job_id: r for r, _ in await self.store.all()}
+        await self.jobs.sync()
+        records = dict(self.jobs.live)  # O(live jobs): finished ones are not here
         nodes = await self.live_nodes()
         alive = {n.node for n in nodes}
-        changes = 0
-
-        # Jobs on lost nodes go back to the queue.
-        for rec in list(records.values()):
-            if rec.state in ACTIVE and any(p.node not in alive for p in rec.placement) and self._grace_over():
-                new = await self._requeue(rec, "node lost: " + ",".join(p.node for p in rec.placement if p.node not in alive), alive)
-                if new:
-                    records[rec.job_id] = new
-                    changes += 1
-        changes += await self._settle_drains(records, alive)
+        changes = await self.records.requeue_lost(records, alive) if self._grace_over() else 0
+        changes += await self.records.settle_drains(records, alive)
         # Operators' cordons and drains (services.node_modes).
         modes = await node_modes.read_modes(self.modes_kv)
-        for rec, why in node_modes.to_move(records.values(), modes):
-            new = await self._preempt(rec, why)
-            if new:
-                records[rec.job_id] = new
-                changes += 1
+        changes += await self.records.changed(records, [
+            (rec.job_id, self.records.back_to_queue(rec, why, JobPreempted))
+            for rec, why in node_modes.to_move(records.values(), modes)])
         self.records_seen = records
 
-        # Capacity: what cancelling and draining jobs still hold is not free
-        # until their processes exited; neither are GPUs agents profile on.
-        held: dict[str, set[int]] = {}
-        for rec in records.values():
-            if rec.state == JobState.CANCELLING:
-                for p in rec.placement:
-                    held.setdefault(p.node, set()).update(p.gpus)
-            # A switching job's old GPUs stay held until its old ranks exit, except
-            # those its new placement reuses: the policy counts those as the job's
-            # holding already, and counting them twice over-allocates the node.
-            own = {(p.node, g) for p in rec.placement for g in p.gpus} if rec.state in ACTIVE else set()
-            for p in rec.draining:
-                held.setdefault(p.node, set()).update(g for g in p.gpus if (p.node, g) not in own)
-        for n in nodes:
-            if n.reserved:
-                held.setdefault(n.node, set()).update(n.reserved)
-            sick = [g.index for g in n.gpus if not g.healthy]  # lost, XID, stale...: no work
-            if sick:
-                held.setdefault(n.node, set()).update(sick)
+        held = capacity.held_gpus(records.values(), nodes)
         for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
             held.setdefault(node, set()).update(gpus)
-        node_states = [
-            NodeState(
-                name=n.node,
-                gpus_total=len(n.gpus) - len(held.get(n.node, ())),
-                gpus_free=len(n.gpus) - len(held.get(n.node, ())),
-                cpus_total=n.cpus,
-                cpus_free=n.cpus,
-            )
-            for n in nodes
-        ]
+        node_states = capacity.node_states(nodes, held)
         unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
         views = [self._view(r) for r in records.values()
                  if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
@@ -532,36 +360,34 @@ class Optimizer:
             live_ids = {v.job_id for v in views}
             self.progress = {k: v for k, v in self.progress.items() if k in live_ids}
         await self.models.refresh([records[v.job_id] for v in views])
+        # the policy is pure CPU work: off the loop, so the lease keeps being renewed
         if self.queues is not None:
             self.policy.set_config(await self.queues.config(self.share_base))
-        # the policy is pure CPU work: off the loop, so the lease keeps being renewed
+        t_policy = time.perf_counter()
         decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
+        t_policy = time.perf_counter() - t_policy
         if self.queues is not None:
             await self.queues.save_usage(self.policy.fair.state())
-        self._apply_pins(decision, records, node_states, {v.job_id for v in views})
+        capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
+        if _pause_requested():
+            self.leadership.stop_renewing()
+            _pause()
 
         gpu_count = {n.node: len(n.gpus) for n in nodes}
-        changes += await self._apply(decision, records, gpu_count, held)
-        await self._reconcile_allocs(records)
-
-        explain = []
-        for job_id, why in decision.waiting.items():
-            explain.append(ExplainEntry(job_id=job_id, state=records[job_id].state.value, reason=why))
-            if records[job_id].reason != why and records[job_id].state == JobState.PENDING:
-                await self.store.update(
-                    job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None
-                )
-        for job_id, d in decision.allocations.items():
-            explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
-        self.last_explain = explain
+        changes += await self.records.apply(decision, records, gpu_count, held)
+        await self.writer.reconcile(records)
+        await self._explain(decision, records)
+        await self.records.archive()
 
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
-        observe.job_states(records.values())
+        log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
+                  live=len(records), nodes=len(nodes), changes=changes)
+        observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
         if changes:
             ev = RoundCompleted(
                 ts=now(), round=self.round_no, policy=self.policy.name, pending=pending,
@@ -570,220 +396,27 @@ class Optimizer:
             await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}", subj.round_event(ev.__struct_config__.tag))
         return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
 
+    async def _explain(self, decision: Decision, records: dict[str, JobRecord]) -> None:
+        explain, stale = [], []
+        for job_id, why in decision.waiting.items():
+            explain.append(ExplainEntry(job_id=job_id, state=records[job_id].state.value, reason=why))
+            if records[job_id].reason != why and records[job_id].state == JobState.PENDING:
+                stale.append((records[job_id].submitted_at, job_id, why))
+        # A waiting job's reason can change every round for every pending job
+        # (FIFO's "behind <head>"): a bounded number of record writes per round,
+        # oldest first; the explain endpoint always has all of them fresh.
+        todo = [self.store.update(
+            job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
+            hint=self.records.hint(job_id)) for _, job_id, why in sorted(stale)[:REASON_WRITES_PER_ROUND]]
+        await bounded(todo, self.write_parallel)
+        for job_id, d in decision.allocations.items():
+            explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
+        self.last_explain = explain
+
     def _view(self, rec: JobRecord) -> JobView:
         # with the progress agents publish between exits (gs.job.<id>.progress), as the simulator knows it
         got = self.progress.get(rec.job_id)
         return job_view(rec, now(), got[1] if got is not None and got[0] == rec.generation else None)
-
-    async def _apply(
-        self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
-    ) -> int:
-        changes = 0
-        # GPU indices in use: held (cancelling, draining, profiling) and every
-        # active job's current placement: a job that is switched or preempted
-        # now drains first, so nobody else may take its GPUs this round.
-        used: dict[str, set[int]] = {k: set(v) for k, v in held.items()}
-        keep: set[str] = set()
-        for rec in records.values():
-            if rec.state in ACTIVE:
-                for p in rec.placement:
-                    used.setdefault(p.node, set()).update(p.gpus)
-        for job_id, d in decision.allocations.items():
-            rec = records[job_id]
-            if rec.state in ACTIVE and self._same_shape(rec, d):
-                keep.add(job_id)
-        # Preemptions first, so their GPUs are free for what follows.
-        for rec in list(records.values()):
-            if rec.state in ACTIVE and rec.job_id not in decision.allocations:
-                new = await self._preempt(rec, decision.waiting.get(rec.job_id, "preempted by policy"))
-                if new:
-                    records[rec.job_id] = new
-                    changes += 1
-        for job_id, d in list(decision.allocations.items()):  # entries may be deferred below
-            if job_id in keep:
-                continue
-            rec = records[job_id]
-            own = {p.node: set(p.gpus) for p in rec.placement} if rec.state in ACTIVE else {}
-            placement = []
-            for p in d.placement:
-                # a switching job may reuse its own GPUs: its ranks stop before the new ones start
-                taken = used.get(p.node, set()) - own.get(p.node, set())
-                taken |= {g for q in placement if q.node == p.node for g in q.gpus}
-                free = [i for i in range(gpu_count[p.node]) if i not in taken][: p.gpus]
-                if len(free) < p.gpus:
-                    placement = None
-                    break
-                placement.append(NodePlacement(node=p.node, gpus=free, cpus=p.cpus))
-            if placement is None:
-                # the policy counted GPUs that are still draining: next round
-                log.info("allocation deferred: GPUs still held", job_id=job_id)
-                decision.allocations.pop(job_id)
-                decision.waiting[job_id] = "waiting for GPUs that other jobs are still releasing"
-                continue
-            for p in placement:
-                used.setdefault(p.node, set()).update(p.gpus)
-            new = await self._allocate(rec, d, placement)
-            if new:
-                records[job_id] = new
-                changes += 1
-        return changes
-
-    @staticmethod
-    def _same_shape(rec: JobRecord, d: JobDecision) -> bool:
-        have = sorted((p.node, len(p.gpus), p.cpus) for p in rec.placement)
-        want = sorted((p.node, p.gpus, p.cpus) for p in d.placement)
-        return have == want and rec.plan == d.plan
-
-    async def _allocate(self, rec: JobRecord, d: JobDecision, placement: list[NodePlacement]) -> JobRecord | None:
-        ts = now()
-        reconfig = rec.state in ACTIVE
-
-        def change(r: JobRecord) -> JobRecord | None:
-            if r.state not in (JobState.PENDING, *ACTIVE) or r.generation != rec.generation:
-                return None  # changed under us (cancelled, completed): skip this round
-            if reconfig and r.draining:
-                return None  # one switch at a time
-            gen = r.generation + 1
-            new = msgspec.structs.replace(
-                r, state=JobState.SCHEDULED, generation=gen, plan=d.plan, placement=placement,
-                scheduled_at=r.scheduled_at or ts, reason=d.reason, restarts=r.restarts + (1 if reconfig else 0),
-                last_switch_at=ts, attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts),
-            )
-            if reconfig:  # gang barrier: generation gen starts once every rank of r.generation exited
-                new = msgspec.structs.replace(
-                    new, draining=list(r.placement), drain_generation=r.generation, drain_started=ts,
-                    switch=SwitchTiming(from_generation=r.generation, to_generation=gen, from_plan=r.plan,
-                                        from_gpus=sum(len(p.gpus) for p in r.placement), started=ts),
-                )
-            if reconfig:
-                return with_event(
-                    new, JobReconfigured, ts=ts, generation=gen, plan=d.plan, placement=placement,
-                    previous_plan=r.plan, previous_gpus=sum(len(p.gpus) for p in r.placement), reason=d.reason,
-                    predicted_gain=d.predicted_gain,
-                )
-            return with_event(
-                new, JobScheduled, ts=ts, generation=gen, plan=d.plan, placement=placement, reason=d.reason,
-                predicted_throughput=d.predicted_throughput,
-            )
-
-        new = await self.store.update(rec.job_id, change)
-        if new is not None:
-            if new.draining:
-                await self._delete_alloc(new.job_id)  # the old generation checkpoints and stops
-            else:
-                await self._put_alloc(new)
-            log.info("job scheduled", job_id=new.job_id, generation=new.generation, plan=d.plan.label(),
-                     nodes=[p.node for p in placement], draining=[p.node for p in new.draining])
-        return new
-
-    async def _preempt(self, rec: JobRecord, why: str) -> JobRecord | None:
-        return await self._back_to_queue(rec, why, JobPreempted)
-
-    async def _requeue(self, rec: JobRecord, why: str, alive: set[str]) -> JobRecord | None:
-        # ranks on the nodes still alive must stop before the job restarts
-        new = await self._back_to_queue(rec, why, JobRequeued, alive, with_checkpoint=True)
-        if new is not None:
-            log.warning("job requeued", job_id=rec.job_id, reason=why)
-        return new
-
-    async def _back_to_queue(
-        self, rec: JobRecord, why: str, event: type, alive: set[str] | None = None, with_checkpoint: bool = False
-    ) -> JobRecord | None:
-        """PENDING again, its old ranks draining; the allocation is withdrawn."""
-        ts = now()
-
-        def change(r: JobRecord) -> JobRecord | None:
-            if r.state not in ACTIVE or r.generation != rec.generation:
-                return None
-            new = msgspec.structs.replace(
-                r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
-                attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts), **_drain_fields(r, ts, alive),
-            )
-            extra = {"checkpoint_step": r.checkpoint_step} if with_checkpoint else {}
-            return with_event(new, event, ts=ts, reason=why, **extra)
-
-        new = await self.store.update(rec.job_id, change)
-        if new is not None:
-            await self._delete_alloc(rec.job_id)
-        return new
-
-    # ------------------------------------------------------------ drains, pins, models
-    async def _settle_drains(self, records: dict[str, JobRecord], alive: set[str]) -> int:
-        """End drains that cannot finish: nodes that are gone, or a drain older
-        than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
-        changes = 0
-        t = now()
-        for rec in list(records.values()):
-            if not rec.draining:
-                continue
-            timed_out = rec.drain_started is not None and t - rec.drain_started > self.drain_timeout
-            gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
-            if not gone:
-                continue
-            released = False
-
-            def change(r: JobRecord, gone=gone) -> JobRecord | None:
-                nonlocal released
-                if not r.draining:
-                    return None
-                new, released, _ = self._drained(r, gone, None)
-                return new
-
-            new = await self.store.update(rec.job_id, change)
-            if new is not None:
-                log.warning("drain settled without reports", job_id=rec.job_id, nodes=gone, timed_out=timed_out)
-                records[rec.job_id] = new
-                changes += 1
-                if released:
-                    await self._put_alloc(new)
-        return changes
-
-    def _apply_pins(
-        self, decision: Decision, records: dict[str, JobRecord], nodes: list[NodeState], eligible: set[str]
-    ) -> None:
-        """Operator-pinned plans replace the policy's choice for their jobs,
-        where the GPUs the other jobs leave allow it."""
-        pinned = [r for r in records.values() if r.pinned is not None and r.job_id in eligible]
-        if not pinned:
-            return
-        policy_choice = {rec.job_id: decision.allocations.pop(rec.job_id, None) for rec in pinned}
-        for rec in sorted(pinned, key=lambda r: r.submitted_at):
-            pin = rec.pinned
-            assert pin is not None
-            free = {n.name: n.gpus_total for n in nodes}
-            for d in decision.allocations.values():
-                for p in d.placement:
-                    free[p.node] = free.get(p.node, 0) - p.gpus
-            shares = [(s.node, s.gpus) for s in pin.placement]
-            current = [(p.node, len(p.gpus)) for p in rec.placement]
-            if (not shares and rec.state in ACTIVE and rec.plan == pin.plan
-                    and sum(g for _, g in current) == pin.plan.gpus):
-                shares = current  # already runs the pinned plan: stay where it is
-            if not shares:  # first fit: one node if possible, else fill nodes in order
-                need = pin.plan.gpus
-                one = next((n for n in sorted(free) if free[n] >= need), None)
-                if one is not None:
-                    shares = [(one, need)]
-                else:
-                    for n in sorted(free):
-                        take = min(need, max(0, free[n]))
-                        if take:
-                            shares.append((n, take))
-                            need -= take
-                    if need:
-                        shares = []
-            if not shares or any(free.get(n, -1) < g for n, g in shares):
-                if policy_choice[rec.job_id] is not None:  # keep what the policy chose meanwhile
-                    decision.allocations[rec.job_id] = policy_choice[rec.job_id]
-                else:
-                    decision.waiting[rec.job_id] = f"pinned plan {pin.plan.label()} waits for {pin.plan.gpus} GPUs"
-                continue
-            decision.waiting.pop(rec.job_id, None)
-            cur = {p.node: p.cpus for p in rec.placement}
-            decision.allocations[rec.job_id] = JobDecision(
-                placement=tuple(Placement(n, g, cur.get(n, 0)) for n, g in shares), plan=pin.plan,
-                reason=f"pinned by operator{': ' + pin.reason if pin.reason else ''}",
-            )
 
     async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
         """Pending jobs whose model has no fit yet: job id -> model key."""
@@ -817,63 +450,36 @@ class Optimizer:
         got = await self.store.get(req.job_id)
         if got is None:
             raise RequestError("404", f"no job {req.job_id}", "job_id")
-        new = await self.store.update(req.job_id, change)
+        try:
+            new = await self.store.update(req.job_id, change)
+        except Deposed as exc:
+            self.leadership.deposed(exc)
+            raise RequestError("503", "this optimizer is no longer the leader; retry", "job_id") from None
         if new is None:
             raise RequestError("409", f"job {req.job_id} has ended", "job_id")
         self.kick.set()
         log.info("plan pinned" if pin else "pin cleared", job_id=req.job_id, plan=req.plan.label() if req.plan else None)
         return ReconfigureReply(job_id=req.job_id, pinned=pin is not None, generation=new.generation)
 
-    # ------------------------------------------------------------ allocations
-    def allocation_for(self, rec: JobRecord) -> Allocation:
-        assert rec.plan is not None
-        return Allocation(
-            job_id=rec.job_id, generation=rec.generation, plan=rec.plan, placement=rec.placement, reason=rec.reason,
-            created_at=now(), command=rec.spec.command, env=rec.spec.env,
-            step_time=emulated_step_time(rec, rec.plan), steps=rec.spec.steps, global_batch=rec.spec.global_batch,
-        )
-
-    async def _put_alloc(self, rec: JobRecord) -> None:
-        data = codec.encode(self.allocation_for(rec))
-        await self.alloc_kv.put(rec.job_id, data)
-        await auth_alloc.put(self.alloc_kv, rec.job_id, data, [p.node for p in rec.placement])
-
-    async def _delete_alloc(self, job_id: str) -> None:
-        try:
-            await self.alloc_kv.delete(job_id)
-        except Exception:
-            pass
-        await auth_alloc.delete(self.alloc_kv, job_id)  # the per-node copies agents read
-
-    async def _reconcile_allocs(self, records: dict[str, JobRecord]) -> None:
-        """Make gs_alloc agree with gs_jobs (heals a crash between the two writes)."""
-        allocs = {k: codec.decode(v, Allocation) for k, (v, _) in (await kv_snapshot(self.alloc_kv)).items()
-                  if "." not in k}  # <node>.<job> keys are per-node copies (services.auth_alloc)
-        for job_id, rec in records.items():
-            a = allocs.get(job_id)
-            if rec.state in ACTIVE and not rec.draining:
-                if a is None or a.generation != rec.generation:
-                    await self._put_alloc(rec)
-            elif a is not None:
-                await self._delete_alloc(job_id)
-        for job_id in allocs.keys() - records.keys():
-            await self._delete_alloc(job_id)
-        await auth_alloc.reconcile(self.alloc_kv)
+    # kept for callers of the old names
+    def allocation_for(self, rec: JobRecord):
+        return allocation_for(rec)
 
 
-def _drain_fields(r: JobRecord, ts: float, alive: set[str] | None = None) -> dict[str, Any]:
-    """What must stop before ``r`` may start again: the drain already under way
-    (its new generation never started), else its current placement; only
-    nodes in ``alive`` when given (a lost node reports nothing)."""
-    if r.draining:
-        drain, gen = list(r.draining), r.drain_generation
-    else:
-        drain, gen = list(r.placement), r.generation
-    if alive is not None:
-        drain = [p for p in drain if p.node in alive]
-    if not drain:
-        return {"draining": [], "drain_generation": 0, "drain_started": None}
-    return {"draining": drain, "drain_generation": gen, "drain_started": r.drain_started or ts}
+def _pause_requested() -> bool:
+    """Fault injection for the fencing test: the file named by
+    GEARSHIFT_FAULT_PAUSE_MID_ROUND exists. The round then stops this process
+    (SIGSTOP) after deciding and before writing, its lease renewal stopped."""
+    path = os.environ.get(PAUSE_ENV)
+    return bool(path) and os.path.exists(path)
+
+
+def _pause() -> None:
+    path = os.environ[PAUSE_ENV]
+    os.unlink(path)
+    with open(path + ".paused", "w") as f:
+        f.write(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
 
 
 async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
@@ -883,6 +489,7 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
         nc, policy=args.policy, interval=args.interval, node_timeout=args.node_timeout,
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
+        lease_ttl=args.lease_ttl, archive_after=args.archive_after,
     ).open()
     # a standby is ready too (it waits for the lease); readyz says which one leads
     obs = await observe.serve_http("optimizer", "optimizer", nc, lambda: {"leader": opt.is_leader, "round": opt.round_no})
@@ -900,6 +507,9 @@ def main(argv: list[str] | None = None) -> None:
                     help='JSON keyword arguments for the policy, e.g. {"restart_cost": 5}')
     ap.add_argument("--interval", type=float, default=5.0, help="seconds between timer rounds")
     ap.add_argument("--node-timeout", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
+    ap.add_argument("--lease-ttl", type=float, default=6.0, help="seconds a silent leader keeps the lease")
+    ap.add_argument("--archive-after", type=float, default=30.0,
+                    help="seconds a finished job stays in gs_jobs before it moves to the history store")
     ap.add_argument("--max-retries", type=int, default=DEFAULT_MAX_RETRIES,
                     help="crashes retried from the last checkpoint before a job fails")
     ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,

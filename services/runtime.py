@@ -151,6 +151,7 @@ BUCKETS = {
     subj.ALLOC_BUCKET: dict(history=5),
     subj.MODELS_BUCKET: dict(history=5),
     subj.LEASE_BUCKET: dict(history=1),
+    subj.HISTORY_BUCKET: dict(history=1, ttl=subj.HISTORY_RETENTION_S),
     subj.NODE_MODES_BUCKET: dict(history=1),
     subj.QUEUES_BUCKET: dict(history=5),
 }
@@ -256,6 +257,9 @@ class Endpoint:
     request_type: Any
     handler: Handler
     with_subject: bool = False  # handler(payload, subject): the subject carries who asks
+    # requests handled concurrently (each in its own task) instead of one after
+    # another: for handlers that wait on the bus and are safe to overlap (submit)
+    concurrent: bool = False
 
 
 def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
@@ -289,7 +293,16 @@ def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
                 observe.request(ep.name, "500", time.perf_counter() - started)
                 await respond_error(req, RequestError("500", f"internal error: {type(exc).__name__}: {exc}"))
 
-    return handle
+    if not ep.concurrent:
+        return handle
+    running: set[asyncio.Task] = set()
+
+    async def spawn(req: Request) -> None:
+        task = asyncio.create_task(handle(req))
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    return spawn
 
 
 def check_endpoint(ep: Endpoint) -> None:

@@ -83,7 +83,14 @@ async def test_fifo_schedules_in_order_and_reports_move_states(nc, cluster):
     rec_a = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED))
     assert rec_a.generation == 1 and len(rec_a.placement) == 1 and len(rec_a.placement[0].gpus) == 4
     alloc_kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
-    alloc = codec.decode((await alloc_kv.get(a)).value, Allocation)
+
+    async def alloc_of_a():  # written right after the record
+        try:
+            return await alloc_kv.get(a)
+        except Exception:
+            return None
+
+    alloc = codec.decode((await wait_for(alloc_of_a)).value, Allocation)
     assert alloc.generation == 1 and alloc.plan.dp == 4 and alloc.steps == 10
     await call(nc, subj.OPTIMIZER_ROUND, None, RoundReply)
     assert (await job(nc, b)).state == JobState.PENDING

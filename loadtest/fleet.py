@@ -1,0 +1,217 @@
+"""The fleet emulator: N real agents in one process, like KWOK for Kubernetes.
+
+    python -m loadtest.fleet --nodes 500 --gpus-per-node 8 [--server URL] [--duration S] [--json]
+
+Each node is an ``agent.agent.Agent`` -- its reconcile core, fencing,
+heartbeats, run reports, commands -- with two stand-ins only: the GPUs (the
+scripted ``FakeProbe``) and the process runner (``EmulatedRunner``: ranks are
+tasks of this process, checkpoints in one shared in-memory store). All agents
+share one NATS connection, and one watch of ``gs_alloc`` fans the per-node
+allocation keys (``<node>.<job>``) out to their agents, exactly as each
+agent's own filtered watch would deliver them: a thousand agents polling a
+thousand consumers would measure the emulator, not the control plane.
+
+``kill(node)`` is an agent dying outright (kill -9): its tasks end, its
+ranks die without a last checkpoint, nothing more is published; the node's
+last heartbeat stays in ``gs_nodes`` until the optimizer calls it lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from nats.js.api import DeliverPolicy
+
+from agent.agent import Agent
+from agent.emulated_runner import CheckpointStore, EmulatedRunner
+from agent.probe import FakeProbe
+from bus_schema import subjects as subj
+from services.auth_alloc import AllocEntry
+
+
+class _NodeWatch:
+    """One agent's view of the shared watch: the node watch's interface."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stopped = False
+
+    def __aiter__(self) -> "_NodeWatch":
+        return self
+
+    async def __anext__(self) -> AllocEntry | None:
+        if self.stopped and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if item is StopAsyncIteration:
+            raise StopAsyncIteration
+        return item
+
+    async def stop(self) -> None:
+        self.stopped = True
+        self.queue.put_nowait(StopAsyncIteration)
+
+
+class SharedAllocWatch:
+    """One ordered consumer on ``$KV.gs_alloc.*.*`` (the per-node copies),
+    last value per key, then changes, fanned out by node."""
+
+    def __init__(self, js: Any):
+        self.js = js
+        self.prefix = f"$KV.{subj.ALLOC_BUCKET}."
+        self.current: dict[str, dict[str, AllocEntry]] = {}
+        self.watches: dict[str, _NodeWatch] = {}
+        self._sub: Any = None
+
+    async def start(self) -> "SharedAllocWatch":
+        self._sub = await self.js.subscribe(
+            self.prefix + "*.*", stream=f"KV_{subj.ALLOC_BUCKET}", ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, cb=self._on_msg,
+            pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30,
+        )
+        return self
+
+    async def _on_msg(self, msg: Any) -> None:
+        node, job = msg.subject[len(self.prefix):].split(".", 1)
+        entry = AllocEntry(key=job, value=msg.data, operation=(msg.headers or {}).get("KV-Operation"),
+                           revision=msg.metadata.sequence.stream)
+        mine = self.current.setdefault(node, {})
+        if entry.operation in ("DEL", "PURGE"):
+            mine.pop(job, None)
+        else:
+            mine[job] = entry
+        w = self.watches.get(node)
+        if w is not None and not w.stopped:
+            w.queue.put_nowait(entry)
+
+    async def watch(self, js: Any, node: str) -> _NodeWatch:
+        """What ``Agent`` calls instead of ``services.auth_alloc.node_alloc_watch``."""
+        w = _NodeWatch()
+        for entry in self.current.get(node, {}).values():
+            w.queue.put_nowait(entry)
+        w.queue.put_nowait(None)  # initial values done
+        self.watches[node] = w
+        return w
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+
+class Fleet:
+    def __init__(self, nc: Any, nodes: int, gpus_per_node: int, *, prefix: str = "fleet", heartbeat: float = 2.0,
+                 progress_interval: float = 5.0, grace: float = 5.0, workdir: str | None = None, cpus: int = 64):
+        self.nc = nc
+        self.names = [f"{prefix}-{i:05d}" for i in range(nodes)]
+        self.gpus = gpus_per_node
+        self.heartbeat = heartbeat
+        self.progress_interval = progress_interval
+        self.grace = grace
+        self.cpus = cpus
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="gearshift-fleet-"))
+        self.store = CheckpointStore()
+        self.agents: dict[str, Agent] = {}
+        self.runners: dict[str, EmulatedRunner] = {}
+        self.killed: set[str] = set()
+        self.watch: SharedAllocWatch | None = None
+
+    async def start(self, batch: int = 100) -> "Fleet":
+        self.watch = await SharedAllocWatch(self.nc.jetstream()).start()
+        for i in range(0, len(self.names), batch):
+            await asyncio.gather(*(self._start_one(n) for n in self.names[i:i + batch]))
+        return self
+
+    async def _start_one(self, name: str) -> None:
+        assert self.watch is not None
+        runner = EmulatedRunner(self.store)
+        agent = Agent(self.nc, name, FakeProbe(self.gpus, node=name), self.workdir / name, cpus=self.cpus,
+                      heartbeat=self.heartbeat, grace=self.grace, progress_interval=self.progress_interval,
+                      runner=runner, alloc_watch=self.watch.watch)
+        await agent.start()
+        self.agents[name] = agent
+        self.runners[name] = runner
+
+    async def kill(self, name: str) -> int:
+        """The agent dies outright (kill -9); returns how many runs died with it."""
+        agent = self.agents.pop(name)
+        self.killed.add(name)
+        agent._closing = True
+        for t in agent._tasks:
+            t.cancel()
+        for t in list(agent._side_tasks):
+            t.cancel()
+        runs = list(agent.runs.values())
+        self.runners[name].kill_all(runs)
+        if agent._watcher is not None:
+            await agent._watcher.stop()
+        if agent._svc is not None:
+            try:
+                await agent._svc.stop()  # a dead process answers nothing
+            except Exception:
+                pass
+        await asyncio.gather(*agent._tasks, *agent._side_tasks, return_exceptions=True)
+        return len(runs)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(a.stop() for a in self.agents.values()), return_exceptions=True)
+        if self.watch is not None:
+            await self.watch.stop()
+
+    def running(self) -> int:
+        return sum(len(a.runs) for a in self.agents.values())
+
+
+async def amain(args: argparse.Namespace, stop: asyncio.Event) -> dict:
+    from services.runtime import connect
+
+    nc = await connect(args.server, name="gearshift-fleet", retry_for=10)
+    t0 = time.monotonic()
+    fleet = await Fleet(nc, args.nodes, args.gpus_per_node, heartbeat=args.heartbeat, prefix=args.prefix).start()
+    started_s = time.monotonic() - t0
+    if not args.json:
+        print(f"{args.nodes} agents of {args.gpus_per_node} GPUs up in {started_s:.1f}s", file=sys.stderr)
+    try:
+        await asyncio.wait_for(stop.wait(), args.duration) if args.duration else await stop.wait()
+    except asyncio.TimeoutError:
+        pass
+    out = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "start_s": round(started_s, 2),
+           "running_at_end": fleet.running(), "checkpoints": len(fleet.store.manifests)}
+    await fleet.stop()
+    await nc.drain()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.fleet", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, required=True)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
+    ap.add_argument("--heartbeat", type=float, default=2.0, help="seconds between each agent's heartbeats")
+    ap.add_argument("--prefix", default="fleet", help="node names are <prefix>-00000 ...")
+    ap.add_argument("--duration", type=float, default=None, help="seconds to run (default: until SIGINT/SIGTERM)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.nodes < 1 or args.gpus_per_node < 0:
+        ap.error("--nodes must be at least 1 and --gpus-per-node at least 0")
+    from services.runtime import run_service
+
+    result: dict = {}
+
+    async def body(stop: asyncio.Event) -> None:
+        result.update(await amain(args, stop))
+
+    run_service(body)
+    print(json.dumps(result) if args.json else result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

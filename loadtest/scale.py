@@ -1,0 +1,374 @@
+"""The control plane at cluster size: real services, a real nats-server, the
+fleet emulator, jobs arriving at a sustained rate and completing.
+
+    python -m loadtest.scale --nodes 2000 --gpus-per-node 8 --jobs 20000 --rate 200 --policy rubick --json
+    python -m loadtest.scale --nodes 250,500,1000,2000 --jobs 2000 --rate 200 --json   # growth with size
+
+Starts nats-server, admission and the optimizer as processes, and
+``loadtest.fleet`` (N real agents with the emulated runner) as one more.
+Submits ``--jobs`` jobs open-loop at ``--rate`` per second (each request is
+sent on schedule, whether or not earlier ones were answered), each running
+``--job-seconds`` (uniform over [0.5, 1.5] times that) at its requested
+GPUs, and waits for every one to finish. Reports:
+
+- submit latency p50/p99 and the rate achieved (sustained: >= 95 % of asked);
+- optimizer rounds p50/p99 (``round.completed`` events), with the live jobs
+  (pending + running) each round saw, and p99 over rounds with >= 5,000;
+- submit -> running p50/p99 (``job.running`` events);
+- heartbeat lag p99: receipt of a heartbeat here minus the time the agent
+  stamped it (one host, one clock);
+- peak RSS per process (psutil);
+- lost jobs: acknowledged but not completed when the run ends; and the
+  count ``gearshift get jobs --all -o json`` pages through;
+- with ``--probe-rates``: short bursts at higher rates, and the highest one
+  sustained with submit p99 <= 50 ms.
+
+The machine's load average is in the output: on a shared machine the
+numbers are pessimistic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import JobSpec, RoundCompleted, SubmitReply, SubmitRequest
+from services.natsd import NatsServer
+from services.runtime import connect, ensure_infra
+from services.views import NodesView
+
+from .optimality_gap import BATCH, MODELS
+
+FLOORS = {"submit_p99_ms": 50.0, "round_p99_ms": 2000.0, "round_live_jobs": 5000, "heartbeat_lag_p99_s": 1.0}
+
+
+class _Stamp(msgspec.Struct):
+    ts: float
+    node: str = ""
+
+
+class _Ev(msgspec.Struct):
+    ts: float
+    job_id: str
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+
+def r(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+class Procs:
+    """The service processes, their peak RSS sampled twice a second."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.peak: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
+        with open(log, "wb") as out:
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=out, stderr=out)
+
+    def watch(self, extra: dict[str, int]) -> None:
+        self._extra = extra
+        self._task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        while True:
+            pids = {n: p.pid for n, p in self.procs.items()} | self._extra
+            for name, pid in pids.items():
+                try:
+                    rss = psutil.Process(pid).memory_info().rss
+                except psutil.Error:
+                    continue
+                self.peak[name] = max(self.peak.get(name, 0), rss)
+            await asyncio.sleep(0.5)
+
+    def alive(self) -> dict[str, int | None]:
+        return {n: p.poll() for n, p in self.procs.items()}
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class Run:
+    def __init__(self, args: argparse.Namespace, nodes: int, workdir: Path):
+        self.args = args
+        self.nodes = nodes
+        self.workdir = workdir
+        self.rng = random.Random(args.seed)
+        self.sent: dict[str, float] = {}  # job id -> submit time
+        self.submit_ms: list[float] = []
+        self.errors: list[str] = []
+        self.running_s: list[float] = []
+        self.finished: set[str] = set()
+        self.failed: set[str] = set()
+        self.rounds: list[tuple[float, int]] = []  # (duration ms, live jobs)
+        self.hb_lag: list[float] = []
+        self.max_live = 0
+
+    def spec(self, i: int, seconds: float) -> JobSpec:
+        m = self.rng.choice(MODELS)
+        gpus = self.rng.choice([1, 1, 2, 2, 4, 8])
+        step_time = 0.5
+        steps = max(1, int(seconds * self.rng.uniform(0.5, 1.5) / step_time))
+        return JobSpec(name=f"s{i}", model=m, global_batch=BATCH[m.name], steps=steps, gpus=gpus,
+                       step_time=step_time, tenant=f"t{i % 4}")
+
+    async def _on_running(self, msg: Any) -> None:
+        ev = codec.decode(msg.data, _Ev)
+        t = self.sent.get(ev.job_id)
+        if t is not None:
+            self.running_s.append(ev.ts - t)
+
+    async def _on_done(self, msg: Any) -> None:
+        ev = codec.decode(msg.data, _Ev)
+        self.finished.add(ev.job_id)
+        if not msg.subject.endswith(".completed"):
+            self.failed.add(ev.job_id)
+
+    async def _on_round(self, msg: Any) -> None:
+        ev = codec.decode(msg.data, RoundCompleted)
+        live = ev.pending + ev.running
+        self.max_live = max(self.max_live, live)
+        self.rounds.append((ev.duration_ms, live))
+
+    async def _on_beat(self, msg: Any) -> None:
+        self.hb_lag.append(time.time() - codec.decode(msg.data, _Stamp).ts)
+
+    async def submit_burst(self, nc: Any, count: int, rate: float, seconds: float, start: int = 0) -> dict:
+        lat: list[float] = []
+        tasks = []
+        t0 = time.monotonic()
+
+        async def one(i: int) -> None:
+            req = codec.encode(SubmitRequest(spec=self.spec(i, seconds)))
+            t = time.perf_counter()
+            sent = time.time()
+            try:
+                msg = await nc.request(subj.ADMISSION_SUBMIT, req, timeout=30)
+                reply = codec.decode(msg.data, SubmitReply)
+            except Exception as exc:  # an error reply or a timeout: not acknowledged
+                self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                return
+            lat.append((time.perf_counter() - t) * 1e3)
+            self.sent[reply.job_id] = sent
+
+        for i in range(count):
+            delay = t0 + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(start + i)))
+        sent_s = time.monotonic() - t0
+        await asyncio.gather(*tasks)
+        took = time.monotonic() - t0
+        self.submit_ms.extend(lat)
+        return {"asked_rate": rate, "achieved_rate": r(len(lat) / max(took, 1e-9)), "send_rate": r(count / max(sent_s, 1e-9)),
+                "p50_ms": r(pct(lat, 50), 2), "p99_ms": r(pct(lat, 99), 2), "acked": len(lat), "asked": count,
+                "sustained": len(lat) >= 0.95 * count and took <= 1.1 * count / rate + 1.0}
+
+    async def go(self) -> dict:
+        a = self.args
+        t_start = time.monotonic()
+        server = NatsServer(self.workdir / "js")
+        server.start()
+        env = {**os.environ, "GEARSHIFT_NATS_URL": server.url, "GEARSHIFT_LOG_LEVEL": a.log_level,
+               "GEARSHIFT_LOG_FORMAT": "json"}
+        procs = Procs()
+        out: dict[str, Any] = {"nodes": self.nodes, "gpus_per_node": a.gpus_per_node, "jobs": a.jobs, "rate": a.rate,
+                               "policy": a.policy}
+        nc = None
+        try:
+            nc = await connect(server.url, name="scale", retry_for=10)
+            await ensure_infra(nc)
+            procs.start("admission", ["services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
+                        self.workdir / "admission.log")
+            procs.start("optimizer", ["services.optimizer", "--policy", a.policy, "--interval", str(a.interval),
+                                      "--node-timeout", str(a.node_timeout), "--archive-after", "10"], env,
+                        self.workdir / "optimizer.log")
+            procs.start("fleet", ["loadtest.fleet", "--nodes", str(self.nodes), "--gpus-per-node", str(a.gpus_per_node),
+                                  "--heartbeat", str(a.heartbeat)], env, self.workdir / "fleet.log")
+            procs.watch({"nats-server": server.proc.pid})
+            view = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
+            t = time.monotonic()
+            while len(view.entries) < self.nodes:
+                if time.monotonic() - t > a.start_timeout or any(v is not None for v in procs.alive().values()):
+                    raise RuntimeError(f"only {len(view.entries)} of {self.nodes} nodes registered; "
+                                       f"processes: {procs.alive()}")
+                await asyncio.sleep(0.5)
+            out["fleet_start_s"] = r(time.monotonic() - t)
+            await view.stop()
+            # the optimizer is leading once it answers
+            t = time.monotonic()
+            while True:
+                try:
+                    await nc.request(subj.OPTIMIZER_EXPLAIN, b"", timeout=2)
+                    break
+                except Exception:
+                    if time.monotonic() - t > a.start_timeout:
+                        raise RuntimeError("the optimizer never answered") from None
+                    await asyncio.sleep(0.5)
+            subs = [await nc.subscribe("gs.evt.job.*.running", cb=self._on_running),
+                    await nc.subscribe("gs.evt.job.*.completed", cb=self._on_done),
+                    await nc.subscribe("gs.evt.job.*.failed", cb=self._on_done),
+                    await nc.subscribe("gs.evt.job.*.cancelled", cb=self._on_done),
+                    await nc.subscribe("gs.evt.round.>", cb=self._on_round),
+                    await nc.subscribe("gs.node.*.heartbeat", cb=self._on_beat)]
+            load_before = os.getloadavg()
+            out["submit"] = await self.submit_burst(nc, a.jobs, a.rate, a.job_seconds)
+            out["load_average_during_submit"] = [round(x, 2) for x in os.getloadavg()]
+            # every acknowledged job must finish
+            deadline = time.monotonic() + a.drain_timeout
+            while not set(self.sent) <= self.finished and time.monotonic() < deadline:
+                await asyncio.sleep(1.0)
+            out["drain_s"] = r(time.monotonic() - t_start)
+            if a.probe_rates:
+                probes = []
+                n0 = a.jobs
+                for rate in a.probe_rates:
+                    count = int(rate * a.probe_seconds)
+                    probes.append(await self.submit_burst(nc, count, rate, 2.0, start=n0))
+                    n0 += count
+                out["probes"] = probes
+                ok = [p["asked_rate"] for p in probes + [out["submit"]]
+                      if p["sustained"] and (p["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]]
+                out["highest_sustained_rate"] = max(ok, default=None)
+                deadline = time.monotonic() + a.drain_timeout
+                while not set(self.sent) <= self.finished and time.monotonic() < deadline:
+                    await asyncio.sleep(1.0)
+            for s in subs:
+                await s.unsubscribe()
+            # what an operator sees: the CLI pages through every job
+            t = time.monotonic()
+            cli = subprocess.run([sys.executable, "-m", "gearshift.cli", "get", "jobs", "--all", "-o", "json"],
+                                 env=env, capture_output=True, text=True, timeout=300)
+            listed = json.loads(cli.stdout) if cli.returncode == 0 else []
+            out["cli_get_jobs_all"] = {"listed": len(listed), "seconds": r(time.monotonic() - t, 2),
+                                       "rc": cli.returncode, "error": cli.stderr[-300:] if cli.returncode else None}
+            states = {j["job_id"]: j["state"] for j in listed}
+            lost = [j for j in self.sent if j not in states]  # acknowledged, and gone
+            unfinished = [j for j in self.sent if states.get(j) in ("pending", "scheduled", "running", "cancelling")]
+            failed = [j for j in self.sent if states.get(j) in ("failed", "cancelled")]
+            rounds = [d for d, _ in self.rounds]
+            big = [d for d, live in self.rounds if live >= FLOORS["round_live_jobs"]]
+            out |= {
+                "submit_p50_ms": r(pct(self.submit_ms, 50), 2), "submit_p99_ms": r(pct(self.submit_ms, 99), 2),
+                "submit_errors": len(self.errors), "submit_error_sample": self.errors[:3],
+                "round": {"count": len(rounds), "p50_ms": r(pct(rounds, 50)), "p99_ms": r(pct(rounds, 99)),
+                          "max_live_jobs": self.max_live, "rounds_with_5000_live": len(big),
+                          "p50_ms_with_5000_live": r(pct(big, 50)), "p99_ms_with_5000_live": r(pct(big, 99))},
+                "submit_to_running_p50_s": r(pct(self.running_s, 50), 2),
+                "submit_to_running_p99_s": r(pct(self.running_s, 99), 2),
+                "heartbeat_lag_p50_s": r(pct(self.hb_lag, 50), 3), "heartbeat_lag_p99_s": r(pct(self.hb_lag, 99), 3),
+                "heartbeats": len(self.hb_lag),
+                "acked": len(self.sent), "completed": len([j for j in self.sent if states.get(j) == "completed"]),
+                "lost_jobs": len(lost), "lost_sample": lost[:5],
+                "unfinished_at_deadline": len(unfinished), "unfinished_sample": unfinished[:5],
+                "failed_jobs": len(failed),
+                "peak_rss_mb": {n: round(v / 2**20, 1) for n, v in sorted(procs.peak.items())},
+                "load_average_before": [round(x, 2) for x in load_before],
+                "load_average_end": [round(x, 2) for x in os.getloadavg()],
+                "processes_exited": {n: c for n, c in procs.alive().items() if c is not None},
+                "wall_s": r(time.monotonic() - t_start),
+            }
+            p99_big = out["round"]["p99_ms_with_5000_live"]
+            out["floors"] = {
+                "submit_p99_le_50ms_at_rate": bool(out["submit"]["sustained"]
+                                                   and (out["submit"]["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]),
+                "round_p99_le_2s_with_5000_live": p99_big is not None and p99_big <= FLOORS["round_p99_ms"],
+                "heartbeat_lag_p99_le_1s": (out["heartbeat_lag_p99_s"] or 1e9) <= FLOORS["heartbeat_lag_p99_s"],
+                "no_lost_jobs": not lost and out["acked"] == a.jobs + sum(p["asked"] for p in out.get("probes", [])),
+                "all_completed": not unfinished and not failed,
+                "cli_pages_through_all": len(listed) >= len(self.sent) and cli.returncode == 0,
+            }
+            out["passed"] = all(out["floors"].values())
+            return out
+        finally:
+            procs.stop()
+            if nc is not None:
+                await nc.close()
+            server.stop()
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="250", help="nodes, or a comma list for one run per size (250,500,1000,2000)")
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--jobs", type=int, default=2000)
+    ap.add_argument("--rate", type=float, default=200.0, help="submits per second, open loop")
+    ap.add_argument("--policy", default="rubick")
+    ap.add_argument("--job-seconds", type=float, default=40.0, help="mean run time of a job at its requested GPUs")
+    ap.add_argument("--heartbeat", type=float, default=2.0, help="agents' heartbeat interval")
+    ap.add_argument("--node-timeout", type=float, default=20.0)
+    ap.add_argument("--interval", type=float, default=1.0, help="optimizer timer rounds")
+    ap.add_argument("--probe-rates", default="", help="comma list of higher submit rates to try after the run")
+    ap.add_argument("--probe-seconds", type=float, default=3.0)
+    ap.add_argument("--drain-timeout", type=float, default=240.0, help="seconds to wait for the last jobs")
+    ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument("--log-level", default="WARNING", help="services' log level")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workdir", default=None, help="keep the services' logs and data here")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        a.node_counts = [int(x) for x in str(a.nodes).split(",") if x]
+        a.probe_rates = [float(x) for x in a.probe_rates.split(",") if x]
+    except ValueError:
+        ap.error("--nodes and --probe-rates take numbers separated by commas")
+    if not a.node_counts or min(a.node_counts) < 1 or a.jobs < 1 or a.rate <= 0 or a.gpus_per_node < 1:
+        ap.error("--nodes, --jobs, --rate and --gpus-per-node must be positive")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    runs = []
+    for n in a.node_counts:
+        with tempfile.TemporaryDirectory(prefix="gearshift-scale-") as d:
+            work = Path(a.workdir) / f"n{n}" if a.workdir else Path(d)  # --workdir keeps the services' logs
+            work.mkdir(parents=True, exist_ok=True)
+            try:
+                runs.append(asyncio.run(Run(a, n, work).go()))
+            except Exception as exc:
+                runs.append({"nodes": n, "error": f"{type(exc).__name__}: {exc}", "passed": False})
+    result: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs, "passed": all(x.get("passed") for x in runs)}
+    if a.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for x in runs:
+            print(json.dumps(x, indent=1))
+    return 0 if result.get("passed") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Allocation writes: ``gs_alloc`` derived from the job records, fenced by
+the leader's epoch, many at once with bounded parallelism.
+
+Each allocation is stored under the job id (what the optimizer reconciles
+and tools read) and under ``<node>.<job>`` for every node of its placement
+(what that node's agent watches; ``services.auth_alloc``). Which copies
+exist comes from a materialised view of the bucket, not from a scan per
+write. ``reconcile`` makes the bucket agree with the live records every
+round, so a crash between a record write and its allocation heals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+from typing import Any
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import ACTIVE_STATES, Allocation, JobRecord, Plan
+
+from .auth_alloc import node_key
+from .fencing import Fence
+from .runtime import now
+from .views import KvView
+
+DEFAULT_STEP_TIME = 0.1
+DEFAULT_PARALLEL = 32
+
+
+def emulated_step_time(rec: JobRecord, plan: Plan) -> float:
+    """Seconds per step for the emulated worker: the spec's step time at its
+    requested GPUs, scaled linearly to the plan's GPUs."""
+    base = rec.spec.step_time or DEFAULT_STEP_TIME
+    return base * rec.spec.gpus / max(1, plan.gpus)
+
+
+def allocation_for(rec: JobRecord) -> Allocation:
+    assert rec.plan is not None
+    return Allocation(
+        job_id=rec.job_id, generation=rec.generation, plan=rec.plan, placement=rec.placement, reason=rec.reason,
+        created_at=now(), command=rec.spec.command, env=rec.spec.env,
+        step_time=emulated_step_time(rec, rec.plan), steps=rec.spec.steps, global_batch=rec.spec.global_batch,
+    )
+
+
+def _decode(data: bytes) -> Allocation | None:
+    try:
+        return codec.decode(data, Allocation)
+    except Exception:
+        return None
+
+
+class AllocView(KvView[Allocation]):
+    """``gs_alloc`` with, per job, the node keys holding its copies."""
+
+    def __init__(self, js: Any):
+        super().__init__(js, subj.ALLOC_BUCKET, _decode)
+        self.copies: dict[str, set[str]] = {}
+
+    def changed(self, key: str, old: Allocation | None, new: Allocation) -> None:
+        if "." in key:
+            self.copies.setdefault(key.split(".", 1)[1], set()).add(key)
+
+    def removed(self, key: str, old: Allocation) -> None:
+        if "." in key:
+            job = key.split(".", 1)[1]
+            keys = self.copies.get(job)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.copies[job]
+
+    def jobs(self) -> dict[str, Allocation]:
+        return {k: e[0] for k, e in self.entries.items() if "." not in k}
+
+
+async def bounded(coros: Iterable[Awaitable[Any]], limit: int = DEFAULT_PARALLEL) -> list[Any]:
+    """Run ``coros`` concurrently, at most ``limit`` at a time; the first
+    exception is raised once all have ended."""
+    sem = asyncio.Semaphore(limit)
+
+    async def one(c: Awaitable[Any]) -> Any:
+        async with sem:
+            return await c
+
+    results = await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+class AllocWriter:
+    def __init__(self, fence: Fence, view: AllocView, *, parallel: int = DEFAULT_PARALLEL):
+        self.fence = fence
+        self.view = view
+        self.parallel = parallel
+        self.bucket = subj.ALLOC_BUCKET
+
+    async def put(self, rec: JobRecord) -> None:
+        data = codec.encode(allocation_for(rec))
+        nodes = [p.node for p in rec.placement]
+        keep = {node_key(n, rec.job_id) for n in nodes}
+        stale = self.view.copies.get(subj.token(rec.job_id), set()) - keep
+        await bounded([self.fence.put(self.bucket, rec.job_id, data)]
+                      + [self.fence.put(self.bucket, k, data) for k in keep]
+                      + [self.fence.delete(self.bucket, k) for k in stale], self.parallel)
+
+    async def delete(self, job_id: str) -> None:
+        keys = [job_id, *self.view.copies.get(subj.token(job_id), set())]
+        await bounded([self.fence.delete(self.bucket, k) for k in keys], self.parallel)
+
+    async def reconcile(self, live: dict[str, JobRecord]) -> int:
+        """Make ``gs_alloc`` agree with the live records (and the node copies
+        with the job keys). Returns the writes made."""
+        await self.view.sync()
+        allocs = self.view.jobs()
+        todo: list[Awaitable[Any]] = []
+        handled: set[str] = set()  # jobs whose keys and copies are rewritten whole
+        for job_id, rec in live.items():
+            a = allocs.get(job_id)
+            if rec.state in ACTIVE_STATES and not rec.draining:
+                if a is None or a.generation != rec.generation:
+                    todo.append(self.put(rec))
+                    handled.add(subj.token(job_id))
+            elif a is not None:
+                todo.append(self.delete(job_id))
+                handled.add(subj.token(job_id))
+        for job_id in allocs.keys() - live.keys():
+            todo.append(self.delete(job_id))
+            handled.add(subj.token(job_id))
+        # node copies that disagree with their job key
+        for key, (alloc, _, _) in list(self.view.entries.items()):
+            if "." not in key:
+                continue
+            node, job = key.split(".", 1)
+            if job in handled:
+                continue
+            a = allocs.get(job)
+            if a is None or node not in {subj.token(n) for n in a.nodes()}:
+                todo.append(self.fence.delete(self.bucket, key))
+            elif alloc.generation != a.generation:
+                todo.append(self.fence.put(self.bucket, key, codec.encode(a)))
+        for job, a in allocs.items():
+            if job in handled:
+                continue
+            have = self.view.copies.get(job, set())
+            for n in a.nodes():
+                if node_key(n, job) not in have:
+                    todo.append(self.fence.put(self.bucket, node_key(n, job), codec.encode(a)))
+        await bounded(todo, self.parallel)
+        return len(todo)

@@ -1,0 +1,127 @@
+"""Capacity and GPU assignment, pure: which GPUs are held, what the policy
+may hand out, which GPU indices a decision gets, and operator-pinned plans.
+No I/O; the optimizer's round calls these on its materialised views."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodePlacement, NodeReport
+from policies import Decision, NodeState, Placement
+from policies.api import JobDecision
+
+ACTIVE = ACTIVE_STATES
+
+
+def held_gpus(records: Iterable[JobRecord], nodes: Iterable[NodeReport]) -> dict[str, set[int]]:
+    """GPU indices that are not free although no decision holds them: what
+    cancelling and draining jobs hold until their processes exited, the GPUs
+    agents profile on, and unhealthy GPUs."""
+    held: dict[str, set[int]] = {}
+    for rec in records:
+        if rec.state == JobState.CANCELLING:
+            for p in rec.placement:
+                held.setdefault(p.node, set()).update(p.gpus)
+        # A switching job's old GPUs stay held until its old ranks exit, except
+        # those its new placement reuses: the policy counts those as the job's
+        # holding already, and counting them twice over-allocates the node.
+        own = {(p.node, g) for p in rec.placement for g in p.gpus} if rec.state in ACTIVE else set()
+        for p in rec.draining:
+            held.setdefault(p.node, set()).update(g for g in p.gpus if (p.node, g) not in own)
+    for n in nodes:
+        if n.reserved:
+            held.setdefault(n.node, set()).update(n.reserved)
+        sick = [g.index for g in n.gpus if not g.healthy]  # lost, XID, stale...: no work
+        if sick:
+            held.setdefault(n.node, set()).update(sick)
+    return held
+
+
+def node_states(nodes: Iterable[NodeReport], held: dict[str, set[int]]) -> list[NodeState]:
+    out = []
+    for n in nodes:
+        gpus = len(n.gpus) - len(held.get(n.node, ()))
+        out.append(NodeState(name=n.node, gpus_total=gpus, gpus_free=gpus, cpus_total=n.cpus, cpus_free=n.cpus))
+    return out
+
+
+def in_use(records: Iterable[JobRecord], held: dict[str, set[int]]) -> dict[str, set[int]]:
+    """GPU indices in use: held, and every active job's current placement (a
+    job that is switched or preempted now drains first, so nobody else may
+    take its GPUs this round)."""
+    used: dict[str, set[int]] = {k: set(v) for k, v in held.items()}
+    for rec in records:
+        if rec.state in ACTIVE:
+            for p in rec.placement:
+                used.setdefault(p.node, set()).update(p.gpus)
+    return used
+
+
+def same_shape(rec: JobRecord, d: JobDecision) -> bool:
+    have = sorted((p.node, len(p.gpus), p.cpus) for p in rec.placement)
+    want = sorted((p.node, p.gpus, p.cpus) for p in d.placement)
+    return have == want and rec.plan == d.plan
+
+
+def assign(rec: JobRecord, d: JobDecision, used: dict[str, set[int]], gpu_count: dict[str, int]) -> list[NodePlacement] | None:
+    """GPU indices for decision ``d`` of ``rec``, or None if the GPUs the
+    policy counted are still held. Marks what it takes as used."""
+    own = {p.node: set(p.gpus) for p in rec.placement} if rec.state in ACTIVE else {}
+    placement: list[NodePlacement] = []
+    for p in d.placement:
+        # a switching job may reuse its own GPUs: its ranks stop before the new ones start
+        taken = used.get(p.node, set()) - own.get(p.node, set())
+        taken |= {g for q in placement if q.node == p.node for g in q.gpus}
+        free = [i for i in range(gpu_count[p.node]) if i not in taken][: p.gpus]
+        if len(free) < p.gpus:
+            return None
+        placement.append(NodePlacement(node=p.node, gpus=free, cpus=p.cpus))
+    for p in placement:
+        used.setdefault(p.node, set()).update(p.gpus)
+    return placement
+
+
+def apply_pins(decision: Decision, records: dict[str, JobRecord], nodes: list[NodeState], eligible: set[str]) -> None:
+    """Operator-pinned plans replace the policy's choice for their jobs,
+    where the GPUs the other jobs leave allow it."""
+    pinned = [r for r in records.values() if r.pinned is not None and r.job_id in eligible]
+    if not pinned:
+        return
+    policy_choice = {rec.job_id: decision.allocations.pop(rec.job_id, None) for rec in pinned}
+    for rec in sorted(pinned, key=lambda r: r.submitted_at):
+        pin = rec.pinned
+        assert pin is not None
+        free = {n.name: n.gpus_total for n in nodes}
+        for d in decision.allocations.values():
+            for p in d.placement:
+                free[p.node] = free.get(p.node, 0) - p.gpus
+        shares = [(s.node, s.gpus) for s in pin.placement]
+        current = [(p.node, len(p.gpus)) for p in rec.placement]
+        if (not shares and rec.state in ACTIVE and rec.plan == pin.plan
+                and sum(g for _, g in current) == pin.plan.gpus):
+            shares = current  # already runs the pinned plan: stay where it is
+        if not shares:  # first fit: one node if possible, else fill nodes in order
+            need = pin.plan.gpus
+            one = next((n for n in sorted(free) if free[n] >= need), None)
+            if one is not None:
+                shares = [(one, need)]
+            else:
+                for n in sorted(free):
+                    take = min(need, max(0, free[n]))
+                    if take:
+                        shares.append((n, take))
+                        need -= take
+                if need:
+                    shares = []
+        if not shares or any(free.get(n, -1) < g for n, g in shares):
+            if policy_choice[rec.job_id] is not None:  # keep what the policy chose meanwhile
+                decision.allocations[rec.job_id] = policy_choice[rec.job_id]
+            else:
+                decision.waiting[rec.job_id] = f"pinned plan {pin.plan.label()} waits for {pin.plan.gpus} GPUs"
+            continue
+        decision.waiting.pop(rec.job_id, None)
+        cur = {p.node: p.cpus for p in rec.placement}
+        decision.allocations[rec.job_id] = JobDecision(
+            placement=tuple(Placement(n, g, cur.get(n, 0)) for n, g in shares), plan=pin.plan,
+            reason=f"pinned by operator{': ' + pin.reason if pin.reason else ''}",
+        )

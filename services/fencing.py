@@ -1,0 +1,128 @@
+"""Server-side fencing of a leader's writes.
+
+A new leader writes the key ``_epoch`` in every bucket it writes to; the
+revision it gets is its epoch. Every later write it makes carries
+``Nats-Expected-Last-Subject-Sequence-Subject: $KV.<bucket>._epoch`` with
+that revision, so the server refuses it once another leader has taken over
+(and bumped the epoch): a leader paused mid-round (SIGSTOP, a long GC, a
+partition) cannot write anything when it wakes up.
+
+A compare-and-set on a record needs two checks at once (the record's own
+revision, and the epoch): it goes out as an atomic batch of two messages
+(NATS 2.12+ ``Nats-Batch-*``), the record with its own expected revision and
+a marker ``_fence`` with the epoch check; the server applies both or
+neither. The streams get ``allow_atomic`` for that (``enable_atomic``).
+
+A replicated stream (R3) reports a failed expected-sequence check as
+10164 (``JSStreamWrongLastSequenceConstantErr``, no sequence in it) where a
+single server says 10071; it also refuses a write while another write with
+the same expected-sequence subject is still being proposed, and every fenced
+write checks ``_epoch``. So a refusal is a deposition only if ``_epoch``
+really moved; otherwise the write is retried (put, delete) or reported as a
+conflict on the key (update: the caller re-reads and tries again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
+
+EPOCH_KEY = "_epoch"
+CHECK_KEY = "_fence"
+WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrF (single server)
+WRONG_LAST_SEQUENCE_CONSTANT = 10164  # JSStreamWrongLastSequenceConstantErr (replicated streams)
+WRONG_LAST = (WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT)
+RETRIES = 50  # a refused fenced put/delete while the epoch did not move: in-flight contention
+
+
+class Deposed(RuntimeError):
+    """A write refused because another leader holds a newer epoch."""
+
+
+async def enable_atomic(nc: Any, stream: str) -> None:
+    """Let ``stream`` accept atomic batches (idempotent)."""
+    reply = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"", timeout=5)).data)
+    config = reply["config"]
+    if config.get("allow_atomic"):
+        return
+    config["allow_atomic"] = True
+    reply = json.loads((await nc.request(f"$JS.API.STREAM.UPDATE.{stream}", json.dumps(config).encode(),
+                                         timeout=5)).data)
+    if "error" in reply:
+        raise RuntimeError(f"cannot enable atomic batches on {stream}: {reply['error']}")
+
+
+class Fence:
+    def __init__(self, nc: Any, buckets: list[str], holder: str):
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.buckets = buckets
+        self.holder = holder
+        self.epochs: dict[str, int] = {}
+        self.refused = 0  # writes the server refused because we were deposed
+
+    async def take(self) -> dict[str, int]:
+        """Become the writer: bump the epoch of every bucket."""
+        for bucket in self.buckets:
+            await enable_atomic(self.nc, f"KV_{bucket}")
+            ack = await self.js.publish(f"$KV.{bucket}.{EPOCH_KEY}", self.holder.encode())
+            self.epochs[bucket] = ack.seq
+        return dict(self.epochs)
+
+    def _headers(self, bucket: str) -> dict[str, str]:
+        return {
+            "Nats-Expected-Last-Subject-Sequence": str(self.epochs[bucket]),
+            "Nats-Expected-Last-Subject-Sequence-Subject": f"$KV.{bucket}.{EPOCH_KEY}",
+        }
+
+    async def _epoch_moved(self, bucket: str) -> bool:
+        kv = await self.js.key_value(bucket)
+        try:
+            return (await kv.get(EPOCH_KEY)).revision != self.epochs[bucket]
+        except Exception:
+            return True
+
+    async def _fenced(self, bucket: str, key: str, data: bytes, headers: dict[str, str], what: str) -> int:
+        for attempt in range(RETRIES):
+            try:
+                ack = await self.js.publish(f"$KV.{bucket}.{key}", data, headers={**self._headers(bucket), **headers})
+            except BadRequestError as exc:
+                if exc.err_code not in WRONG_LAST:
+                    raise
+                if await self._epoch_moved(bucket):
+                    self.refused += 1
+                    raise Deposed(f"{what} of {bucket}/{key} refused: a newer leader holds {bucket}") from None
+                await asyncio.sleep(0.005 * (attempt + 1))  # another fenced write was in flight
+                continue
+            return ack.seq
+        raise RuntimeError(f"{what} of {bucket}/{key}: refused {RETRIES} times while the epoch did not move")
+
+    async def put(self, bucket: str, key: str, data: bytes) -> int:
+        return await self._fenced(bucket, key, data, {}, "write")
+
+    async def delete(self, bucket: str, key: str) -> None:
+        await self._fenced(bucket, key, b"", {"KV-Operation": "DEL"}, "delete")
+
+    async def update(self, bucket: str, key: str, data: bytes, last: int) -> int:
+        """Compare-and-set of ``key`` on revision ``last``, fenced. Raises
+        KeyWrongLastSequenceError on a conflict on the key, Deposed when the
+        epoch moved."""
+        batch = uuid.uuid4().hex
+        await self.nc.publish(f"$KV.{bucket}.{key}", data, headers={
+            "Nats-Batch-Id": batch, "Nats-Batch-Sequence": "1", "Nats-Expected-Last-Subject-Sequence": str(last)})
+        reply = await self.nc.request(f"$KV.{bucket}.{CHECK_KEY}", b"", timeout=5, headers={
+            "Nats-Batch-Id": batch, "Nats-Batch-Sequence": "2", "Nats-Batch-Commit": "1", **self._headers(bucket)})
+        body = json.loads(reply.data)
+        err = body.get("error")
+        if err is None:
+            return int(body["seq"]) - 1  # the record is the batch's first message
+        if err.get("err_code") in WRONG_LAST:
+            if await self._epoch_moved(bucket):
+                self.refused += 1
+                raise Deposed(f"update of {bucket}/{key} refused: a newer leader holds {bucket}")
+            raise KeyWrongLastSequenceError(description=err.get("description"))
+        raise RuntimeError(f"update of {bucket}/{key} failed: {err}")

@@ -1,0 +1,121 @@
+"""Paged job lists that never exceed the payload limit.
+
+A page is cut at ``limit`` jobs or when the next job would push the encoded
+reply past ``budget`` bytes, whichever comes first; the cursor says where to
+go on. ``all`` lists go through the history store first (finished jobs, in
+the order they were archived: cursor ``h<stream sequence>``), then the jobs
+still in ``gs_jobs`` in submission order (cursor ``l<submitted_at>|<job id>``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nats.js.api import ConsumerConfig, DeliverPolicy
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import MAX_MESSAGE_BYTES, JobRecord, ListRequest
+
+from .views import JobsView
+
+# what a reply may hold: the limit less room for the envelope and the cursor
+BUDGET = MAX_MESSAGE_BYTES - 4096
+
+
+class BadCursor(ValueError):
+    pass
+
+
+def keep_for(req: ListRequest) -> Callable[[JobRecord], bool]:
+    states = set(req.states or [])
+
+    def keep(r: JobRecord) -> bool:
+        return ((req.tenant is None or r.spec.tenant == req.tenant)
+                and (not states or r.state.value in states)
+                and (req.node is None or any(p.node == req.node for p in r.placement)))
+
+    return keep
+
+
+def _live_pos(cursor: str) -> tuple[float, str]:
+    try:
+        ts, job_id = cursor[1:].split("|", 1)
+        return float(ts), job_id
+    except ValueError:
+        raise BadCursor(f"malformed cursor {cursor!r}") from None
+
+
+class Pager:
+    def __init__(self, budget: int = BUDGET):
+        self.budget = budget
+        self.size = 16
+
+    def add(self, rec: JobRecord) -> bool:
+        """Room for ``rec``? (counts it if so)"""
+        n = len(codec.encode(rec)) + 1
+        if self.size + n > self.budget:
+            return False
+        self.size += n
+        return True
+
+
+async def list_page(js: Any, view: JobsView, req: ListRequest) -> tuple[list[JobRecord], str | None]:
+    keep = keep_for(req)
+    cursor = req.cursor
+    if cursor is not None and not cursor.startswith(("h", "l")):
+        raise BadCursor(f"malformed cursor {cursor!r}")
+    pager = Pager()
+    out: list[JobRecord] = []
+    if req.all and (cursor is None or cursor.startswith("h")):
+        try:
+            after = int(cursor[1:]) if cursor else 0
+        except ValueError:
+            raise BadCursor(f"malformed cursor {cursor!r}") from None
+        recs, last, more = await history_page(js, after, req.limit, keep, pager)
+        out.extend(recs)
+        if more:
+            return out, f"h{last}"
+        cursor = None
+    after_pos = _live_pos(cursor) if cursor else None
+    while len(out) < req.limit:
+        page, nxt = view.page(after_pos, min(500, req.limit - len(out)), keep)
+        for i, rec in enumerate(page):
+            if not pager.add(rec):
+                return out, (f"l{out[-1].submitted_at!r}|{out[-1].job_id}" if out else None)
+            out.append(rec)
+        after_pos = nxt
+        if nxt is None:
+            return out, None
+    return out, f"l{out[-1].submitted_at!r}|{out[-1].job_id}"
+
+
+async def history_page(js: Any, after: int, limit: int, keep: Callable[[JobRecord], bool],
+                       pager: Pager) -> tuple[list[JobRecord], int, bool]:
+    """Records of the history store after stream sequence ``after``: (records,
+    last sequence read, more left)."""
+    stream = f"KV_{subj.HISTORY_BUCKET}"
+    info = await js.stream_info(stream)
+    if info.state.messages == 0 or info.state.last_seq <= after:
+        return [], after, False
+    sub = await js.subscribe(f"$KV.{subj.HISTORY_BUCKET}.>", stream=stream, ordered_consumer=True,
+                             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
+                                                   opt_start_seq=after + 1))
+    out: list[JobRecord] = []
+    last = after
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=5)
+            seq = msg.metadata.sequence.stream
+            op = (msg.headers or {}).get("KV-Operation")
+            if op not in ("DEL", "PURGE") and msg.data:
+                rec = codec.decode(msg.data, JobRecord)
+                if keep(rec):
+                    if len(out) >= limit or not pager.add(rec):
+                        return out, last, True
+                    out.append(rec)
+            last = seq
+            if msg.metadata.num_pending == 0:
+                return out, last, False
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,153 @@
+"""The record writes a round makes: allocate, preempt, requeue, settle
+drains, archive -- each a compare-and-set through ``JobStore`` (fenced while
+leading) with the change computed by ``services.lifecycle``, then the
+allocation that follows from it (``AllocWriter``). Many at once, at most
+``parallel`` in flight; the view's record and revision are each write's first
+try, so a write costs no read unless the record moved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus_schema.messages import ACTIVE_STATES, JobPreempted, JobRecord, JobRequeued
+from policies import Decision
+
+from . import capacity, lifecycle
+from .alloc_writer import AllocWriter, bounded
+from .jobstore import JobStore
+from .runtime import get_logger, now
+from .views import JobsView
+
+log = get_logger(service="optimizer")
+ACTIVE = ACTIVE_STATES
+
+
+class RecordWriter:
+    def __init__(self, store: JobStore, allocs: AllocWriter, jobs: JobsView, *, parallel: int,
+                 drain_timeout: float, archive_after: float):
+        self.store = store
+        self.writer = allocs
+        self.jobs = jobs
+        self.parallel = parallel
+        self.drain_timeout = drain_timeout
+        self.archive_after = archive_after
+
+    async def archive(self, most: int = 2000) -> int:
+        """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
+        seconds after they ended (events published, nothing draining)."""
+        cutoff = now() - self.archive_after
+        done = [r for r in self.jobs.finished.values()
+                if (r.finished_at or 0) <= cutoff and not r.outbox and not r.draining][:most]
+        await bounded([self.store.archive(r) for r in done], self.parallel)
+        return len(done)
+
+    def hint(self, job_id: str) -> tuple[JobRecord, int] | None:
+        """The record and revision the view holds: the first CAS try (no read)."""
+        e = self.jobs.entries.get(job_id)
+        return None if e is None else (e[0], e[1])
+
+    async def changed(self, records: dict[str, JobRecord], updates: list[tuple[str, Any]]) -> int:
+        """Run record updates concurrently; keep ``records`` current; count changes."""
+        results = await bounded([u for _, u in updates], self.parallel)
+        n = 0
+        for (job_id, _), new in zip(updates, results):
+            if new is not None:
+                records[job_id] = new
+                n += 1
+        return n
+
+    async def requeue_lost(self, records: dict[str, JobRecord], alive: set[str]) -> int:
+        """Jobs on lost nodes go back to the queue; ranks on nodes still alive drain first."""
+        updates = []
+        for rec in records.values():
+            gone = [p.node for p in rec.placement if p.node not in alive]
+            if rec.state in ACTIVE and gone:
+                updates.append((rec.job_id, self.back_to_queue(
+                    rec, "node lost: " + ",".join(gone), JobRequeued, alive, with_checkpoint=True)))
+        return await self.changed(records, updates)
+
+    async def apply(
+        self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
+    ) -> int:
+        used = capacity.in_use(records.values(), held)
+        keep = {job_id for job_id, d in decision.allocations.items()
+                if records[job_id].state in ACTIVE and capacity.same_shape(records[job_id], d)}
+        # Preemptions first, so their GPUs are free for what follows.
+        changes = await self.changed(records, [
+            (rec.job_id, self.back_to_queue(rec, decision.waiting.get(rec.job_id, "preempted by policy"), JobPreempted))
+            for rec in list(records.values()) if rec.state in ACTIVE and rec.job_id not in decision.allocations])
+        updates = []
+        for job_id, d in list(decision.allocations.items()):  # entries may be deferred below
+            if job_id in keep:
+                continue
+            rec = records[job_id]
+            placement = capacity.assign(rec, d, used, gpu_count)
+            if placement is None:
+                # the policy counted GPUs that are still draining: next round
+                log.info("allocation deferred: GPUs still held", job_id=job_id)
+                decision.allocations.pop(job_id)
+                decision.waiting[job_id] = "waiting for GPUs that other jobs are still releasing"
+                continue
+            updates.append((job_id, self.allocate(rec, d, placement)))
+        return changes + await self.changed(records, updates)
+
+    async def allocate(self, rec: JobRecord, d: Any, placement: list) -> JobRecord | None:
+        ts = now()
+        got = await self.store._update(rec.job_id, lambda r: lifecycle.allocate(r, rec, d, placement, ts),
+                                       self.hint(rec.job_id))
+        new = None
+        if got is not None:
+            new, rev = got
+            if new.draining:
+                await self.writer.delete(new.job_id)  # the old generation checkpoints and stops
+            else:
+                await self.writer.put(new)
+            new = await self.store.flush(new.job_id, have=(new, rev)) or new  # job.scheduled once its allocation exists
+            log.info("job scheduled", job_id=new.job_id, generation=new.generation, plan=d.plan.label(),
+                     nodes=[p.node for p in placement], draining=[p.node for p in new.draining])
+        return new
+
+    async def back_to_queue(
+        self, rec: JobRecord, why: str, event: type, alive: set[str] | None = None, with_checkpoint: bool = False
+    ) -> JobRecord | None:
+        """PENDING again, its old ranks draining; the allocation is withdrawn."""
+        ts = now()
+        new = await self.store.update(rec.job_id, lambda r: lifecycle.back_to_queue(
+            r, rec.generation, why, event, ts, alive, with_checkpoint), hint=self.hint(rec.job_id))
+        if new is not None:
+            await self.writer.delete(rec.job_id)
+            if event is JobRequeued:
+                log.warning("job requeued", job_id=rec.job_id, reason=why)
+        return new
+
+    async def settle_drains(self, records: dict[str, JobRecord], alive: set[str]) -> int:
+        """End drains that cannot finish: nodes that are gone, or a drain older
+        than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
+        t = now()
+        updates = []
+        for rec in records.values():
+            if not rec.draining:
+                continue
+            timed_out = rec.drain_started is not None and t - rec.drain_started > self.drain_timeout
+            gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
+            if gone:
+                updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
+        return await self.changed(records, updates)
+
+    async def settle(self, job_id: str, gone: list[str], timed_out: bool) -> JobRecord | None:
+        released = False
+
+        def change(r: JobRecord) -> JobRecord | None:
+            nonlocal released
+            if not r.draining:
+                return None
+            new, released, _ = lifecycle.drained(r, gone, None, now())
+            return new
+
+        new = await self.store.update(job_id, change)
+        if new is not None:
+            log.warning("drain settled without reports", job_id=job_id, nodes=gone, timed_out=timed_out)
+            if released:
+                await self.writer.put(new)
+        return new
+

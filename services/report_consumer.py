@@ -1,0 +1,66 @@
+"""The report consumer: agents' RunReports from the durable stream, each
+applied under the round lock and acked only after its state change is
+written (a crash before the ack redelivers it; applying twice is a no-op
+because stale generations and repeated kinds change nothing)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import RunReport
+
+from .runtime import get_logger
+
+log = get_logger(service="optimizer")
+
+
+async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]], lock: asyncio.Lock,
+                          running: Callable[[], bool], *, batch: int = 64) -> None:
+    psub = await js.pull_subscribe(
+        subj.REPORTS_SUBJECTS,
+        durable="optimizer",
+        stream=subj.REPORTS_STREAM,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30),
+    )
+    try:
+        while running():  # nats-py's fetch can swallow a cancel: check a flag too
+            try:
+                msgs = await psub.fetch(batch, timeout=1)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # timeout: nothing to do
+                continue
+            good = []
+            for msg in msgs:
+                try:
+                    good.append((msg, codec.decode(msg.data, RunReport)))
+                except msgspec.MsgspecError:
+                    log.warning("dropping malformed run report", subject=msg.subject)
+                    await msg.term()
+            # Not during a round: a round decides from the records it read at
+            # its start, and a report settling a drain meanwhile would have its
+            # fresh allocation deleted by that round's reconcile. Reports of one
+            # job are applied in order; different jobs' reports concurrently.
+            async with lock:
+                by_job: dict[str, list] = {}
+                for msg, report in good:
+                    by_job.setdefault(report.job_id, []).append((msg, report))
+
+                async def one_job(items: list) -> None:
+                    for msg, report in items:
+                        await apply(report)
+                        await msg.ack()
+
+                results = await asyncio.gather(*(one_job(v) for v in by_job.values()), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+    finally:
+        # a pull subscription left open blocks drain() on shutdown
+        await psub.unsubscribe()

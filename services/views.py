@@ -1,0 +1,218 @@
+"""Materialised views of KV buckets, fed by a watch, with revisions.
+
+A service keeps what it reads on every request or round in memory, up to
+date from an ordered consumer on the bucket's stream (last value per key,
+then every change), instead of re-reading the whole bucket each time. A
+reader that must see its own or another service's latest writes first calls
+``sync()``: one stream-info request for the stream's last sequence, then it
+waits until the view has applied that revision.
+
+``JobsView`` keeps the live (non-terminal) jobs apart from the finished ones
+and counts live jobs per tenant, so a submit never scans, and a round costs
+O(live jobs). ``NodesView`` decides liveness by the server's clock: each
+value carries the time the server stored it, and a node's age is measured
+against the newest server timestamp seen plus the time elapsed here since,
+never against the agent's own clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from nats.js.api import DeliverPolicy
+
+from bus_schema import codec
+from bus_schema.messages import JobRecord, NodeReport
+
+T = TypeVar("T")
+
+
+class KvView(Generic[T]):
+    """key -> (decoded value, revision, server timestamp), kept current."""
+
+    def __init__(self, js: Any, bucket: str, decode: Callable[[bytes], T], *,
+                 skip: Callable[[str], bool] = lambda k: k.startswith("_")):
+        self.js = js
+        self.bucket = bucket
+        self.stream = f"KV_{bucket}"
+        self.prefix = f"$KV.{bucket}."
+        self.decode = decode
+        self.skip = skip
+        self.entries: dict[str, tuple[T, int, float]] = {}
+        self.revision = 0  # highest stream sequence applied
+        self.server_ts = 0.0  # newest server timestamp seen, and when (monotonic) it arrived
+        self._server_seen_at = time.monotonic()
+        self._sub: Any = None
+        self._advanced = asyncio.Event()
+
+    async def start(self) -> "KvView[T]":
+        self._sub = await self.js.subscribe(
+            self.prefix + ">", stream=self.stream, ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, cb=self._on_msg,
+            pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30,
+        )
+        await self.sync()
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+            self._sub = None
+
+    async def _on_msg(self, msg: Any) -> None:
+        key = msg.subject[len(self.prefix):]
+        md = msg.metadata
+        seq = md.sequence.stream
+        ts = md.timestamp.timestamp()
+        if ts > self.server_ts:
+            self.server_ts, self._server_seen_at = ts, time.monotonic()
+        if seq > self.revision:
+            self.revision = seq
+        if not self.skip(key):
+            op = (msg.headers or {}).get("KV-Operation")
+            old = self.entries.get(key)
+            if op in ("DEL", "PURGE") or not msg.data:
+                if old is not None:
+                    del self.entries[key]
+                    self.removed(key, old[0])
+            else:
+                try:
+                    value = self.decode(msg.data)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    value = None
+                if value is not None:
+                    self.entries[key] = (value, seq, ts)
+                    self.changed(key, old[0] if old else None, value)
+        self._advanced.set()
+
+    # hooks for subclasses
+    def changed(self, key: str, old: T | None, new: T) -> None: ...
+
+    def removed(self, key: str, old: T) -> None: ...
+
+    async def sync(self, timeout: float = 10.0) -> int:
+        """Wait until every write made before this call is applied."""
+        info = await self.js.stream_info(self.stream)
+        want = info.state.last_seq
+        deadline = time.monotonic() + timeout
+        while self.revision < want:
+            self._advanced.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"view of {self.bucket} stuck at {self.revision} < {want}")
+            try:
+                await asyncio.wait_for(self._advanced.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return self.revision
+
+    def server_now(self) -> float:
+        """The server's clock now, estimated from the newest timestamp it stamped."""
+        return self.server_ts + (time.monotonic() - self._server_seen_at)
+
+    def get(self, key: str) -> T | None:
+        e = self.entries.get(key)
+        return None if e is None else e[0]
+
+    def values(self) -> list[T]:
+        return [e[0] for e in self.entries.values()]
+
+
+class JobsView(KvView[JobRecord]):
+    """``gs_jobs``: live jobs, finished ones, live count per tenant, and the
+    order of submission for paged lists."""
+
+    def __init__(self, js: Any, bucket: str):
+        super().__init__(js, bucket, lambda b: codec.decode(b, JobRecord))
+        self.live: dict[str, JobRecord] = {}
+        self.finished: dict[str, JobRecord] = {}  # terminal, still in the hot bucket
+        self.tenant_live: Counter[str] = Counter()
+        self.order: list[tuple[float, str]] = []  # (submitted_at, job_id), sorted
+
+    def changed(self, key: str, old: JobRecord | None, new: JobRecord) -> None:
+        if old is None:
+            bisect.insort(self.order, (new.submitted_at, key))
+        if old is not None and not old.terminal:
+            self.tenant_live[old.spec.tenant] -= 1
+        if not new.terminal:
+            self.tenant_live[new.spec.tenant] += 1
+        # a finished job whose other ranks still drain stays in the round's view
+        if new.terminal and not new.draining:
+            self.live.pop(key, None)
+        else:
+            self.live[key] = new
+        if new.terminal:
+            self.finished[key] = new
+
+    def removed(self, key: str, old: JobRecord) -> None:
+        if not old.terminal:
+            self.tenant_live[old.spec.tenant] -= 1
+        self.live.pop(key, None)
+        self.finished.pop(key, None)
+        i = bisect.bisect_left(self.order, (old.submitted_at, key))
+        if i < len(self.order) and self.order[i] == (old.submitted_at, key):
+            del self.order[i]
+
+    def page(self, after: tuple[float, str] | None, limit: int,
+             keep: Callable[[JobRecord], bool]) -> tuple[list[JobRecord], tuple[float, str] | None]:
+        """Up to ``limit`` records after ``after`` in submission order that
+        ``keep``; and the position to continue from (None: no more)."""
+        i = 0 if after is None else bisect.bisect_right(self.order, after)
+        out: list[JobRecord] = []
+        while i < len(self.order) and len(out) < limit:
+            pos = self.order[i]
+            i += 1
+            rec = self.get(pos[1])
+            if rec is not None and keep(rec):
+                out.append(rec)
+        more = i < len(self.order)
+        return out, (self.order[i - 1] if more and i > 0 else None)
+
+
+class NodesView(KvView[NodeReport]):
+    """``gs_nodes`` with liveness by the server's clock."""
+
+    def __init__(self, js: Any, bucket: str):
+        super().__init__(js, bucket, lambda b: codec.decode(b, NodeReport))
+        self._gpus: dict[str, int] = {}
+        self._capacity: tuple[int, int | None] | None = (0, None)
+
+    def changed(self, key: str, old: NodeReport | None, new: NodeReport) -> None:
+        if self._gpus.get(key) != len(new.gpus):
+            self._gpus[key] = len(new.gpus)
+            self._capacity = None
+
+    def removed(self, key: str, old: NodeReport) -> None:
+        self._gpus.pop(key, None)
+        self._capacity = None
+
+    def capacity(self) -> tuple[int, int | None]:
+        """(GPUs of all registered nodes, most GPUs on one node); recomputed
+        only when a node comes, goes or changes its GPU count."""
+        if self._capacity is None:
+            self._capacity = (sum(self._gpus.values()), max(self._gpus.values(), default=None))
+        return self._capacity
+
+    def age(self, key: str) -> float | None:
+        """Seconds since the server stored this node's last report."""
+        e = self.entries.get(key)
+        return None if e is None else max(0.0, self.server_now() - e[2])
+
+    def alive(self, timeout: float) -> tuple[list[NodeReport], list[tuple[NodeReport, float]]]:
+        """(nodes heard from within ``timeout``, [(silent node, its age)])."""
+        now = self.server_now()
+        live, silent = [], []
+        for rep, _, ts in self.entries.values():
+            age = now - ts
+            (live.append(rep) if age <= timeout else silent.append((rep, age)))
+        live.sort(key=lambda n: n.node)
+        return live, silent

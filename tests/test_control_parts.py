@@ -1,0 +1,123 @@
+"""The optimizer's parts without NATS: lifecycle (with the state machine),
+capacity and GPU assignment, the materialised jobs view's bookkeeping."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bus_schema.messages import (
+    InvalidTransition, JobRecord, JobSpec, JobState, ModelSpec, NodePlacement, NodeReport, GpuReport, Plan,
+    RunReport, RunReportKind,
+)
+from policies.api import JobDecision
+from policies import Placement
+from services import capacity, lifecycle
+from services.views import JobsView
+
+SPEC = JobSpec(name="a", model=ModelSpec(name="m", params=100, layers=4, hidden=64, seq_len=128),
+               global_batch=8, steps=100, gpus=2, tenant="t1")
+
+
+def rec(state=JobState.RUNNING, gen=1, nodes=("n0",), **kw) -> JobRecord:
+    placement = [NodePlacement(node=n, gpus=[0, 1], cpus=0) for n in nodes] if state != JobState.PENDING else []
+    return JobRecord(job_id="j1", spec=SPEC, state=state, generation=gen, plan=Plan(dp=2), placement=placement, **kw)
+
+
+def report(kind, gen=1, node="n0", **kw) -> RunReport:
+    return RunReport(job_id="j1", generation=gen, node=node, kind=kind, ts=100.0, **kw)
+
+
+def test_started_moves_scheduled_to_running_and_stale_generation_changes_nothing():
+    out = lifecycle.apply_report(rec(JobState.SCHEDULED), report(RunReportKind.STARTED), max_retries=3, now=1.0)
+    assert out.new.state == JobState.RUNNING and out.new.outbox[-1].__struct_config__.tag == "job.running"
+    stale = lifecycle.apply_report(rec(JobState.SCHEDULED, gen=2), report(RunReportKind.STARTED, gen=1),
+                                   max_retries=3, now=1.0)
+    assert stale.new is None and not stale.ended
+
+
+def test_crash_retries_then_fails_and_other_ranks_drain():
+    r = rec(nodes=("n0", "n1"))
+    crash = report(RunReportKind.EXITED, node="n1", exit_code=3, rank0=False)
+    out = lifecycle.apply_report(r, crash, max_retries=1, now=5.0)
+    assert out.ended and out.new.state == JobState.PENDING and out.new.failures == 1
+    assert [p.node for p in out.new.draining] == ["n0"] and out.new.drain_started == 5.0
+    again = msgspec.structs.replace(r, failures=1)
+    out = lifecycle.apply_report(again, crash, max_retries=1, now=5.0)
+    assert out.new.state == JobState.FAILED and "after 1 retries" in out.new.reason
+
+
+def test_drain_releases_next_generation_only_when_every_node_exited():
+    r = rec(JobState.SCHEDULED, gen=2, draining=[NodePlacement(node="n0", gpus=[0], cpus=0),
+                                                 NodePlacement(node="n1", gpus=[0], cpus=0)], drain_generation=1)
+    first = lifecycle.apply_report(r, report(RunReportKind.EXITED, gen=1, node="n0", stopped=True, exit_code=0),
+                                   max_retries=3, now=1.0)
+    assert not first.released and [p.node for p in first.new.draining] == ["n1"]
+    second = lifecycle.apply_report(first.new, report(RunReportKind.EXITED, gen=1, node="n1", stopped=True,
+                                                      exit_code=0), max_retries=3, now=2.0)
+    assert second.released and second.new.draining == []
+
+
+def test_state_machine_is_enforced():
+    done = rec(JobState.COMPLETED)
+    with pytest.raises(InvalidTransition):
+        lifecycle.check(done, msgspec.structs.replace(done, state=JobState.RUNNING))
+    with pytest.raises(InvalidTransition):
+        done.check_transition(JobState.PENDING)
+    pending = rec(JobState.PENDING, gen=0)
+    assert lifecycle.check(pending, msgspec.structs.replace(pending, state=JobState.SCHEDULED)).state == JobState.SCHEDULED
+
+
+def test_allocate_running_job_is_a_gang_switch_and_back_to_queue_drains():
+    r = rec()
+    d = JobDecision(placement=(Placement("n1", 4, 0),), plan=Plan(dp=4), reason="grow")
+    new = lifecycle.allocate(r, r, d, [NodePlacement(node="n1", gpus=[0, 1, 2, 3], cpus=0)], ts=7.0)
+    assert new.generation == 2 and new.state == JobState.SCHEDULED
+    assert [p.node for p in new.draining] == ["n0"] and new.switch.from_generation == 1
+    assert lifecycle.allocate(new, r, d, [], ts=8.0) is None  # generation moved: skip
+    from bus_schema.messages import JobPreempted
+    q = lifecycle.back_to_queue(r, 1, "preempted", JobPreempted, 9.0)
+    assert q.state == JobState.PENDING and q.placement == [] and q.drain_generation == 1
+
+
+def node(name, gpus=4, reserved=()):
+    return NodeReport(node=name, ts=0.0, gpus=[GpuReport(index=i, uuid=f"{name}-{i}") for i in range(gpus)], cpus=8,
+                      reserved=list(reserved))
+
+
+def test_capacity_counts_held_gpus_and_assigns_free_indices():
+    cancelling = msgspec.structs.replace(rec(JobState.CANCELLING), job_id="c")
+    running = msgspec.structs.replace(rec(nodes=("n1",)), job_id="r")
+    held = capacity.held_gpus([cancelling, running], [node("n0"), node("n1", reserved=[3])])
+    assert held == {"n0": {0, 1}, "n1": {3}}
+    states = {s.name: s.gpus_total for s in capacity.node_states([node("n0"), node("n1")], held)}
+    assert states == {"n0": 2, "n1": 3}
+    used = capacity.in_use([cancelling, running], held)
+    pending = rec(JobState.PENDING, gen=0)
+    d = JobDecision(placement=(Placement("n1", 1, 0),), plan=Plan(), reason="")
+    got = capacity.assign(pending, d, used, {"n0": 4, "n1": 4})
+    assert got == [NodePlacement(node="n1", gpus=[2], cpus=0)] and 2 in used["n1"]
+    d2 = JobDecision(placement=(Placement("n1", 1, 0),), plan=Plan(), reason="")
+    assert capacity.assign(pending, d2, used, {"n0": 4, "n1": 4}) is None  # n1 full now
+
+
+def test_jobs_view_counts_live_per_tenant_and_pages_in_submission_order():
+    v = JobsView(js=None, bucket="b")
+    recs = [JobRecord(job_id=f"j{i:03d}", spec=SPEC, submitted_at=float(i)) for i in range(10)]
+    for r in recs:
+        v.entries[r.job_id] = (r, 1, 0.0)
+        v.changed(r.job_id, None, r)
+    assert v.tenant_live["t1"] == 10 and len(v.live) == 10
+    done = msgspec.structs.replace(recs[0], state=JobState.CANCELLED)
+    v.entries[done.job_id] = (done, 2, 0.0)
+    v.changed(done.job_id, recs[0], done)
+    assert v.tenant_live["t1"] == 9 and "j000" not in v.live
+    seen, cursor = [], None
+    while True:
+        page, cursor = v.page(cursor, 3, lambda r: True)
+        seen += [r.job_id for r in page]
+        if cursor is None:
+            break
+    assert seen == [r.job_id for r in recs]
+    live_only, _ = v.page(None, 100, lambda r: not r.terminal)
+    assert [r.job_id for r in live_only] == [r.job_id for r in recs[1:]]

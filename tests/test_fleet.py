@@ -1,0 +1,70 @@
+"""The fleet emulator: real agents (emulated runner) against real services."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from bus_schema import subjects as subj
+from bus_schema.messages import JobList, JobState, ListRequest, SubmitReply
+from loadtest.fleet import Fleet
+from services.admission import start_admission
+from services.optimizer import Optimizer
+from services.runtime import call
+
+MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}
+
+
+async def submit(nc, name, gpus, steps, step_time):
+    spec = {"name": name, "model": MODEL, "global_batch": 8, "steps": steps, "gpus": gpus, "step_time": step_time}
+    return (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": spec}).encode(), SubmitReply)).job_id
+
+
+async def states(nc):
+    jobs = (await call(nc, subj.ADMISSION_LIST, ListRequest(all=True), JobList)).jobs
+    return {j.job_id: j for j in jobs}
+
+
+async def until(pred, timeout):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        got = await pred()
+        if got:
+            return got
+        await asyncio.sleep(0.2)
+    raise AssertionError("condition not met in time")
+
+
+async def test_fleet_runs_jobs_to_completion_and_survives_killed_agents(nc, tmp_path):
+    _, svc = await start_admission(nc)
+    fleet = await Fleet(nc, 12, 4, heartbeat=0.5, progress_interval=0.5, grace=1.0, workdir=str(tmp_path)).start()
+    opt = await Optimizer(nc, interval=0.5, node_timeout=2.0, lease_ttl=2).open()
+    stop = asyncio.Event()
+    task = asyncio.create_task(opt.run(stop))
+    try:
+        ids = [await submit(nc, f"j{i}", gpus=1 + i % 4, steps=40, step_time=0.05) for i in range(30)]
+
+        async def some_running():
+            return fleet.running() >= 6
+
+        await until(some_running, 60)
+        victims = [n for n, a in fleet.agents.items() if a.runs][:2]
+        died = [await fleet.kill(n) for n in victims]
+        assert sum(died) >= 1  # runs died with their agents
+
+        async def all_done():
+            got = await states(nc)
+            return got if all(got[j].state == JobState.COMPLETED for j in ids) else None
+
+        done = await until(all_done, 120)
+        requeued = [j for j in ids if done[j].restarts > 0]
+        assert requeued, "no job was on a killed node"
+        assert all(done[j].steps_done == 40 for j in ids)
+        assert not set(victims) & {p.node for j in requeued for p in done[j].placement}
+        assert {n for n in opt.lost_nodes} >= set(victims)
+    finally:
+        stop.set()
+        await task
+        await fleet.stop()
+        await svc.stop()

@@ -1,0 +1,78 @@
+"""Paged job lists against a real nats-server: no reply over the payload
+limit, filters, and finished jobs paged from the history store."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import MAX_MESSAGE_BYTES, JobList, JobState, ListRequest, SubmitReply
+from services.admission import start_admission
+from services.jobstore import JobStore
+from services.runtime import call
+
+MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}
+
+
+async def submit(nc, name, tenant="default", env=None):
+    spec = {"name": name, "model": MODEL, "global_batch": 8, "steps": 10, "gpus": 1, "tenant": tenant}
+    if env:
+        spec["env"] = env
+    return (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": spec}).encode(), SubmitReply)).job_id
+
+
+async def pages(nc, **req):
+    out, cursor, sizes = [], None, []
+    while True:
+        msg = await nc.request(subj.ADMISSION_LIST, codec.encode(ListRequest(cursor=cursor, **req)), timeout=10)
+        sizes.append(len(msg.data))
+        got = codec.decode(msg.data, JobList)
+        out.append(got.jobs)
+        cursor = got.next_cursor
+        if cursor is None:
+            return out, sizes
+
+
+async def test_pages_stay_under_the_payload_limit_and_filters_apply(nc):
+    adm, svc = await start_admission(nc)
+    try:
+        big = {f"K{i}": "x" * 1000 for i in range(60)}  # ~60 KB per record: 4 fit in a reply
+        ids = [await submit(nc, f"big{i}", env=big) for i in range(10)]
+        ids += [await submit(nc, f"t{i}", tenant="other") for i in range(5)]
+        got, sizes = await pages(nc)  # default limit 10,000 would not fit in one reply
+        assert max(sizes) <= MAX_MESSAGE_BYTES and len(got) >= 3
+        assert [j.job_id for p in got for j in p] == ids  # submission order, each once
+        small, _ = await pages(nc, tenant="other", limit=2)
+        assert [len(p) for p in small] == [2, 2, 1] and all(j.spec.tenant == "other" for p in small for j in p)
+        none, _ = await pages(nc, states=["running"])
+        assert none == [[]]
+        bad = await nc.request(subj.ADMISSION_LIST, json.dumps({"cursor": "zzz"}).encode(), timeout=5)
+        assert b"cursor" in bad.data and b"error" in bad.data
+    finally:
+        await svc.stop()
+        await adm.close()
+
+
+async def test_all_pages_through_history_then_live_jobs(nc):
+    adm, svc = await start_admission(nc)
+    try:
+        ids = [await submit(nc, f"j{i}") for i in range(12)]
+        store = await JobStore(nc).open()
+        for job_id in ids[:8]:  # finish and archive the first eight
+            await store.update(job_id, lambda r: msgspec.structs.replace(
+                r, state=JobState.CANCELLED, finished_at=1.0, reason="cancelled by user"))
+            rec, _ = await store.get(job_id)
+            assert await store.archive(rec)
+        assert (await store.get(ids[0]))[0].state == JobState.CANCELLED  # still readable, from history
+        live, _ = await pages(nc, limit=5)
+        assert [j.job_id for p in live for j in p] == ids[8:]
+        every, _ = await pages(nc, limit=5, all=True)
+        assert [len(p) for p in every] == [5, 5, 2]
+        assert sorted(j.job_id for p in every for j in p) == sorted(ids)
+        cancelled, _ = await pages(nc, all=True, states=["cancelled"])
+        assert sorted(j.job_id for p in cancelled for j in p) == sorted(ids[:8])
+    finally:
+        await svc.stop()
+        await adm.close()

@@ -1,0 +1,36 @@
+"""Materialised views against a real nats-server: revisions, sync, and node
+liveness by the server's clock, never the agent's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import GpuReport, NodeReport
+from services.views import NodesView
+
+
+def report(node: str, ts: float) -> bytes:
+    return codec.encode(NodeReport(node=node, ts=ts, gpus=[GpuReport(index=0, uuid=f"{node}-0")], cpus=4))
+
+
+async def test_liveness_uses_the_servers_clock_not_the_agents(nc):
+    kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
+    view = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
+    try:
+        await kv.put("quiet", report("quiet", time.time()))  # an honest clock, but it goes silent
+        await asyncio.sleep(1.5)
+        await kv.put("skewed", report("skewed", time.time() - 3600))  # its clock is an hour behind
+        rev = await view.sync()
+        assert rev == view.revision and view.get("skewed") is not None
+        alive, silent = view.alive(timeout=1.0)
+        assert [n.node for n in alive] == ["skewed"]  # heard from just now, whatever its clock says
+        assert [n.node for n, _ in silent] == ["quiet"] and silent[0][1] >= 1.0
+        assert view.age("skewed") < 1.0
+        assert view.capacity() == (2, 1)
+        await kv.delete("quiet")
+        await view.sync()
+        assert view.get("quiet") is None and view.capacity() == (1, 1)
+    finally:
+        await view.stop()
