@@ -74,11 +74,17 @@ class Identity:
         return False
 
 
-async def arrived(got: list[Any], wait: float = 10.0) -> None:
-    """Wait for an allowed message itself, not a fixed time: a loaded machine delivers late."""
+async def arrived(got: list[Any], wait: float = 10.0, resend: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """Wait for an allowed message itself, not a fixed time: a loaded machine delivers late.
+    With ``resend``, the probe is sent again every half second meanwhile (core NATS has no
+    delivery guarantee: one probe lost to a busy moment must not read as a refusal)."""
     deadline = time.monotonic() + wait
+    next_send = time.monotonic() + 0.5
     while not got and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
+        if resend is not None and not got and time.monotonic() >= next_send:
+            await resend()
+            next_send = time.monotonic() + 0.5
 
 
 def spec(tenant: str, name: str) -> JobSpec:
@@ -196,9 +202,14 @@ class Suite:
                 got.append(msg)
 
             s = await self.admin.subscribe("gs.node.node0.heartbeat", cb=cb)
-            await a.nc.publish("gs.node.node0.heartbeat", b"{}")
-            await a.nc.flush()
-            await arrived(got)
+            await self.admin.flush()  # the subscription is in place before the probe
+
+            async def beat() -> None:
+                await a.nc.publish("gs.node.node0.heartbeat", b"{}")
+                await a.nc.flush()
+
+            await beat()
+            await arrived(got, resend=beat)
             await s.unsubscribe()
             self.record(role, "publish own heartbeat", "allowed", bool(got))
             kv_nodes = await js.key_value(subj.NODES_BUCKET)
@@ -243,9 +254,13 @@ class Suite:
             # a command of the bus contract (the real agent answers it too: nothing runs there)
             await a.nc.subscribe("gs.agent.node0.checkpoint", cb=cb)
             await a.nc.flush()
-            await self.admin.publish("gs.agent.node0.checkpoint", b'{"job_id": "jnone", "generation": 1}',
-                                     reply=self.admin.new_inbox())
-            await arrived(got)
+            async def command() -> None:
+                await self.admin.publish("gs.agent.node0.checkpoint", b'{"job_id": "jnone", "generation": 1}',
+                                         reply=self.admin.new_inbox())
+                await self.admin.flush()
+
+            await command()
+            await arrived(got, resend=command)
             self.record(role, "receive own commands", "allowed", bool(got))
 
             # refused
@@ -350,8 +365,12 @@ class Suite:
 
             await o.nc.subscribe("gs.evt.>", cb=cb)
             await o.nc.flush()
-            await self.admin.publish("gs.evt.round.probe", b"{}")
-            await arrived(got)
+            async def probe() -> None:
+                await self.admin.publish("gs.evt.round.probe", b"{}")
+                await self.admin.flush()
+
+            await probe()
+            await arrived(got, resend=probe)
             self.record(role, "follow live events", "allowed", bool(got))
 
             await self.refused_request(o, role, "gs.evt.job.jforged.completed", b"{}")
