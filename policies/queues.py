@@ -253,3 +253,25 @@ def entitlement(demand: dict[str, int], weight: dict[str, float], capacity: floa
             out[t] = float(demand[t])
         left -= done
     return out
+
+
+def most_gpus(cfg: ShareConfig, tenant: str) -> int:
+    """The most GPUs ``tenant`` could ever hold: its quota plus what its cohort could
+    lend if nobody else used anything (``UNLIMITED`` for a tenant without a queue)."""
+    q = cfg.queues.get(tenant)
+    if q is None or q.quota >= UNLIMITED:
+        return UNLIMITED
+    lend = sum(o.quota if o.lend_limit is None else min(o.quota, o.lend_limit)
+               for o in cfg.queues.values() if q.cohort and o.cohort == q.cohort and o.tenant != tenant)
+    if q.borrow_limit is not None:
+        lend = min(lend, q.borrow_limit)
+    return q.quota + lend
+
+
+def fair_entitlement(cfg: ShareConfig, demand: dict[str, int], capacity: float) -> dict[str, float]:
+    """Each tenant's fair share of ``capacity`` GPUs now: weighted max-min (water-filling
+    by queue weight) over what its live jobs ask for, each tenant capped by its demand
+    and by the most its queue may hold. The one definition both ``Shared`` enforces
+    and ``loadtest.fairness`` measures against."""
+    capped = {t: min(d, most_gpus(cfg, t)) for t, d in demand.items()}
+    return entitlement(capped, {t: cfg.queue(t).weight for t in demand}, capacity)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace as dc_replace
 
+from .fairshare import Rebalancer
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
 from .placement import Ledger, describe
 from .queues import FairShare, QuotaBook, ShareConfig
@@ -63,6 +64,8 @@ class Shared:
         self.wait_since: dict[str, float] = {}
         self.log: list[dict] | None = [] if log else None
         self.last_stats: dict = {}
+        self.entitled: dict[str, float] = {}
+        self.fairness = Rebalancer(self.cfg, self.name, self._protected, self.standing)
         base = getattr(inner, "key", None)
         if callable(base):  # the priority family and EASY FIFO order by a key: put standing first
             inner.key = lambda j, now, perf, _b=base: self.standing.get(j.job_id, ()) + tuple(_b(j, now, perf))
@@ -71,6 +74,7 @@ class Shared:
         """Queues changed at run time (admission's ``set queue``)."""
         self.cfg = cfg
         self.fair.half_life = cfg.half_life
+        self.fairness.cfg = cfg
 
     # ------------------------------------------------------------ parts
     def _protected(self, j: JobView, now: float) -> bool:
@@ -189,10 +193,13 @@ class Shared:
             for j in visible]
         decision = self.inner.schedule(now, nodes, view, perf)
         self._repair(now, nodes, jobs, decision, must, gone, claimed)
+        # each tenant's weighted max-min share, imposed on whatever the inner policy chose
+        unfair, self.entitled = self.fairness.rebalance(now, nodes, jobs, decision, set(must), claimed, gone)
         for v in victims:
             decision.allocations.pop(v.job.job_id, None)
             decision.waiting[v.job.job_id] = (f"preempted ({v.kind}) for {v.for_job}"
                                               + (f" of tenant {self._tenant(jobs, v.for_job)}" if v.kind == "reclaim" else ""))
+        victims += [Victim(v, "fair-share", "") for v in unfair]
         shown = {j.job_id for j in visible}
         for j in pending:
             if j.job_id not in decision.allocations and j.job_id not in shown:

@@ -16,7 +16,7 @@ import msgspec
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import QueueList, QueueSpec
-from policies.queues import Queue, ShareConfig
+from policies.queues import Queue, ShareConfig, most_gpus as core_most_gpus
 
 from .jobstore import kv_snapshot
 
@@ -79,16 +79,8 @@ class QueueStore:
 
 
 def most_gpus(cfg: ShareConfig, tenant: str) -> int | None:
-    """The most GPUs ``tenant`` could ever hold: its quota plus what its cohort could
-    lend if nobody else used anything (None: the tenant has no queue)."""
-    q = cfg.queues.get(tenant)
-    if q is None:
-        return None
-    lend = sum(o.quota if o.lend_limit is None else min(o.quota, o.lend_limit)
-               for o in cfg.queues.values() if q.cohort and o.cohort == q.cohort and o.tenant != tenant)
-    if q.borrow_limit is not None:
-        lend = min(lend, q.borrow_limit)
-    return q.quota + lend
+    """The most GPUs ``tenant`` could ever hold (None: the tenant has no queue)."""
+    return None if tenant not in cfg.queues else core_most_gpus(cfg, tenant)
 
 
 async def queue_list(store: QueueStore) -> QueueList:

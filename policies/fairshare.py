@@ -1,0 +1,220 @@
+"""Per-tenant fair share imposed on any inner policy's decision (issue 13).
+
+Each round every tenant is entitled to its weighted max-min share of the
+cluster's GPUs over what its live jobs ask for (``queues.fair_entitlement``:
+water-filling by queue weight, each tenant capped by its demand and by the
+most its queue may hold). The inner policy (rubick, sia, gavel, FIFO...)
+decides freely; ``rebalance`` then moves GPUs from tenants above their
+entitlement to tenants below it, one job at a time, so an elastic policy still
+chooses plans, placements and who gets spare capacity, but within each
+tenant's entitlement:
+
+- *beneficiary*: the tenant furthest below its entitlement (GPUs short per
+  unit of weight), its jobs in standing order: a running job the inner policy
+  shrinks keeps what it holds; a job below its request (pending, or held
+  shrunk) gets its request, where it runs if it can;
+- *room* comes from free GPUs first, then from tenants above their
+  entitlement, cheapest first: their starts this round are undone, then
+  changes that grow their running jobs are reverted, then their running jobs
+  are preempted (kind ``fair-share``), never one inside its minimum run time,
+  of a higher priority class, or made room for by reclaim/priority;
+- a move happens only when it lifts the beneficiary without pushing a donor
+  down to where the beneficiary was (every donor ends above the beneficiary's
+  old position) and without leaving the beneficiary better placed than the
+  donor was (no overshoot): each move raises the lowest position, so moves
+  cannot undo each other round after round;
+- a move never takes a tenant past its quota plus what its cohort lends
+  (``QuotaBook.over_limit``), so quota and borrowing rules still hold.
+
+Position = (GPUs held - entitlement) / weight. Pure: no clock, no NATS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .api import Decision, JobDecision, JobView, NodeState, default_plan
+from .placement import Ledger, describe
+from .queues import QuotaBook, ShareConfig, fair_entitlement
+
+_EPS = 1e-6
+
+
+@dataclass(slots=True)
+class Move:
+    """A change to one job's decision: ``new`` None = not running."""
+
+    job: JobView
+    old: JobDecision | None
+    new: JobDecision | None
+    why: str | None = None  # the waiting reason it replaced
+
+
+def _gpus(d: JobDecision | None) -> int:
+    return sum(p.gpus for p in d.placement) if d is not None else 0
+
+
+class Rebalancer:
+    def __init__(self, cfg: ShareConfig, name: str, protected, standing: dict[str, tuple]):
+        self.cfg = cfg
+        self.name = name
+        self.protected = protected  # (job, now) -> inside its minimum run time
+        self.standing = standing
+
+    def rebalance(self, now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision,
+                  fixed: set[str], claimed: set[str], skip: set[str] = frozenset()) -> tuple[list[JobView], dict[str, float]]:
+        """Change ``decision`` in place; returns the running jobs preempted for fair share
+        and the entitlements. ``fixed``: jobs whose decision must not be taken away
+        (made room for by reclaim/priority); ``claimed``: owners' jobs within their
+        quota, whose GPUs are not lendable while they wait; ``skip``: jobs this round
+        already preempted (they count in demand, but are not lifted)."""
+        by_id = {j.job_id: j for j in jobs}
+        demand: dict[str, int] = {}
+        for j in jobs:
+            demand[j.spec.tenant] = demand.get(j.spec.tenant, 0) + j.spec.gpus
+        ent = fair_entitlement(self.cfg, demand, sum(n.gpus_total for n in nodes))
+        self.held: dict[str, int] = {t: 0 for t in demand}
+        self.ledger = Ledger(nodes)
+        for jid, d in decision.allocations.items():
+            self.held[by_id[jid].spec.tenant] += _gpus(d)
+            self.ledger.take(d.placement)
+        self.ent, self.claimed, self.by_id = ent, claimed, by_id
+        self.over_before = set(self._over_limit(decision))
+        weight = {t: self.cfg.queue(t).weight for t in demand}
+        pos = lambda t: (self.held[t] - ent[t]) / weight[t]  # noqa: E731
+        order = sorted(jobs, key=lambda j: self.standing.get(j.job_id, ()) + (j.submitted_at, j.job_id))
+        tried: set[str] = set(skip)
+        preempted: list[JobView] = []
+        while True:
+            short = sorted((t for t in demand if self.held[t] < ent[t] - _EPS), key=pos)
+            pick = None
+            for t in short:
+                pick = next((j for j in order if j.spec.tenant == t and j.job_id not in tried
+                             and self._want(j, decision) is not None), None)
+                if pick is not None:
+                    break
+            if pick is None:
+                return preempted, ent
+            tried.add(pick.job_id)
+            moves = self._lift(now, pick, decision, fixed, by_id, pos)
+            for m in moves or ():
+                if m.new is None and m.job.running:
+                    preempted.append(m.job)
+
+    # ------------------------------------------------------------ one move
+    def _want(self, j: JobView, decision: Decision) -> JobDecision | None:
+        """What lifting ``j`` means: keep what it holds if the inner policy shrinks it,
+        else its request if it gets less (placement filled in by ``_lift``)."""
+        have = decision.allocations.get(j.job_id)
+        if j.running and j.gpus > _gpus(have):
+            return JobDecision(j.placement, j.plan or default_plan(j.spec), f"{self.name}+fair-share: kept, tenant below its share")
+        plan = default_plan(j.spec)
+        if plan.gpus > _gpus(have):
+            return JobDecision((), plan, "")
+        return None
+
+    def _lift(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos) -> list[Move] | None:
+        t = j.spec.tenant
+        want = self._want(j, decision)
+        have = decision.allocations.get(j.job_id)
+        gain = want.plan.gpus - _gpus(have)
+        before = pos(t)
+        w_t = self.cfg.queue(t).weight
+        after = before + gain / w_t
+        if have is not None:
+            self.ledger.give(have.placement)
+        done: list[Move] = []
+
+        def try_place() -> JobDecision | None:
+            if want.placement:
+                return want if self.ledger.fits(want.placement) else None
+            spot = self.ledger.place(want.plan.gpus, j.spec.cpus_per_gpu or 1,
+                                     prefer=tuple(p.node for p in j.placement), unit=want.plan.tp)
+            return None if spot is None else JobDecision(
+                spot, want.plan, f"{self.name}+fair-share: {'resized to' if j.running else 'started on'} "
+                                 f"{describe(spot)}, tenant {t} below its share")
+
+        got = try_place()
+        if got is None:
+            for v, new in self._donors(now, j, decision, fixed, by_id, pos):
+                u = v.spec.tenant
+                old = decision.allocations[v.job_id]
+                loss = _gpus(old) - _gpus(new)
+                final_u = pos(u) - loss / self.cfg.queue(u).weight
+                if pos(u) <= _EPS or final_u <= before + _EPS or after > pos(u) + _EPS:
+                    continue  # a donor stays above the beneficiary's old position; no overshoot
+                self.ledger.give(old.placement)
+                if new is not None:
+                    if not self.ledger.fits(new.placement):
+                        self.ledger.take(old.placement)
+                        continue
+                    self.ledger.take(new.placement)
+                self._apply(decision, Move(v, old, new), by_id)
+                done.append(Move(v, old, new))
+                got = try_place()
+                if got is not None:
+                    break
+        if got is not None:
+            self.ledger.take(got.placement)
+            self._apply(decision, Move(j, have, got), by_id)
+            if not self._quota_ok(decision, by_id):
+                self._undo(decision, [Move(j, have, got)], by_id)
+                got = None
+        if got is None:  # no room, or past what the cohort lends: undo everything
+            self._undo(decision, done, by_id)
+            if have is not None:
+                self.ledger.take(have.placement)
+            return None
+        decision.waiting.pop(j.job_id, None)
+        return done
+
+    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos):
+        """(job, new decision) to take room from, cheapest first: starts this round,
+        reverted growths, then preemptions; of the tenants furthest above their share."""
+        prio, t = j.spec.priority, j.spec.tenant
+        out = []
+        for jid, d in decision.allocations.items():
+            v = by_id[jid]
+            u = v.spec.tenant
+            if u == t or jid in fixed or v.spec.priority > prio or pos(u) <= _EPS:
+                continue
+            worst_first = tuple(-x if isinstance(x, (int, float)) else x for x in self.standing.get(jid, ()))
+            if not v.running:
+                out.append(((0, -pos(u)) + worst_first, v, None))
+            elif _gpus(d) > v.gpus:
+                out.append(((1, -pos(u)) + worst_first, v, JobDecision(v.placement, v.plan or default_plan(v.spec),
+                                                                       "kept: growth reverted for fair share")))
+            elif not self.protected(v, now):
+                out.append(((2, -pos(u), v.spec.priority, -(v.switched_at or 0.0), jid), v, None))
+        out.sort(key=lambda x: x[0])
+        return [(v, new) for _, v, new in out]
+
+    def _apply(self, decision: Decision, m: Move, by_id, why: str | None = None) -> None:
+        t = m.job.spec.tenant
+        self.held[t] += _gpus(m.new) - _gpus(m.old)
+        if m.new is None:
+            decision.allocations.pop(m.job.job_id, None)
+            decision.waiting[m.job.job_id] = why or (
+                f"{'preempted' if m.job.running else 'waiting'} (fair-share): tenant {t} is above its share")
+        else:
+            m.why = decision.waiting.pop(m.job.job_id, None)
+            decision.allocations[m.job.job_id] = m.new
+
+    def _undo(self, decision: Decision, moves: list[Move], by_id) -> None:
+        for m in reversed(moves):
+            if m.new is not None:
+                self.ledger.give(m.new.placement)
+            if m.old is not None:
+                self.ledger.take(m.old.placement)
+            self._apply(decision, Move(m.job, m.new, m.old), by_id, m.why)
+
+    def _over_limit(self, decision: Decision) -> list[str]:
+        held = dict(self.held)
+        for jid in self.claimed:
+            if jid not in decision.allocations:
+                t = self.by_id[jid].spec.tenant
+                held[t] = held.get(t, 0) + self.by_id[jid].spec.gpus
+        return QuotaBook(self.cfg, held).over_limit()
+
+    def _quota_ok(self, decision: Decision, by_id) -> bool:
+        return set(self._over_limit(decision)) <= self.over_before
