@@ -42,7 +42,7 @@ import time
 
 from msgspec.structs import replace
 
-from policies.queues import QuotaBook, ShareConfig, entitlement
+from policies.queues import QuotaBook, ShareConfig, fair_entitlement
 from policies.registry import make_policy
 from sim.engine import SimConfig, simulate
 from sim.metrics import summarize
@@ -94,7 +94,7 @@ def share_check(log: list[dict], cfg: ShareConfig, capacity: int, end: float) ->
             continue
         dem = {t: a["demand"].get(t, 0) for t in weight}
         contending = sum(1 for d in dem.values() if d > 0) >= 2 and sum(dem.values()) > capacity
-        ent = entitlement(dem, weight, capacity)
+        ent = fair_entitlement(cfg, dem, capacity)
         series.append({"t_h": round(t0 / 3600, 3), "held": {t: a["held"].get(t, 0) for t in weight},
                        "entitled": {t: round(e, 2) for t, e in ent.items()}, "contending": contending})
         if contending:

@@ -103,12 +103,13 @@ class Rebalancer:
 
     # ------------------------------------------------------------ one move
     def _want(self, j: JobView, decision: Decision) -> JobDecision | None:
-        """What lifting ``j`` means: keep what it holds if the inner policy shrinks it,
-        else its request if it gets less (placement filled in by ``_lift``)."""
+        """What lifting ``j`` means: keep what it holds if the inner policy shrinks it
+        below that (up to its request), else its request if it gets less (placement
+        filled in by ``_lift``)."""
         have = decision.allocations.get(j.job_id)
-        if j.running and j.gpus > _gpus(have):
-            return JobDecision(j.placement, j.plan or default_plan(j.spec), f"{self.name}+fair-share: kept, tenant below its share")
         plan = default_plan(j.spec)
+        if j.running and plan.gpus >= j.gpus > _gpus(have):
+            return JobDecision(j.placement, j.plan or plan, f"{self.name}+fair-share: kept, tenant below its share")
         if plan.gpus > _gpus(have):
             return JobDecision((), plan, "")
         return None
@@ -136,18 +137,19 @@ class Rebalancer:
 
         got = try_place()
         if got is None:
-            for v, new in self._donors(now, j, decision, fixed, by_id, pos):
+            for v, kind in self._donors(now, j, decision, fixed, by_id, pos):
                 u = v.spec.tenant
                 old = decision.allocations[v.job_id]
-                loss = _gpus(old) - _gpus(new)
-                final_u = pos(u) - loss / self.cfg.queue(u).weight
+                keep = {"undo": 0, "preempt": 0, "revert": v.gpus, "shrink": default_plan(v.spec).gpus}[kind]
+                final_u = pos(u) - (_gpus(old) - keep) / self.cfg.queue(u).weight
                 if pos(u) <= _EPS or final_u <= before + _EPS or after > pos(u) + _EPS:
                     continue  # a donor stays above the beneficiary's old position; no overshoot
                 self.ledger.give(old.placement)
+                new = self._smaller(v, kind)
+                if keep and new is None:
+                    self.ledger.take(old.placement)
+                    continue
                 if new is not None:
-                    if not self.ledger.fits(new.placement):
-                        self.ledger.take(old.placement)
-                        continue
                     self.ledger.take(new.placement)
                 self._apply(decision, Move(v, old, new), by_id)
                 done.append(Move(v, old, new))
@@ -168,9 +170,11 @@ class Rebalancer:
         decision.waiting.pop(j.job_id, None)
         return done
 
-    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos):
-        """(job, new decision) to take room from, cheapest first: starts this round,
-        reverted growths, then preemptions; of the tenants furthest above their share."""
+    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos) -> list[tuple[JobView, str]]:
+        """Jobs to take room from, cheapest first, of the tenants furthest above their
+        share: starts this round (undo), growths of running jobs (revert), running jobs
+        above their request (shrink to it), then running jobs (preempt); a shrink or
+        preemption never inside the job's minimum run time."""
         prio, t = j.spec.priority, j.spec.tenant
         out = []
         for jid, d in decision.allocations.items():
@@ -180,14 +184,31 @@ class Rebalancer:
                 continue
             worst_first = tuple(-x if isinstance(x, (int, float)) else x for x in self.standing.get(jid, ()))
             if not v.running:
-                out.append(((0, -pos(u)) + worst_first, v, None))
+                out.append(((0, -pos(u)) + worst_first, v, "undo"))
             elif _gpus(d) > v.gpus:
-                out.append(((1, -pos(u)) + worst_first, v, JobDecision(v.placement, v.plan or default_plan(v.spec),
-                                                                       "kept: growth reverted for fair share")))
-            elif not self.protected(v, now):
-                out.append(((2, -pos(u), v.spec.priority, -(v.switched_at or 0.0), jid), v, None))
+                out.append(((1, -pos(u)) + worst_first, v, "revert"))
+            elif self.protected(v, now):
+                continue
+            elif _gpus(d) > default_plan(v.spec).gpus:
+                out.append(((2, -pos(u)) + worst_first, v, "shrink"))
+            else:
+                out.append(((3, -pos(u), v.spec.priority, -(v.switched_at or 0.0), jid), v, "preempt"))
         out.sort(key=lambda x: x[0])
-        return [(v, new) for _, v, new in out]
+        return [(v, kind) for _, v, kind in out]
+
+    def _smaller(self, v: JobView, kind: str) -> JobDecision | None:
+        """The donor's new decision (its old one given back to the ledger): None to stop it."""
+        if kind == "revert":
+            if self.ledger.fits(v.placement):
+                return JobDecision(v.placement, v.plan or default_plan(v.spec), "kept: growth reverted for fair share")
+            return None
+        if kind == "shrink":
+            plan = default_plan(v.spec)
+            spot = self.ledger.place(plan.gpus, v.spec.cpus_per_gpu or 1, prefer=tuple(p.node for p in v.placement),
+                                     unit=plan.tp)
+            return None if spot is None else JobDecision(
+                spot, plan, f"{self.name}+fair-share: back to its request on {describe(spot)}, tenant above its share")
+        return None
 
     def _apply(self, decision: Decision, m: Move, by_id, why: str | None = None) -> None:
         t = m.job.spec.tenant
