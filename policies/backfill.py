@@ -17,6 +17,7 @@ caller (``loadtest.fairness``) can check that backfilled jobs never delayed it.
 from __future__ import annotations
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from .classes import by_class
 from .ordering import fifo_key, remaining_time
 from .placement import Ledger, describe
 
@@ -33,7 +34,7 @@ class EasyFifo:
         self.backfill = backfill
         self.restart_cost = restart_cost
         self.default_cpus_per_gpu = default_cpus_per_gpu
-        self.key = fifo_key
+        self.key = by_class(fifo_key)  # priority classes first, then arrival
         self.reservations: dict[str, float] = {}
         # record=True (loadtest.fairness): head -> (when, reserved start) of its first reservation, kept
         self.record = record

@@ -2,11 +2,13 @@
 
 Strict FIFO: a job that does not fit blocks those behind it (head-of-line),
 as in Blox's FIFO scheduler; this is what "first in, first out" promises users.
+Priority classes (``JobSpec.priority``) come first: FIFO within a class.
 """
 
 from __future__ import annotations
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from .classes import class_rank
 from .placement import first_fit, largest_block, take
 
 
@@ -26,7 +28,7 @@ class Fifo:
                 decision.allocations[j.job_id] = JobDecision(j.placement, plan, "running")
                 take(j.placement, free_g, free_c)
         blocked_by: str | None = None
-        for j in sorted((j for j in jobs if not j.running), key=lambda j: (j.submitted_at, j.job_id)):
+        for j in sorted((j for j in jobs if not j.running), key=lambda j: (class_rank(j), j.submitted_at, j.job_id)):
             if blocked_by is not None:
                 decision.waiting[j.job_id] = f"waiting: behind {blocked_by} in FIFO order"
                 continue

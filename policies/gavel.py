@@ -10,6 +10,8 @@
    fit, so that the time each job runs converges to X_j.
 Jobs keep their GPUs for a round of ``min_run_time`` (Gavel's 360 s rounds)
 before they can be preempted. The plan and GPU count are the user's.
+Priority classes (``JobSpec.priority``) come before Gavel's own priority in the
+round order, so a lower class is what goes without GPUs first.
 Simplifications: one GPU type, no space sharing; throughput only enters
 through the GPU counts (equal normalised throughput per GPU-time).
 """
@@ -20,6 +22,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from .classes import class_rank
 from .placement import Ledger, describe
 
 
@@ -73,7 +76,7 @@ class Gavel:
             if ledger.fits(j.placement):
                 ledger.take(j.placement)
                 d.allocations[j.job_id] = JobDecision(j.placement, j.plan or default_plan(j.spec), "gavel: round not over")
-        order = sorted((j for j in jobs if j.job_id not in d.allocations), key=lambda j: (-prio[j.job_id], j.submitted_at))
+        order = sorted((j for j in jobs if j.job_id not in d.allocations), key=lambda j: (class_rank(j), -prio[j.job_id], j.submitted_at))
         for j in order:
             plan = default_plan(j.spec)
             cpg = j.spec.cpus_per_gpu or 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from .classes import by_class
 from .ordering import TiresiasQueues, fifo_key, las_key, srtf_key
 from .placement import Ledger, describe
 
@@ -39,7 +40,7 @@ class PriorityPolicy:
         blocks: Callable[[JobView, JobView], bool] | None = None,
     ):
         self.name = name
-        self.key = key
+        self.key = by_class(key)  # priority classes first: preemption walks up from the lowest
         self.preemptive = preemptive
         self.head_of_line = head_of_line
         self.min_run_time = min_run_time
@@ -163,7 +164,7 @@ def make_antman(**kw) -> PriorityPolicy:
     return PriorityPolicy(
         "antman",
         lambda j, now, perf: (not j.spec.guaranteed, j.submitted_at, j.job_id),
-        victim_ok=lambda v, j: j.spec.guaranteed and not v.spec.guaranteed,
+        victim_ok=lambda v, j: j.spec.guaranteed and not v.spec.guaranteed and v.spec.priority <= j.spec.priority,
         blocks=lambda blocked, j: blocked.spec.guaranteed and j.spec.guaranteed,
         describe_key=lambda j: "; guaranteed" if j.spec.guaranteed else "; opportunistic",
         **kw,

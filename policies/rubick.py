@@ -51,6 +51,7 @@ import numpy as np
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, DEFAULT_MIN_RUN_TIME, DEFAULT_RESTART_COST, default_plan
 from .candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
+from .classes import enforce
 from .kernels import greedy_allocate
 from .oracle import AnalyticOracle
 from .placement import describe
@@ -226,7 +227,8 @@ class Rubick:
             if j.running and level[i] < 0:
                 self._preempted[j.job_id] = now
         self.last_stats = {"jobs": len(jobs), "candidates": int(pb.nk.sum()), "objective": pb.objective(level)}
-        return self._decide(jobs, nodes, pb.rows, level, out_nodes, pb.stay, pb.thr, pb.refs, pb.targets, pb.u, pb.pinned, now)
+        d = self._decide(jobs, nodes, pb.rows, level, out_nodes, pb.stay, pb.thr, pb.refs, pb.targets, pb.u, pb.pinned, now)
+        return enforce(now, nodes, jobs, d, min_run_time=self.min_run_time, name=self.name)  # priority classes
 
     def solve(self, pb: "Problem"):
         return greedy_allocate(*pb.kernel_args(), use_numba=self.use_numba)

@@ -28,6 +28,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from .api import DEFAULT_RESTART_COST, Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
+from .classes import enforce
 from .oracle import AnalyticOracle
 from .placement import Ledger, describe
 from .candidates import oracle_key
@@ -116,7 +117,8 @@ class Sia:
                 cost.append(c)
         chosen = self._solve(jobs, var, np.array(cost), total, pinned)
         self._place(now, nodes, jobs, var, chosen, d, gpn)
-        return d
+        # priority classes: a waiting higher class takes lower classes' GPUs (policies.classes)
+        return enforce(now, nodes, jobs, d, min_run_time=self.pin_time, name=self.name)
 
     def _solve(self, jobs, var, cost, total, pinned) -> dict[int, int]:
         if not var:

@@ -22,6 +22,7 @@ carries GPUs and CPUs only).
 from __future__ import annotations
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
+from .classes import by_class
 from .candidates import oracle_key
 from .ordering import fifo_key, las_key, srtf_key
 from .placement import Ledger, describe
@@ -33,7 +34,7 @@ class Synergy:
     def __init__(self, order: str = "fifo", cpu_levels: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24),
                  restart_cost: float = 0.0, min_run_time: float = 0.0):
         self.name = "synergy"
-        self.key = ORDERS[order]
+        self.key = by_class(ORDERS[order])  # priority classes first
         self.cpu_levels = cpu_levels
         self._best: dict = {}
 
