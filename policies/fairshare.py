@@ -79,7 +79,7 @@ class Rebalancer:
             self.held[by_id[jid].spec.tenant] += _gpus(d)
             self.ledger.take(d.placement)
         self.ent, self.claimed, self.by_id = ent, claimed, by_id
-        self.over_before = set(self._over_limit(decision))
+        self.over_before = (set(self._over_limit(decision)), set(self._over_limit(decision, claims=False)))
         weight = {t: self.cfg.queue(t).weight for t in demand}
         pos = lambda t: (self.held[t] - ent[t]) / weight[t]  # noqa: E731
         order = sorted(jobs, key=lambda j: self.standing.get(j.job_id, ()) + (j.submitted_at, j.job_id))
@@ -229,13 +229,16 @@ class Rebalancer:
                 self.ledger.take(m.old.placement)
             self._apply(decision, Move(m.job, m.new, m.old), by_id, m.why)
 
-    def _over_limit(self, decision: Decision) -> list[str]:
+    def _over_limit(self, decision: Decision, claims: bool = True) -> list[str]:
         held = dict(self.held)
-        for jid in self.claimed:
+        for jid in self.claimed if claims else ():
             if jid not in decision.allocations:
                 t = self.by_id[jid].spec.tenant
                 held[t] = held.get(t, 0) + self.by_id[jid].spec.gpus
         return QuotaBook(self.cfg, held).over_limit()
 
     def _quota_ok(self, decision: Decision, by_id) -> bool:
-        return set(self._over_limit(decision)) <= self.over_before
+        # neither with owners' waiting claims counted nor on what runs (a start within an
+        # owner's quota must not leave running borrowers past what the cohort lends)
+        return (set(self._over_limit(decision)) <= self.over_before[0]
+                and set(self._over_limit(decision, claims=False)) <= self.over_before[1])

@@ -263,8 +263,25 @@ class Shared:
                 if t not in book.over_limit():
                     break
                 d = decision.allocations.pop(jid)
+                ledger.give(d.placement)
                 book.add(t, -sum(p.gpus for p in d.placement))
                 decision.waiting[jid] = f"waiting: tenant {t} would borrow more than its cohort lends"
+            # then the inner policy's growth of its running jobs is reverted
+            for jid in [k for k in decision.allocations if by_id[k].running and by_id[k].spec.tenant == t]:
+                j, d = by_id[jid], decision.allocations[jid]
+                extra = sum(p.gpus for p in d.placement) - j.gpus
+                if t not in book.over_limit():
+                    break
+                if extra <= 0:
+                    continue
+                ledger.give(d.placement)
+                if not ledger.fits(j.placement):
+                    ledger.take(d.placement)
+                    continue
+                ledger.take(j.placement)
+                decision.allocations[jid] = JobDecision(j.placement, j.plan or default_plan(j.spec),
+                                                        f"kept: tenant {t} would borrow more than its cohort lends")
+                book.add(t, -extra)
 
     def _record(self, now: float, jobs: list[JobView], decision: Decision, victims: list[Victim],
                 owed: list[str]) -> None:
