@@ -76,6 +76,15 @@ class Shared:
         self.fair.half_life = cfg.half_life
         self.fairness.cfg = cfg
 
+    def memory(self) -> dict:
+        """What a new leader must go on from: decayed usage and since when each job waits
+        (the starvation timer), as plain data (kept in ``gs_queues``)."""
+        return {**self.fair.state(), "waiting_since": dict(self.wait_since)}
+
+    def restore(self, state: dict) -> None:
+        self.fair.load(state)
+        self.wait_since = {str(k): float(v) for k, v in (state.get("waiting_since") or {}).items()}
+
     # ------------------------------------------------------------ parts
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.cfg.min_run_time

@@ -155,9 +155,7 @@ class Optimizer:
             self.queues = await QueueStore(self.nc).open()
             self.share_base = self.policy.cfg
             await self.queues.seed(self.share_base)
-            usage = await self.queues.load_usage()
-            if usage:
-                self.policy.fair.load(usage)
+            await self._load_sharing_memory()
         # standbys keep their views warm too: a takeover need not read the buckets
         self.jobs = await JobsView(self.js, subj.JOBS_BUCKET).start()
         self.nodes = await NodesView(self.js, subj.NODES_BUCKET).start()
@@ -171,6 +169,12 @@ class Optimizer:
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
                                     drain_timeout=self.drain_timeout, archive_after=self.archive_after)
         return self
+
+    async def _load_sharing_memory(self) -> None:
+        """Fair-share usage and starvation timers as the last leader saved them."""
+        state = await self.queues.load_usage()
+        if state:
+            self.policy.restore(state)
 
     async def close(self) -> None:
         for view in (self.jobs, self.nodes, self.allocs):
@@ -189,6 +193,8 @@ class Optimizer:
         self.leader_since = time.monotonic()
         self.store.fence = self.leadership.fence
         observe.LEADER.set(1)
+        if self.queues is not None:  # a standby goes on from what the last leader saved, not from its start
+            await self._load_sharing_memory()
         log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
         from policies.kernels import warm_up
 
@@ -367,7 +373,7 @@ class Optimizer:
         decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
         t_policy = time.perf_counter() - t_policy
         if self.queues is not None:
-            await self.queues.save_usage(self.policy.fair.state())
+            await self.queues.save_usage(self.policy.memory())
         capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
         check_decision(decision, node_states, {v.job_id: v for v in views})
         for job_id, key in unmodelled.items():

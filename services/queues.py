@@ -47,7 +47,7 @@ class QueueStore:
         return sorted((codec.decode(v, QueueSpec) for k, (v, _) in snap.items() if "." not in k), key=lambda q: q.tenant)
 
     async def save_usage(self, state: dict) -> None:
-        """The fair-share memory (decayed usage), so a new leader goes on from it."""
+        """The fair-share memory (decayed usage, starvation timers), so a new leader goes on from it."""
         await self.kv.put(USAGE_KEY, msgspec.json.encode(state))
 
     async def load_usage(self) -> dict | None:

@@ -100,6 +100,28 @@ def test_starvation_guard_preempts_a_better_served_tenant():
     assert "small" in d.allocations and "starvation" in d.waiting["hog"]
 
 
+def test_a_new_policy_object_goes_on_from_the_saved_starvation_timer():
+    """What a new leader loads (``memory``/``restore``): the timer is not restarted."""
+    import json
+
+    ns = nodes(1)
+    cfg = {"starvation_wait": 3600, "min_run_time": 600}
+    hog = tj("hog", 8, "a", running_on=(Placement("n0", 8, 16),), since=0.0)
+    small = tj("small", 4, "b", t=10.0)
+    old = make_policy("fifo", sharing=cfg)
+    run(old, 10.0, ns, [hog, small])
+    saved = json.loads(json.dumps(old.memory()))  # as it travels through gs_queues
+    assert saved["waiting_since"] == {"small": 10.0}
+    fresh, restored = make_policy("fifo", sharing=cfg), make_policy("fifo", sharing=cfg)
+    restored.restore(saved)
+    assert restored.fair.usage == old.fair.usage
+    # at 4000 s small has waited 3990 s since 10 s: starved for the restored leader only
+    d = run(restored, 4000.0, ns, [hog, small])
+    assert "small" in d.allocations and "starvation" in d.waiting["hog"]
+    d = run(fresh, 4000.0, ns, [hog, small])
+    assert "small" not in d.allocations and "hog" in d.allocations
+
+
 def test_easy_backfill_fills_the_hole_only_without_delaying_the_head():
     ns = nodes(1)
     big_running = tj("r", 6, "x", running_on=(Placement("n0", 6, 12),), since=0.0, steps=1000)  # 1000 steps left: ends t=1010

@@ -81,6 +81,39 @@ async def test_queues_from_config_then_changed_at_run_time(nc):
         await svc.stop()
 
 
+async def test_a_new_leader_goes_on_from_the_starvation_timer(nc):
+    """The starvation timer lives with the fair-share memory in ``gs_queues``: a standby
+    that opened before the job was submitted takes over with the first leader's timer."""
+    _, svc = await start_admission(nc)
+    await register_nodes(nc, n=2, gpus=4, cpus=32)
+    sharing = dict(SHARING, starvation_wait=3600)
+    opt = await Optimizer(nc, policy="fifo", interval=60, lease_ttl=2, policy_options={"sharing": sharing}).open()
+    standby = await Optimizer(nc, policy="fifo", interval=60, lease_ttl=2, policy_options={"sharing": sharing}).open()
+    stop, stop2 = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(opt.run(stop))
+    task2 = None
+    try:
+        await wait_for(lambda: asyncio.sleep(0, opt.is_leader), timeout=30)
+        await submit(nc, "a1", 4, "a")
+        a2 = await submit(nc, "a2", 4, "a")  # waits on a's quota of 4
+        await wait_for(lambda: round_now(nc), timeout=60, step=0.2)
+        since = opt.policy.wait_since[a2]
+        assert a2 not in standby.policy.wait_since
+        stop.set()
+        await task
+        task2 = asyncio.create_task(standby.run(stop2))
+        await wait_for(lambda: asyncio.sleep(0, standby.is_leader), timeout=30)
+        await wait_for(lambda: round_now(nc), timeout=60, step=0.2)
+        assert standby.policy.wait_since[a2] == since
+    finally:
+        stop.set()
+        stop2.set()
+        await task
+        if task2 is not None:
+            await task2
+        await svc.stop()
+
+
 async def gearshift(url, *args):
     import os
     import sys
