@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from . import typed_place
 from .placement import Ledger, describe
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
@@ -62,12 +63,11 @@ def enforce(now: float, nodes: list[NodeState], jobs: list[JobView], decision: D
         if j.spec.priority == lowest:
             break
         plan = default_plan(j.spec)
-        cpg = j.spec.cpus_per_gpu or 1
         have = decision.allocations.get(j.job_id)
         prefer = tuple(p.node for p in (have.placement if have else j.placement))
         if have is not None:
             ledger.give(have.placement)
-        spot = ledger.place(plan.gpus, cpg, prefer=prefer, unit=plan.tp)
+        spot = typed_place.place(ledger, j, plan, prefer=prefer)
         taken: list[tuple[JobView, JobDecision]] = []
         if spot is None:
             cands = [by_id[jid] for jid in decision.allocations
@@ -77,7 +77,7 @@ def enforce(now: float, nodes: list[NodeState], jobs: list[JobView], decision: D
                 d = decision.allocations[v.job_id]
                 ledger.give(d.placement)
                 taken.append((v, d))
-                spot = ledger.place(plan.gpus, cpg, prefer=prefer, unit=plan.tp)
+                spot = typed_place.place(ledger, j, plan, prefer=prefer)
                 if spot is not None:
                     break
             if spot is None:

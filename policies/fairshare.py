@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .api import Decision, JobDecision, JobView, NodeState, default_plan
+from . import typed_place
 from .placement import Ledger, describe
 from .queues import QuotaBook, ShareConfig, fair_entitlement
 
@@ -129,8 +130,7 @@ class Rebalancer:
         def try_place() -> JobDecision | None:
             if want.placement:
                 return want if self.ledger.fits(want.placement) else None
-            spot = self.ledger.place(want.plan.gpus, j.spec.cpus_per_gpu or 1,
-                                     prefer=tuple(p.node for p in j.placement), unit=want.plan.tp)
+            spot = typed_place.place(self.ledger, j, want.plan, prefer=tuple(p.node for p in j.placement))
             return None if spot is None else JobDecision(
                 spot, want.plan, f"{self.name}+fair-share: {'resized to' if j.running else 'started on'} "
                                  f"{describe(spot)}, tenant {t} below its share")
@@ -204,8 +204,7 @@ class Rebalancer:
             return None
         if kind == "shrink":
             plan = default_plan(v.spec)
-            spot = self.ledger.place(plan.gpus, v.spec.cpus_per_gpu or 1, prefer=tuple(p.node for p in v.placement),
-                                     unit=plan.tp)
+            spot = typed_place.place(self.ledger, v, plan, prefer=tuple(p.node for p in v.placement))
             return None if spot is None else JobDecision(
                 spot, plan, f"{self.name}+fair-share: back to its request on {describe(spot)}, tenant above its share")
         return None

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace as dc_replace
 
 from .fairshare import Rebalancer
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
+from . import typed_place
 from .placement import Ledger, describe
 from .queues import FairShare, QuotaBook, ShareConfig
 
@@ -49,9 +50,9 @@ class Victim:
 
 
 def _place(ledger: Ledger, job: JobView, plan) -> tuple | None:
-    """Room for ``plan`` (a TP group never spans nodes), preferring the job's own nodes."""
-    return ledger.place(plan.gpus, job.spec.cpus_per_gpu or 1, prefer=tuple(p.node for p in job.placement),
-                        unit=plan.tp)
+    """Room for ``plan`` (a TP group never spans nodes, a job one GPU type it accepts),
+    preferring the job's own nodes."""
+    return typed_place.place(ledger, job, plan, prefer=tuple(p.node for p in job.placement))
 
 
 class Shared:

@@ -59,3 +59,27 @@ def test_one_class_leaves_every_decision_as_the_policy_made_it():
     jobs = [cj("a", 8, 2, t=0.0), cj("b", 8, 2, t=1.0)]
     d = Decision(waiting={"a": "x", "b": "y"})
     assert enforce(0.0, nodes(1), jobs, d, min_run_time=0.0, name="p") is d and not d.allocations
+
+
+def test_repairs_place_a_job_on_one_gpu_type_it_accepts():
+    """On a mixed cluster the sharing and class repairs keep a job on one accepted type."""
+    from dataclasses import dataclass
+
+    from policies import typed_place
+    from policies.api import NodeState, default_plan
+    from policies.placement import Ledger
+
+    @dataclass(slots=True)
+    class TypedNode(NodeState):  # NodeState with its GPU type (field of its own once types are merged)
+        gpu_type: str = ""
+
+    ns = [TypedNode("a0", 4, 4, 32, 32, gpu_type="a100"), TypedNode("v0", 4, 4, 32, 32, gpu_type="v100"),
+          TypedNode("v1", 4, 4, 32, 32, gpu_type="v100")]
+    j = cj("j", 8, 0)
+    spot = typed_place.place(Ledger(ns), j, default_plan(j.spec))
+    assert {p.node for p in spot} == {"v0", "v1"}  # only the v100 nodes hold 8; never across types
+    small = cj("s", 4, 0)
+    assert {p.node for p in typed_place.place(Ledger(ns), small, default_plan(small.spec), prefer=("a0",))} == {"a0"}
+    if "gpu_types" in type(j.spec).__struct_fields__:  # a job that accepts only a100 does not fit 8
+        j.spec = replace(j.spec, gpu_types=("a100",))
+        assert typed_place.place(Ledger(ns), j, default_plan(j.spec)) is None

@@ -1,0 +1,40 @@
+"""Placing one job on nodes of one GPU type it accepts (mixed clusters, issue 13).
+
+The sharing parts (``sharing``, ``fairshare``) and the priority-class check
+(``classes``) place jobs themselves when they repair a policy's decision. On a
+mixed cluster a job runs on nodes of a single type, one its ``JobSpec.gpu_types``
+accepts (empty: any); nodes say their type in ``NodeState.gpu_type``. Both are
+read with ``getattr`` so the parts work on clusters and specs without types.
+"""
+
+from __future__ import annotations
+
+from .placement import Ledger
+
+
+def _type(node) -> str:
+    return getattr(node, "gpu_type", "") or ""
+
+
+def place(ledger: Ledger, job, plan, prefer: tuple[str, ...] = ()) -> tuple | None:
+    """Room for ``plan`` (a tensor-parallel group never spans nodes) on one accepted GPU
+    type, the type of ``prefer``'s nodes first, then the one with most free GPUs."""
+    cpg = job.spec.cpus_per_gpu or 1
+    groups: dict[str, list] = {}
+    for n in ledger.nodes:
+        groups.setdefault(_type(n), []).append(n)
+    accepted = tuple(getattr(job.spec, "gpu_types", ()) or ())
+    if len(groups) <= 1 and (not accepted or "" in groups):
+        return ledger.place(plan.gpus, cpg, prefer=prefer, unit=plan.tp)
+    kind = {n.name: _type(n) for n in ledger.nodes}
+    first = next((kind[p] for p in prefer if p in kind), None)
+    order = sorted((t for t in groups if not accepted or t in accepted),
+                   key=lambda t: (t != first, -sum(ledger.free_g[n.name] for n in groups[t]), t))
+    for t in order:
+        sub = Ledger(groups[t])
+        for d in ("free_g", "free_c", "res_g", "res_c"):
+            setattr(sub, d, {n.name: getattr(ledger, d)[n.name] for n in groups[t]})
+        spot = sub.place(plan.gpus, cpg, prefer=prefer, unit=plan.tp)
+        if spot is not None:
+            return spot
+    return None
