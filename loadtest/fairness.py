@@ -30,7 +30,11 @@ read back. Checks (each with its numbers):
   FIFO while jobs wait (utilisation over the whole run is reported too), and
   no head job is delayed past its first reservation by a job backfilled as
   ending before it (same trace, without queues: backfill is a FIFO property);
-- ``mixed_cluster``: not built (no GPU types yet); reported as such.
+- ``mixed_cluster``: the same tenants on ``a100:4x8,v100:4x8``: the checks above hold for
+  rubick and the heterogeneity-aware sia and gavel, and rubick has the lowest average JCT;
+  skipped ("mixed cluster: needs --cluster support") where the simulator has no GPU types.
+
+The page ``docs/evaluation-fairness.md`` is written by ``--markdown`` (``fairness_report``).
 
 Exit code 0 when every built check passes, 1 otherwise.
 """
@@ -55,6 +59,8 @@ from sim.synthetic import synthetic_trace
 from sim.trace import Trace, TraceJob, parse_cluster
 
 CLUSTER = "8x8"
+MIXED = "a100:4x8,v100:4x8"  # the same 64 GPUs, half of them V100s
+MIXED_POLICIES = ("rubick", "sia", "gavel")
 SHARING = {
     "queues": {
         "research": {"quota": 32, "weight": 2, "cohort": "all"},
@@ -77,7 +83,8 @@ SHARE_TOLERANCE = 0.1  # each window's ratio within 1 +- this
 MIN_ENTITLED = 8 * 3600.0  # GPU-seconds
 
 
-def workload(scale: float = 1.0, seed: int = 0) -> Trace:
+def workload(scale: float = 1.0, seed: int = 0, cluster: str = CLUSTER) -> Trace:
+    """The tenants' jobs (drawn for the 8x8 cluster), on ``cluster`` (same GPU count)."""
     jobs: list[TraceJob] = []
     for tenant, (n, rate, start_h, sizes, s) in TENANTS.items():
         tr = synthetic_trace(jobs=max(2, round(n * scale)), rate_per_hour=rate, size_mix=sizes, min_hours=0.3,
@@ -86,7 +93,7 @@ def workload(scale: float = 1.0, seed: int = 0) -> Trace:
             jid = f"{tenant}-{j.job_id}"
             spec = replace(j.spec, name=jid, tenant=tenant)
             jobs.append(TraceJob(jid, round(j.submit + start_h * 3600, 3), spec, j.truth_key))
-    return Trace("fairness", jobs, parse_cluster(CLUSTER), note="three tenants, bursts (loadtest.fairness)")
+    return Trace("fairness", jobs, parse_cluster(cluster), note="three tenants, bursts (loadtest.fairness)")
 
 
 def share_check(log: list[dict], cfg: ShareConfig, capacity: int, end: float) -> dict:
@@ -300,89 +307,42 @@ def backfill_check(trace: Trace, sim_cfg: SimConfig) -> dict:
             "heads_late_fifo_easy": f"{len(late)}/{len(pol.first_reservation)}"}
 
 
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.0f}"
+def evaluate(name: str, trace: Trace, sim_cfg: SimConfig, sharing: dict, series: bool = False) -> dict:
+    """One policy with the sharing parts on ``trace``: every check, JCT per tenant."""
+    cfg = ShareConfig.from_dict(sharing)
+    pol, res, wall = run_policy(name, trace, sim_cfg, sharing)
+    share, points = share_check(pol.log, cfg, trace.cluster.gpus, res.end_time)
+    checks = {"share": share, "quota": quota_check(pol.log, cfg),
+              "reclaim": reclaim_check(pol.log, res, sim_cfg.interval, sim_cfg.restart_cost),
+              "min_run_time": min_run_check(pol.log, sharing["min_run_time"])}
+    s = summarize(res)
+    entry = {"checks": checks, "pass": all(c["pass"] for c in checks.values()), "tenants": per_tenant(res),
+             "avg_jct_h": round(s["avg_jct_s"] / 3600, 3), "unfinished": s["unfinished"],
+             "gpu_util": round(s["gpu_util"], 4), "wall_s": round(wall, 1)}
+    if series:
+        entry["series"] = points
+    print(f"{name} on {trace.cluster.gpus} GPUs: {'pass' if entry['pass'] else 'FAIL'} ({wall:.0f} s)", file=sys.stderr)
+    return entry
 
 
-NOTES = """## Reading it
-
-- Quota, reclaim and minimum run time hold for every policy: no round ends with a tenant
-  holding more than its quota plus what its cohort lends; a job owed its quota back starts
-  within one round interval of becoming owed (in the same round for all but sia, whose
-  worst is 25 s; rounds also run on arrival), so the GPUs train after one restart more;
-  the only preemptions inside the minimum run time are reclaims.
-- The window-share floor holds for the FIFO family (strict head-of-line order by priority,
-  starvation and decayed usage / weight). With a 6 h half-life instead of 1 h the tenant
-  that had the cluster to itself before the others arrived gets 0.898 of its window share
-  (`--half-life 21600`): the memory is doing what it is for, and the floor is memoryless.
-- rubick, sia and gavel miss it: the sharing parts bound each tenant's holding (quota +
-  lending, reclaim) and order what the policy sees, but inside those bounds these policies
-  give GPUs by predicted throughput, shrinking one tenant's jobs below their request (sia,
-  rubick) while another tenant's jobs borrow. Their average JCTs are lower than the FIFO
-  family's (rubick's the lowest). Closing it needs the policies themselves to weigh tenants
-  (a per-tenant term in the utility), which is not built.
-- Reclaims (whole jobs) cost the elastic policies most: a borrower is preempted, not shrunk.
-"""
-
-
-def markdown(out: dict, command: str) -> str:
-    """The fairness evaluation page (docs/evaluation-fairness.md) from one run's results."""
-    q = out["sharing"]["queues"]
-    lines = [
-        "# Fairness evaluation (issue 13)", "",
-        f"Generated by `{command}` (simulation; same sharing options for every policy).", "",
-        f"Cluster {out['cluster']} (64 GPUs), {out['jobs']} jobs from the Rubick base workload's measured templates, "
-        "three tenants in one cohort: " + ", ".join(
-            f"`{t}` quota {v['quota']} weight {v['weight']}" for t, v in q.items())
-        + f"; half-life {out['sharing']['half_life']:g} s, minimum run time {out['sharing']['min_run_time']:g} s, "
-        f"round interval {out['interval_s']:g} s, restart cost {out['restart_cost_s']:g} s. "
-        "`research` arrives steadily from t=0, `product` in a burst from 2 h, `intern` (small jobs) from 5 h.", "",
-        "## Checks", "",
-        "| policy | share: min / max window ratio (windows within +-10%) | over quota+lend (rounds) | borrowed GPU-h | "
-        "reclaim: owed jobs, max delay s | reclaims (early) | other preemptions before min run time | avg JCT h | util % | pass |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, e in out["policies"].items():
-        c = e["checks"]
-        sh, qu, rc, mr = c["share"], c["quota"], c["reclaim"], c["min_run_time"]
-        borrowed = ", ".join(f"{t} {v}" for t, v in qu["borrowed_gpu_h"].items())
-        lines.append(f"| {name} | {sh['min_ratio']} / {sh['max_ratio']} ({sh['within_10pct']}/{sh['windows']}) | "
-                     f"{qu['rounds_over_limit']} | {borrowed} | {rc['owed_jobs']}, {_num(rc['max_delay_s'])} | "
-                     f"{rc['preemptions_by_kind'].get('reclaim', 0)} ({mr['early_by_reclaim']}) | {mr['early_preemptions']} | "
-                     f"{e['avg_jct_h']} | {100 * e['gpu_util']:.1f} | {'yes' if e['pass'] else 'no'} |")
-    lines += ["", "Share ratio: a tenant's GPU-hours over a 6 h window (sliding by 1 h, while at least two tenants "
-              "want more than the cluster) divided by its weighted max-min share of what the tenants asked for; "
-              f"each window must be within {SHARE_TOLERANCE:.0%} of it, judged where it is entitled to >= {MIN_ENTITLED / 3600:g} GPU-h.", "",
-              "## JCT and preemptions per tenant", "",
-              "| policy | tenant | jobs | finished | avg JCT h | preemptions | GPU-h |", "|---|---|---|---|---|---|---|"]
-    for name, e in out["policies"].items():
-        for t, d in e["tenants"].items():
-            lines.append(f"| {name} | {t} | {d['jobs']} | {d['finished']} | {d['avg_jct_h']} | {d['preemptions']} | {d['gpu_h']} |")
-    lines += ["", "## Shares over time (GPUs held / entitled, hourly samples while contending)", ""]
-    for name, e in out["policies"].items():
-        if "series" not in e:
-            continue
-        tenants = list(q)
-        lines += [f"**{name}**", "", "| hour | " + " | ".join(tenants) + " |", "|---" * (len(tenants) + 1) + "|"]
-        next_h = 0.0
-        for pt in e["series"]:
-            if pt["contending"] and pt["t_h"] >= next_h:
-                lines.append(f"| {pt['t_h']:.2f} | " + " | ".join(
-                    f"{pt['held'][t]} / {pt['entitled'][t]:.0f}" for t in tenants) + " |")
-                next_h = int(pt["t_h"]) + 1.0
-        lines.append("")
-    b = out["backfill"]
-    lines += ["## EASY backfill (FIFO, same trace, no queues)", "",
-              f"- utilisation while jobs wait: strict FIFO {100 * b['util_while_jobs_wait_fifo']:.1f}% -> "
-              f"EASY {100 * b['util_while_jobs_wait_fifo_easy']:.1f}%; over the whole run {100 * b['util_fifo']:.1f}% -> "
-              f"{100 * b['util_fifo_easy']:.1f}% (the run's tail after the last arrival sets that one)",
-              f"- average JCT {b['avg_jct_h_fifo']} h -> {b['avg_jct_h_fifo_easy']} h; backfilled jobs {b['backfilled_jobs']}",
-              f"- heads delayed past their first reservation by a job backfilled as ending before it: "
-              f"{b['heads_delayed_by_backfill']} of {b['heads']}; heads that started after their first reservation at all "
-              f"(estimates from the jobs' step times miss the truth): FIFO {b['heads_late_fifo']}, "
-              f"EASY {b['heads_late_fifo_easy']}", "",
-              "## Mixed GPU types", "", "Not built: " + out["mixed_cluster"]["why"] + ".", "", NOTES]
-    return "\n".join(lines)
+def mixed_check(args, sim_cfg: SimConfig, sharing: dict, series: bool = False) -> dict:
+    """The same tenants on a mixed cluster (``MIXED``): every sharing check holds for
+    rubick and the heterogeneity-aware sia and gavel, and rubick has the lowest average JCT."""
+    try:
+        parse_cluster(MIXED)
+    except ValueError as exc:
+        return {"pass": None, "built": False, "cluster": MIXED,
+                "skipped": "mixed cluster: needs --cluster support", "why": str(exc)}
+    trace = workload(args.scale, args.seed, cluster=MIXED)
+    out: dict = {"built": True, "cluster": MIXED, "jobs": len(trace.jobs), "policies": {}}
+    for name in MIXED_POLICIES:
+        out["policies"][name] = evaluate(name, trace, sim_cfg, sharing, series)
+    jct = {n: e["avg_jct_h"] for n, e in out["policies"].items()}
+    others = [jct[n] for n in MIXED_POLICIES if n != "rubick"]
+    out["rubick_beats_sia_and_gavel"] = bool(others) and jct["rubick"] < min(others)
+    out["avg_jct_h"] = jct
+    out["pass"] = out["rubick_beats_sia_and_gavel"] and all(e["pass"] for e in out["policies"].values())
+    return out
 
 
 def main(argv=None) -> int:
@@ -395,6 +355,7 @@ def main(argv=None) -> int:
     ap.add_argument("--half-life", type=float, default=None,
                     help="fair-share half-life in seconds (default 3600; 21600 remembers longer and gives a tenant "
                          "that used more before less of the next windows)")
+    ap.add_argument("--no-mixed", action="store_true", help="skip the mixed-cluster scenario")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--series", action="store_true", help="include the per-round share series in the JSON")
     ap.add_argument("--markdown", help="also write the evaluation page here (e.g. docs/evaluation-fairness.md)")
@@ -402,35 +363,29 @@ def main(argv=None) -> int:
     trace = workload(args.scale, args.seed)
     sharing = dict(SHARING, half_life=args.half_life) if args.half_life else SHARING
     sim_cfg = SimConfig(interval=args.interval, restart_cost=args.restart_cost, seed=args.seed)
-    cfg = ShareConfig.from_dict(sharing)
     out: dict = {"cluster": CLUSTER, "jobs": len(trace.jobs), "sharing": sharing, "interval_s": args.interval,
                  "restart_cost_s": args.restart_cost, "policies": {}}
     ok = True
+    keep = bool(args.series or args.markdown)
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        pol, res, wall = run_policy(name, trace, sim_cfg, sharing)
-        share, series = share_check(pol.log, cfg, trace.cluster.gpus, res.end_time)
-        checks = {"share": share, "quota": quota_check(pol.log, cfg),
-                  "reclaim": reclaim_check(pol.log, res, args.interval, args.restart_cost),
-                  "min_run_time": min_run_check(pol.log, sharing["min_run_time"])}
-        s = summarize(res)
-        entry = {"checks": checks, "pass": all(c["pass"] for c in checks.values()), "tenants": per_tenant(res),
-                 "avg_jct_h": round(s["avg_jct_s"] / 3600, 3), "unfinished": s["unfinished"],
-                 "gpu_util": round(s["gpu_util"], 4), "wall_s": round(wall, 1)}
-        if args.series or args.markdown:
-            entry["series"] = series
-        out["policies"][name] = entry
-        ok &= entry["pass"]
-        print(f"{name}: {'pass' if entry['pass'] else 'FAIL'} ({wall:.0f} s)", file=sys.stderr)
+        out["policies"][name] = evaluate(name, trace, sim_cfg, sharing, keep)
+        ok &= out["policies"][name]["pass"]
     out["backfill"] = backfill_check(trace, sim_cfg)
     ok &= out["backfill"]["pass"]
-    out["mixed_cluster"] = {"pass": None, "built": False,
-                            "why": "GPU types (nodes, jobs, per-type model, type-aware rubick/sia/gavel) are not built yet"}
+    out["mixed_cluster"] = {"pass": None, "built": False, "skipped": "left out (--no-mixed)"} if args.no_mixed \
+        else mixed_check(args, sim_cfg, sharing, keep)
+    if out["mixed_cluster"]["pass"] is None:
+        print(out["mixed_cluster"]["skipped"], file=sys.stderr)
+    else:
+        ok &= out["mixed_cluster"]["pass"]
     out["pass"] = ok
     if args.markdown:
         with open(args.markdown, "w") as f:
+            from .fairness_report import markdown
+
             f.write(markdown(out, "python -m loadtest.fairness " + " ".join(argv if argv is not None else sys.argv[1:])))
         if not args.series:
-            for e in out["policies"].values():
+            for e in [*out["policies"].values(), *out["mixed_cluster"].get("policies", {}).values()]:
                 e.pop("series", None)
     if args.json:
         print(json.dumps(out, indent=2, default=lambda x: None if isinstance(x, float) and not math.isfinite(x) else x))

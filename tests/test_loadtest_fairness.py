@@ -42,3 +42,30 @@ def test_small_fifo_run_keeps_quota_reclaim_and_min_run_time():
     assert pol.log and f.quota_check(pol.log, CFG)["pass"]
     assert f.min_run_check(pol.log, f.SHARING["min_run_time"])["pass"]
     assert f.reclaim_check(pol.log, res, 60, 120)["pass"]
+
+
+def test_share_windows_start_at_every_round_and_the_upper_side_is_reported():
+    # research (weight 2) is entitled to 128/3 of 64, product to 64/3; for one hour product
+    # holds 29 and research 35: product's excess is reported as taken while research was short
+    log = [entry(3600.0 * h, {"research": 43, "product": 21, "intern": 0},
+                 demand={"research": 64, "product": 64, "intern": 0}) for h in range(8)]
+    log[3] = entry(3 * 3600.0, {"research": 35, "product": 29, "intern": 0},
+                   demand={"research": 64, "product": 64, "intern": 0})
+    share, _ = f.share_check(log, CFG, 64, 8 * 3600.0)
+    assert share["worst"]["tenant"] == "research" and share["most"]["tenant"] == "product"
+    assert share["most_taken"]["taken"] > 0
+    assert share["windows"] > 2 * 8  # windows start and end at every round, not hourly from the first
+
+
+def test_mixed_cluster_is_skipped_with_a_clear_message_without_gpu_types():
+    from types import SimpleNamespace
+
+    from sim.trace import parse_cluster
+
+    try:
+        parse_cluster(f.MIXED)
+    except ValueError:
+        got = f.mixed_check(SimpleNamespace(scale=0.1, seed=0), SimConfig(), f.SHARING)
+        assert got["pass"] is None and got["skipped"] == "mixed cluster: needs --cluster support"
+    else:
+        pytest.skip("the simulator has GPU types: the mixed scenario runs in loadtest.fairness")
