@@ -84,20 +84,31 @@ class Rebalancer:
         weight = {t: self.cfg.queue(t).weight for t in demand}
         pos = lambda t: (self.held[t] - ent[t]) / weight[t]  # noqa: E731
         order = sorted(jobs, key=lambda j: self.standing.get(j.job_id, ()) + (j.submitted_at, j.job_id))
-        tried: set[str] = set(skip)
+        queue = {t: [j for j in order if j.spec.tenant == t and j.job_id not in skip] for t in demand}
+        at = {t: 0 for t in demand}
+        # (tenant, class) -> the smallest waiting request that found no room: larger ones need not try
+        no_room: dict[tuple[str, int], int] = {}
         preempted: list[JobView] = []
         while True:
             short = sorted((t for t in demand if self.held[t] < ent[t] - _EPS), key=pos)
             pick = None
             for t in short:
-                pick = next((j for j in order if j.spec.tenant == t and j.job_id not in tried
-                             and self._want(j, decision) is not None), None)
+                q = queue[t]
+                while pick is None and at[t] < len(q):
+                    j = q[at[t]]
+                    at[t] += 1
+                    want = self._want(j, decision)
+                    big = no_room.get((t, j.spec.priority))
+                    if want is not None and (j.running or big is None or want.plan.gpus < big):
+                        pick = j
                 if pick is not None:
                     break
             if pick is None:
                 return preempted, ent
-            tried.add(pick.job_id)
             moves = self._lift(now, pick, decision, fixed, by_id, pos)
+            if moves is None and not pick.running:
+                key = (pick.spec.tenant, pick.spec.priority)
+                no_room[key] = min(no_room.get(key, 1 << 30), default_plan(pick.spec).gpus)
             for m in moves or ():
                 if m.new is None and m.job.running:
                     preempted.append(m.job)
