@@ -26,18 +26,11 @@ tenant's entitlement:
 - a move never takes a tenant past its quota plus what its cohort lends
   (``QuotaBook.over_limit``), so quota and borrowing rules still hold.
 
-Position = (GPUs held - entitlement - GPUs owed on average) / weight, where
-what a tenant was owed (entitled minus held, while tenants contend) is kept
-decayed with the fair-share half-life: with whole jobs a tenant can stay a few
-GPUs short (its waiting job is larger than the gap); its debt then grows until
-a move that swaps who is short becomes one that raises the lowest position,
-so over a window each tenant gets its share on average. Pure: no clock (``now``
-is passed in), no NATS.
+Position = (GPUs held - entitlement) / weight. Pure: no clock, no NATS.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .api import Decision, JobDecision, JobView, NodeState, default_plan
@@ -68,34 +61,6 @@ class Rebalancer:
         self.name = name
         self.protected = protected  # (job, now) -> inside its minimum run time
         self.standing = standing
-        # memory: GPU-seconds each tenant was owed (entitled - held while tenants contend),
-        # decayed with the fair-share half-life, and the last round's holdings
-        self.owed: dict[str, float] = {}
-        self.owed_at: float | None = None
-        self.last: tuple[dict, dict, bool] | None = None
-
-    def _remember(self, now: float) -> None:
-        """Add what the last round's holdings owed each tenant until ``now`` (exact for a constant holding)."""
-        if self.owed_at is not None and now > self.owed_at and self.last is not None:
-            held, ent, contending = self.last
-            k = math.log(2) / self.cfg.half_life
-            decay = math.exp(-k * (now - self.owed_at))
-            gain = (1 - decay) / k
-            for t in set(self.owed) | set(ent):
-                self.owed[t] = self.owed.get(t, 0.0) * decay + (
-                    (ent.get(t, 0.0) - held.get(t, 0)) * gain if contending else 0.0)
-        if self.owed_at is None or now > self.owed_at:
-            self.owed_at = now
-
-    def state(self) -> dict:
-        return {"owed": dict(self.owed), "owed_at": self.owed_at,
-                "last": [self.last[0], self.last[1], self.last[2]] if self.last else None}
-
-    def load(self, state: dict) -> None:
-        self.owed = {str(k): float(v) for k, v in (state.get("owed") or {}).items()}
-        self.owed_at = state.get("owed_at")
-        last = state.get("last")
-        self.last = (dict(last[0]), dict(last[1]), bool(last[2])) if last else None
 
     def rebalance(self, now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision,
                   fixed: set[str], claimed: set[str], skip: set[str] = frozenset()) -> tuple[list[JobView], dict[str, float]]:
@@ -108,11 +73,7 @@ class Rebalancer:
         demand: dict[str, int] = {}
         for j in jobs:
             demand[j.spec.tenant] = demand.get(j.spec.tenant, 0) + j.spec.gpus
-        capacity = sum(n.gpus_total for n in nodes)
-        ent = fair_entitlement(self.cfg, demand, capacity)
-        self._remember(now)
-        tau = self.cfg.half_life / math.log(2)  # the memory's mean age: owed / tau = GPUs owed on average
-        owed = {t: self.owed.get(t, 0.0) / tau for t in demand}
+        ent = fair_entitlement(self.cfg, demand, sum(n.gpus_total for n in nodes))
         self.held: dict[str, int] = {t: 0 for t in demand}
         self.ledger = Ledger(nodes)
         for jid, d in decision.allocations.items():
@@ -121,7 +82,7 @@ class Rebalancer:
         self.ent, self.claimed, self.by_id = ent, claimed, by_id
         self.over_before = (set(self._over_limit(decision)), set(self._over_limit(decision, claims=False)))
         weight = {t: self.cfg.queue(t).weight for t in demand}
-        pos = lambda t: (self.held[t] - ent[t] - owed[t]) / weight[t]  # noqa: E731
+        pos = lambda t: (self.held[t] - ent[t]) / weight[t]  # noqa: E731
         order = sorted(jobs, key=lambda j: self.standing.get(j.job_id, ()) + (j.submitted_at, j.job_id))
         queue = {t: [j for j in order if j.spec.tenant == t and j.job_id not in skip] for t in demand}
         at = {t: 0 for t in demand}
@@ -129,7 +90,7 @@ class Rebalancer:
         no_room: dict[tuple[str, int], int] = {}
         preempted: list[JobView] = []
         while True:
-            short = sorted((t for t in demand if demand[t] > 0 and pos(t) < -_EPS), key=pos)
+            short = sorted((t for t in demand if self.held[t] < ent[t] - _EPS), key=pos)
             pick = None
             for t in short:
                 q = queue[t]
@@ -143,8 +104,6 @@ class Rebalancer:
                 if pick is not None:
                     break
             if pick is None:
-                contending = sum(1 for d in demand.values() if d > 0) >= 2 and sum(demand.values()) > capacity
-                self.last = (dict(self.held), dict(ent), contending)
                 return preempted, ent
             moves = self._lift(now, pick, decision, fixed, by_id, pos)
             if moves is None and not pick.running:

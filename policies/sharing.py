@@ -78,14 +78,13 @@ class Shared:
         self.fairness.cfg = cfg
 
     def memory(self) -> dict:
-        """What a new leader must go on from: decayed usage, since when each job waits
-        (the starvation timer) and what each tenant is owed, as plain data (``gs_queues``)."""
-        return {**self.fair.state(), "waiting_since": dict(self.wait_since), "owed": self.fairness.state()}
+        """What a new leader must go on from: decayed usage and since when each job waits
+        (the starvation timer), as plain data (kept in ``gs_queues``)."""
+        return {**self.fair.state(), "waiting_since": dict(self.wait_since)}
 
     def restore(self, state: dict) -> None:
         self.fair.load(state)
         self.wait_since = {str(k): float(v) for k, v in (state.get("waiting_since") or {}).items()}
-        self.fairness.load(state.get("owed") or {})
 
     # ------------------------------------------------------------ parts
     def _protected(self, j: JobView, now: float) -> bool:
