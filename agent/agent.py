@@ -46,7 +46,7 @@ from nats.aio.client import Client as NATS
 
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
-    AgentReply, Allocation, CheckpointCommand, NodeReport, ProfileCommand, ProfileResult, RunReportKind, StopCommand,
+    AgentReply, Allocation, CheckpointCommand, ProfileCommand, ProfileResult, RunReportKind, StopCommand,
 )
 from bus_schema.ops import LogsRequest
 from services import observe
@@ -61,6 +61,7 @@ from .probe import GpuProbe
 from .progress import ProgressPublisher
 from .reports import Reporter
 from .runner import Runner, SubprocessRunner
+from .spawn import RankSpawner
 
 DEFAULT_GRACE_S = 10.0
 SYNC_WAIT_S = 10.0  # at most this long for the allocations before judging a predecessor's runs
@@ -105,12 +106,9 @@ class Agent:
         self.reports = Reporter(self.js, self.node, self.runner, self.log, lambda: self._closing)
         self.heartbeat = Heartbeat(nc, self.node, probe, cpus=self.cpus, address=address, interval=heartbeat,
                                    runs=self.runs, reserved=self.reserved, log=self.log, nodes_kv=lambda: self._nodes_kv)
+        self.spawner = RankSpawner(self.node, address, self.runner, probe, lambda: self._nodes_kv, lambda: self._closing)
         self.progress = ProgressPublisher(nc, self.node, self.runner, self.reports, self.runs, self._spawn, self.log,
                                           progress_interval)
-
-    @property
-    def started_at(self) -> float:
-        return self.heartbeat.started_at
 
     # ------------------------------------------------------------ life cycle
     async def start(self) -> "Agent":
@@ -163,8 +161,7 @@ class Agent:
             run = self._new_run(alloc, run_dir=left.run_dir)
             run.stopped_by_agent = True
             run.reason = "ended with the previous agent"
-            done = (self.runner.manifest(run) or {})
-            code = 0 if done.get("done") and done.get("job_id") == alloc.job_id else 137 if left.killed else 143
+            code = core.leftover_exit_code(self.runner.manifest(run), alloc.job_id, left.killed)
             self.log.info("reporting a run the previous agent left", job_id=alloc.job_id,
                           generation=alloc.generation, exit_code=code)
             self._spawn(self._report_exit(run, code))
@@ -202,9 +199,6 @@ class Agent:
             pass
         await self.probe.close()
         self.log.info("agent stopped")
-
-    async def node_report(self) -> NodeReport:
-        return await self.heartbeat.report()
 
     def wake(self) -> None:
         self._dirty.set()
@@ -272,7 +266,7 @@ class Agent:
         log = self.log.bind(job_id=alloc.job_id, generation=alloc.generation)
         self.runs[alloc.job_id] = run  # visible to a stop command while it launches
         try:
-            await self.spawn_ranks(run, alloc.nodes()[0])
+            await self.spawner.spawn(run, alloc.nodes()[0])
         except Exception as exc:
             log.error("launch failed", error=str(exc))
             for proc in run.procs:
@@ -290,36 +284,6 @@ class Agent:
             run.advance(RunPhase.RUNNING)
         log.info("launched", pids=[p.pid for p in run.procs], gpus=run.gpus, plan=alloc.plan.label())
         self._spawn(self._supervise(run))
-
-    async def spawn_ranks(self, run: Run, first_node: str, extra_env: dict[str, str] | None = None) -> None:
-        """Start this node's ranks of ``run`` (a job's, or a profiling run's)."""
-        alloc = run.alloc
-        master = await self._master_addr(first_node)
-        run.launched_at = time.time()
-        for spec in launch.rank_specs(alloc, self.node):
-            progress_file = run.run_dir / f"progress-{spec.rank}.json"
-            if spec.rank == 0:
-                run.progress_file = progress_file
-            env = launch.environment(
-                alloc, spec, node=self.node, master_addr=master, ckpt_dir=run.ckpt_dir, progress_file=progress_file,
-                launched_at=run.launched_at,
-            )
-            env.update(extra_env or {})
-            proc = await self.runner.start_rank(run, spec, env)  # a warm worker if one is ready (SubprocessRunner)
-            run.procs.append(proc)
-            self.probe.claim(list(spec.gpus), [proc.pid])
-        if not self._closing:
-            self.runner.launched(run)
-
-    async def _master_addr(self, first_node: str) -> str:
-        if first_node == self.node:
-            return self.address
-        try:
-            entry = await self._nodes_kv.get(first_node)
-            addr = codec.decode(entry.value, NodeReport).address
-        except Exception:
-            addr = ""
-        return addr or "127.0.0.1"
 
     # ------------------------------------------------------------ running and ending
     async def _supervise(self, run: Run) -> None:

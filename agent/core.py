@@ -130,3 +130,13 @@ def ended_leftovers(left: Iterable[Allocation], desired: Mapping[str, Allocation
         if want is None or want.generation != alloc.generation:
             out.append(alloc)
     return out
+
+
+def leftover_exit_code(manifest: Mapping[str, Any] | None, job_id: str, killed: bool) -> int:
+    """How a predecessor's run ended, as far as anyone can know (its ranks
+    were not this agent's children): 0 if the job's checkpoint says it is
+    done, 137 if a rank ignored SIGTERM and was killed, else 143 (stopped,
+    checkpointed -- by its parent-death signal or by this agent's SIGTERM)."""
+    if manifest and manifest.get("done") and manifest.get("job_id") == job_id:
+        return 0
+    return 137 if killed else 143

@@ -59,7 +59,7 @@ async def profile(agent: "Agent", cmd: ProfileCommand) -> ProfileResult:
     try:
         await agent.heartbeat.beat()  # the reservation is visible before the run starts
         try:
-            await agent.spawn_ranks(run, node, {"GEARSHIFT_PROFILE_STEPS": str(cmd.steps)})
+            await agent.spawner.spawn(run, node, {"GEARSHIFT_PROFILE_STEPS": str(cmd.steps)})
         except (OSError, ValueError) as exc:  # no such program, name too long, NUL byte (tests/test_fuzz.py)
             return failed(f"launch failed: {exc}")
         waits = [asyncio.create_task(p.wait()) for p in run.procs]
