@@ -70,9 +70,14 @@ class AgentProcess:
 
 
 @pytest.fixture
-async def cluster(nc, nats_url, tmp_path):
+def node_timeout() -> float:
+    return 30.0  # longer than an agent's restart: the node stays alive through it
+
+
+@pytest.fixture
+async def cluster(nc, nats_url, tmp_path, node_timeout):
     _, svc = await start_admission(nc)
-    opt = await Optimizer(nc, interval=0.3, node_timeout=30.0, lease_ttl=2, drain_timeout=DRAIN_TIMEOUT).open()
+    opt = await Optimizer(nc, interval=0.3, node_timeout=node_timeout, lease_ttl=2, drain_timeout=DRAIN_TIMEOUT).open()
     stop = asyncio.Event()
     task = asyncio.create_task(opt.run(stop))
     reports: list[RunReport] = []
@@ -181,6 +186,19 @@ async def test_a_cancel_whose_process_died_with_its_agent_ends_when_the_agent_is
     assert done.reason == "cancelled by user"
     exited = [r for r in reports if r.kind == RunReportKind.EXITED and r.generation == rec.generation]
     assert len(exited) == 1 and exited[0].stopped
+
+
+@pytest.mark.parametrize("node_timeout", [2.0])
+async def test_a_cancel_on_a_node_that_never_comes_back_ends_when_the_node_is_lost(nc, cluster, tmp_path):
+    agent, reports = cluster
+    job = await submit(nc)
+    await running_with_progress(nc, job, tmp_path)
+    agent.freeze()
+    assert (await call(nc, subj.ADMISSION_CANCEL, {"job_id": job}, JobRecord)).state == JobState.CANCELLING
+    agent.kill()  # for good: no successor will report
+    done = await eventually(lambda: _state(nc, job, JobState.CANCELLED, 1), timeout=30)
+    assert "nodes were lost" in done.reason
+    assert not [r for r in reports if r.kind == RunReportKind.EXITED and r.job_id == job]
 
 
 async def test_a_run_still_allocated_is_launched_again_and_reports_only_its_real_end(nc, cluster, tmp_path):
