@@ -132,7 +132,7 @@ class Agent:
             description=f"gearshift agent on {self.node}", metadata={"node": self.node},
         )
         # only this node's allocations (<node>.<job> keys): see services.auth_alloc
-        self._watcher = await self._alloc_watch(self.js, self.node)
+        self._watcher = await _until_it_works(lambda: self._alloc_watch(self.js, self.node), "allocation watch")
         self._tasks = [asyncio.create_task(self._watch_loop(), name="agent-watch")]
         # A predecessor killed outright left runs behind: stop them before launching
         # anything (or one generation would run twice), and report those that are over.
@@ -374,5 +374,22 @@ async def _bucket(js: Any, name: str, wait: float = 60.0) -> Any:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"KV bucket {name} does not exist: is the control plane up?") from None
             get_logger().info("waiting for bucket", bucket=name)
+            await asyncio.sleep(0.5)
+
+
+async def _until_it_works(make: Any, what: str, wait: float = 60.0) -> Any:
+    """``await make()``, again while the server does not answer (a cluster
+    electing a new leader after a server died): a transient timeout must not
+    end the agent."""
+    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return await make()
+        except (NatsTimeout, NoRespondersError, asyncio.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: the server did not answer for {wait:g} s") from exc
+            get_logger().warning("retrying", what=what, error=type(exc).__name__)
             await asyncio.sleep(0.5)
 

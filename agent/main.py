@@ -86,6 +86,9 @@ async def run_agent(args, stop: asyncio.Event) -> int:
     except observe.MetricsPortBusy as exc:
         log.error(str(exc))
         return 4
+    except RuntimeError as exc:  # the control plane's buckets missing, or the server silent for a minute
+        log.error(str(exc))
+        return 3
     finally:
         await agent.stop()
         if obs is not None:
