@@ -115,9 +115,10 @@ class Agent:
         await self.probe.open()
         self.workdir.mkdir(parents=True, exist_ok=True)
         # The buckets belong to the control plane; an agent started first waits for them.
-        self._alloc_kv = await _bucket(self.js, subj.ALLOC_BUCKET)
-        self._nodes_kv = await _bucket(self.js, subj.NODES_BUCKET)
-        await self.heartbeat.beat()  # capacity visible before the first allocation can arrive
+        self._alloc_kv = await _until_it_works(lambda: _bucket(self.js, subj.ALLOC_BUCKET), "gs_alloc")
+        self._nodes_kv = await _until_it_works(lambda: _bucket(self.js, subj.NODES_BUCKET), "gs_nodes")
+        # capacity visible before the first allocation can arrive
+        await _until_it_works(self.heartbeat.beat, "first heartbeat")
         await self.runner.open(len(await self.probe.sample()))
         self._svc = await serve(
             self.nc, f"agent-{self.node}",
