@@ -1,5 +1,5 @@
 import sys
 
-from agent.agent import main
+from agent.main import main
 
 sys.exit(main())

@@ -187,8 +187,20 @@ class EmulatedRunner:
     def manifest(self, run: Any) -> dict | None:
         return self.store.latest(run.ckpt_dir)
 
-    async def reap(self, run_root: Path, grace: float, log: Any) -> int:
-        return 0  # nothing outlives the process
+    async def reap(self, run_root: Path, grace: float, log: Any) -> list:
+        return []  # nothing outlives the process
+
+    def forget(self, run: Any) -> None:
+        pass
+
+    async def open(self, slots: int) -> None:
+        pass
+
+    def launched(self, run: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def kill_all(self, runs: Any) -> None:
         """An agent killed outright: every rank dies without checkpointing

@@ -5,6 +5,13 @@ runs them in-process for the fleet emulator; the agent cannot tell.
 A rank is a handle with ``pid``, ``returncode`` and ``wait()``; the runner
 signals it (SIGTERM: checkpoint and leave; SIGUSR1: checkpoint and go on;
 SIGKILL), and reads a run's progress and its latest checkpoint manifest.
+
+What outlives an agent: each run's folder keeps its allocation
+(``alloc.json``, written before the first rank starts) and its ranks' pids
+(``pids``) until the agent has reported the run's end (``forget``). A
+successor agent on the same workdir reaps every run still listed there: it
+stops what is left of it and hands back its allocation, so the runs the dead
+agent never reported get reported.
 """
 
 from __future__ import annotations
@@ -14,11 +21,27 @@ import os
 import signal
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+import msgspec
+
+from bus_schema import codec
+from bus_schema.messages import Allocation
 
 from . import launch, worker as wk
 
 PIDS_FILE = "pids"
+ALLOC_FILE = "alloc.json"
+
+
+@dataclass
+class Leftover:
+    """A run a previous agent started and did not report ended; stopped now."""
+
+    alloc: Allocation
+    run_dir: Path
+    killed: bool  # a rank ignored SIGTERM for the grace period: SIGKILLed
 
 
 class Rank(Protocol):
@@ -37,20 +60,76 @@ class Runner(Protocol):
 
     def manifest(self, run: Any) -> dict | None: ...
 
-    async def reap(self, run_root: Path, grace: float, log: Any) -> int: ...
+    async def reap(self, run_root: Path, grace: float, log: Any) -> list[Leftover]: ...
+
+    def forget(self, run: Any) -> None: ...
+
+    async def open(self, slots: int) -> None: ...
+
+    def launched(self, run: Any) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class SubprocessRunner:
     """Real processes; progress and checkpoints through the worker's files.
     With a ``warm`` pool (agent/warm.py) a rank becomes a worker whose
-    interpreter and imports are ready, when one is."""
+    interpreter and imports are ready, when one is; the pool is refilled
+    once a new generation made its first step, not while it starts up."""
 
     def __init__(self, warm: Any = None):
         self.warm = warm
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
+
+    @classmethod
+    def with_warm_pool(cls, workdir: Path, log: Any, prewarm: list[str]) -> "SubprocessRunner":
+        from .warm import WarmPool
+
+        async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
+            with open(workdir / "warm.log", "ab") as out:
+                return await asyncio.create_subprocess_exec(
+                    *argv, cwd=workdir, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=out,
+                    start_new_session=True, preexec_fn=_die_with_agent)
+
+        return cls(WarmPool(1, spawn=spawn, log=log, status_file=workdir / "warm.json", prewarm=prewarm))
+
+    async def open(self, slots: int) -> None:
+        if self.warm is not None:
+            self.warm.size = max(1, slots)
+            self._background(self.warm.refill())
+
+    def launched(self, run: Any) -> None:
+        if self.warm is not None and not self._closing:
+            self._background(self._refill_after_first_step(run))  # ready for the next generation
+
+    async def _refill_after_first_step(self, run: Any, wait: float = 60.0) -> None:
+        deadline = time.monotonic() + wait
+        while not self._closing and not run.done.is_set() and time.monotonic() < deadline:
+            prog = wk.read_json(run.progress_file or next(run.run_dir.glob("progress-*.json"), None)) or {}
+            if prog.get("first_step_s") is not None or prog.get("phases"):
+                break
+            await asyncio.sleep(0.2)
+        if not self._closing:
+            await self.warm.refill()
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        if self.warm is not None:
+            self.warm.close()
 
     async def start_rank(self, run: Any, spec: launch.RankSpec, env: dict[str, str]) -> Rank:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         run.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if spec.local_rank == 0:  # before any rank exists: a successor must know what it was
+            (run.run_dir / ALLOC_FILE).write_bytes(codec.encode(run.alloc))
         cmd = launch.command(run.alloc)
         log_path = run.run_dir / f"rank-{spec.rank}.log"
         proc = self.warm.take(cmd, run.alloc.env) if self.warm is not None else None
@@ -80,8 +159,16 @@ class SubprocessRunner:
     def manifest(self, run: Any) -> dict | None:
         return wk.latest_manifest(run.ckpt_dir)
 
-    async def reap(self, run_root: Path, grace: float, log: Any) -> int:
+    async def reap(self, run_root: Path, grace: float, log: Any) -> list[Leftover]:
         return await _reap_orphans(run_root, grace, log)
+
+    def forget(self, run: Any) -> None:
+        """The run's end is reported: a successor has nothing to do for it."""
+        for name in (ALLOC_FILE, PIDS_FILE):
+            try:
+                (run.run_dir / name).unlink()
+            except OSError:
+                pass
 
 
 def _remember_pid(run_dir: Path, pid: int) -> None:
@@ -114,22 +201,27 @@ def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
     return warm and cwd.name == f"g{generation}" and cwd.parent.name == job_id
 
 
-async def _reap_orphans(run_root: Path, grace: float, log: Any) -> int:
+async def _reap_orphans(run_root: Path, grace: float, log: Any) -> list[Leftover]:
     """SIGTERM (checkpoint), then SIGKILL, every job process a previous agent
-    on this workdir started and left behind; returns how many there were."""
+    on this workdir started and left behind, and wait until they are gone;
+    returns every run it had not reported ended, alive or not."""
     found: list[int] = []
-    for pids_file in run_root.glob(f"*/g*/{PIDS_FILE}"):
-        job_id, generation = pids_file.parent.parent.name, pids_file.parent.name[1:]
+    runs: list[tuple[Path, list[int]]] = []
+    run_dirs = {f.parent for name in (ALLOC_FILE, PIDS_FILE) for f in run_root.glob(f"*/g*/{name}")}
+    for run_dir in sorted(run_dirs):
+        job_id, generation = run_dir.parent.name, run_dir.name[1:]
+        pids_file = run_dir / PIDS_FILE
         try:
             pids = [int(x) for x in pids_file.read_text().split()]
         except (OSError, ValueError):
             pids = []
-        for pid in pids:
-            if _is_our_process(pid, job_id, generation):
-                log.warning("stopping a job process left by a previous agent", job_id=job_id,
-                            generation=generation, pid=pid)
-                signal_group(pid, signal.SIGTERM)
-                found.append(pid)
+        ours = [p for p in pids if _is_our_process(p, job_id, generation)]
+        for pid in ours:
+            log.warning("stopping a job process left by a previous agent", job_id=job_id,
+                        generation=generation, pid=pid)
+            signal_group(pid, signal.SIGTERM)
+        found += ours
+        runs.append((run_dir, ours))
         try:
             pids_file.unlink()
         except OSError:
@@ -140,7 +232,18 @@ async def _reap_orphans(run_root: Path, grace: float, log: Any) -> int:
         await asyncio.sleep(0.05)
     for pid in found:
         signal_group(pid, signal.SIGKILL)
-    return len(found)
+    deadline = time.monotonic() + 5.0  # a process in uninterruptible sleep takes a moment
+    while any(_pid_alive(p) for p in found) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    out = []
+    for run_dir, ours in runs:
+        try:
+            alloc = codec.decode((run_dir / ALLOC_FILE).read_bytes(), Allocation)
+        except (OSError, msgspec.MsgspecError):
+            log.warning("a previous agent's run has no readable allocation: not reported", run_dir=str(run_dir))
+            continue
+        out.append(Leftover(alloc=alloc, run_dir=run_dir, killed=bool(set(ours) & set(found))))
+    return out
 
 
 def _pid_alive(pid: int) -> bool:

@@ -105,28 +105,45 @@ async def scenario(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 await asyncio.sleep(0.5)
         gen = Run(argparse.Namespace(seed=a.seed), a.agents, workdir)
         acked: list[str] = []
+        want_busy = min(a.jobs, a.agents) // 2
+        victims: list[str] = []
+        running_at_kill = runs_killed = 0
+
+        async def kill_now() -> None:
+            """The chosen agents die at once, preferring those that run something."""
+            nonlocal running_at_kill, runs_killed
+            busy = [n for n, ag in fleet.agents.items() if ag.runs]
+            idle = [n for n in fleet.agents if n not in set(busy)]
+            rng.shuffle(busy)
+            rng.shuffle(idle)
+            victims.extend((busy + idle)[: max(1, int(a.agents * a.kill_fraction))])
+            running_at_kill = fleet.running()
+            runs_killed = sum([await fleet.kill(n) for n in victims])
+
         for i in range(a.jobs):
             reply = await call(nc, subj.ADMISSION_SUBMIT, SubmitRequest(spec=gen.spec(i, a.job_seconds)), SubmitReply, 30)
             acked.append(reply.job_id)
-        # kill once the cluster is busy
+            if not victims and fleet.running() >= want_busy:
+                await kill_now()  # mid-submission: on a busy machine jobs may end as fast as they come
+        # else once the cluster is busy, or as busy as it gets (the running count past its peak)
         busy_by = time.monotonic() + 120
-        while fleet.running() < min(a.jobs, a.agents) // 2 and time.monotonic() < busy_by:
+        peak = 0
+        while not victims and time.monotonic() < busy_by:
+            now_running = fleet.running()
+            if now_running >= want_busy or (peak and now_running < peak):
+                break
+            peak = max(peak, now_running)
             await asyncio.sleep(0.5)
-        busy = [n for n, ag in fleet.agents.items() if ag.runs]
-        idle = [n for n in fleet.agents if n not in set(busy)]
-        rng.shuffle(busy)
-        rng.shuffle(idle)
-        victims = (busy + idle)[: max(1, int(a.agents * a.kill_fraction))]
-        running_at_kill = fleet.running()
-        runs_killed = sum([await fleet.kill(n) for n in victims])
+        if not victims:
+            await kill_now()
         killed_at = time.monotonic()
         # every job must finish
         deadline = time.monotonic() + a.deadline
         recs: dict[str, Any] = {}
         while time.monotonic() < deadline:
             recs = await all_jobs(nc)
-            if all(j in recs and recs[j].terminal and not recs[j].outbox for j in acked):
-                break
+            if all(j in recs and recs[j].terminal and not recs[j].outbox for j in acked) and set(victims) <= lost_nodes:
+                break  # (a killed node is called lost after --node-timeout, also when it ran nothing)
             await asyncio.sleep(2)
         settle_s = time.monotonic() - killed_at
         await sub.unsubscribe()

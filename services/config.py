@@ -318,7 +318,7 @@ def parse_args(ap: argparse.ArgumentParser, base: type[ServiceConfig],
 
 
 #: ``python -m MODULE`` -> the module whose ``main`` builds its parser
-_MAINS = {"agent": "agent.agent"}
+_MAINS = {"agent": "agent.main"}
 
 
 def parser_of(module: str) -> tuple[argparse.ArgumentParser, type[ServiceConfig]]:

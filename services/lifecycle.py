@@ -125,6 +125,23 @@ def apply_report(rec: JobRecord, r: RunReport, *, max_retries: int, now: float) 
     return Outcome(with_event(new, JobFailed, ts=ts, reason=why, exit_code=r.exit_code), ended=True)
 
 
+def cancel_unreported(rec: JobRecord, alive: set[str], waiting_s: float, timeout: float,
+                      ts: float) -> JobRecord | None:
+    """CANCELLED for a cancel no agent will report on: every node of the job
+    is lost, or none reported within ``timeout`` (an agent killed after the
+    allocation was written but before it started the run knows nothing of it
+    once restarted). None while a report may still come."""
+    if rec.state != JobState.CANCELLING:
+        return None
+    lost = all(p.node not in alive for p in rec.placement)
+    if not lost and waiting_s <= timeout:
+        return None
+    why = "its nodes were lost" if lost else f"no agent reported its end within {timeout:g} s"
+    new = msgspec.structs.replace(rec, state=JobState.CANCELLED, finished_at=ts, switch=None,
+                                  reason=f"cancelled by user ({why})")
+    return with_event(new, JobCancelled, ts=ts)
+
+
 def drained(rec: JobRecord, nodes: list[str], r: RunReport | None, ts: float) -> tuple[JobRecord, bool, bool]:
     """``rec`` with ``nodes`` no longer draining -> (record, release the next
     generation's allocation, job ended)."""

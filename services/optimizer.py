@@ -196,9 +196,13 @@ class Optimizer:
         if self.queues is not None:  # a standby goes on from what the last leader saved, not from its start
             await self._load_sharing_memory()
         log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
+        from perfmodel.kernels import warm_up as warm_up_perfmodel
         from policies.kernels import warm_up
 
-        await asyncio.to_thread(warm_up)  # compile/load the numba kernels before the first round
+        # compile/load the numba kernels before the first round: the policy's and the
+        # performance model's its oracle calls (compiled lazily inside a round, they held
+        # the GIL for tens of seconds on a cold cache, and shutdown waited for the thread)
+        await asyncio.to_thread(lambda: (warm_up(), warm_up_perfmodel()))
         try:
             await self._flush_outboxes()  # events a dead leader wrote but never published
         except Deposed as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus_schema.messages import ACTIVE_STATES, JobPreempted, JobRecord, JobRequeued
+from bus_schema.messages import ACTIVE_STATES, JobPreempted, JobRecord, JobRequeued, JobState
 from policies import Decision
 
 from . import capacity, lifecycle
@@ -31,6 +31,7 @@ class RecordWriter:
         self.parallel = parallel
         self.drain_timeout = drain_timeout
         self.archive_after = archive_after
+        self._cancelling_since: dict[str, float] = {}  # this leader's first sight of each cancelling job
 
     async def archive(self, most: int = 2000) -> int:
         """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
@@ -132,6 +133,19 @@ class RecordWriter:
             gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
             if gone:
                 updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
+        return await self.changed(records, updates) + await self.settle_cancels(records, alive)
+
+    async def settle_cancels(self, records: dict[str, JobRecord], alive: set[str]) -> int:
+        """End cancels that no report will end (``lifecycle.cancel_unreported``)."""
+        t = now()
+        since = {j: self._cancelling_since.get(j, t) for j, r in records.items() if r.state == JobState.CANCELLING}
+        self._cancelling_since = since
+        updates = []
+        for job_id, first in since.items():
+            rec = records[job_id]
+            if lifecycle.cancel_unreported(rec, alive, t - first, self.drain_timeout, t) is not None:
+                updates.append((job_id, self.store.update(job_id, lambda r, w=t - first: lifecycle.cancel_unreported(
+                    r, alive, w, self.drain_timeout, now()))))
         return await self.changed(records, updates)
 
     async def settle(self, job_id: str, gone: list[str], timed_out: bool) -> JobRecord | None:

@@ -420,3 +420,21 @@ async def test_agent_command_runs_with_fake_gpus_and_leaves_on_sigterm(nc, nats_
         _, stderr = await asyncio.wait_for(proc.communicate(), 15)
     assert proc.returncode == 0, stderr.decode()[-2000:]
     assert await node_report(nc, "cli1") is None  # left on purpose: gone at once
+
+
+async def test_a_watch_the_server_does_not_answer_at_start_is_tried_again(nc, agents, reports, tmp_path):
+    """A cluster electing a new leader times requests out for a while: the agent waits, it does not crash."""
+    from nats.errors import TimeoutError as NatsTimeout
+
+    tries = []
+
+    async def slow_server(js, node):
+        tries.append(node)
+        if len(tries) < 3:
+            raise NatsTimeout
+        return await auth_alloc.node_alloc_watch(js, node)
+
+    await agents("n1", alloc_watch=slow_server)
+    assert tries == ["n1"] * 3
+    await put(nc, alloc("after", 1, [("n1", [0])], [PY, "-c", "pass"]))
+    assert (await reports.wait("after", EXITED, 1)).exit_code == 0  # and it works

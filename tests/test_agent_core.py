@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from agent import core, launch
 from agent.emulated_runner import CheckpointStore, EmulatedRunner
@@ -37,6 +40,52 @@ def test_reconcile_stops_removed_and_replaced_runs_and_fences_old_generations():
     assert sorted(todo.stop) == [("a", "allocation removed"), ("b", "generation 3 replaces 2")]
     # d: an older generation than the running one is stale; c: still stopping; f: already launched
     assert [a.job_id for a in todo.launch] == ["e"]
+
+
+def test_a_run_moves_only_along_the_declared_phases():
+    run = core.Run(alloc=alloc("a", 1), node_rank=0, gpus=[0], run_dir=Path("/r"), ckpt_dir=Path("/c"))
+    assert run.phase == core.RunPhase.LAUNCHING and not run.stopping
+    run.advance(core.RunPhase.RUNNING)
+    with pytest.raises(core.InvalidRunTransition):
+        run.advance(core.RunPhase.LAUNCHING)
+    run.advance(core.RunPhase.STOPPING)
+    assert run.stopping and not run.done.is_set()
+    with pytest.raises(core.InvalidRunTransition):
+        run.advance(core.RunPhase.RUNNING)  # a stop is never undone
+    run.advance(core.RunPhase.EXITED)
+    assert run.done.is_set() and run.stopping
+    for to in core.RunPhase:
+        with pytest.raises(core.InvalidRunTransition):
+            run.advance(to)  # exited is final
+    # every phase but the last can reach it; the table is the only place they are declared
+    assert all(core.RunPhase.EXITED in nxt for ph, nxt in core.RUN_TRANSITIONS.items() if ph != core.RunPhase.EXITED)
+
+
+def test_a_predecessors_runs_are_over_unless_still_allocated_at_their_generation():
+    left = [alloc("gone", 1), alloc("moved", 2), alloc("same", 3), alloc("cancelled", 1)]
+    desired = {"moved": alloc("moved", 3), "same": alloc("same", 3)}
+    over = core.ended_leftovers(left, desired)
+    assert [a.job_id for a in over] == ["gone", "moved", "cancelled"]
+    assert core.leftover_exit_code({"job_id": "x", "done": True, "step": 9}, "x", killed=True) == 0
+    assert core.leftover_exit_code({"job_id": "other", "done": True}, "x", killed=False) == 143
+    assert core.leftover_exit_code(None, "x", killed=True) == 137
+
+
+def test_the_agent_reaches_services_only_over_the_bus():
+    """From services/ the agent imports the shared runtime only, never a service's code."""
+    shared = {"services.runtime", "services.observe", "services.config", "services.auth_alloc"}
+    root = Path(__file__).resolve().parent.parent / "agent"
+    seen = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "services":
+                mods = {node.module} if node.module != "services" else {f"services.{a.name}" for a in node.names}
+                seen |= mods
+                assert mods <= shared, f"{path.name} imports {mods - shared}"
+            elif isinstance(node, ast.Import):
+                bad = [a.name for a in node.names if a.name.startswith("services") and a.name not in shared]
+                assert not bad, f"{path.name} imports {bad}"
+    assert "services.auth_alloc" in seen  # the scan sees the agent's imports
 
 
 def spec(rank: int) -> launch.RankSpec:

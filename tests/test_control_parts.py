@@ -121,3 +121,15 @@ def test_jobs_view_counts_live_per_tenant_and_pages_in_submission_order():
     assert seen == [r.job_id for r in recs]
     live_only, _ = v.page(None, 100, lambda r: not r.terminal)
     assert [r.job_id for r in live_only] == [r.job_id for r in recs[1:]]
+
+
+def test_a_cancel_no_agent_will_report_on_ends_when_its_nodes_are_lost_or_after_the_timeout():
+    r = rec(JobState.CANCELLING, nodes=("n0", "n1"))
+    assert lifecycle.cancel_unreported(r, {"n0", "n1"}, waiting_s=5.0, timeout=30.0, ts=9.0) is None
+    assert lifecycle.cancel_unreported(r, {"n1"}, waiting_s=5.0, timeout=30.0, ts=9.0) is None  # n1 may report
+    lost = lifecycle.cancel_unreported(r, set(), waiting_s=5.0, timeout=30.0, ts=9.0)
+    assert lost.state == JobState.CANCELLED and lost.finished_at == 9.0 and "lost" in lost.reason
+    assert lost.outbox[-1].__struct_config__.tag == "job.cancelled"
+    late = lifecycle.cancel_unreported(r, {"n0", "n1"}, waiting_s=31.0, timeout=30.0, ts=9.0)
+    assert late.state == JobState.CANCELLED and "within 30 s" in late.reason
+    assert lifecycle.cancel_unreported(rec(JobState.RUNNING), set(), waiting_s=99.0, timeout=30.0, ts=9.0) is None

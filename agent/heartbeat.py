@@ -1,0 +1,90 @@
+"""Heartbeats: the node's ``NodeReport`` (GPUs from the probe, CPUs, host
+memory, what runs, GPUs reserved for profiling) on ``gs.node.<node>.heartbeat``
+and in KV ``gs_nodes``, every ``interval`` seconds. The optimizer judges
+liveness by the server's timestamps of these writes, never by ``ts``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from bus_schema import codec, subjects as subj
+from bus_schema.messages import NodeReport
+from services import observe
+from services.runtime import VERSION
+
+from .core import Run
+
+
+class Heartbeat:
+    def __init__(self, nc: Any, node: str, probe: Any, *, cpus: int, address: str, interval: float,
+                 runs: Mapping[str, Run], reserved: set[int], log: Any,
+                 nodes_kv: Callable[[], Any]):
+        self.nc = nc
+        self.node = node
+        self.probe = probe
+        self.cpus = cpus
+        self.address = address
+        self.interval = interval
+        self.runs = runs  # the agent's, live
+        self.reserved = reserved  # GPUs of profiling runs, live
+        self.log = log
+        self.nodes_kv = nodes_kv  # the gs_nodes bucket, once the agent has it
+        self.started_at = time.time()
+
+    async def report(self) -> NodeReport:
+        mem_total, mem_used = host_memory()
+        return NodeReport(
+            node=self.node,
+            ts=time.time(),
+            gpus=await self.probe.sample(),
+            cpus=self.cpus,
+            memory_total=mem_total,
+            memory_used=mem_used,
+            probe=self.probe.kind,
+            running=[f"{r.job_id}@{r.generation}" for r in self.runs.values()],
+            reserved=sorted(self.reserved),
+            agent_version=VERSION,
+            started_at=self.started_at,
+            address=self.address,
+        )
+
+    async def beat(self) -> None:
+        report = await self.report()
+        observe.gpu_report(report)
+        data = codec.encode(report)
+        await self.nc.publish(subj.node_heartbeat(self.node), data)
+        await self.nodes_kv().put(self.node, data)
+
+    async def loop(self) -> None:
+        failing = False
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # disconnected: the next beat tries again
+                if not failing:  # one line per outage, not one per beat
+                    self.log.warning("heartbeat failed", error=str(exc) or type(exc).__name__)
+                failing = True
+            else:
+                if failing:
+                    self.log.info("heartbeat restored")
+                failing = False
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, used) host bytes from /proc/meminfo; zeros where it is absent."""
+    try:
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                info[name] = int(rest.split()[0]) * 1024
+        total = info.get("MemTotal", 0)
+        return total, total - info.get("MemAvailable", total)
+    except (OSError, ValueError, IndexError):
+        return 0, 0
