@@ -51,6 +51,7 @@ async def jobs_state(nc) -> dict:
 async def test_submit_get_list_and_event(nc, admission):
     reply = await submit(nc, {"spec": spec()})
     assert reply.created and reply.state == JobState.PENDING
+    await admission.outbox.idle()  # the event is published off the request path
     rec = await call(nc, subj.ADMISSION_GET, {"job_id": reply.job_id}, JobRecord)
     assert rec.spec.name == "gpt2-small" and rec.state == JobState.PENDING
     assert rec.outbox == [] and rec.event_seq == 1  # the event left the outbox
