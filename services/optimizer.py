@@ -131,6 +131,7 @@ class Optimizer:
         self.write_parallel = write_parallel
         self.archive_after = archive_after
         self.store = JobStore(nc)
+        self.store.lazy_clear = True  # an outbox is cleared by the record's next write, not a write of its own
         self.round_no = 0
         self.last_explain: list[ExplainEntry] = []
         self.kick = asyncio.Event()
@@ -377,15 +378,20 @@ class Optimizer:
             _pause()
 
         gpu_count = {n.node: len(n.gpus) for n in nodes}
+        t_write = time.perf_counter()
         changes += await self.records.apply(decision, records, gpu_count, held)
+        t_write = time.perf_counter() - t_write
+        t_rest = time.perf_counter()
         await self.writer.reconcile(records)
         await self._explain(decision, records)
         await self.records.archive()
+        t_rest = time.perf_counter() - t_rest
 
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
         log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
+                  write_ms=round(t_write * 1e3, 1), after_ms=round(t_rest * 1e3, 1),
                   live=len(records), nodes=len(nodes), changes=changes)
         observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
         if changes:

@@ -59,6 +59,8 @@ class ModelOracle:
         # What policies get: the fitted model, corrected by what ran (observe()).
         self.oracle = LearningOracle(self.base)
         self._revisions: dict[str, int] = {}
+        self._keys: dict[Any, str] = {}  # ModelSpec -> its key in gs_models
+        self._snap: tuple[int, dict] = (-1, {})  # (stream's last sequence, snapshot of gs_models then)
         self._stepped: dict[str, tuple] = {}  # job -> (generation, ts, step, plan, placement)
 
     async def refresh(self, records: list[JobRecord]) -> int:
@@ -70,11 +72,17 @@ class ModelOracle:
 
         from .perfmodel_service import kv_key
 
-        snap = await kv_snapshot(self.kv)
+        # the bucket is read again only when it changed (one stream-info request a round)
+        last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
+        if last != self._snap[0]:
+            self._snap = (last, await kv_snapshot(self.kv))
+        snap = self._snap[1]
         loaded = 0
-        for rec in records:
-            name = rec.spec.model.name
-            key = kv_key(perfmodel.shape_from_spec(rec.spec.model).key)
+        for model in {rec.spec.model for rec in records}:
+            name = model.name
+            key = self._keys.get(model)
+            if key is None:
+                key = self._keys[model] = kv_key(perfmodel.shape_from_spec(model).key)
             got = snap.get(key)
             if got is None or self._revisions.get(name) == got[1]:
                 continue

@@ -34,10 +34,11 @@ class RecordWriter:
 
     async def archive(self, most: int = 2000) -> int:
         """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
-        seconds after they ended (events published, nothing draining)."""
+        seconds after they ended (nothing draining; events left in the outbox
+        are published on the way)."""
         cutoff = now() - self.archive_after
         done = [r for r in self.jobs.finished.values()
-                if (r.finished_at or 0) <= cutoff and not r.outbox and not r.draining][:most]
+                if (r.finished_at or 0) <= cutoff and not r.draining][:most]
         await bounded([self.store.archive(r) for r in done], self.parallel)
         return len(done)
 
