@@ -3,7 +3,8 @@ the leader's epoch, many at once with bounded parallelism.
 
 Each allocation is stored under the job id (what the optimizer reconciles
 and tools read) and under ``<node>.<job>`` for every node of its placement
-(what that node's agent watches; ``services.auth_alloc``). Which copies
+(what that node's agent watches; ``services.auth_alloc``); the keys of one
+allocation go out as one atomic batch, fenced once (``Fence.batch``). Which copies
 exist comes from a materialised view of the bucket, not from a scan per
 write. ``reconcile`` makes the bucket agree with the live records every
 round, so a crash between a record write and its allocation heals.
@@ -102,13 +103,13 @@ class AllocWriter:
         nodes = [p.node for p in rec.placement]
         keep = {node_key(n, rec.job_id) for n in nodes}
         stale = self.view.copies.get(subj.token(rec.job_id), set()) - keep
-        await bounded([self.fence.put(self.bucket, rec.job_id, data)]
-                      + [self.fence.put(self.bucket, k, data) for k in keep]
-                      + [self.fence.delete(self.bucket, k) for k in stale], self.parallel)
+        # the job key, its node copies and the stale copies: one atomic, fenced batch
+        await self.fence.batch(self.bucket, [(rec.job_id, data), *((k, data) for k in sorted(keep)),
+                                             *((k, None) for k in sorted(stale))])
 
     async def delete(self, job_id: str) -> None:
-        keys = [job_id, *self.view.copies.get(subj.token(job_id), set())]
-        await bounded([self.fence.delete(self.bucket, k) for k in keys], self.parallel)
+        keys = [job_id, *sorted(self.view.copies.get(subj.token(job_id), set()))]
+        await self.fence.batch(self.bucket, [(k, None) for k in keys])
 
     async def reconcile(self, live: dict[str, JobRecord]) -> int:
         """Make ``gs_alloc`` agree with the live records (and the node copies

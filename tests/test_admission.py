@@ -97,6 +97,7 @@ BAD = [
 @pytest.mark.parametrize("case,body,field,text", BAD, ids=[b[0] for b in BAD])
 async def test_bad_input_is_rejected_and_changes_nothing(nc, admission, case, body, field, text):
     await submit(nc, {"spec": spec(name="keep")})
+    await admission.outbox.idle()  # its outbox cleared: the bucket is still from here on
     before = await jobs_state(nc)
     with pytest.raises(ServiceCallError) as err:
         await submit(nc, body)
