@@ -94,6 +94,7 @@ class JobStore:
         self.fence: Any = None  # services.fencing.Fence while this store writes for a leader
         self.lazy_clear = False  # see the module's doc
         self.published: dict[str, int] = {}  # job -> highest event seq this store saw acknowledged
+        self.conflicts = 0  # compare-and-sets refused because the record had moved (then re-read)
 
     async def open(self) -> "JobStore":
         self.kv = await self.js.key_value(subj.JOBS_BUCKET)
@@ -186,6 +187,7 @@ class JobStore:
                 else:
                     rev = await self.kv.update(job_id, codec.encode(new), last=rev)
             except KeyWrongLastSequenceError:
+                self.conflicts += 1
                 # a replicated stream also refuses while another write on the same
                 # expected-sequence subject is in flight: back off a little after a few
                 await asyncio.sleep(0 if attempt < 3 else 0.002 * attempt)

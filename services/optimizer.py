@@ -88,7 +88,7 @@ from .policy_bridge import ModelOracle, job_view
 from .queues import QueueStore
 from .record_writer import RecordWriter
 from .report_consumer import consume_reports
-from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
+from .runtime import Endpoint, GcClock, connect, ensure_infra, get_logger, now, run_service, serve
 from .views import JobsView, NodesView
 
 log = get_logger(service="optimizer")
@@ -335,6 +335,7 @@ class Optimizer:
 
     async def _round(self) -> RoundReply:
         started = time.perf_counter()
+        gc_before, conflicts_before = GcClock.total, self.store.conflicts
         self.round_no += 1
         await self.jobs.sync()
         records = dict(self.jobs.live)  # O(live jobs): finished ones are not here
@@ -392,6 +393,7 @@ class Optimizer:
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
         log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
                   write_ms=round(t_write * 1e3, 1), after_ms=round(t_rest * 1e3, 1),
+                  gc_ms=round((GcClock.total - gc_before) * 1e3, 1), cas_conflicts=self.store.conflicts - conflicts_before,
                   live=len(records), nodes=len(nodes), changes=changes)
         observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
         if changes:

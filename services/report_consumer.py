@@ -21,7 +21,11 @@ log = get_logger(service="optimizer")
 
 
 async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]], lock: asyncio.Lock,
-                          running: Callable[[], bool], *, batch: int = 64) -> None:
+                          running: Callable[[], bool], *, batch: int = 512, parallel: int = 64) -> None:
+    """Each turn takes what is waiting (up to ``batch``) and applies it under
+    the lock, ``parallel`` jobs at a time: a round holds the lock for seconds
+    at scale, so a turn must not be a handful of reports (a thousand agents
+    report hundreds a second)."""
     psub = await js.pull_subscribe(
         subj.REPORTS_SUBJECTS,
         durable="optimizer",
@@ -31,36 +35,50 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
     try:
         while running():  # nats-py's fetch can swallow a cancel: check a flag too
             try:
-                msgs = await psub.fetch(batch, timeout=1)
+                msgs = await psub.fetch(1, timeout=1)  # wait for work outside the lock
             except asyncio.CancelledError:
                 raise
             except Exception:  # timeout: nothing to do
                 continue
-            good = []
-            for msg in msgs:
-                try:
-                    good.append((msg, codec.decode(msg.data, RunReport)))
-                except msgspec.MsgspecError:
-                    log.warning("dropping malformed run report", subject=msg.subject)
-                    await msg.term()
             # Not during a round: a round decides from the records it read at
             # its start, and a report settling a drain meanwhile would have its
-            # fresh allocation deleted by that round's reconcile. Reports of one
-            # job are applied in order; different jobs' reports concurrently.
+            # fresh allocation deleted by that round's reconcile.
             async with lock:
-                by_job: dict[str, list] = {}
-                for msg, report in good:
-                    by_job.setdefault(report.job_id, []).append((msg, report))
-
-                async def one_job(items: list) -> None:
-                    for msg, report in items:
-                        await apply(report)
-                        await msg.ack()
-
-                results = await asyncio.gather(*(one_job(v) for v in by_job.values()), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
+                try:
+                    # the rest of what waits, fetched once the lock is ours: fetched
+                    # messages must not sit out a long round past their ack wait
+                    msgs += await psub.fetch(batch - 1, timeout=0.05)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    pass
+                await _apply_all(msgs, apply, parallel)
     finally:
         # a pull subscription left open blocks drain() on shutdown
         await psub.unsubscribe()
+
+
+async def _apply_all(msgs: list, apply: Callable[[RunReport], Awaitable[None]], parallel: int) -> None:
+    """Reports of one job in order, different jobs' concurrently (at most
+    ``parallel`` at a time); each acked once applied."""
+    by_job: dict[str, list] = {}
+    for msg in msgs:
+        try:
+            report = codec.decode(msg.data, RunReport)
+        except msgspec.MsgspecError:
+            log.warning("dropping malformed run report", subject=msg.subject)
+            await msg.term()
+            continue
+        by_job.setdefault(report.job_id, []).append((msg, report))
+    sem = asyncio.Semaphore(parallel)
+
+    async def one_job(items: list) -> None:
+        async with sem:
+            for msg, report in items:
+                await apply(report)
+                await msg.ack()
+
+    results = await asyncio.gather(*(one_job(v) for v in by_job.values()), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
