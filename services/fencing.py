@@ -134,6 +134,34 @@ class Fence:
             await asyncio.sleep(0.005 * (attempt + 1))  # another fenced write was in flight
         raise RuntimeError(f"batch of {len(writes)} writes to {bucket}: refused {RETRIES} times while the epoch did not move")
 
+    async def update_many(self, bucket: str, items: list[tuple[str, bytes, int]]) -> list[int]:
+        """Compare-and-set of many keys (``(key, data, last revision)``) as one
+        atomic batch, fenced once: all are stored or none. An atomic commit
+        costs the server a disk sync (about 10 ms here, whatever the batch's
+        size), so a round's records go out together. Returns the revisions;
+        raises KeyWrongLastSequenceError when any record moved, Deposed when
+        the epoch did."""
+        if not items:
+            return []
+        batch = uuid.uuid4().hex
+        for i, (key, data, last) in enumerate(items, 1):
+            await self.nc.publish(f"$KV.{bucket}.{key}", data, headers={
+                "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i), "Nats-Expected-Last-Subject-Sequence": str(last)})
+        reply = await self.nc.request(f"$KV.{bucket}.{CHECK_KEY}", b"", timeout=10, headers={
+            "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(len(items) + 1), "Nats-Batch-Commit": "1",
+            **self._headers(bucket)})
+        body = json.loads(reply.data)
+        err = body.get("error")
+        if err is None:
+            first = int(body["seq"]) - len(items)  # stored in order, the marker last
+            return [first + i for i in range(len(items))]
+        if err.get("err_code") in WRONG_LAST:
+            if await self._epoch_moved(bucket):
+                self.refused += 1
+                raise Deposed(f"batch of {len(items)} updates of {bucket} refused: a newer leader holds {bucket}")
+            raise KeyWrongLastSequenceError(description=err.get("description"))
+        raise RuntimeError(f"batch of {len(items)} updates of {bucket} failed: {err}")
+
     async def update(self, bucket: str, key: str, data: bytes, last: int) -> int:
         """Compare-and-set of ``key`` on revision ``last``, fenced. Raises
         KeyWrongLastSequenceError on a conflict on the key, Deposed when the

@@ -162,6 +162,53 @@ class JobStore:
             new = await self.flush(job_id, have=(new, rev)) or new
         return new
 
+    async def update_many(self, items: list[tuple[str, Change, tuple[JobRecord, int] | None]], *,
+                          chunk: int = 256, parallel: int = 32, publish: bool = True) -> list[JobRecord | None]:
+        """``update`` of many records: each change applied to its hint (the
+        view's record), all written as atomic batches of ``chunk`` (fenced
+        while leading: ``Fence.update_many``), then their events published.
+        A record without a hint, or whose change says "nothing to do", or in
+        a batch refused because one of its records moved, goes the one-by-one
+        way (read, change, CAS). Results in the order of ``items``.
+        ``publish=False``: the caller publishes the events (``publish``) once
+        what must precede them is written."""
+        from .alloc_writer import bounded
+
+        out: list[tuple[JobRecord, int] | None] = [None] * len(items)
+        fast: list[tuple[int, str, JobRecord, int]] = []
+        slow: list[int] = []
+        for i, (job_id, change, hint) in enumerate(items):
+            new = change(hint[0]) if hint is not None and self.fence is not None else None
+            if new is None:
+                slow.append(i)
+                continue
+            if new.state != hint[0].state:
+                hint[0].check_transition(new.state)
+            fast.append((i, job_id, self._strip_published(job_id, new), hint[1]))
+        for k in range(0, len(fast), chunk):
+            part = fast[k:k + chunk]
+            try:
+                revs = await self.fence.update_many(
+                    subj.JOBS_BUCKET, [(job_id, codec.encode(new), last) for _, job_id, new, last in part])
+            except KeyWrongLastSequenceError:
+                self.conflicts += 1
+                slow.extend(i for i, *_ in part)
+                continue
+            for (i, _, new, _), rev in zip(part, revs):
+                out[i] = (new, rev)
+        got = await bounded([self._update(items[i][0], items[i][1]) for i in slow], parallel)
+        for i, g in zip(slow, got):
+            out[i] = g
+        if publish:
+            await bounded([self.publish(g[0]) for g in out if g is not None and g[0].outbox], parallel)
+        return [None if g is None else g[0] for g in out]
+
+    def _strip_published(self, job_id: str, new: JobRecord) -> JobRecord:
+        done = self.published.get(job_id, 0)
+        if new.outbox and new.outbox[0].seq <= done:  # published already: cleared by this write
+            new = msgspec.structs.replace(new, outbox=[e for e in new.outbox if e.seq > done])
+        return new
+
     async def _update(self, job_id: str, change: Change,
                       hint: tuple[JobRecord, int] | None = None) -> tuple[JobRecord, int] | None:
         for attempt in range(100):
@@ -178,9 +225,7 @@ class JobStore:
                 return None
             if new.state != rec.state:
                 rec.check_transition(new.state)  # the state machine, enforced on every write
-            done = self.published.get(job_id, 0)
-            if new.outbox and new.outbox[0].seq <= done:  # published already: cleared by this write
-                new = msgspec.structs.replace(new, outbox=[e for e in new.outbox if e.seq > done])
+            new = self._strip_published(job_id, new)
             try:
                 if self.fence is not None:  # a leader's write: refused once it is deposed
                     rev = await self.fence.update(subj.JOBS_BUCKET, job_id, codec.encode(new), rev)

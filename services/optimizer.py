@@ -244,30 +244,60 @@ class Optimizer:
     # ------------------------------------------------------------ reports
     async def _consume_reports(self) -> None:
         try:
-            await consume_reports(self.js, self.apply_report, self._round_lock, lambda: self.is_leader)
+            await consume_reports(self.js, self.apply_report, self._round_lock, lambda: self.is_leader,
+                                  apply_many=self.apply_reports)
         except Deposed as exc:
             self.leadership.deposed(exc)
 
     async def apply_report(self, r: RunReport) -> None:
         """Move the job's state for one agent report; stale generations are ignored."""
-        out = lifecycle.Outcome()
+        await self.apply_reports([r])
 
-        def change(rec: JobRecord) -> JobRecord | None:
-            nonlocal out
-            if not lifecycle.drains(rec, r):
-                self.models.observe_report(rec, r)  # what ran teaches the oracle (policies.learning)
-            out = lifecycle.apply_report(rec, r, max_retries=self.max_retries, now=now())
-            return out.new
+    async def apply_reports(self, reports: list[RunReport]) -> None:
+        """Agents' reports, each job's in order: the records written together
+        (``JobStore.update_many``), then the allocations they release or end,
+        then their events."""
+        by_job: dict[str, list[RunReport]] = {}
+        for r in reports:
+            by_job.setdefault(r.job_id, []).append(r)
+        outcomes: dict[str, list[lifecycle.Outcome]] = {}
 
-        new = await self.store.update(r.job_id, change, hint=self.records.hint(r.job_id))
-        if new is not None:
-            log.info("job state", job_id=r.job_id, state=new.state.value, generation=r.generation,
-                     kind=r.kind.value, draining=[p.node for p in new.draining])
-        if out.released and new is not None:
-            await self.writer.put(new)
-        if out.ended or out.released:
-            if out.ended and new is not None and new.state not in ACTIVE:
-                await self.writer.delete(r.job_id)
+        def change_for(job_id: str, mine: list[RunReport]):
+            def change(rec: JobRecord) -> JobRecord | None:
+                outs = outcomes[job_id] = []
+                cur = rec
+                for r in mine:
+                    if not lifecycle.drains(cur, r):
+                        self.models.observe_report(cur, r)  # what ran teaches the oracle (policies.learning)
+                    out = lifecycle.apply_report(cur, r, max_retries=self.max_retries, now=now())
+                    outs.append(out)
+                    if out.new is not None:
+                        cur = out.new
+                return None if cur is rec else cur
+            return change
+
+        jobs = list(by_job)
+        got = await self.store.update_many(
+            [(j, change_for(j, by_job[j]), self.records.hint(j)) for j in jobs], parallel=self.write_parallel,
+            publish=False)
+        puts, deletes, kick = [], [], False
+        for job_id, new in zip(jobs, got):
+            outs = outcomes.get(job_id, [])
+            released = any(o.released for o in outs)
+            ended = any(o.ended for o in outs)
+            kick = kick or released or ended
+            if new is None:
+                continue
+            last = by_job[job_id][-1]
+            log.info("job state", job_id=job_id, state=new.state.value, generation=last.generation,
+                     kind=last.kind.value, draining=[p.node for p in new.draining])
+            if ended and new.state not in ACTIVE:
+                deletes.append(job_id)
+            elif released:
+                puts.append(new)
+        await self.writer.write_many(puts, deletes)
+        await bounded([self.store.publish(r) for r in got if r is not None and r.outbox], self.write_parallel)
+        if kick:
             self.kick.set()
 
     # ------------------------------------------------------------ rounds

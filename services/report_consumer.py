@@ -21,11 +21,13 @@ log = get_logger(service="optimizer")
 
 
 async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]], lock: asyncio.Lock,
-                          running: Callable[[], bool], *, batch: int = 512, parallel: int = 64) -> None:
+                          running: Callable[[], bool], *, batch: int = 512, parallel: int = 64,
+                          apply_many: Callable[[list[RunReport]], Awaitable[None]] | None = None) -> None:
     """Each turn takes what is waiting (up to ``batch``) and applies it under
     the lock, ``parallel`` jobs at a time: a round holds the lock for seconds
     at scale, so a turn must not be a handful of reports (a thousand agents
-    report hundreds a second)."""
+    report hundreds a second). ``apply_many``: applies a whole turn at once
+    (each job's reports in order), then all are acked."""
     psub = await js.pull_subscribe(
         subj.REPORTS_SUBJECTS,
         durable="optimizer",
@@ -52,23 +54,37 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
                     raise
                 except Exception:
                     pass
-                await _apply_all(msgs, apply, parallel)
+                if apply_many is not None:
+                    await _apply_turn(msgs, apply_many)
+                else:
+                    await _apply_all(msgs, apply, parallel)
     finally:
         # a pull subscription left open blocks drain() on shutdown
         await psub.unsubscribe()
+
+
+async def _decoded(msgs: list) -> list[tuple[Any, RunReport]]:
+    good = []
+    for msg in msgs:
+        try:
+            good.append((msg, codec.decode(msg.data, RunReport)))
+        except msgspec.MsgspecError:
+            log.warning("dropping malformed run report", subject=msg.subject)
+            await msg.term()
+    return good
+
+
+async def _apply_turn(msgs: list, apply_many: Callable[[list[RunReport]], Awaitable[None]]) -> None:
+    good = await _decoded(msgs)
+    await apply_many([r for _, r in good])
+    await asyncio.gather(*(msg.ack() for msg, _ in good))
 
 
 async def _apply_all(msgs: list, apply: Callable[[RunReport], Awaitable[None]], parallel: int) -> None:
     """Reports of one job in order, different jobs' concurrently (at most
     ``parallel`` at a time); each acked once applied."""
     by_job: dict[str, list] = {}
-    for msg in msgs:
-        try:
-            report = codec.decode(msg.data, RunReport)
-        except msgspec.MsgspecError:
-            log.warning("dropping malformed run report", subject=msg.subject)
-            await msg.term()
-            continue
+    for msg, report in await _decoded(msgs):
         by_job.setdefault(report.job_id, []).append((msg, report))
     sem = asyncio.Semaphore(parallel)
 
