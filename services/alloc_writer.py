@@ -133,9 +133,10 @@ class AllocWriter:
             batch.extend(writes)
         await self.fence.batch(self.bucket, batch)
 
-    async def reconcile(self, live: dict[str, JobRecord]) -> int:
-        """Make ``gs_alloc`` agree with the live records (and the node copies
-        with the job keys). Returns the writes made."""
+    async def reconcile(self, live: dict[str, JobRecord], *, copies: bool = True) -> int:
+        """Make ``gs_alloc`` agree with the live records (a lookup per job), and
+        with ``copies`` the node copies with the job keys (a pass over every
+        key). Returns the writes made."""
         await self.view.sync()
         allocs = self.view.jobs()
         todo: list[Awaitable[Any]] = []
@@ -152,6 +153,9 @@ class AllocWriter:
         for job_id in allocs.keys() - live.keys():
             todo.append(self.delete(job_id))
             handled.add(subj.token(job_id))
+        if not copies:
+            await bounded(todo, self.parallel)
+            return len(todo)
         # node copies that disagree with their job key
         for key, (alloc, _, _) in list(self.view.entries.items()):
             if "." not in key:

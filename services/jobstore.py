@@ -167,9 +167,10 @@ class JobStore:
         """``update`` of many records: each change applied to its hint (the
         view's record), all written as atomic batches of ``chunk`` (fenced
         while leading: ``Fence.update_many``), then their events published.
-        A record without a hint, or whose change says "nothing to do", or in
-        a batch refused because one of its records moved, goes the one-by-one
-        way (read, change, CAS). Results in the order of ``items``.
+        A record without a hint, or whose change says "nothing to do", goes the
+        one-by-one way (read, change, CAS); a batch refused because a record
+        moved is halved until the ones that moved are found, and those go
+        one by one. Results in the order of ``items``.
         ``publish=False``: the caller publishes the events (``publish``) once
         what must precede them is written."""
         from .alloc_writer import bounded
@@ -185,14 +186,18 @@ class JobStore:
             if new.state != hint[0].state:
                 hint[0].check_transition(new.state)
             fast.append((i, job_id, self._strip_published(job_id, new), hint[1]))
-        for k in range(0, len(fast), chunk):
-            part = fast[k:k + chunk]
+        parts = [fast[k:k + chunk] for k in range(0, len(fast), chunk)]
+        while parts:
+            part = parts.pop()
             try:
                 revs = await self.fence.update_many(
                     subj.JOBS_BUCKET, [(job_id, codec.encode(new), last) for _, job_id, new, last in part])
             except KeyWrongLastSequenceError:
                 self.conflicts += 1
-                slow.extend(i for i, *_ in part)
+                if len(part) <= 4:  # found the few that moved: one by one
+                    slow.extend(i for i, *_ in part)
+                else:  # halve the batch to find them: a few more commits, not one per record
+                    parts += [part[:len(part) // 2], part[len(part) // 2:]]
                 continue
             for (i, _, new, _), rev in zip(part, revs):
                 out[i] = (new, rev)

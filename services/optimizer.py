@@ -144,6 +144,8 @@ class Optimizer:
         self.is_leader = False
         self.leader_since: float | None = None
         self.records_seen: dict[str, JobRecord] = {}  # the last round's records
+        self.reconcile_every = 10.0  # seconds between full gs_alloc reconciliations while nothing failed
+        self._reconcile_at = 0.0  # monotonic time the next one is due (0: the first round as leader)
 
     async def open(self) -> "Optimizer":
         await self.store.open()
@@ -188,6 +190,7 @@ class Optimizer:
     async def _lead(self, stop: asyncio.Event, lost: asyncio.Event) -> None:
         self.is_leader = True
         self.leader_since = time.monotonic()
+        self._reconcile_at = 0.0  # a new leader heals what a dead one left half-written
         self.store.fence = self.leadership.fence
         observe.LEADER.set(1)
         log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
@@ -295,7 +298,13 @@ class Optimizer:
                 deletes.append(job_id)
             elif released:
                 puts.append(new)
-        await self.writer.write_many(puts, deletes)
+        try:
+            await self.writer.write_many(puts, deletes)
+        except Deposed:
+            raise
+        except Exception:
+            self._reconcile_at = 0.0  # records written, allocations maybe not: the next round heals them
+            raise
         await bounded([self.store.publish(r) for r in got if r is not None and r.outbox], self.write_parallel)
         if kick:
             self.kick.set()
@@ -329,6 +338,7 @@ class Optimizer:
                 return
             except Exception:
                 log.exception("round failed")
+                self._reconcile_at = 0.0  # what it wrote may be half done: the next round heals it
                 await asyncio.sleep(0.5)
 
     async def _round_endpoint(self, _: None) -> RoundReply:
@@ -413,11 +423,20 @@ class Optimizer:
         changes += await self.records.apply(decision, records, gpu_count, held)
         t_write = time.perf_counter() - t_write
         t_rest = time.perf_counter()
-        await self.writer.reconcile(records)
+        # gs_alloc follows the records: each live job's allocation every round
+        # (cancels withdraw theirs this way); the pass over every node copy on
+        # taking the lease, after a failed round, and every ``reconcile_every``
+        # s -- a round's own writes fail the round if any fails.
+        full = time.monotonic() >= self._reconcile_at
+        if full:
+            self._reconcile_at = float("inf")  # until this round has ended well
+        await self.writer.reconcile(records, copies=full)
         await self._explain(decision, records)
         await self.records.archive()
         t_rest = time.perf_counter() - t_rest
 
+        if self._reconcile_at == float("inf"):
+            self._reconcile_at = time.monotonic() + self.reconcile_every
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
