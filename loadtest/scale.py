@@ -146,7 +146,13 @@ class Run:
     def spec(self, i: int, seconds: float) -> JobSpec:
         m = self.rng.choice(MODELS)
         gpus = self.rng.choice([1, 1, 2, 2, 4, 8])
-        step_time = 0.5
+        # one speed law for every job: the emulated step time is step_time x
+        # gpus / (GPUs of the plan), so with step_time = 2 s / gpus a model on a
+        # plan runs equally fast in every job (as it would on real GPUs). A step
+        # time independent of the request made the same configuration 1-8x
+        # faster from job to job, and the optimizer's learning oracle relearned
+        # every model on every progress report.
+        step_time = 2.0 / gpus
         steps = max(1, int(seconds * self.rng.uniform(0.5, 1.5) / step_time))
         return JobSpec(name=f"s{i}", model=m, global_batch=BATCH[m.name], steps=steps, gpus=gpus,
                        step_time=step_time, tenant=f"t{i % 4}")

@@ -42,6 +42,9 @@ def segment_gpu_s(rec: JobRecord, ts: float) -> float:
     return sum(len(p.gpus) for p in rec.placement) * max(0.0, ts - since)
 
 
+PROGRESS_EVERY_S = 30.0  # a job's progress teaches the oracle at most this often
+
+
 class ModelOracle:
     """A ``PerfModelOracle`` whose parameters follow ``gs_models``.
 
@@ -61,7 +64,8 @@ class ModelOracle:
         self._revisions: dict[str, int] = {}
         self._keys: dict[Any, str] = {}  # ModelSpec -> its key in gs_models
         self._snap: tuple[int, dict] = (-1, {})  # (stream's last sequence, snapshot of gs_models then)
-        self._stepped: dict[str, tuple] = {}  # job -> (generation, ts, step, plan, placement)
+        self._stepped: dict[str, tuple] = {}
+        self._progress_at: dict[str, tuple[int, float]] = {}  # job -> (generation, ts) of its last progress fed  # job -> (generation, ts, step, plan, placement)
 
     async def refresh(self, records: list[JobRecord]) -> int:
         """Load parameters that changed since the last round; returns how many."""
@@ -130,6 +134,12 @@ class ModelOracle:
         mark = self._stepped.get(job_id)
         if mark is None or mark[0] != generation or steps <= mark[2] or ts <= mark[1]:
             return False
+        last = self._progress_at.get(job_id)
+        if last is not None and last[0] == generation and ts - last[1] < PROGRESS_EVERY_S:
+            return False  # a running job reports every few seconds: its speed is news far less often
+        self._progress_at[job_id] = (generation, ts)
+        if len(self._progress_at) > 4 * max(1, len(self._stepped)):  # ended jobs
+            self._progress_at = {j: v for j, v in self._progress_at.items() if j in self._stepped}
         _, t0, s0, plan, placement, spec = mark
         return self.oracle.observe(spec, plan, placement, step_time=(ts - t0) / (steps - s0))
 
