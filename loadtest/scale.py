@@ -22,9 +22,14 @@ GPUs, and waits for every one to finish. Reports:
 - peak RSS per process (psutil);
 - lost jobs: acknowledged but not completed when the run ends; and the
   count ``gearshift get jobs --all -o json`` pages through;
-- with ``--probe-rates``: short bursts at higher rates, and the highest one
-  sustained with submit p99 <= 50 ms (``highest_sustained_rate``; without
-  probes, the main rate if it met that).
+- ``highest_sustained_rate``: after the run, short bursts (``--probe-seconds``)
+  at other rates, and the highest one sustained with submit p99 <= 50 ms. By
+  default (``--probe-rates auto``) it doubles the rate while that holds (up to
+  ``--probe-max``, 1,000/s), or halves it until it holds if the main rate did
+  not; ``--probe-rates 400,800`` tries exactly those, ``none`` nothing.
+- ``send_lag_p99_ms``: how late this process sent requests against the
+  schedule (latencies are timed from the actual send; a late sender would
+  hide queueing, so it is reported).
 
 With several node counts (``--nodes 250,500,1000,2000``) it makes one run
 per size and adds ``growth``: one row per size with the headline numbers.
@@ -180,6 +185,7 @@ class Run:
 
     async def submit_burst(self, nc: Any, count: int, rate: float, seconds: float, start: int = 0) -> dict:
         lat: list[float] = []
+        late: list[float] = []
         tasks = []
         t0 = time.monotonic()
 
@@ -200,6 +206,8 @@ class Run:
             delay = t0 + i / rate - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            else:
+                late.append(-delay * 1e3)
             tasks.append(asyncio.create_task(one(start + i)))
         sent_s = time.monotonic() - t0
         await asyncio.gather(*tasks)
@@ -207,7 +215,43 @@ class Run:
         self.submit_ms.extend(lat)
         return {"asked_rate": rate, "achieved_rate": r(len(lat) / max(took, 1e-9)), "send_rate": r(count / max(sent_s, 1e-9)),
                 "p50_ms": r(pct(lat, 50), 2), "p99_ms": r(pct(lat, 99), 2), "acked": len(lat), "asked": count,
+                "send_lag_p99_ms": r(pct(late + [0.0] * (count - len(late)), 99), 2),
                 "sustained": len(lat) >= 0.95 * count and took <= 1.1 * count / rate + 1.0}
+
+    async def probe(self, nc: Any, main: dict) -> list[dict]:
+        """Bursts at other rates (see the module's doc); stops at the first
+        rate that answers the question."""
+        a = self.args
+        n0 = a.jobs
+        out: list[dict] = []
+
+        def good(p: dict) -> bool:
+            return bool(p["sustained"]) and (p["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]
+
+        async def burst(rate: float) -> dict:
+            nonlocal n0
+            count = max(1, int(rate * a.probe_seconds))
+            got = await self.submit_burst(nc, count, rate, 2.0, start=n0)
+            n0 += count
+            out.append(got)
+            return got
+
+        if a.probe_rates == "auto":
+            rate = main["asked_rate"]
+            if good(main):
+                while rate < a.probe_max:
+                    rate = min(a.probe_max, rate * 2)
+                    if not good(await burst(rate)):
+                        break
+            else:
+                while rate > 5:
+                    rate = rate / 2
+                    if good(await burst(rate)):
+                        break
+        else:
+            for rate in a.probe_rates:
+                await burst(rate)
+        return out
 
     async def go(self) -> dict:
         a = self.args
@@ -267,13 +311,8 @@ class Run:
             while not set(self.sent) <= self.finished and time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
             out["drain_s"] = r(time.monotonic() - t_start)
-            if a.probe_rates:
-                probes = []
-                n0 = a.jobs
-                for rate in a.probe_rates:
-                    count = int(rate * a.probe_seconds)
-                    probes.append(await self.submit_burst(nc, count, rate, 2.0, start=n0))
-                    n0 += count
+            probes = await self.probe(nc, out["submit"])
+            if probes:
                 out["probes"] = probes
                 deadline = time.monotonic() + a.drain_timeout
                 while not set(self.sent) <= self.finished and time.monotonic() < deadline:
@@ -358,7 +397,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heartbeat", type=float, default=2.0, help="agents' heartbeat interval")
     ap.add_argument("--node-timeout", type=float, default=20.0)
     ap.add_argument("--interval", type=float, default=1.0, help="optimizer timer rounds")
-    ap.add_argument("--probe-rates", default="", help="comma list of higher submit rates to try after the run")
+    ap.add_argument("--probe-rates", default="auto",
+                    help="rates to try after the run: auto (double / halve from --rate), a comma list, or none")
+    ap.add_argument("--probe-max", type=float, default=1000.0, help="highest rate auto probing tries")
     ap.add_argument("--probe-seconds", type=float, default=3.0)
     ap.add_argument("--lag-sample", type=int, default=200, help="nodes whose heartbeats are timed")
     ap.add_argument("--drain-timeout", type=float, default=240.0, help="seconds to wait for the last jobs")
@@ -370,7 +411,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     try:
         a.node_counts = [int(x) for x in str(a.nodes).split(",") if x]
-        a.probe_rates = [float(x) for x in a.probe_rates.split(",") if x]
+        if a.probe_rates not in ("auto", "none"):
+            a.probe_rates = [float(x) for x in a.probe_rates.split(",") if x]
+        elif a.probe_rates == "none":
+            a.probe_rates = []
     except ValueError:
         ap.error("--nodes and --probe-rates take numbers separated by commas")
     if not a.node_counts or min(a.node_counts) < 1 or a.jobs < 1 or a.rate <= 0 or a.gpus_per_node < 1:
