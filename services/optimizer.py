@@ -79,7 +79,7 @@ from bus_schema.ops import NodeModeReply, NodeModeRequest
 from policies import Decision, JobView, check_decision, make_policy
 from policies.sharing import Shared
 
-from . import capacity, lifecycle, node_modes, observe
+from . import capacity, node_modes, observe
 from .alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
 from .fencing import Deposed
 from .jobstore import JobStore, publish_event
@@ -87,7 +87,7 @@ from .leadership import Leadership
 from .policy_bridge import ModelOracle, job_view
 from .queues import QueueStore
 from .record_writer import RecordWriter
-from .report_consumer import consume_reports
+from .report_consumer import ReportApplier, consume_reports
 from .runtime import Endpoint, GcClock, connect, ensure_infra, get_logger, now, run_service, serve
 from .views import JobsView, NodesView
 
@@ -173,6 +173,8 @@ class Optimizer:
         self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel)
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
                                     drain_timeout=self.drain_timeout, archive_after=self.archive_after)
+        self.report_applier = ReportApplier(self.store, self.writer, self.records.hint, self.models,
+                                            max_retries=lambda: self.max_retries, parallel=self.write_parallel)
         return self
 
     async def close(self) -> None:
@@ -257,57 +259,15 @@ class Optimizer:
         await self.apply_reports([r])
 
     async def apply_reports(self, reports: list[RunReport]) -> None:
-        """Agents' reports, each job's in order: the records written together
-        (``JobStore.update_many``), then the allocations they release or end,
-        then their events."""
-        by_job: dict[str, list[RunReport]] = {}
-        for r in reports:
-            by_job.setdefault(r.job_id, []).append(r)
-        outcomes: dict[str, list[lifecycle.Outcome]] = {}
-
-        def change_for(job_id: str, mine: list[RunReport]):
-            def change(rec: JobRecord) -> JobRecord | None:
-                outs = outcomes[job_id] = []
-                cur = rec
-                for r in mine:
-                    if not lifecycle.drains(cur, r):
-                        self.models.observe_report(cur, r)  # what ran teaches the oracle (policies.learning)
-                    out = lifecycle.apply_report(cur, r, max_retries=self.max_retries, now=now())
-                    outs.append(out)
-                    if out.new is not None:
-                        cur = out.new
-                return None if cur is rec else cur
-            return change
-
-        jobs = list(by_job)
-        got = await self.store.update_many(
-            [(j, change_for(j, by_job[j]), self.records.hint(j)) for j in jobs], parallel=self.write_parallel,
-            publish=False)
-        puts, deletes, kick = [], [], False
-        for job_id, new in zip(jobs, got):
-            outs = outcomes.get(job_id, [])
-            released = any(o.released for o in outs)
-            ended = any(o.ended for o in outs)
-            kick = kick or released or ended
-            if new is None:
-                continue
-            last = by_job[job_id][-1]
-            log.info("job state", job_id=job_id, state=new.state.value, generation=last.generation,
-                     kind=last.kind.value, draining=[p.node for p in new.draining])
-            if ended and new.state not in ACTIVE:
-                deletes.append(job_id)
-            elif released:
-                puts.append(new)
+        """A turn of reports (``report_consumer.ReportApplier``)."""
         try:
-            await self.writer.write_many(puts, deletes)
+            if await self.report_applier.apply(reports):
+                self.kick.set()
         except Deposed:
             raise
         except Exception:
             self._reconcile_at = 0.0  # records written, allocations maybe not: the next round heals them
             raise
-        await bounded([self.store.publish(r) for r in got if r is not None and r.outbox], self.write_parallel)
-        if kick:
-            self.kick.set()
 
     # ------------------------------------------------------------ rounds
     async def on_progress(self, msg: Any) -> None:

@@ -1,5 +1,7 @@
-"""The report consumer: agents' RunReports from the durable stream, each
-applied under the round lock and acked only after its state change is
+"""The report consumer: agents' RunReports from the durable stream, a turn
+of them applied under the round lock (``ReportApplier``: each job's reports
+in order, the records written as atomic batches, then the allocations they
+release or end, then their events) and acked only after its state change is
 written (a crash before the ack redelivers it; applying twice is a no-op
 because stale generations and repeated kinds change nothing)."""
 
@@ -13,9 +15,12 @@ import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
-from bus_schema.messages import RunReport
+from bus_schema.messages import ACTIVE_STATES, JobRecord, RunReport
 
-from .runtime import get_logger
+from . import lifecycle
+from .alloc_writer import AllocWriter, bounded
+from .jobstore import JobStore
+from .runtime import get_logger, now
 
 log = get_logger(service="optimizer")
 
@@ -98,3 +103,62 @@ async def _apply_all(msgs: list, apply: Callable[[RunReport], Awaitable[None]], 
     for r in results:
         if isinstance(r, BaseException):
             raise r
+
+
+class ReportApplier:
+    """Agents' reports -> record changes (``services.lifecycle``), each job's
+    reports in order: the records written together (``JobStore.update_many``),
+    then the allocations they release or end, then their events."""
+
+    def __init__(self, store: JobStore, writer: AllocWriter, hint: Callable[[str], Any], models: Any, *,
+                 max_retries: Callable[[], int], parallel: int):
+        self.store = store
+        self.writer = writer
+        self.hint = hint
+        self.models = models  # services.policy_bridge.ModelOracle: what ran teaches it
+        self.max_retries = max_retries
+        self.parallel = parallel
+
+    async def apply(self, reports: list[RunReport]) -> bool:
+        """Apply a turn; True when a job ended or released GPUs (a round should run)."""
+        by_job: dict[str, list[RunReport]] = {}
+        for r in reports:
+            by_job.setdefault(r.job_id, []).append(r)
+        outcomes: dict[str, list[lifecycle.Outcome]] = {}
+        retries = self.max_retries()
+
+        def change_for(job_id: str, mine: list[RunReport]) -> Callable[[JobRecord], JobRecord | None]:
+            def change(rec: JobRecord) -> JobRecord | None:
+                outs = outcomes[job_id] = []
+                cur = rec
+                for r in mine:
+                    if not lifecycle.drains(cur, r):
+                        self.models.observe_report(cur, r)  # what ran teaches the oracle (policies.learning)
+                    out = lifecycle.apply_report(cur, r, max_retries=retries, now=now())
+                    outs.append(out)
+                    if out.new is not None:
+                        cur = out.new
+                return None if cur is rec else cur
+            return change
+
+        jobs = list(by_job)
+        got = await self.store.update_many([(j, change_for(j, by_job[j]), self.hint(j)) for j in jobs],
+                                           parallel=self.parallel, publish=False)
+        puts, deletes, kick = [], [], False
+        for job_id, new in zip(jobs, got):
+            outs = outcomes.get(job_id, [])
+            released = any(o.released for o in outs)
+            ended = any(o.ended for o in outs)
+            kick = kick or released or ended
+            if new is None:
+                continue
+            last = by_job[job_id][-1]
+            log.info("job state", job_id=job_id, state=new.state.value, generation=last.generation,
+                     kind=last.kind.value, draining=[p.node for p in new.draining])
+            if ended and new.state not in ACTIVE_STATES:
+                deletes.append(job_id)
+            elif released:
+                puts.append(new)
+        await self.writer.write_many(puts, deletes)
+        await bounded([self.store.publish(r) for r in got if r is not None and r.outbox], self.parallel)
+        return kick
