@@ -284,16 +284,18 @@ class Run:
                 await asyncio.sleep(0.5)
             out["fleet_start_s"] = r(time.monotonic() - t)
             await view.stop()
-            # the optimizer is leading once it answers
+            # the optimizer is leading once it answers; admission serves once it answers
             t = time.monotonic()
-            while True:
-                try:
-                    await nc.request(subj.OPTIMIZER_EXPLAIN, b"", timeout=2)
-                    break
-                except Exception:
-                    if time.monotonic() - t > a.start_timeout:
-                        raise RuntimeError("the optimizer never answered") from None
-                    await asyncio.sleep(0.5)
+            for who, subject, body in (("optimizer", subj.OPTIMIZER_EXPLAIN, b""),
+                                       ("admission", subj.ADMISSION_QUEUES, b"")):
+                while True:
+                    try:
+                        await nc.request(subject, body, timeout=2)
+                        break
+                    except Exception:
+                        if time.monotonic() - t > a.start_timeout:
+                            raise RuntimeError(f"the {who} never answered") from None
+                        await asyncio.sleep(0.5)
             subs = [await nc.subscribe("gs.evt.job.*.running", cb=self._on_running),
                     await nc.subscribe("gs.evt.job.*.completed", cb=self._on_done),
                     await nc.subscribe("gs.evt.job.*.failed", cb=self._on_done),
