@@ -316,7 +316,7 @@ class Run:
             probes = await self.probe(nc, out["submit"])
             if probes:
                 out["probes"] = probes
-                deadline = time.monotonic() + a.drain_timeout
+                deadline = time.monotonic() + a.probe_drain_timeout  # probe jobs run 1-3 s
                 while not set(self.sent) <= self.finished and time.monotonic() < deadline:
                     await asyncio.sleep(1.0)
             for s in subs:
@@ -402,6 +402,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--probe-rates", default="auto",
                     help="rates to try after the run: auto (double / halve from --rate), a comma list, or none")
     ap.add_argument("--probe-max", type=float, default=1000.0, help="highest rate auto probing tries")
+    ap.add_argument("--probe-drain-timeout", type=float, default=90.0, help="seconds to wait for the probes' jobs")
     ap.add_argument("--probe-seconds", type=float, default=3.0)
     ap.add_argument("--lag-sample", type=int, default=200, help="nodes whose heartbeats are timed")
     ap.add_argument("--drain-timeout", type=float, default=240.0, help="seconds to wait for the last jobs")
