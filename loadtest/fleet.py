@@ -11,6 +11,12 @@ allocation keys (``<node>.<job>``) out to their agents, exactly as each
 agent's own filtered watch would deliver them: a thousand agents polling a
 thousand consumers would measure the emulator, not the control plane.
 
+The agents start spread over one heartbeat interval, so their heartbeats
+are too (real hosts boot at different times; a thousand agents beating in
+the same millisecond would measure the emulator's burst, not the control
+plane). What a real agent reads from its host once per beat (``/proc/meminfo``)
+is read once per second for all of them: they share one host.
+
 ``kill(node)`` is an agent dying outright (kill -9): its tasks end, its
 ranks die without a last checkpoint, nothing more is published; the node's
 last heartbeat stays in ``gs_nodes`` until the optimizer calls it lost.
@@ -30,6 +36,7 @@ from typing import Any
 
 from nats.js.api import DeliverPolicy
 
+import agent.agent as agent_module
 from agent.agent import Agent
 from agent.emulated_runner import CheckpointStore, EmulatedRunner
 from agent.probe import FakeProbe
@@ -106,6 +113,24 @@ class SharedAllocWatch:
             await self._sub.unsubscribe()
 
 
+def _share_host_memory(every: float = 1.0) -> None:
+    """The agents' host-memory sample, taken once per ``every`` seconds for the
+    whole fleet (one host) instead of once per agent and beat."""
+    read = getattr(agent_module, "_host_memory", None)
+    if read is None or getattr(read, "shared", False):
+        return
+    last: list = [0.0, (0, 0)]
+
+    def shared() -> tuple[int, int]:
+        t = time.monotonic()
+        if t - last[0] >= every:
+            last[0], last[1] = t, read()
+        return last[1]
+
+    shared.shared = True  # type: ignore[attr-defined]
+    agent_module._host_memory = shared
+
+
 class Fleet:
     def __init__(self, nc: Any, nodes: int, gpus_per_node: int, *, prefix: str = "fleet", heartbeat: float = 2.0,
                  progress_interval: float = 5.0, grace: float = 5.0, workdir: str | None = None, cpus: int = 64):
@@ -123,10 +148,17 @@ class Fleet:
         self.killed: set[str] = set()
         self.watch: SharedAllocWatch | None = None
 
-    async def start(self, batch: int = 100) -> "Fleet":
+    async def start(self, batch: int = 50) -> "Fleet":
+        """Start the agents in batches spread over one heartbeat interval."""
+        _share_host_memory()
         self.watch = await SharedAllocWatch(self.nc.jetstream()).start()
-        for i in range(0, len(self.names), batch):
+        t0 = time.monotonic()
+        batches = range(0, len(self.names), batch)
+        for k, i in enumerate(batches):
             await asyncio.gather(*(self._start_one(n) for n in self.names[i:i + batch]))
+            wait = t0 + (k + 1) * self.heartbeat / len(batches) - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
         return self
 
     async def _start_one(self, name: str) -> None:

@@ -265,6 +265,8 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
         opt = await Optimizer(nc, policy="rubick", interval=1e9, policy_options=policy_options,
                               max_retries=10_000, node_timeout=1e12).open()
         opt.is_leader = True
+        await opt.leadership.fence.take()  # what leading does: its writes carry the epoch
+        opt.store.fence = opt.leadership.fence
         await nc.subscribe("gs.job.*.progress", cb=opt.on_progress)  # what _lead subscribes to
         opt.leader_since = time.monotonic()
         from policies.kernels import warm_up

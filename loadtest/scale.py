@@ -16,12 +16,23 @@ GPUs, and waits for every one to finish. Reports:
   (pending + running) each round saw, and p99 over rounds with >= 5,000;
 - submit -> running p50/p99 (``job.running`` events);
 - heartbeat lag p99: receipt of a heartbeat here minus the time the agent
-  stamped it (one host, one clock);
+  stamped it (one host, one clock), over every heartbeat of a sample of
+  ``--lag-sample`` nodes spread over the fleet (receiving all 1,000 a second
+  would load the process that measures submit latency);
 - peak RSS per process (psutil);
 - lost jobs: acknowledged but not completed when the run ends; and the
   count ``gearshift get jobs --all -o json`` pages through;
-- with ``--probe-rates``: short bursts at higher rates, and the highest one
-  sustained with submit p99 <= 50 ms.
+- ``highest_sustained_rate``: after the run, short bursts (``--probe-seconds``)
+  at other rates, and the highest one sustained with submit p99 <= 50 ms. By
+  default (``--probe-rates auto``) it doubles the rate while that holds (up to
+  ``--probe-max``, 1,000/s), or halves it until it holds if the main rate did
+  not; ``--probe-rates 400,800`` tries exactly those, ``none`` nothing.
+- ``send_lag_p99_ms``: how late this process sent requests against the
+  schedule (latencies are timed from the actual send; a late sender would
+  hide queueing, so it is reported).
+
+With several node counts (``--nodes 250,500,1000,2000``) it makes one run
+per size and adds ``growth``: one row per size with the headline numbers.
 
 The machine's load average is in the output: on a shared machine the
 numbers are pessimistic.
@@ -140,7 +151,13 @@ class Run:
     def spec(self, i: int, seconds: float) -> JobSpec:
         m = self.rng.choice(MODELS)
         gpus = self.rng.choice([1, 1, 2, 2, 4, 8])
-        step_time = 0.5
+        # one speed law for every job: the emulated step time is step_time x
+        # gpus / (GPUs of the plan), so with step_time = 2 s / gpus a model on a
+        # plan runs equally fast in every job (as it would on real GPUs). A step
+        # time independent of the request made the same configuration 1-8x
+        # faster from job to job, and the optimizer's learning oracle relearned
+        # every model on every progress report.
+        step_time = 2.0 / gpus
         steps = max(1, int(seconds * self.rng.uniform(0.5, 1.5) / step_time))
         return JobSpec(name=f"s{i}", model=m, global_batch=BATCH[m.name], steps=steps, gpus=gpus,
                        step_time=step_time, tenant=f"t{i % 4}")
@@ -168,6 +185,7 @@ class Run:
 
     async def submit_burst(self, nc: Any, count: int, rate: float, seconds: float, start: int = 0) -> dict:
         lat: list[float] = []
+        late: list[float] = []
         tasks = []
         t0 = time.monotonic()
 
@@ -188,6 +206,8 @@ class Run:
             delay = t0 + i / rate - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
+            else:
+                late.append(-delay * 1e3)
             tasks.append(asyncio.create_task(one(start + i)))
         sent_s = time.monotonic() - t0
         await asyncio.gather(*tasks)
@@ -195,7 +215,43 @@ class Run:
         self.submit_ms.extend(lat)
         return {"asked_rate": rate, "achieved_rate": r(len(lat) / max(took, 1e-9)), "send_rate": r(count / max(sent_s, 1e-9)),
                 "p50_ms": r(pct(lat, 50), 2), "p99_ms": r(pct(lat, 99), 2), "acked": len(lat), "asked": count,
+                "send_lag_p99_ms": r(pct(late + [0.0] * (count - len(late)), 99), 2),
                 "sustained": len(lat) >= 0.95 * count and took <= 1.1 * count / rate + 1.0}
+
+    async def probe(self, nc: Any, main: dict) -> list[dict]:
+        """Bursts at other rates (see the module's doc); stops at the first
+        rate that answers the question."""
+        a = self.args
+        n0 = a.jobs
+        out: list[dict] = []
+
+        def good(p: dict) -> bool:
+            return bool(p["sustained"]) and (p["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]
+
+        async def burst(rate: float) -> dict:
+            nonlocal n0
+            count = max(1, int(rate * a.probe_seconds))
+            got = await self.submit_burst(nc, count, rate, 2.0, start=n0)
+            n0 += count
+            out.append(got)
+            return got
+
+        if a.probe_rates == "auto":
+            rate = main["asked_rate"]
+            if good(main):
+                while rate < a.probe_max:
+                    rate = min(a.probe_max, rate * 2)
+                    if not good(await burst(rate)):
+                        break
+            else:
+                while rate > 5:
+                    rate = rate / 2
+                    if good(await burst(rate)):
+                        break
+        else:
+            for rate in a.probe_rates:
+                await burst(rate)
+        return out
 
     async def go(self) -> dict:
         a = self.args
@@ -228,22 +284,27 @@ class Run:
                 await asyncio.sleep(0.5)
             out["fleet_start_s"] = r(time.monotonic() - t)
             await view.stop()
-            # the optimizer is leading once it answers
+            # the optimizer is leading once it answers; admission serves once it answers
             t = time.monotonic()
-            while True:
-                try:
-                    await nc.request(subj.OPTIMIZER_EXPLAIN, b"", timeout=2)
-                    break
-                except Exception:
-                    if time.monotonic() - t > a.start_timeout:
-                        raise RuntimeError("the optimizer never answered") from None
-                    await asyncio.sleep(0.5)
+            for who, subject, body in (("optimizer", subj.OPTIMIZER_EXPLAIN, b""),
+                                       ("admission", subj.ADMISSION_QUEUES, b"")):
+                while True:
+                    try:
+                        await nc.request(subject, body, timeout=2)
+                        break
+                    except Exception:
+                        if time.monotonic() - t > a.start_timeout:
+                            raise RuntimeError(f"the {who} never answered") from None
+                        await asyncio.sleep(0.5)
             subs = [await nc.subscribe("gs.evt.job.*.running", cb=self._on_running),
                     await nc.subscribe("gs.evt.job.*.completed", cb=self._on_done),
                     await nc.subscribe("gs.evt.job.*.failed", cb=self._on_done),
                     await nc.subscribe("gs.evt.job.*.cancelled", cb=self._on_done),
-                    await nc.subscribe("gs.evt.round.>", cb=self._on_round),
-                    await nc.subscribe("gs.node.*.heartbeat", cb=self._on_beat)]
+                    await nc.subscribe("gs.evt.round.>", cb=self._on_round)]
+            step = max(1, self.nodes // max(1, a.lag_sample))
+            for i in range(0, self.nodes, step):  # the fleet's names: fleet-00000 ...
+                subs.append(await nc.subscribe(subj.node_heartbeat(f"fleet-{i:05d}"), cb=self._on_beat))
+            out["heartbeat_lag_nodes_sampled"] = len(range(0, self.nodes, step))
             load_before = os.getloadavg()
             out["submit"] = await self.submit_burst(nc, a.jobs, a.rate, a.job_seconds)
             out["load_average_during_submit"] = [round(x, 2) for x in os.getloadavg()]
@@ -252,18 +313,10 @@ class Run:
             while not set(self.sent) <= self.finished and time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
             out["drain_s"] = r(time.monotonic() - t_start)
-            if a.probe_rates:
-                probes = []
-                n0 = a.jobs
-                for rate in a.probe_rates:
-                    count = int(rate * a.probe_seconds)
-                    probes.append(await self.submit_burst(nc, count, rate, 2.0, start=n0))
-                    n0 += count
+            probes = await self.probe(nc, out["submit"])
+            if probes:
                 out["probes"] = probes
-                ok = [p["asked_rate"] for p in probes + [out["submit"]]
-                      if p["sustained"] and (p["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]]
-                out["highest_sustained_rate"] = max(ok, default=None)
-                deadline = time.monotonic() + a.drain_timeout
+                deadline = time.monotonic() + a.probe_drain_timeout  # probe jobs run 1-3 s
                 while not set(self.sent) <= self.finished and time.monotonic() < deadline:
                     await asyncio.sleep(1.0)
             for s in subs:
@@ -301,6 +354,9 @@ class Run:
                 "processes_exited": {n: c for n, c in procs.alive().items() if c is not None},
                 "wall_s": r(time.monotonic() - t_start),
             }
+            ok = [p["asked_rate"] for p in out.get("probes", []) + [out["submit"]]
+                  if p["sustained"] and (p["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]]
+            out["highest_sustained_rate"] = max(ok, default=None)
             p99_big = out["round"]["p99_ms_with_5000_live"]
             out["floors"] = {
                 "submit_p99_le_50ms_at_rate": bool(out["submit"]["sustained"]
@@ -320,6 +376,18 @@ class Run:
             server.stop()
 
 
+def growth_row(x: dict) -> dict:
+    """One size's headline numbers, for the table of growth with size."""
+    rd = x.get("round") or {}
+    return {"nodes": x.get("nodes"), "submit_p50_ms": x.get("submit_p50_ms"), "submit_p99_ms": x.get("submit_p99_ms"),
+            "achieved_rate": (x.get("submit") or {}).get("achieved_rate"),
+            "round_p50_ms": rd.get("p50_ms"), "round_p99_ms": rd.get("p99_ms"), "max_live_jobs": rd.get("max_live_jobs"),
+            "submit_to_running_p50_s": x.get("submit_to_running_p50_s"),
+            "submit_to_running_p99_s": x.get("submit_to_running_p99_s"),
+            "heartbeat_lag_p99_s": x.get("heartbeat_lag_p99_s"), "peak_rss_mb": x.get("peak_rss_mb"),
+            "lost_jobs": x.get("lost_jobs"), "load_average_end": x.get("load_average_end"), "error": x.get("error")}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m loadtest.scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="250", help="nodes, or a comma list for one run per size (250,500,1000,2000)")
@@ -331,8 +399,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heartbeat", type=float, default=2.0, help="agents' heartbeat interval")
     ap.add_argument("--node-timeout", type=float, default=20.0)
     ap.add_argument("--interval", type=float, default=1.0, help="optimizer timer rounds")
-    ap.add_argument("--probe-rates", default="", help="comma list of higher submit rates to try after the run")
+    ap.add_argument("--probe-rates", default="auto",
+                    help="rates to try after the run: auto (double / halve from --rate), a comma list, or none")
+    ap.add_argument("--probe-max", type=float, default=1000.0, help="highest rate auto probing tries")
+    ap.add_argument("--probe-drain-timeout", type=float, default=90.0, help="seconds to wait for the probes' jobs")
     ap.add_argument("--probe-seconds", type=float, default=3.0)
+    ap.add_argument("--lag-sample", type=int, default=200, help="nodes whose heartbeats are timed")
     ap.add_argument("--drain-timeout", type=float, default=240.0, help="seconds to wait for the last jobs")
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--log-level", default="WARNING", help="services' log level")
@@ -342,7 +414,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     try:
         a.node_counts = [int(x) for x in str(a.nodes).split(",") if x]
-        a.probe_rates = [float(x) for x in a.probe_rates.split(",") if x]
+        if a.probe_rates not in ("auto", "none"):
+            a.probe_rates = [float(x) for x in a.probe_rates.split(",") if x]
+        elif a.probe_rates == "none":
+            a.probe_rates = []
     except ValueError:
         ap.error("--nodes and --probe-rates take numbers separated by commas")
     if not a.node_counts or min(a.node_counts) < 1 or a.jobs < 1 or a.rate <= 0 or a.gpus_per_node < 1:
@@ -361,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(asyncio.run(Run(a, n, work).go()))
             except Exception as exc:
                 runs.append({"nodes": n, "error": f"{type(exc).__name__}: {exc}", "passed": False})
-    result: dict[str, Any] = runs[0] if len(runs) == 1 else {"runs": runs, "passed": all(x.get("passed") for x in runs)}
+    result: dict[str, Any] = runs[0] if len(runs) == 1 else {
+        "growth": [growth_row(x) for x in runs], "runs": runs, "passed": all(x.get("passed") for x in runs)}
     if a.json:
         print(json.dumps(result, indent=1))
     else:

@@ -2,7 +2,10 @@
 
 Thin by design: decode (the runtime turns bad input into an error reply that
 names the field), check the spec against the cluster, write the record with
-compare-and-set, publish the event through the job's outbox.
+compare-and-set, publish the event through the job's outbox. A submit awaits
+one write, the record's; its event is published and its outbox cleared in
+the background (``services.outbox``), and what a crash leaves in outboxes is
+published at the next start.
 
 Nothing here scans a bucket per request: the capacity, the live jobs per
 tenant and the lists come from materialised views (``services.views``) kept
@@ -43,9 +46,10 @@ from bus_schema.validate import SpecError, check_spec
 
 from . import observe
 from .jobstore import JobStore, with_event
+from .outbox import OutboxFlusher
 from .paging import BadCursor, list_page
-from .queues import QueueStore, most_gpus
-from .views import JobsView, NodesView
+from .queues import QueueStore, most_gpus, to_core
+from .views import JobsView, KvView, NodesView
 from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, now, run_service, serve
 
 log = get_logger(service="admission")
@@ -76,6 +80,9 @@ class Admission:
         self.progress: dict[str, JobProgress] = {}
         self._progress_sub: Any = None
         self.queues = QueueStore(nc)
+        self.queues_view: KvView[QueueSpec] | None = None  # the submit check reads this, not the bucket
+        self._share: tuple[int, Any] = (-1, None)  # (view revision, ShareConfig built from it)
+        self.outbox = OutboxFlusher(self.store)
 
     async def open(self) -> "Admission":
         await self.store.open()
@@ -83,11 +90,18 @@ class Admission:
         js = self.nc.jetstream()
         self.jobs_view = await JobsView(js, subj.JOBS_BUCKET).start()
         self.nodes_view = await NodesView(js, subj.NODES_BUCKET).start()
+        self.queues_view = await KvView(js, subj.QUEUES_BUCKET, lambda b: codec.decode(b, QueueSpec),
+                                        skip=lambda k: k.startswith("_") or "." in k).start()
         self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
+        self.outbox.start()
+        left = await self.outbox.recover(self.jobs_view.values())  # events a dead admission never published
+        if left:
+            log.info("published events left in outboxes", records=left)
         return self
 
     async def close(self) -> None:
-        for view in (self.jobs_view, self.nodes_view):
+        await self.outbox.stop()
+        for view in (self.jobs_view, self.nodes_view, self.queues_view):
             if view is not None:
                 await view.stop()
 
@@ -166,12 +180,14 @@ class Admission:
             rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
         )
         try:
-            created = await self.store.create(rec)
+            rev = await self.store.create(rec, flush=False)
         except BaseException:
             if fresh:
                 mine.discard(job_id)
             raise
-        if not created:
+        if rev is not None:
+            self.outbox.add(rec, rev)  # the event goes out in the background
+        else:
             # a concurrent submit with the same token won the race
             existing = await self.store.get(job_id)
             assert existing is not None
@@ -243,18 +259,31 @@ class Admission:
     # ------------------------------------------------------------ tenant queues (issue 13)
     async def _check_quota(self, spec) -> None:
         """Admit only jobs their tenant's quota (+ what its cohort could lend) can ever hold."""
-        from policies.queues import ShareConfig
-
-        most = most_gpus(await self.queues.config(ShareConfig()), spec.tenant)
+        most = most_gpus(self._share_config(), spec.tenant)
         if most is not None and spec.gpus > most:
             raise bad_request(f"spec.gpus: {spec.gpus} GPUs is more than tenant {spec.tenant} can ever hold "
                               f"(quota + what its cohort can lend = {most})", "spec.gpus")
+
+    def _share_config(self) -> Any:
+        """The tenant queues from the view, rebuilt only when the bucket changed."""
+        from policies.queues import ShareConfig
+
+        assert self.queues_view is not None
+        rev, cfg = self._share
+        if rev != self.queues_view.revision or cfg is None:
+            cfg = ShareConfig()
+            for q in sorted(self.queues_view.values(), key=lambda q: q.tenant):
+                cfg = cfg.with_queue(to_core(q))
+            self._share = (self.queues_view.revision, cfg)
+        return cfg
 
     async def get_queues(self, _: None) -> QueueList:
         return QueueList(queues=await self.queues.all())
 
     async def set_queue(self, q: QueueSpec) -> QueueList:
         await self.queues.put(q)
+        assert self.queues_view is not None
+        await self.queues_view.sync()  # the next submit is checked against it
         log.info("queue set", tenant=q.tenant, quota=q.quota, weight=q.weight, cohort=q.cohort)
         await self.nc.publish(subj.OPTIMIZER + ".kick", b"")
         return QueueList(queues=await self.queues.all())

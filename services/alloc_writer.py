@@ -3,7 +3,9 @@ the leader's epoch, many at once with bounded parallelism.
 
 Each allocation is stored under the job id (what the optimizer reconciles
 and tools read) and under ``<node>.<job>`` for every node of its placement
-(what that node's agent watches; ``services.auth_alloc``). Which copies
+(what that node's agent watches; ``services.auth_alloc``). A round's
+allocations go out as a few atomic batches, fenced once each
+(``write_many``); a single one as concurrent fenced writes. Which copies
 exist comes from a materialised view of the bucket, not from a scan per
 write. ``reconcile`` makes the bucket agree with the live records every
 round, so a crash between a record write and its allocation heals.
@@ -97,22 +99,44 @@ class AllocWriter:
         self.parallel = parallel
         self.bucket = subj.ALLOC_BUCKET
 
-    async def put(self, rec: JobRecord) -> None:
+    def _put_writes(self, rec: JobRecord) -> list[tuple[str, bytes | None]]:
+        """The job key, its node copies, and deletes of copies on nodes it left."""
         data = codec.encode(allocation_for(rec))
-        nodes = [p.node for p in rec.placement]
-        keep = {node_key(n, rec.job_id) for n in nodes}
+        keep = {node_key(p.node, rec.job_id) for p in rec.placement}
         stale = self.view.copies.get(subj.token(rec.job_id), set()) - keep
-        await bounded([self.fence.put(self.bucket, rec.job_id, data)]
-                      + [self.fence.put(self.bucket, k, data) for k in keep]
-                      + [self.fence.delete(self.bucket, k) for k in stale], self.parallel)
+        return [(rec.job_id, data), *((k, data) for k in sorted(keep)), *((k, None) for k in sorted(stale))]
+
+    def _delete_writes(self, job_id: str) -> list[tuple[str, bytes | None]]:
+        return [(k, None) for k in [job_id, *sorted(self.view.copies.get(subj.token(job_id), set()))]]
+
+    async def _each(self, writes: list[tuple[str, bytes | None]]) -> None:
+        await bounded([self.fence.put(self.bucket, k, d) if d is not None else self.fence.delete(self.bucket, k)
+                       for k, d in writes], self.parallel)
+
+    async def put(self, rec: JobRecord) -> None:
+        await self._each(self._put_writes(rec))
 
     async def delete(self, job_id: str) -> None:
-        keys = [job_id, *self.view.copies.get(subj.token(job_id), set())]
-        await bounded([self.fence.delete(self.bucket, k) for k in keys], self.parallel)
+        await self._each(self._delete_writes(job_id))
 
-    async def reconcile(self, live: dict[str, JobRecord]) -> int:
-        """Make ``gs_alloc`` agree with the live records (and the node copies
-        with the job keys). Returns the writes made."""
+    async def write_many(self, puts: list[JobRecord], deletes: list[str], *, most: int = 500) -> None:
+        """A round's allocation writes as atomic batches of about ``most`` keys,
+        fenced once each (a commit costs the server a disk sync, so one per
+        key would cap a round at a few dozen writes a second). One job's keys
+        never straddle two batches."""
+        jobs = [self._put_writes(r) for r in puts] + [self._delete_writes(j) for j in deletes]
+        batch: list[tuple[str, bytes | None]] = []
+        for writes in jobs:
+            if batch and len(batch) + len(writes) > most:
+                await self.fence.batch(self.bucket, batch)
+                batch = []
+            batch.extend(writes)
+        await self.fence.batch(self.bucket, batch)
+
+    async def reconcile(self, live: dict[str, JobRecord], *, copies: bool = True) -> int:
+        """Make ``gs_alloc`` agree with the live records (a lookup per job), and
+        with ``copies`` the node copies with the job keys (a pass over every
+        key). Returns the writes made."""
         await self.view.sync()
         allocs = self.view.jobs()
         todo: list[Awaitable[Any]] = []
@@ -129,6 +153,9 @@ class AllocWriter:
         for job_id in allocs.keys() - live.keys():
             todo.append(self.delete(job_id))
             handled.add(subj.token(job_id))
+        if not copies:
+            await bounded(todo, self.parallel)
+            return len(todo)
         # node copies that disagree with their job key
         for key, (alloc, _, _) in list(self.view.entries.items()):
             if "." not in key:

@@ -107,6 +107,61 @@ class Fence:
     async def delete(self, bucket: str, key: str) -> None:
         await self._fenced(bucket, key, b"", {"KV-Operation": "DEL"}, "delete")
 
+    async def batch(self, bucket: str, writes: list[tuple[str, bytes | None]]) -> None:
+        """Several keys of one bucket written (``data``) or deleted (None) as one
+        atomic batch, fenced once: the server stores all of them or none, and
+        none once another leader holds the epoch. One acknowledgement for all."""
+        if not writes:
+            return
+        for attempt in range(RETRIES):
+            batch = uuid.uuid4().hex
+            for i, (key, data) in enumerate(writes, 1):
+                headers = {"Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i)}
+                if data is None:
+                    headers["KV-Operation"] = "DEL"
+                await self.nc.publish(f"$KV.{bucket}.{key}", data or b"", headers=headers)
+            reply = await self.nc.request(f"$KV.{bucket}.{CHECK_KEY}", b"", timeout=5, headers={
+                "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(len(writes) + 1), "Nats-Batch-Commit": "1",
+                **self._headers(bucket)})
+            err = json.loads(reply.data).get("error")
+            if err is None:
+                return
+            if err.get("err_code") not in WRONG_LAST:
+                raise RuntimeError(f"batch of {len(writes)} writes to {bucket} failed: {err}")
+            if await self._epoch_moved(bucket):
+                self.refused += 1
+                raise Deposed(f"batch of {len(writes)} writes to {bucket} refused: a newer leader holds {bucket}")
+            await asyncio.sleep(0.005 * (attempt + 1))  # another fenced write was in flight
+        raise RuntimeError(f"batch of {len(writes)} writes to {bucket}: refused {RETRIES} times while the epoch did not move")
+
+    async def update_many(self, bucket: str, items: list[tuple[str, bytes, int]]) -> list[int]:
+        """Compare-and-set of many keys (``(key, data, last revision)``) as one
+        atomic batch, fenced once: all are stored or none. An atomic commit
+        costs the server a disk sync (about 10 ms here, whatever the batch's
+        size), so a round's records go out together. Returns the revisions;
+        raises KeyWrongLastSequenceError when any record moved, Deposed when
+        the epoch did."""
+        if not items:
+            return []
+        batch = uuid.uuid4().hex
+        for i, (key, data, last) in enumerate(items, 1):
+            await self.nc.publish(f"$KV.{bucket}.{key}", data, headers={
+                "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(i), "Nats-Expected-Last-Subject-Sequence": str(last)})
+        reply = await self.nc.request(f"$KV.{bucket}.{CHECK_KEY}", b"", timeout=10, headers={
+            "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(len(items) + 1), "Nats-Batch-Commit": "1",
+            **self._headers(bucket)})
+        body = json.loads(reply.data)
+        err = body.get("error")
+        if err is None:
+            first = int(body["seq"]) - len(items)  # stored in order, the marker last
+            return [first + i for i in range(len(items))]
+        if err.get("err_code") in WRONG_LAST:
+            if await self._epoch_moved(bucket):
+                self.refused += 1
+                raise Deposed(f"batch of {len(items)} updates of {bucket} refused: a newer leader holds {bucket}")
+            raise KeyWrongLastSequenceError(description=err.get("description"))
+        raise RuntimeError(f"batch of {len(items)} updates of {bucket} failed: {err}")
+
     async def update(self, bucket: str, key: str, data: bytes, last: int) -> int:
         """Compare-and-set of ``key`` on revision ``last``, fenced. Raises
         KeyWrongLastSequenceError on a conflict on the key, Deposed when the

@@ -4,9 +4,16 @@ Every change of a job goes through ``update``: a read -> change -> CAS loop.
 The change appends the events it causes to the record's ``outbox`` in the
 same write, so state and events can never disagree; ``flush`` then publishes
 the outbox to ``GS_EVENTS`` (message id ``<job>:<seq>``, so a retried publish
-is dropped by the stream) and clears it with another CAS. A service that dies
-between the two writes leaves the outbox in KV, and the next ``flush_all``
-(leader start-up, every round) publishes it: no event is lost or duplicated.
+is dropped by the stream, whose duplicate window is an hour). A service that
+dies between the write and the publish leaves the outbox in KV, and the next
+flush (leader start-up, admission start-up, the job's next write) publishes
+it: no event is lost or duplicated.
+
+Clearing the outbox costs a write of its own. With ``lazy_clear`` a store
+skips it: it remembers the highest event sequence it has seen acknowledged
+per job (``published``), and its next write of that record drops those events
+from the outbox for free; ``archive`` drops the rest. Events a store does not
+know to be published are published again (the stream drops the duplicate).
 """
 
 from __future__ import annotations
@@ -85,6 +92,9 @@ class JobStore:
         self.js = nc.jetstream()
         self.kv: Any = None
         self.fence: Any = None  # services.fencing.Fence while this store writes for a leader
+        self.lazy_clear = False  # see the module's doc
+        self.published: dict[str, int] = {}  # job -> highest event seq this store saw acknowledged
+        self.conflicts = 0  # compare-and-sets refused because the record had moved (then re-read)
 
     async def open(self) -> "JobStore":
         self.kv = await self.js.key_value(subj.JOBS_BUCKET)
@@ -114,23 +124,29 @@ class JobStore:
         """Move a finished record (events published, nothing draining) from
         ``gs_jobs`` to the history store: written there first, then deleted
         here, so a crash in between leaves it in both, never in neither."""
-        if not rec.terminal or rec.outbox or rec.draining:
+        if not rec.terminal or rec.draining:
             return False
+        if rec.outbox:  # events still to publish (a lazily cleared outbox): out first, then gone
+            await self.publish(rec)
+            rec = msgspec.structs.replace(rec, outbox=[])
         await self.history.put(rec.job_id, codec.encode(rec))
         if self.fence is not None:
             await self.fence.delete(subj.JOBS_BUCKET, rec.job_id)
         else:
             await self.kv.delete(rec.job_id)
+        self.published.pop(rec.job_id, None)
         return True
 
-    async def create(self, rec: JobRecord) -> bool:
-        """Write a new record; False if the id exists already."""
+    async def create(self, rec: JobRecord, *, flush: bool = True) -> int | None:
+        """Write a new record; its revision, or None if the id exists already.
+        ``flush=False``: the caller publishes the outbox (``services.outbox``)."""
         try:
             rev = await self.kv.create(rec.job_id, codec.encode(rec))
         except KeyWrongLastSequenceError:
-            return False
-        await self.flush(rec.job_id, have=(rec, rev))
-        return True
+            return None
+        if flush:
+            await self.flush(rec.job_id, have=(rec, rev))
+        return rev
 
     async def update(self, job_id: str, change: Change, *, flush: bool = True,
                      hint: tuple[JobRecord, int] | None = None) -> JobRecord | None:
@@ -144,6 +160,58 @@ class JobStore:
         new, rev = got
         if flush and new.outbox:
             new = await self.flush(job_id, have=(new, rev)) or new
+        return new
+
+    async def update_many(self, items: list[tuple[str, Change, tuple[JobRecord, int] | None]], *,
+                          chunk: int = 256, parallel: int = 32, publish: bool = True) -> list[JobRecord | None]:
+        """``update`` of many records: each change applied to its hint (the
+        view's record), all written as atomic batches of ``chunk`` (fenced
+        while leading: ``Fence.update_many``), then their events published.
+        A record without a hint, or whose change says "nothing to do", goes the
+        one-by-one way (read, change, CAS); a batch refused because a record
+        moved is halved until the ones that moved are found, and those go
+        one by one. Results in the order of ``items``.
+        ``publish=False``: the caller publishes the events (``publish``) once
+        what must precede them is written."""
+        from .alloc_writer import bounded
+
+        out: list[tuple[JobRecord, int] | None] = [None] * len(items)
+        fast: list[tuple[int, str, JobRecord, int]] = []
+        slow: list[int] = []
+        for i, (job_id, change, hint) in enumerate(items):
+            new = change(hint[0]) if hint is not None and self.fence is not None else None
+            if new is None:
+                slow.append(i)
+                continue
+            if new.state != hint[0].state:
+                hint[0].check_transition(new.state)
+            fast.append((i, job_id, self._strip_published(job_id, new), hint[1]))
+        parts = [fast[k:k + chunk] for k in range(0, len(fast), chunk)]
+        while parts:
+            part = parts.pop()
+            try:
+                revs = await self.fence.update_many(
+                    subj.JOBS_BUCKET, [(job_id, codec.encode(new), last) for _, job_id, new, last in part])
+            except KeyWrongLastSequenceError:
+                self.conflicts += 1
+                if len(part) <= 4:  # found the few that moved: one by one
+                    slow.extend(i for i, *_ in part)
+                else:  # halve the batch to find them: a few more commits, not one per record
+                    parts += [part[:len(part) // 2], part[len(part) // 2:]]
+                continue
+            for (i, _, new, _), rev in zip(part, revs):
+                out[i] = (new, rev)
+        got = await bounded([self._update(items[i][0], items[i][1]) for i in slow], parallel)
+        for i, g in zip(slow, got):
+            out[i] = g
+        if publish:
+            await bounded([self.publish(g[0]) for g in out if g is not None and g[0].outbox], parallel)
+        return [None if g is None else g[0] for g in out]
+
+    def _strip_published(self, job_id: str, new: JobRecord) -> JobRecord:
+        done = self.published.get(job_id, 0)
+        if new.outbox and new.outbox[0].seq <= done:  # published already: cleared by this write
+            new = msgspec.structs.replace(new, outbox=[e for e in new.outbox if e.seq > done])
         return new
 
     async def _update(self, job_id: str, change: Change,
@@ -162,12 +230,14 @@ class JobStore:
                 return None
             if new.state != rec.state:
                 rec.check_transition(new.state)  # the state machine, enforced on every write
+            new = self._strip_published(job_id, new)
             try:
                 if self.fence is not None:  # a leader's write: refused once it is deposed
                     rev = await self.fence.update(subj.JOBS_BUCKET, job_id, codec.encode(new), rev)
                 else:
                     rev = await self.kv.update(job_id, codec.encode(new), last=rev)
             except KeyWrongLastSequenceError:
+                self.conflicts += 1
                 # a replicated stream also refuses while another write on the same
                 # expected-sequence subject is in flight: back off a little after a few
                 await asyncio.sleep(0 if attempt < 3 else 0.002 * attempt)
@@ -175,27 +245,43 @@ class JobStore:
             return new, rev
         raise RuntimeError(f"job {job_id}: too many concurrent updates")
 
-    async def flush(self, job_id: str, *, have: tuple[JobRecord, int] | None = None) -> JobRecord | None:
-        """Publish a record's outbox, then remove what was published (CAS).
-        ``have``: the record just written and its revision (saves a read)."""
+    async def publish(self, rec: JobRecord) -> None:
+        """Publish the outbox's events this store has not seen acknowledged, in
+        order (one connection: the stream keeps the order they were sent in)."""
+        done = self.published.get(rec.job_id, 0)
+        todo = [ev for ev in rec.outbox if ev.seq > done]
+        if not todo:
+            return
+        await asyncio.gather(*(publish_event(self.js, ev, event_msg_id(ev), subj.job_event(ev.job_id, event_kind(ev)))
+                               for ev in todo))
+        observe.job_events(rec, todo)
+        if todo[-1].seq > self.published.get(rec.job_id, 0):
+            self.published[rec.job_id] = todo[-1].seq
+
+    async def flush(self, job_id: str, *, have: tuple[JobRecord, int] | None = None,
+                    clear: bool | None = None) -> JobRecord | None:
+        """Publish a record's outbox, then remove what was published (CAS);
+        with ``lazy_clear`` (or ``clear=False``) the removal waits for the
+        record's next write. ``have``: the record just written and its revision
+        (saves a read)."""
         got = have or await self.get(job_id, history=False)
         if got is None:
             return None
         rec, rev = got
         if not rec.outbox:
             return rec
-        for ev in rec.outbox:
-            await publish_event(self.js, ev, event_msg_id(ev), subj.job_event(ev.job_id, event_kind(ev)))
-        observe.job_events(rec, rec.outbox)
+        await self.publish(rec)
+        if not (not self.lazy_clear if clear is None else clear):
+            return rec
         done = rec.outbox[-1].seq
 
-        def clear(r: JobRecord) -> JobRecord | None:
+        def clear_(r: JobRecord) -> JobRecord | None:
             left = [e for e in r.outbox if e.seq > done]
             if len(left) == len(r.outbox):
                 return None
             return msgspec.structs.replace(r, outbox=left)
 
-        got = await self._update(job_id, clear, (rec, rev))
+        got = await self._update(job_id, clear_, (rec, rev))
         return got[0] if got else rec
 
     async def all(self) -> list[tuple[JobRecord, int]]:

@@ -52,7 +52,9 @@ def cordon_held(nodes: list[NodeReport], records: Iterable[JobRecord],
 def to_move(records: Iterable[JobRecord], modes: dict[str, NodeModeEntry]) -> list[tuple[JobRecord, str]]:
     """Active jobs on a draining node, with the reason they move."""
     draining = {n: e for n, e in modes.items() if e.mode == NodeMode.DRAINING}
-    out = []
+    out: list[tuple[JobRecord, str]] = []
+    if not draining:  # the usual case: no pass over the jobs
+        return out
     for r in records:
         if r.state not in ACTIVE_STATES:
             continue

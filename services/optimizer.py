@@ -79,7 +79,7 @@ from bus_schema.ops import NodeModeReply, NodeModeRequest
 from policies import Decision, JobView, check_decision, make_policy
 from policies.sharing import Shared
 
-from . import capacity, lifecycle, node_modes, observe
+from . import capacity, node_modes, observe
 from .alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
 from .fencing import Deposed
 from .jobstore import JobStore, publish_event
@@ -87,8 +87,8 @@ from .leadership import Leadership
 from .policy_bridge import ModelOracle, job_view
 from .queues import QueueStore
 from .record_writer import RecordWriter
-from .report_consumer import consume_reports
-from .runtime import Endpoint, connect, ensure_infra, get_logger, now, run_service, serve
+from .report_consumer import ReportApplier, consume_reports
+from .runtime import Endpoint, GcClock, connect, ensure_infra, get_logger, now, run_service, serve
 from .views import JobsView, NodesView
 
 log = get_logger(service="optimizer")
@@ -131,6 +131,7 @@ class Optimizer:
         self.write_parallel = write_parallel
         self.archive_after = archive_after
         self.store = JobStore(nc)
+        self.store.lazy_clear = True  # an outbox is cleared by the record's next write, not a write of its own
         self.round_no = 0
         self.last_explain: list[ExplainEntry] = []
         self.kick = asyncio.Event()
@@ -143,6 +144,8 @@ class Optimizer:
         self.is_leader = False
         self.leader_since: float | None = None
         self.records_seen: dict[str, JobRecord] = {}  # the last round's records
+        self.reconcile_every = 10.0  # seconds between full gs_alloc reconciliations while nothing failed
+        self._reconcile_at = 0.0  # monotonic time the next one is due (0: the first round as leader)
 
     async def open(self) -> "Optimizer":
         await self.store.open()
@@ -168,6 +171,8 @@ class Optimizer:
         self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel)
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
                                     drain_timeout=self.drain_timeout, archive_after=self.archive_after)
+        self.report_applier = ReportApplier(self.store, self.writer, self.records.hint, self.models,
+                                            max_retries=lambda: self.max_retries, parallel=self.write_parallel)
         return self
 
     async def _load_sharing_memory(self) -> None:
@@ -191,6 +196,7 @@ class Optimizer:
     async def _lead(self, stop: asyncio.Event, lost: asyncio.Event) -> None:
         self.is_leader = True
         self.leader_since = time.monotonic()
+        self._reconcile_at = 0.0  # a new leader heals what a dead one left half-written
         self.store.fence = self.leadership.fence
         observe.LEADER.set(1)
         if self.queues is not None:  # a standby goes on from what the last leader saved, not from its start
@@ -253,31 +259,25 @@ class Optimizer:
     # ------------------------------------------------------------ reports
     async def _consume_reports(self) -> None:
         try:
-            await consume_reports(self.js, self.apply_report, self._round_lock, lambda: self.is_leader)
+            await consume_reports(self.js, self.apply_report, self._round_lock, lambda: self.is_leader,
+                                  apply_many=self.apply_reports)
         except Deposed as exc:
             self.leadership.deposed(exc)
 
     async def apply_report(self, r: RunReport) -> None:
         """Move the job's state for one agent report; stale generations are ignored."""
-        out = lifecycle.Outcome()
+        await self.apply_reports([r])
 
-        def change(rec: JobRecord) -> JobRecord | None:
-            nonlocal out
-            if not lifecycle.drains(rec, r):
-                self.models.observe_report(rec, r)  # what ran teaches the oracle (policies.learning)
-            out = lifecycle.apply_report(rec, r, max_retries=self.max_retries, now=now())
-            return out.new
-
-        new = await self.store.update(r.job_id, change, hint=self.records.hint(r.job_id))
-        if new is not None:
-            log.info("job state", job_id=r.job_id, state=new.state.value, generation=r.generation,
-                     kind=r.kind.value, draining=[p.node for p in new.draining])
-        if out.released and new is not None:
-            await self.writer.put(new)
-        if out.ended or out.released:
-            if out.ended and new is not None and new.state not in ACTIVE:
-                await self.writer.delete(r.job_id)
-            self.kick.set()
+    async def apply_reports(self, reports: list[RunReport]) -> None:
+        """A turn of reports (``report_consumer.ReportApplier``)."""
+        try:
+            if await self.report_applier.apply(reports):
+                self.kick.set()
+        except Deposed:
+            raise
+        except Exception:
+            self._reconcile_at = 0.0  # records written, allocations maybe not: the next round heals them
+            raise
 
     # ------------------------------------------------------------ rounds
     async def on_progress(self, msg: Any) -> None:
@@ -308,6 +308,7 @@ class Optimizer:
                 return
             except Exception:
                 log.exception("round failed")
+                self._reconcile_at = 0.0  # what it wrote may be half done: the next round heals it
                 await asyncio.sleep(0.5)
 
     async def _round_endpoint(self, _: None) -> RoundReply:
@@ -344,6 +345,7 @@ class Optimizer:
 
     async def _round(self) -> RoundReply:
         started = time.perf_counter()
+        gc_before, conflicts_before = GcClock.total, self.store.conflicts
         self.round_no += 1
         await self.jobs.sync()
         records = dict(self.jobs.live)  # O(live jobs): finished ones are not here
@@ -387,15 +389,30 @@ class Optimizer:
             _pause()
 
         gpu_count = {n.node: len(n.gpus) for n in nodes}
+        t_write = time.perf_counter()
         changes += await self.records.apply(decision, records, gpu_count, held)
-        await self.writer.reconcile(records)
+        t_write = time.perf_counter() - t_write
+        t_rest = time.perf_counter()
+        # gs_alloc follows the records: each live job's allocation every round
+        # (cancels withdraw theirs this way); the pass over every node copy on
+        # taking the lease, after a failed round, and every ``reconcile_every``
+        # s -- a round's own writes fail the round if any fails.
+        full = time.monotonic() >= self._reconcile_at
+        if full:
+            self._reconcile_at = float("inf")  # until this round has ended well
+        await self.writer.reconcile(records, copies=full)
         await self._explain(decision, records)
         await self.records.archive()
+        t_rest = time.perf_counter() - t_rest
 
+        if self._reconcile_at == float("inf"):
+            self._reconcile_at = time.monotonic() + self.reconcile_every
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
         ms = (time.perf_counter() - started) * 1e3
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
         log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
+                  write_ms=round(t_write * 1e3, 1), after_ms=round(t_rest * 1e3, 1),
+                  gc_ms=round((GcClock.total - gc_before) * 1e3, 1), cas_conflicts=self.store.conflicts - conflicts_before,
                   live=len(records), nodes=len(nodes), changes=changes)
         observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
         if changes:

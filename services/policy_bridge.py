@@ -42,6 +42,9 @@ def segment_gpu_s(rec: JobRecord, ts: float) -> float:
     return sum(len(p.gpus) for p in rec.placement) * max(0.0, ts - since)
 
 
+PROGRESS_EVERY_S = 30.0  # a job's progress teaches the oracle at most this often
+
+
 class ModelOracle:
     """A ``PerfModelOracle`` whose parameters follow ``gs_models``.
 
@@ -59,7 +62,10 @@ class ModelOracle:
         # What policies get: the fitted model, corrected by what ran (observe()).
         self.oracle = LearningOracle(self.base)
         self._revisions: dict[str, int] = {}
-        self._stepped: dict[str, tuple] = {}  # job -> (generation, ts, step, plan, placement)
+        self._keys: dict[Any, str] = {}  # ModelSpec -> its key in gs_models
+        self._snap: tuple[int, dict] = (-1, {})  # (stream's last sequence, snapshot of gs_models then)
+        self._stepped: dict[str, tuple] = {}
+        self._progress_at: dict[str, tuple[int, float]] = {}  # job -> (generation, ts) of its last progress fed  # job -> (generation, ts, step, plan, placement)
 
     async def refresh(self, records: list[JobRecord]) -> int:
         """Load parameters that changed since the last round; returns how many."""
@@ -70,11 +76,17 @@ class ModelOracle:
 
         from .perfmodel_service import kv_key
 
-        snap = await kv_snapshot(self.kv)
+        # the bucket is read again only when it changed (one stream-info request a round)
+        last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
+        if last != self._snap[0]:
+            self._snap = (last, await kv_snapshot(self.kv))
+        snap = self._snap[1]
         loaded = 0
-        for rec in records:
-            name = rec.spec.model.name
-            key = kv_key(perfmodel.shape_from_spec(rec.spec.model).key)
+        for model in {rec.spec.model for rec in records}:
+            name = model.name
+            key = self._keys.get(model)
+            if key is None:
+                key = self._keys[model] = kv_key(perfmodel.shape_from_spec(model).key)
             got = snap.get(key)
             if got is None or self._revisions.get(name) == got[1]:
                 continue
@@ -122,6 +134,12 @@ class ModelOracle:
         mark = self._stepped.get(job_id)
         if mark is None or mark[0] != generation or steps <= mark[2] or ts <= mark[1]:
             return False
+        last = self._progress_at.get(job_id)
+        if last is not None and last[0] == generation and ts - last[1] < PROGRESS_EVERY_S:
+            return False  # a running job reports every few seconds: its speed is news far less often
+        self._progress_at[job_id] = (generation, ts)
+        if len(self._progress_at) > 4 * max(1, len(self._stepped)):  # ended jobs
+            self._progress_at = {j: v for j, v in self._progress_at.items() if j in self._stepped}
         _, t0, s0, plan, placement, spec = mark
         return self.oracle.observe(spec, plan, placement, step_time=(ts - t0) / (steps - s0))
 

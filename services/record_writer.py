@@ -35,10 +35,11 @@ class RecordWriter:
 
     async def archive(self, most: int = 2000) -> int:
         """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
-        seconds after they ended (events published, nothing draining)."""
+        seconds after they ended (nothing draining; events left in the outbox
+        are published on the way)."""
         cutoff = now() - self.archive_after
         done = [r for r in self.jobs.finished.values()
-                if (r.finished_at or 0) <= cutoff and not r.outbox and not r.draining][:most]
+                if (r.finished_at or 0) <= cutoff and not r.draining][:most]
         await bounded([self.store.archive(r) for r in done], self.parallel)
         return len(done)
 
@@ -74,10 +75,10 @@ class RecordWriter:
         keep = {job_id for job_id, d in decision.allocations.items()
                 if records[job_id].state in ACTIVE and capacity.same_shape(records[job_id], d)}
         # Preemptions first, so their GPUs are free for what follows.
-        changes = await self.changed(records, [
-            (rec.job_id, self.back_to_queue(rec, decision.waiting.get(rec.job_id, "preempted by policy"), JobPreempted))
+        changes = await self.queue_many(records, [
+            (rec, decision.waiting.get(rec.job_id, "preempted by policy"), JobPreempted)
             for rec in list(records.values()) if rec.state in ACTIVE and rec.job_id not in decision.allocations])
-        updates = []
+        todo = []
         for job_id, d in list(decision.allocations.items()):  # entries may be deferred below
             if job_id in keep:
                 continue
@@ -89,24 +90,40 @@ class RecordWriter:
                 decision.allocations.pop(job_id)
                 decision.waiting[job_id] = "waiting for GPUs that other jobs are still releasing"
                 continue
-            updates.append((job_id, self.allocate(rec, d, placement)))
-        return changes + await self.changed(records, updates)
+            todo.append((rec, d, placement))
+        return changes + await self.allocate_many(records, todo)
 
-    async def allocate(self, rec: JobRecord, d: Any, placement: list) -> JobRecord | None:
+    async def allocate_many(self, records: dict[str, JobRecord], todo: list[tuple[JobRecord, Any, list]]) -> int:
+        """New plans and placements: the records in atomic batches, then the
+        allocations they imply (the old generation's withdrawn while it drains),
+        then their events -- ``job.scheduled`` once its allocation exists."""
         ts = now()
-        got = await self.store._update(rec.job_id, lambda r: lifecycle.allocate(r, rec, d, placement, ts),
-                                       self.hint(rec.job_id))
-        new = None
-        if got is not None:
-            new, rev = got
-            if new.draining:
-                await self.writer.delete(new.job_id)  # the old generation checkpoints and stops
-            else:
-                await self.writer.put(new)
-            new = await self.store.flush(new.job_id, have=(new, rev)) or new  # job.scheduled once its allocation exists
-            log.info("job scheduled", job_id=new.job_id, generation=new.generation, plan=d.plan.label(),
-                     nodes=[p.node for p in placement], draining=[p.node for p in new.draining])
-        return new
+        got = await self.store.update_many(
+            [(rec.job_id, lambda r, rec=rec, d=d, pl=pl: lifecycle.allocate(r, rec, d, pl, ts), self.hint(rec.job_id))
+             for rec, d, pl in todo], parallel=self.parallel, publish=False)
+        new = [r for r in got if r is not None]
+        await self.writer.write_many([r for r in new if not r.draining], [r.job_id for r in new if r.draining])
+        await bounded([self.store.publish(r) for r in new if r.outbox], self.parallel)
+        for (rec, d, pl), r in zip(todo, got):
+            if r is not None:
+                records[r.job_id] = r
+                log.info("job scheduled", job_id=r.job_id, generation=r.generation, plan=d.plan.label(),
+                         nodes=[p.node for p in pl], draining=[p.node for p in r.draining])
+        return len(new)
+
+    async def queue_many(self, records: dict[str, JobRecord], todo: list[tuple[JobRecord, str, type]]) -> int:
+        """``back_to_queue`` for many jobs: records in atomic batches, then their
+        allocations withdrawn, then their events."""
+        ts = now()
+        got = await self.store.update_many(
+            [(rec.job_id, lambda r, rec=rec, why=why, ev=ev: lifecycle.back_to_queue(r, rec.generation, why, ev, ts),
+              self.hint(rec.job_id)) for rec, why, ev in todo], parallel=self.parallel, publish=False)
+        new = [r for r in got if r is not None]
+        await self.writer.write_many([], [r.job_id for r in new])
+        await bounded([self.store.publish(r) for r in new if r.outbox], self.parallel)
+        for r in new:
+            records[r.job_id] = r
+        return len(new)
 
     async def back_to_queue(
         self, rec: JobRecord, why: str, event: type, alive: set[str] | None = None, with_checkpoint: bool = False

@@ -1,5 +1,7 @@
-"""The report consumer: agents' RunReports from the durable stream, each
-applied under the round lock and acked only after its state change is
+"""The report consumer: agents' RunReports from the durable stream, a turn
+of them applied under the round lock (``ReportApplier``: each job's reports
+in order, the records written as atomic batches, then the allocations they
+release or end, then their events) and acked only after its state change is
 written (a crash before the ack redelivers it; applying twice is a no-op
 because stale generations and repeated kinds change nothing)."""
 
@@ -13,15 +15,24 @@ import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from bus_schema import codec, subjects as subj
-from bus_schema.messages import RunReport
+from bus_schema.messages import ACTIVE_STATES, JobRecord, RunReport
 
-from .runtime import get_logger
+from . import lifecycle
+from .alloc_writer import AllocWriter, bounded
+from .jobstore import JobStore
+from .runtime import get_logger, now
 
 log = get_logger(service="optimizer")
 
 
 async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]], lock: asyncio.Lock,
-                          running: Callable[[], bool], *, batch: int = 64) -> None:
+                          running: Callable[[], bool], *, batch: int = 512, parallel: int = 64,
+                          apply_many: Callable[[list[RunReport]], Awaitable[None]] | None = None) -> None:
+    """Each turn takes what is waiting (up to ``batch``) and applies it under
+    the lock, ``parallel`` jobs at a time: a round holds the lock for seconds
+    at scale, so a turn must not be a handful of reports (a thousand agents
+    report hundreds a second). ``apply_many``: applies a whole turn at once
+    (each job's reports in order), then all are acked."""
     psub = await js.pull_subscribe(
         subj.REPORTS_SUBJECTS,
         durable="optimizer",
@@ -31,36 +42,123 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
     try:
         while running():  # nats-py's fetch can swallow a cancel: check a flag too
             try:
-                msgs = await psub.fetch(batch, timeout=1)
+                msgs = await psub.fetch(1, timeout=1)  # wait for work outside the lock
             except asyncio.CancelledError:
                 raise
             except Exception:  # timeout: nothing to do
                 continue
-            good = []
-            for msg in msgs:
-                try:
-                    good.append((msg, codec.decode(msg.data, RunReport)))
-                except msgspec.MsgspecError:
-                    log.warning("dropping malformed run report", subject=msg.subject)
-                    await msg.term()
             # Not during a round: a round decides from the records it read at
             # its start, and a report settling a drain meanwhile would have its
-            # fresh allocation deleted by that round's reconcile. Reports of one
-            # job are applied in order; different jobs' reports concurrently.
+            # fresh allocation deleted by that round's reconcile.
             async with lock:
-                by_job: dict[str, list] = {}
-                for msg, report in good:
-                    by_job.setdefault(report.job_id, []).append((msg, report))
-
-                async def one_job(items: list) -> None:
-                    for msg, report in items:
-                        await apply(report)
-                        await msg.ack()
-
-                results = await asyncio.gather(*(one_job(v) for v in by_job.values()), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    raise r
+                try:
+                    # the rest of what waits, fetched once the lock is ours: fetched
+                    # messages must not sit out a long round past their ack wait
+                    msgs += await psub.fetch(batch - 1, timeout=0.05)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    pass
+                if apply_many is not None:
+                    await _apply_turn(msgs, apply_many)
+                else:
+                    await _apply_all(msgs, apply, parallel)
     finally:
         # a pull subscription left open blocks drain() on shutdown
         await psub.unsubscribe()
+
+
+async def _decoded(msgs: list) -> list[tuple[Any, RunReport]]:
+    good = []
+    for msg in msgs:
+        try:
+            good.append((msg, codec.decode(msg.data, RunReport)))
+        except msgspec.MsgspecError:
+            log.warning("dropping malformed run report", subject=msg.subject)
+            await msg.term()
+    return good
+
+
+async def _apply_turn(msgs: list, apply_many: Callable[[list[RunReport]], Awaitable[None]]) -> None:
+    good = await _decoded(msgs)
+    await apply_many([r for _, r in good])
+    await asyncio.gather(*(msg.ack() for msg, _ in good))
+
+
+async def _apply_all(msgs: list, apply: Callable[[RunReport], Awaitable[None]], parallel: int) -> None:
+    """Reports of one job in order, different jobs' concurrently (at most
+    ``parallel`` at a time); each acked once applied."""
+    by_job: dict[str, list] = {}
+    for msg, report in await _decoded(msgs):
+        by_job.setdefault(report.job_id, []).append((msg, report))
+    sem = asyncio.Semaphore(parallel)
+
+    async def one_job(items: list) -> None:
+        async with sem:
+            for msg, report in items:
+                await apply(report)
+                await msg.ack()
+
+    results = await asyncio.gather(*(one_job(v) for v in by_job.values()), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+class ReportApplier:
+    """Agents' reports -> record changes (``services.lifecycle``), each job's
+    reports in order: the records written together (``JobStore.update_many``),
+    then the allocations they release or end, then their events."""
+
+    def __init__(self, store: JobStore, writer: AllocWriter, hint: Callable[[str], Any], models: Any, *,
+                 max_retries: Callable[[], int], parallel: int):
+        self.store = store
+        self.writer = writer
+        self.hint = hint
+        self.models = models  # services.policy_bridge.ModelOracle: what ran teaches it
+        self.max_retries = max_retries
+        self.parallel = parallel
+
+    async def apply(self, reports: list[RunReport]) -> bool:
+        """Apply a turn; True when a job ended or released GPUs (a round should run)."""
+        by_job: dict[str, list[RunReport]] = {}
+        for r in reports:
+            by_job.setdefault(r.job_id, []).append(r)
+        outcomes: dict[str, list[lifecycle.Outcome]] = {}
+        retries = self.max_retries()
+
+        def change_for(job_id: str, mine: list[RunReport]) -> Callable[[JobRecord], JobRecord | None]:
+            def change(rec: JobRecord) -> JobRecord | None:
+                outs = outcomes[job_id] = []
+                cur = rec
+                for r in mine:
+                    if not lifecycle.drains(cur, r):
+                        self.models.observe_report(cur, r)  # what ran teaches the oracle (policies.learning)
+                    out = lifecycle.apply_report(cur, r, max_retries=retries, now=now())
+                    outs.append(out)
+                    if out.new is not None:
+                        cur = out.new
+                return None if cur is rec else cur
+            return change
+
+        jobs = list(by_job)
+        got = await self.store.update_many([(j, change_for(j, by_job[j]), self.hint(j)) for j in jobs],
+                                           parallel=self.parallel, publish=False)
+        puts, deletes, kick = [], [], False
+        for job_id, new in zip(jobs, got):
+            outs = outcomes.get(job_id, [])
+            released = any(o.released for o in outs)
+            ended = any(o.ended for o in outs)
+            kick = kick or released or ended
+            if new is None:
+                continue
+            last = by_job[job_id][-1]
+            log.info("job state", job_id=job_id, state=new.state.value, generation=last.generation,
+                     kind=last.kind.value, draining=[p.node for p in new.draining])
+            if ended and new.state not in ACTIVE_STATES:
+                deletes.append(job_id)
+            elif released:
+                puts.append(new)
+        await self.writer.write_many(puts, deletes)
+        await bounded([self.store.publish(r) for r in got if r is not None and r.outbox], self.parallel)
+        return kick

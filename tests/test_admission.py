@@ -51,6 +51,7 @@ async def jobs_state(nc) -> dict:
 async def test_submit_get_list_and_event(nc, admission):
     reply = await submit(nc, {"spec": spec()})
     assert reply.created and reply.state == JobState.PENDING
+    await admission.outbox.idle()  # the event is published off the request path
     rec = await call(nc, subj.ADMISSION_GET, {"job_id": reply.job_id}, JobRecord)
     assert rec.spec.name == "gpt2-small" and rec.state == JobState.PENDING
     assert rec.outbox == [] and rec.event_seq == 1  # the event left the outbox
@@ -96,6 +97,7 @@ BAD = [
 @pytest.mark.parametrize("case,body,field,text", BAD, ids=[b[0] for b in BAD])
 async def test_bad_input_is_rejected_and_changes_nothing(nc, admission, case, body, field, text):
     await submit(nc, {"spec": spec(name="keep")})
+    await admission.outbox.idle()  # its outbox cleared: the bucket is still from here on
     before = await jobs_state(nc)
     with pytest.raises(ServiceCallError) as err:
         await submit(nc, body)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import GpuReport, NodeReport
 from services.views import NodesView
@@ -34,3 +36,19 @@ async def test_liveness_uses_the_servers_clock_not_the_agents(nc):
         assert view.get("quiet") is None and view.capacity() == (1, 1)
     finally:
         await view.stop()
+
+
+async def test_the_fast_reply_parser_agrees_with_nats_py(nc):
+    from services.views import _seq_and_ts
+
+    kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
+    for i in range(3):
+        await kv.put(f"n{i}", b"{}")
+    sub = await nc.jetstream().subscribe(f"$KV.{subj.NODES_BUCKET}.>", ordered_consumer=True)
+    try:
+        for _ in range(3):
+            msg = await sub.next_msg(timeout=5)
+            md = msg.metadata
+            assert _seq_and_ts(msg) == (md.sequence.stream, pytest.approx(md.timestamp.timestamp(), abs=1e-5))
+    finally:
+        await sub.unsubscribe()

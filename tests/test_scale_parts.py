@@ -1,0 +1,47 @@
+"""Pure parts of the scale harness and of what feeds the optimizer's oracle
+at scale (no NATS): one speed law for every emulated job, the growth table,
+and progress reports that teach the oracle at most every 30 s per job."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from bus_schema.messages import Plan, RunReport, RunReportKind
+from loadtest.scale import Run, growth_row, parse
+from services.alloc_writer import emulated_step_time
+from services.policy_bridge import PROGRESS_EVERY_S, ModelOracle
+from test_live_learning import SPEC, _rec
+
+
+def test_one_configuration_runs_equally_fast_in_every_job():
+    run = Run(parse(["--nodes", "10", "--jobs", "200"]), 10, None)
+    speeds: dict[tuple, set] = {}
+    for i in range(200):
+        spec = run.spec(i, 40.0)
+        # the job at its own GPUs lasts about what was asked (0.5-1.5 x 40 s)
+        assert 15 <= spec.steps * spec.step_time <= 65
+        for gpus in (1, 2, 4, 8):
+            rec = SimpleNamespace(spec=spec)
+            step = emulated_step_time(rec, Plan(dp=gpus))
+            speeds.setdefault((spec.model.name, gpus), set()).add(round(spec.global_batch / step, 6))
+    assert all(len(s) == 1 for s in speeds.values())  # the same samples/s, whatever the job asked for
+
+
+def test_growth_has_one_row_per_size():
+    runs = [{"nodes": 250, "submit_p99_ms": 10.0, "round": {"p99_ms": 100.0, "max_live_jobs": 900}},
+            {"nodes": 500, "error": "RuntimeError: boom"}]
+    rows = [growth_row(x) for x in runs]
+    assert [r["nodes"] for r in rows] == [250, 500]
+    assert rows[0]["round_p99_ms"] == 100.0 and rows[0]["max_live_jobs"] == 900 and rows[1]["error"]
+
+
+def test_progress_teaches_the_oracle_at_most_every_30s_per_job():
+    m = ModelOracle(None)
+    rec = _rec(generation=3)
+    m.observe_report(rec, RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.STEPPED, ts=100.0,
+                                    start_step=9))
+    assert m.observe_progress("x", 3, 150.0, 35)  # 2 s/step: learned
+    seen = m.oracle.revision
+    assert not m.observe_progress("x", 3, 160.0, 36)  # 5 s/step, but only 10 s later: not fed
+    assert m.oracle.revision == seen
+    assert m.observe_progress("x", 3, 150.0 + PROGRESS_EVERY_S + 1, 36)  # later: fed, and it changed the answer
