@@ -37,3 +37,14 @@ def check_gpu_types(types, field: str = "gpu_types") -> str | None:
             return f"{field}[{i}]: {t!r} is listed twice"
         seen.add(t)
     return None
+
+
+def node_gpu_type(gpus) -> str:
+    """A node's GPU type from its GPU reports (anything with ``.name``): the type most
+    of them have ("" when no name is known)."""
+    counts: dict[str, int] = {}
+    for g in gpus:
+        t = gpu_type_of(getattr(g, "name", ""))
+        if t:
+            counts[t] = counts.get(t, 0) + 1
+    return max(counts, key=lambda t: counts[t]) if counts else ""

@@ -112,9 +112,9 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     # Emulated worker only (no command): seconds per step at the requested plan
     # and GPUs. Absent: the performance model's prediction, else 0.1 s.
     step_time: Annotated[float, Meta(gt=0, le=86_400)] | None = None
-    # GPU types the job may run on (bus_schema.gputypes.GPU_TYPES); empty = any.
+    # GPU types the job may run on (bus_schema.gputypes.GPU_TYPES); absent or empty = any.
     # A job always runs on nodes of one type.
-    gpu_types: Annotated[tuple[GpuTypeName, ...], Meta(max_length=16)] = ()
+    gpu_types: Annotated[tuple[GpuTypeName, ...], Meta(max_length=16)] | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):

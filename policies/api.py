@@ -136,7 +136,7 @@ def placement_type(placement: tuple[Placement, ...]) -> str:
 
 def accepts(spec: JobSpec, gpu_type: str) -> bool:
     """May a job run on GPUs of this type? (``JobSpec.gpu_types``, empty = any.)"""
-    types = getattr(spec, "gpu_types", ())
+    types = getattr(spec, "gpu_types", None)
     return not types or gpu_type in types
 
 

@@ -105,6 +105,7 @@ class ByType:
         ``primary``: an instance made already (the one single-type clusters use)."""
         if chooser not in ("balance", "model"):
             raise ValueError(f"chooser must be 'balance' or 'model', not {chooser!r}")
+        self._forward: dict = {}
         self._factory = factory
         self._primary = primary if primary is not None else factory()
         self.name = name
@@ -115,15 +116,30 @@ class ByType:
         self._speed: dict = {}
         self.last_types: dict[str, str] = {}
 
+    _OWN = frozenset({"name", "chooser", "restart_cost", "min_run_time", "last_types", "schedule"})
+
     def __getattr__(self, attr):  # the inner policy's own attributes (last_stats, ...)
         if attr.startswith("_"):
             raise AttributeError(attr)
         return getattr(self._primary, attr)
 
+    def __setattr__(self, attr, value):
+        """Setting an inner policy's attribute (sharing re-keys the ordering: ``key``)
+        sets it on every instance, present and future."""
+        if attr.startswith("_") or attr in self._OWN or "_primary" not in self.__dict__ \
+                or not hasattr(self._primary, attr):
+            object.__setattr__(self, attr, value)
+            return
+        self._forward[attr] = value
+        for pol in {id(p): p for p in [self._primary, *self._inner.values()]}.values():
+            setattr(pol, attr, value)
+
     def inner(self, gpu_type: str):
         got = self._inner.get(gpu_type)
         if got is None:
             got = self._primary if not self._inner else self._factory()
+            for attr, value in self._forward.items():
+                setattr(got, attr, value)
             self._inner[gpu_type] = got
         return got
 

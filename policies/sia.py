@@ -13,6 +13,8 @@ Faithful to Sia's ILP (``sia-simulator/sia.py``) on one GPU type:
 - total GPUs <= capacity; then a greedy placement that keeps running jobs on
   their nodes and places the rest largest first; a job that does not fit
   falls back to the largest smaller configuration that does.
+Mixed GPU types: configurations are (type, count) and the ILP has one capacity
+row per type (``sia_hetero.py``).
 Adaptations, as Rubick ran Sia: the job's own plan is kept and only its data
 parallel degree scales with the GPUs (``plans.scaled_user_plan``); the global
 batch is fixed, so goodput = predicted throughput (no statistical-efficiency
@@ -32,9 +34,12 @@ from .oracle import AnalyticOracle
 from .placement import Ledger, describe
 from .candidates import oracle_key
 from .plans import scaled_user_plan
+from .sia_hetero import HeteroSia
 
 
-class Sia:
+class Sia(HeteroSia):
+    hetero = True  # models GPU types itself (sia_hetero.py; policies.hetero does not wrap it)
+
     def __init__(self, p: float = -0.5, lambda_n: float = 1.1, lambda_a: float = 0.01, max_scale: float = 2.0,
                  restart_cost: float = DEFAULT_RESTART_COST, min_run_time: float | None = None,
                  time_limit: float = 10.0):
@@ -79,6 +84,10 @@ class Sia:
         return t, plan
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        types = {n.gpu_type for n in nodes}
+        if len(types) > 1 or any(j.spec.gpu_types for j in jobs) or "" not in types:
+            # GPU types (one, typed, included: the oracle must answer for it)
+            return self.schedule_hetero(now, nodes, jobs, perf)
         perf = perf or AnalyticOracle()
         gpn = max((n.gpus_total for n in nodes), default=8)
         total = sum(n.gpus_total for n in nodes)
