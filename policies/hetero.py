@@ -163,8 +163,10 @@ class ByType:
                 d.waiting[jid] = f"{why} [{t or 'untyped'} GPUs]"
         for j in jobs:
             if j.job_id not in assign:
-                d.waiting[j.job_id] = (f"waiting: no node of the GPU types it accepts "
-                                       f"({', '.join(j.spec.gpu_types)}); the cluster has {', '.join(types)}")
+                what = f"the GPU types it accepts ({', '.join(j.spec.gpu_types)})" if j.spec.gpu_types else "any GPU type"
+                d.waiting[j.job_id] = (f"waiting: {j.spec.gpus} GPUs of {what} do not exist; the cluster has "
+                                       + ", ".join(f"{t or 'untyped'} x{sum(n.gpus_total for n in nodes if n.gpu_type == t)}"
+                                                   for t in types))
         return d
 
     # ------------------------------------------------------------ choosing types
