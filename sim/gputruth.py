@@ -102,6 +102,30 @@ def gavel_speed(job_type: str, gpus: int, gpu_type: str) -> float | None:
     return gavel_table().get((job_type, gpus, gpu_type))
 
 
+SCALING_EXP = 0.8  # sim.truth's sub-linear speed-up, for GPU counts Gavel did not measure
+
+
+def gavel_measured(job_type: str, gpus: int, gpu_type: str) -> float | None:
+    """Gavel's steps/s of a job type on ``gpus`` GPUs of a measured type: its row, else
+    the largest measured count below scaled by (GPUs ratio)^0.8; None: nothing measured.
+    0 = it did not run there (out of memory)."""
+    g = gavel_table()
+    got = g.get((job_type, gpus, gpu_type))
+    if got is not None:
+        return got
+    below = [n for (jt, n, w) in g if jt == job_type and w == gpu_type and n < gpus and g[(jt, n, w)] > 0]
+    if not below:
+        return None
+    n = max(below)
+    return g[(job_type, n, gpu_type)] * (gpus / n) ** SCALING_EXP
+
+
+def gavel_request_speed(job_type: str, gpus: int) -> float | None:
+    """A Gavel job's steps/s on the reference GPU: measured V100 x measured A100 : V100."""
+    v = gavel_measured(job_type, gpus, "v100")
+    return v * a100_over_v100() if v else None
+
+
 def memory_gb(gpu_type: str) -> float:
     from perfmodel.gputypes import spec_of
 

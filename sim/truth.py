@@ -208,6 +208,13 @@ class GroundTruth:
         t, source = hit
         if t <= 0:
             return hit
+        if job.truth_key.startswith("gavel:") and gtype in gputruth.MEASURED_TYPES:
+            # Gavel's own job types: its measured steps/s on this type, as a ratio to the
+            # reference the rest of the truth was built on (plan and placement effects kept)
+            jt, gpus = job.truth_key[6:], plan.gpus
+            here, ref = gputruth.gavel_measured(jt, gpus, gtype), gputruth.gavel_request_speed(jt, gpus)
+            if here is not None and ref:
+                return (0.0, f"oom@{gtype}") if here <= 0 else (t * ref / here, f"{source}@{gtype}")
         mem = gputruth.memory_gb(gtype)
         if mem < ext.GPU_MEM_GB and ext.memory_gb(job.spec.model, job.spec.global_batch, plan) > mem * 0.9:
             return 0.0, f"oom@{gtype}"
