@@ -26,8 +26,6 @@ Sia pins jobs in checkpoint-restore.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from .api import DEFAULT_RESTART_COST, Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
 from .oracle import AnalyticOracle
@@ -128,35 +126,9 @@ class Sia(HeteroSia):
         return d
 
     def _solve(self, jobs, var, cost, total, pinned) -> dict[int, int]:
-        if not var:
-            return {}
-        nv = len(var)
-        rows, cols, vals, lo, hi = [], [], [], [], []
-        by_job: dict[int, list[int]] = {}
-        for v, (i, g, _, _) in enumerate(var):
-            by_job.setdefault(i, []).append(v)
-        r = 0
-        for i, vs in by_job.items():
-            for v in vs:
-                rows.append(r)
-                cols.append(v)
-                vals.append(1.0)
-            lo.append(1.0 if i in pinned else 0.0)
-            hi.append(1.0)
-            r += 1
-        for v, (i, g, _, _) in enumerate(var):
-            rows.append(r)
-            cols.append(v)
-            vals.append(float(g))
-        lo.append(0.0)
-        hi.append(float(total))
-        r += 1
-        A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
-        res = milp(cost, constraints=LinearConstraint(A, lo, hi), integrality=np.ones(nv), bounds=Bounds(0, 1),
-                   options={"time_limit": self.time_limit, "disp": False})
-        if res.x is None:
-            return {}
-        return {var[v][0]: v for v in range(nv) if res.x[v] > 0.5}
+        """One GPU type: the typed ILP (``sia_hetero``) with a single capacity row."""
+        typed = [(i, "", g, plan, t) for i, g, plan, t in var]
+        return self._solve_typed(typed, cost, {"": total}, [""], {i: ("", g) for i, g in pinned.items()})
 
     def _place(self, now, nodes, jobs, var, chosen, d: Decision, gpn: int) -> None:
         ledger = Ledger(nodes)
