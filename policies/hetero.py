@@ -232,7 +232,9 @@ class ByType:
             pinned = cur is not None and j.switched_at is not None and now - j.switched_at < self.min_run_time
             if cur is not None and (pinned or best <= 0 or len(speeds) < 2):
                 out[j.job_id] = cur
-                fixed_load[cur] += j.spec.gpus
+                # a pinned job keeps what it holds (grown past its request, too); another
+                # can be shrunk back to its request by the type's own policy
+                fixed_load[cur] += j.gpus if pinned else min(j.gpus, j.spec.gpus)
                 continue
             if best <= 0:
                 if speeds:  # the model says it runs nowhere: let the type's policy say why
