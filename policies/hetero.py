@@ -10,13 +10,14 @@ type, on that type's nodes and the jobs it assigned there, and hands each instan
   a running job stays where it runs; a waiting one goes to the accepted type with the
   least demand per GPU.
 - ``"model"`` (rubick: type chosen with plan and resources from the performance
-  model): an LP over (job, type) maximises the sum of normalised speeds (each job's
-  best predicted speed on that type at its requested GPUs over its best type's),
-  subject to each type's GPUs (requests of the jobs placed there). A running job
-  moving to another type is worth its speed there times T/(T+R) (T: time left there,
-  R: restart cost), and a job inside its minimum run time does not move. Jobs the LP
-  leaves without room wait where their speed over that type's queue is best. Within
-  the type the policy then co-optimises plan, GPUs, CPUs and placement as before.
+  model): an LP over (job, type) maximises the sum over jobs of GPUs x normalised speed
+  (the job's best predicted speed on that type at its requested GPUs over its best
+  type's), subject to each type's GPUs (requests of the jobs placed there; what a
+  pinned job holds). A running job moving to another type is worth its speed there
+  times T/(T+R) (T: time left there, R: its restart cost, ``perfmodel.restart``), and
+  a job inside its minimum run time does not move. Jobs the LP leaves without room
+  wait where their speed over that type's queue is best. Within the type the policy
+  then co-optimises plan, GPUs, CPUs and placement as before.
 
 On a cluster of one type with no job restricting types, the inner policy is called
 unchanged (the oracle typed when the nodes are).
@@ -215,6 +216,13 @@ class ByType:
         self._speed[job.job_id] = (key, out)
         return out
 
+    def _restart(self, job: JobView) -> float:
+        """What moving a running job costs: the job's own checkpoint-restore estimate
+        (``perfmodel.restart``; a 30B model's is ~530 s), at least the flat price."""
+        from perfmodel.restart import restart_seconds
+
+        return max(self.restart_cost, restart_seconds(job.spec))
+
     def _by_model(self, now, nodes, jobs, perf, types, cap, current) -> dict[str, str]:
         from scipy.optimize import linprog
 
@@ -245,13 +253,16 @@ class ByType:
                 v = s / best
                 if cur is not None and t != cur and s > 0:
                     left = j.remaining_steps * j.spec.global_batch / s
-                    v *= left / (left + self.restart_cost)
+                    v *= left / (left + self._restart(j))
                 var.append((i, t, v))
         if not var:
             return out
         n = len(var)
-        c = -np.array([v for _, _, v in var]) - 1e-6 * np.array([1.0 if current.get(jobs[i].job_id) == t else 0.0
-                                                                 for i, t, _ in var])
+        # Each job's normalised speed weighted by its GPUs: what the type's GPUs deliver.
+        # Unweighted, many small jobs that lose a little on the slow type would keep the
+        # fast GPUs from a large job that runs nowhere else (it would wait for hours).
+        c = -np.array([v * jobs[i].spec.gpus for i, _, v in var]) \
+            - 1e-6 * np.array([1.0 if current.get(jobs[i].job_id) == t else 0.0 for i, t, _ in var])
         rows, b = [], []
         idx = {i: k for k, i in enumerate(free_jobs)}
         A = np.zeros((len(free_jobs) + len(types), n))
