@@ -14,7 +14,7 @@ type, on that type's nodes and the jobs it assigned there, and hands each instan
   (the job's best predicted speed on that type at its requested GPUs over its best
   type's), subject to each type's GPUs (requests of the jobs placed there; what a
   pinned job holds). A running job moving to another type is worth its speed there
-  times T/(T+R) (T: time left there, R: its restart cost, ``perfmodel.restart``), and
+  times T/(T+R) (T: time left there, R: the policy's restart cost), and
   a job inside its minimum run time does not move. Jobs the LP leaves without room
   wait where their speed over that type's queue is best. Within the type the policy
   then co-optimises plan, GPUs, CPUs and placement as before.
@@ -216,13 +216,6 @@ class ByType:
         self._speed[job.job_id] = (key, out)
         return out
 
-    def _restart(self, job: JobView) -> float:
-        """What moving a running job costs: the job's own checkpoint-restore estimate
-        (``perfmodel.restart``; a 30B model's is ~530 s), at least the flat price."""
-        from perfmodel.restart import restart_seconds
-
-        return max(self.restart_cost, restart_seconds(job.spec))
-
     def _by_model(self, now, nodes, jobs, perf, types, cap, current) -> dict[str, str]:
         from scipy.optimize import linprog
 
@@ -253,7 +246,7 @@ class ByType:
                 v = s / best
                 if cur is not None and t != cur and s > 0:
                     left = j.remaining_steps * j.spec.global_batch / s
-                    v *= left / (left + self._restart(j))
+                    v *= left / (left + self.restart_cost)
                 var.append((i, t, v))
         if not var:
             return out
