@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from bus_schema import codec, subjects as subj
+from bus_schema.gputypes import node_gpu_type
 from bus_schema.messages import NodeReport
 from services import observe
 from services.runtime import VERSION
@@ -36,10 +37,12 @@ class Heartbeat:
 
     async def report(self) -> NodeReport:
         mem_total, mem_used = host_memory()
+        gpus = await self.probe.sample()
         return NodeReport(
             node=self.node,
             ts=time.time(),
-            gpus=await self.probe.sample(),
+            gpus=gpus,
+            gpu_type=node_gpu_type(gpus),
             cpus=self.cpus,
             memory_total=mem_total,
             memory_used=mem_used,

@@ -34,7 +34,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--node", default=socket.gethostname().split(".")[0].replace("_", "-"), help="node name")
     p.add_argument("--fake-gpus", type=int, default=None, metavar="N", help="emulate N GPUs instead of NVML")
     p.add_argument("--gpu-memory", type=_bytes, default=80 * 2**30, help="memory per fake GPU (e.g. 80GiB)")
-    p.add_argument("--gpu-name", default="Fake GPU", help="name of the fake GPUs")
+    p.add_argument("--gpu-name", default="Fake GPU",
+                   help="name of the fake GPUs, as NVML would say it; its type (e.g. 'NVIDIA A100-SXM4-80GB' "
+                        "-> a100) is the node's GPU type")
     p.add_argument("--cpus", type=int, default=None, help="CPUs to offer (default: all)")
     p.add_argument("--workdir", default=None, help="run and checkpoint directory")
     p.add_argument("--ckpt-root", default=None, help="checkpoint root shared by all nodes (default: WORKDIR/ckpt)")

@@ -31,6 +31,7 @@ Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z
 Label = Annotated[str, Meta(max_length=MAX_STR)]
 Tenant = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 JobId = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+GpuTypeName = Annotated[str, Meta(min_length=1, max_length=16, pattern=r"^[a-z0-9]+$")]
 NodeName = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
 Arg = Annotated[str, Meta(max_length=MAX_ARG_LEN)]
 EnvKey = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -111,6 +112,9 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     # Emulated worker only (no command): seconds per step at the requested plan
     # and GPUs. Absent: the performance model's prediction, else 0.1 s.
     step_time: Annotated[float, Meta(gt=0, le=86_400)] | None = None
+    # GPU types the job may run on (bus_schema.gputypes.GPU_TYPES); absent or empty = any.
+    # A job always runs on nodes of one type.
+    gpu_types: Annotated[tuple[GpuTypeName, ...], Meta(max_length=16)] | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):
@@ -334,6 +338,7 @@ class NodeReport(_Msg, kw_only=True, frozen=True):
     agent_version: str = ""
     started_at: float = 0.0
     address: str = ""  # where other nodes reach this one (MASTER_ADDR when it holds rank 0)
+    gpu_type: str = ""  # normalised NVML type of its GPUs (bus_schema.gputypes); "" unknown
 
 
 # ---------------------------------------------------------------- agent <-> services

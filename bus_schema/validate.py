@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .gputypes import check_gpu_types
 from .messages import JobSpec
 
 
@@ -56,6 +57,11 @@ def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node:
             raise SpecError(
                 "plan.ga", f"global_batch = {spec.global_batch} is not divisible by dp*ga = {p.dp * p.ga}"
             )
+    if spec.gpu_types:
+        bad = check_gpu_types(spec.gpu_types)
+        if bad is not None:
+            field, _, message = bad.partition(": ")
+            raise SpecError(field, message)
     for i, arg in enumerate(spec.command or []):
         if "\x00" in arg:  # no process can be started with it (found by tests/test_fuzz.py)
             raise SpecError(f"command[{i}]", "may not contain a NUL character")

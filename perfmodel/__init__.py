@@ -49,6 +49,10 @@ Sensitivity curves (cached per model key + params + batch + grid)
       .gpu_curve(threads) -> np.ndarray over g = 0..max_gpus; .marginal_gain(gpus, delta)
       arrays: .tput/.env/.knee_g/.knee_n/.knee_ci/.plan_idx [g, n, thread_index]
 
+GPU types (``perfmodel/GPU_TYPES.md``)
+  SPECS[type] -> GpuSpec(tflops, mem_bw_gbs, link_gbs, mem_gb); REFERENCE = "a800" (the fit's GPU)
+  params_for_type(params, gpu_type) -> PerfParams   the fit moved to another GPU type
+
 Validation: `python -m perfmodel.validate [--data DIR] [-o json]`
 (= `gearshift perfmodel validate`, via `perfmodel.validate.main(argv) -> int`).
 
@@ -59,6 +63,7 @@ bandwidths in GB/s; parameters in millions.
 from .catalog import fitted_model_for, params_for_shape, rubick_job, shape_from_spec, shipped_cluster, sim_predictor
 from .curve import Allocation, SensitivityCurve, clear_curve_cache, curve
 from .fit import Sample, fit, fit_joint
+from .gputypes import REFERENCE as REFERENCE_GPU, SPECS as GPU_SPECS, params_for_type
 from .memory import memory_feasible, memory_per_gpu_gb
 from .model import CLUSTER_NAMES, PARAM_NAMES, PerfParams
 from .plans import FAMILIES, Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
@@ -68,7 +73,7 @@ from .rubick import rubick_global_batch, rubick_shape
 from .shapes import ModelShape
 
 __all__ = [
-    "Allocation", "CLUSTER_NAMES", "FAMILIES", "ModelShape", "PARAM_NAMES", "PerfParams", "Plan", "PlanArray",
+    "Allocation", "CLUSTER_NAMES", "GPU_SPECS", "REFERENCE_GPU", "params_for_type", "FAMILIES", "ModelShape", "PARAM_NAMES", "PerfParams", "Plan", "PlanArray",
     "Prediction", "RUBICK_MODELS", "ResourceArray", "Resources", "Sample", "SensitivityCurve", "as_plan",
     "best_plan", "clear_curve_cache", "curve", "enumerate_plans", "fit", "fit_joint", "fitted_model_for",
     "memory_feasible", "memory_per_gpu_gb", "plan_throughput", "predict", "rubick_global_batch", "rubick_job",

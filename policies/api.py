@@ -1,6 +1,10 @@
 """The scheduling interface shared by the optimizer service and the simulator.
 
 Changes (newest first; all backward compatible, every new field has a default):
+- GPU types (issue 13): ``NodeState.gpu_type``, ``Placement.gpu_type`` (not part of
+  equality), ``placement_type``, ``accepts(spec, type)`` (``JobSpec.gpu_types``),
+  ``with_type``. A job runs on nodes of one type; ``policies.hetero`` runs a policy
+  that knows nothing of types once per type.
 - ``JobView.target_throughput``: a guaranteed job's promised samples/s; when
   None, policies that need it compute "requested plan on requested GPUs" with
   the oracle. ``JobView.cpus`` property.
@@ -64,6 +68,8 @@ class NodeState:
     cpus_free: int
     # Locality domain (rack / switch). Nodes in one domain talk faster.
     domain: str = ""
+    # Normalised GPU type (bus_schema.gputypes); "" = unknown (the model's reference).
+    gpu_type: str = ""
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +79,9 @@ class Placement:
     node: str
     gpus: int
     cpus: int = 0
+    # The node's GPU type, so an oracle can answer for it (hypothetical shapes
+    # carry the type they ask about). Not part of equality: it follows the node.
+    gpu_type: str = field(default="", compare=False)
 
 
 @dataclass(slots=True)
@@ -115,6 +124,27 @@ class JobView:
     @property
     def remaining_steps(self) -> float:
         return max(0.0, self.spec.steps - self.steps_done)
+
+
+def placement_type(placement: tuple[Placement, ...]) -> str:
+    """The GPU type of a placement (a job runs on one type): its first typed part."""
+    for p in placement:
+        if p.gpu_type:
+            return p.gpu_type
+    return ""
+
+
+def accepts(spec: JobSpec, gpu_type: str) -> bool:
+    """May a job run on GPUs of this type? (``JobSpec.gpu_types``, empty = any.)"""
+    types = getattr(spec, "gpu_types", None)
+    return not types or gpu_type in types
+
+
+def with_type(placement: tuple[Placement, ...], gpu_type: str) -> tuple[Placement, ...]:
+    """``placement`` with every part typed ``gpu_type``."""
+    if all(p.gpu_type == gpu_type for p in placement):
+        return placement
+    return tuple(Placement(p.node, p.gpus, p.cpus, gpu_type) for p in placement)
 
 
 def make_job_view(job_id: str, spec: JobSpec, submitted_at: float, now: float, *, steps_done: float = 0.0,

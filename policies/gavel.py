@@ -12,8 +12,16 @@ Jobs keep their GPUs for a round of ``min_run_time`` (Gavel's 360 s rounds)
 before they can be preempted. The plan and GPU count are the user's.
 Priority classes (``JobSpec.priority``) come before Gavel's own priority in the
 round order, so a lower class is what goes without GPUs first.
-Simplifications: one GPU type, no space sharing; throughput only enters
+Simplifications on one GPU type: no space sharing; throughput only enters
 through the GPU counts (equal normalised throughput per GPU-time).
+
+Mixed GPU types (Gavel's heterogeneity-aware max-min fairness, ``gavel_hetero.py``):
+X[j,k] is the time fraction of job j on type k; effective throughput
+sum_k T[j,k] X[j,k], T from the oracle (the job's plan on its GPUs of type k);
+the LP maximises the smallest effective throughput normalised by the job's
+throughput under an equal share (1/n of the cluster's time, spread over types in
+proportion to their GPUs), then uses spare capacity; rounds grant (job, type) pairs
+by priority X[j,k] / (fraction of time the job received on k).
 """
 
 from __future__ import annotations
@@ -24,12 +32,17 @@ from scipy.optimize import linprog
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from .classes import class_rank
 from .placement import Ledger, describe
+from .gavel_hetero import HeteroGavel
 
 
-class Gavel:
+class Gavel(HeteroGavel):
+    hetero = True  # models GPU types itself (policies.hetero does not wrap it)
+
     def __init__(self, min_run_time: float = 360.0, restart_cost: float = 0.0):
         self.name = "gavel"
         self.min_run_time = min_run_time
+        self._recv: dict[str, dict[str, float]] = {}
+        self._last_now: float | None = None
 
     def shares(self, jobs: list[JobView], total: int) -> np.ndarray:
         n = len(jobs)
@@ -60,6 +73,8 @@ class Gavel:
         return r2.x[:n] if r2.status == 0 else r.x[:n]
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        if len({n.gpu_type for n in nodes}) > 1 or any(j.spec.gpu_types for j in jobs):
+            return self.schedule_hetero(now, nodes, jobs, perf)
         total = sum(n.gpus_total for n in nodes)
         x = self.shares(jobs, total)
         prio = {}

@@ -36,7 +36,7 @@ from typing import Any
 
 from bus_schema.messages import JobSpec, Plan
 
-from .api import JobView, Placement
+from .api import JobView, Placement, placement_type
 
 CHANGE_TOL = 0.02  # an observation within 2% of the current answer changes nothing
 
@@ -88,25 +88,26 @@ class LearningOracle:
         if not per_node or sum(per_node) != plan.gpus:
             return False
         model = _model_of(spec)
+        gt = placement_type(placement)  # memory and speed differ by GPU type
         pkey = _norm(plan, spec.global_batch)
         if oom:
-            if self._dominated(model, pkey):
+            if self._dominated(model + (gt,), pkey):
                 return False
-            self._oom.add((model, pkey))
-            self._oom_by_model.setdefault(model, []).append(pkey)
+            self._oom.add((model + (gt,), pkey))
+            self._oom_by_model.setdefault(model + (gt,), []).append(pkey)
             return self._bump(model)
         if step_time is None or not step_time > 0 or not math.isfinite(step_time):
             return False
         view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
         predicted = float(self.base.throughput(view, plan, placement))
         observed = spec.global_batch / step_time
-        ck = (model, pkey, per_node)
+        ck = (model, pkey, per_node, gt)
         old = self._exact.get(ck)
         if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:
             return False
         self._exact[ck] = (observed, predicted)
         if predicted > 0:  # the model's error here refits the family's scale
-            fk = (model, plan_family(plan))
+            fk = (model, plan_family(plan), gt)
             logs = self._fam.setdefault(fk, {})
             logs[(pkey, per_node)] = math.log(observed / predicted)
             self._factor[fk] = math.exp(sum(logs.values()) / (len(logs) + self.prior))
@@ -126,13 +127,13 @@ class LearningOracle:
                 return True
         return False
 
-    def infeasible(self, spec: JobSpec, plan: Plan) -> bool:
-        return self._dominated(_model_of(spec), _norm(plan, spec.global_batch))
+    def infeasible(self, spec: JobSpec, plan: Plan, gpu_type: str = "") -> bool:
+        return self._dominated(_model_of(spec) + (gpu_type,), _norm(plan, spec.global_batch))
 
     def observed(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...]) -> float | None:
         """Observed samples/s of exactly this configuration, if it ran."""
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
-        got = self._exact.get((_model_of(spec), _norm(plan, spec.global_batch), per_node))
+        got = self._exact.get((_model_of(spec), _norm(plan, spec.global_batch), per_node, placement_type(placement)))
         return got[0] if got else None
 
     # ------------------------------------------------------------ answering
@@ -153,18 +154,19 @@ class LearningOracle:
         if model not in self._version:
             return t
         pkey = _norm(plan, spec.global_batch)
-        if model in self._oom_by_model and self._dominated(model, pkey):
+        gt = placement_type(placement)
+        if model + (gt,) in self._oom_by_model and self._dominated(model + (gt,), pkey):
             return 0.0
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         if t <= 0:  # the model's (or the regime's) "may not run" stands
             return t
-        got = self._exact.get((model, pkey, per_node))
+        got = self._exact.get((model, pkey, per_node, gt))
         if got is not None:
             observed, then = got
             # The observation replaces the prediction; other CPU counts on the same
             # configuration keep the model's CPU sensitivity around it.
             return observed * (t / then) if then > 0 else observed
-        return t * self._factor.get((model, plan_family(plan)), 1.0)
+        return t * self._factor.get((model, plan_family(plan), gt), 1.0)
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
         return self._adjust(job.spec, plan, placement, self.base.throughput(job, plan, placement))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from bus_schema.messages import Plan
 
-from .api import JobView, Placement
+from .api import JobView, Placement, placement_type
 
 
 @dataclass(slots=True)
@@ -34,6 +34,9 @@ class AnalyticOracle:
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
         self.calls += 1
+        t = placement_type(placement)
+        if t:
+            return self._typed(t).throughput(job, plan, tuple(Placement(p.node, p.gpus, p.cpus) for p in placement))
         spec = job.spec
         m = spec.model
         gpus = sum(p.gpus for p in placement)
@@ -106,6 +109,16 @@ class AnalyticOracle:
         t_iter = max(t_gpu, t_data) + 0.1 * min(t_gpu, t_data)
         return B / t_iter
 
+    def _typed(self, gpu_type: str) -> "AnalyticOracle":
+        """This oracle's numbers moved to another GPU type by its specifications."""
+        from perfmodel.gputypes import REFERENCE, compute_slowdown, spec_of
+
+        ref, s = spec_of(REFERENCE), spec_of(gpu_type)
+        return AnalyticOracle(self.gpu_flops / compute_slowdown(gpu_type), s.mem_gb,
+                              self.nvlink_gbs * s.link_gbs / ref.link_gbs, self.net_gbs, self.pcie_gbs,
+                              self.hbm_gbs * s.mem_bw_gbs / ref.mem_bw_gbs, self.cpu_opt_s_per_param,
+                              self.data_s_per_sample, self.gpus_per_node)
+
 
 class PerfModelOracle:
     """``PerfOracle`` backed by the fitted performance model (``perfmodel``).
@@ -147,14 +160,16 @@ class PerfModelOracle:
         which fit of the model is in use."""
         return (spec.model, spec.global_batch, self._version.get(spec.model.name, 0))
 
-    def _model(self, spec):
-        key = spec.model
+    def _model(self, spec, gpu_type: str = ""):
+        key = (spec.model, gpu_type) if gpu_type else spec.model
         got = self._shapes.get(key)
         if got is None:
             shape = self._pm.shape_from_spec(spec.model)
             params = self._params.get(spec.model.name) or self._pm.params_for_shape(shape)
             if self.gpu_mem_gb is not None:
                 params = self._pm.PerfParams(params.model_key, params.theta, params.cluster, self.gpu_mem_gb)
+            # the fit is the reference GPU's; another type's from its specifications
+            params = self._pm.params_for_type(params, gpu_type)
             got = (shape, params)
             self._shapes[key] = got
         return got
@@ -172,7 +187,7 @@ class PerfModelOracle:
         return float(self.throughput_many(job, [plan], placement)[0])
 
     def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
-        shape, params = self._model(job.spec)
+        shape, params = self._model(job.spec, placement_type(placement))
         res = self._resources(job, placement)
         B = int(job.spec.global_batch)
         pm_plans = [self._pm.as_plan(p, B) for p in plans]
@@ -181,7 +196,7 @@ class PerfModelOracle:
     def plans(self, job: JobView, placement: tuple[Placement, ...]) -> list[Plan]:
         shape, _ = self._model(job.spec)
         res = self._resources(job, placement)
-        key = (shape.key, job.spec.global_batch, res.gpus_per_node)
+        key = (shape.key, job.spec.global_batch, res.gpus_per_node)  # plan space: not the type's
         got = self._plans.get(key)
         if got is None:
             pa = self._pm.enumerate_plans(shape, int(job.spec.global_batch), res, max_ga=self.max_ga)

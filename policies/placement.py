@@ -57,6 +57,7 @@ class Ledger:
         self.nodes = nodes
         self.order = {n.name: i for i, n in enumerate(nodes)}
         self.domain = {n.name: n.domain for n in nodes}
+        self.types = {n.name: n.gpu_type for n in nodes}
         self.free_g = {n.name: n.gpus_total for n in nodes}
         self.free_c = {n.name: n.cpus_total for n in nodes}
         self.res_g = {n.name: 0 for n in nodes}
@@ -137,7 +138,7 @@ class Ledger:
                 if len(dom_nodes) >= m:
                     ok = dom_nodes
                     break
-        return tuple(Placement(n, per_node, need_c) for n in ok[:m])
+        return tuple(Placement(n, per_node, need_c, self.types[n]) for n in ok[:m])
 
     def _place_spread(self, gpus: int, cpus_per_gpu: int, prefer: tuple[str, ...],
                       unit: int = 1) -> tuple[Placement, ...] | None:
@@ -153,7 +154,7 @@ class Ledger:
                 break
             g = min(room(n), left)
             if g > 0:
-                out.append(Placement(n, g, g * cpus_per_gpu))
+                out.append(Placement(n, g, g * cpus_per_gpu, self.types[n]))
                 left -= g
         return tuple(out) if left == 0 else None
 

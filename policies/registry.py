@@ -28,14 +28,23 @@ def make_policy(name: str, **options) -> Policy:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
     if backfill is not None and name not in ("fifo", "fifo-easy"):
         raise ValueError(f"backfill: only the FIFO family backfills, not {name!r}")
-    if name == "fifo" and (backfill is not None or sharing is not None):
-        # the key-ordered FIFO (same strict head-of-line order) so sharing can rank its queue
-        from .backfill import EasyFifo
+    def build():
+        if name == "fifo" and (backfill is not None or sharing is not None):
+            # the key-ordered FIFO (same strict head-of-line order) so sharing can rank its queue
+            from .backfill import EasyFifo
 
-        policy = EasyFifo(backfill=bool(backfill), restart_cost=options.get("restart_cost", 0.0),
-                          name="fifo-easy" if backfill else "fifo")
-    else:
-        policy = factory(**options)
+            return EasyFifo(backfill=bool(backfill), restart_cost=options.get("restart_cost", 0.0),
+                            name="fifo-easy" if backfill else "fifo")
+        return factory(**options)
+
+    policy = build()
+    if not getattr(policy, "hetero", False):
+        # GPU types: one instance per type (policies.hetero); rubick picks types by its model
+        from .hetero import ByType
+
+        policy = ByType(build, getattr(policy, "name", name), "model" if name.startswith("rubick") else "balance",
+                        restart_cost=getattr(policy, "restart_cost", 0.0) or 0.0,
+                        min_run_time=getattr(policy, "min_run_time", 0.0) or 0.0, primary=policy)
     if sharing is None or sharing is False:
         return policy
     from .queues import ShareConfig

@@ -13,6 +13,8 @@ Faithful to Sia's ILP (``sia-simulator/sia.py``) on one GPU type:
 - total GPUs <= capacity; then a greedy placement that keeps running jobs on
   their nodes and places the rest largest first; a job that does not fit
   falls back to the largest smaller configuration that does.
+Mixed GPU types: configurations are (type, count) and the ILP has one capacity
+row per type (``sia_hetero.py``).
 Adaptations, as Rubick ran Sia: the job's own plan is kept and only its data
 parallel degree scales with the GPUs (``plans.scaled_user_plan``); the global
 batch is fixed, so goodput = predicted throughput (no statistical-efficiency
@@ -24,8 +26,6 @@ Sia pins jobs in checkpoint-restore.
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from .api import DEFAULT_RESTART_COST, Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
 from .classes import enforce
@@ -33,9 +33,12 @@ from .oracle import AnalyticOracle
 from .placement import Ledger, describe
 from .candidates import oracle_key
 from .plans import scaled_user_plan
+from .sia_hetero import HeteroSia
 
 
-class Sia:
+class Sia(HeteroSia):
+    hetero = True  # models GPU types itself (sia_hetero.py; policies.hetero does not wrap it)
+
     def __init__(self, p: float = -0.5, lambda_n: float = 1.1, lambda_a: float = 0.01, max_scale: float = 2.0,
                  restart_cost: float = DEFAULT_RESTART_COST, min_run_time: float | None = None,
                  time_limit: float = 10.0):
@@ -80,6 +83,10 @@ class Sia:
         return t, plan
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
+        types = {n.gpu_type for n in nodes}
+        if len(types) > 1 or any(j.spec.gpu_types for j in jobs) or "" not in types:
+            # GPU types (one, typed, included: the oracle must answer for it)
+            return self.schedule_hetero(now, nodes, jobs, perf)
         perf = perf or AnalyticOracle()
         gpn = max((n.gpus_total for n in nodes), default=8)
         total = sum(n.gpus_total for n in nodes)
@@ -121,35 +128,9 @@ class Sia:
         return enforce(now, nodes, jobs, d, min_run_time=self.pin_time, name=self.name)
 
     def _solve(self, jobs, var, cost, total, pinned) -> dict[int, int]:
-        if not var:
-            return {}
-        nv = len(var)
-        rows, cols, vals, lo, hi = [], [], [], [], []
-        by_job: dict[int, list[int]] = {}
-        for v, (i, g, _, _) in enumerate(var):
-            by_job.setdefault(i, []).append(v)
-        r = 0
-        for i, vs in by_job.items():
-            for v in vs:
-                rows.append(r)
-                cols.append(v)
-                vals.append(1.0)
-            lo.append(1.0 if i in pinned else 0.0)
-            hi.append(1.0)
-            r += 1
-        for v, (i, g, _, _) in enumerate(var):
-            rows.append(r)
-            cols.append(v)
-            vals.append(float(g))
-        lo.append(0.0)
-        hi.append(float(total))
-        r += 1
-        A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
-        res = milp(cost, constraints=LinearConstraint(A, lo, hi), integrality=np.ones(nv), bounds=Bounds(0, 1),
-                   options={"time_limit": self.time_limit, "disp": False})
-        if res.x is None:
-            return {}
-        return {var[v][0]: v for v in range(nv) if res.x[v] > 0.5}
+        """One GPU type: the typed ILP (``sia_hetero``) with a single capacity row."""
+        typed = [(i, "", g, plan, t) for i, g, plan, t in var]
+        return self._solve_typed(typed, cost, {"": total}, [""], {i: ("", g) for i, g in pinned.items()})
 
     def _place(self, now, nodes, jobs, var, chosen, d: Decision, gpn: int) -> None:
         ledger = Ledger(nodes)

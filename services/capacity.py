@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from bus_schema.gputypes import node_gpu_type
 from bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodePlacement, NodeReport
 from policies import Decision, NodeState, Placement
 from policies.api import JobDecision
@@ -41,7 +42,8 @@ def node_states(nodes: Iterable[NodeReport], held: dict[str, set[int]]) -> list[
     out = []
     for n in nodes:
         gpus = len(n.gpus) - len(held.get(n.node, ()))
-        out.append(NodeState(name=n.node, gpus_total=gpus, gpus_free=gpus, cpus_total=n.cpus, cpus_free=n.cpus))
+        out.append(NodeState(name=n.node, gpus_total=gpus, gpus_free=gpus, cpus_total=n.cpus, cpus_free=n.cpus,
+                             gpu_type=n.gpu_type or node_gpu_type(n.gpus)))
     return out
 
 

@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace-file", help="a trace file; give its --format")
     p.add_argument("--format", choices=FORMATS, help="format of --trace-file")
     p.add_argument("--policies", default="fifo", help="comma-separated policy names (default: fifo)")
-    p.add_argument("--cluster", help="NODESxGPUS[:CPUS], default: the trace's own (rubick: 8x8)")
+    p.add_argument("--cluster", help="[TYPE:]NODESxGPUS[:CPUS][,...], e.g. 8x8 or a100:8x8,v100:8x8 (mixed GPU "
+                                     "types); default: the trace's own (rubick: 8x8)")
     p.add_argument("--interval", type=float, default=60.0, help="seconds between scheduling rounds (default 60)")
     p.add_argument("--restart-cost", type=_restart_cost, default="measured",
                    help="seconds lost per (re)start, or 'measured' (default): the per-job model fitted to "

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus_schema.messages import Plan
-from policies.api import AllocationError, JobView, NodeState, Placement, Policy, check_decision, make_job_view
+from policies.api import AllocationError, JobView, NodeState, Placement, Policy, accepts, check_decision, make_job_view, with_type
 
 from .trace import ClusterSpec, Trace, TraceJob
 from policies.learning import LearningOracle
@@ -162,10 +162,14 @@ class Simulator:
         self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
         self.progress = progress
         c = self.cluster
-        self.node_names = [f"n{i:03d}" for i in range(c.nodes)]
+        nodes = c.node_list()
+        self.node_names = [n[0] for n in nodes]
+        self.node_types = [n[1] for n in nodes]
+        self.cap_g = [n[2] for n in nodes]
+        self.cap_c = [n[3] for n in nodes]
         self.node_index = {n: i for i, n in enumerate(self.node_names)}
-        self.free_g = [c.gpus_per_node] * c.nodes
-        self.free_c = [c.cpus_per_node] * c.nodes
+        self.free_g = self.cap_g.copy()
+        self.free_c = self.cap_c.copy()
         self.records = [JobRecord(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
         self.live: dict[str, JobRecord] = {}  # pending + running, in arrival order
@@ -178,10 +182,14 @@ class Simulator:
         self.now = 0.0
         self.rounds = 0
         self.events = 0
+        by_type: dict[str, int] = {}
+        for t, g in zip(self.node_types, self.cap_g):
+            by_type[t] = by_type.get(t, 0) + g
         for j in trace.jobs:
-            biggest = c.gpus_per_node * c.nodes
+            biggest = max((g for t, g in by_type.items() if accepts(j.spec, t)), default=0)
             if j.spec.gpus > biggest:
-                raise ValueError(f"job {j.job_id} asks for {j.spec.gpus} GPUs; the cluster has {biggest}")
+                what = f" of the types it accepts ({', '.join(j.spec.gpu_types)})" if j.spec.gpu_types else ""
+                raise ValueError(f"job {j.job_id} asks for {j.spec.gpus} GPUs; the cluster has {biggest}{what}")
 
     # ------------------------------------------------------------ progress
     def _advance(self, r: JobRecord, t: float) -> None:
@@ -257,6 +265,8 @@ class Simulator:
         del self.running[r.job.job_id]
 
     def _grant(self, r: JobRecord, placement: tuple[Placement, ...], plan: Plan, t: float) -> None:
+        # the nodes' own type, whatever the decision said (truth and learning read it)
+        placement = with_type(placement, self.node_types[self.node_index[placement[0].node]])
         for p in placement:
             i = self.node_index[p.node]
             self.free_g[i] -= p.gpus
@@ -299,8 +309,8 @@ class Simulator:
 
     # ------------------------------------------------------------ a round
     def _nodes(self) -> list[NodeState]:
-        c = self.cluster
-        return [NodeState(n, c.gpus_per_node, self.free_g[i], c.cpus_per_node, self.free_c[i])
+        types = self.node_types
+        return [NodeState(n, self.cap_g[i], self.free_g[i], self.cap_c[i], self.free_c[i], gpu_type=types[i])
                 for i, n in enumerate(self.node_names)]
 
     def _round(self, t: float) -> bool:
@@ -392,10 +402,12 @@ class Simulator:
             if not d.placement:
                 raise AllocationError(f"job {jid}: empty placement")
             gpus = 0
+            types = set()
             for p in d.placement:
                 i = idx.get(p.node)
                 if i is None:
                     raise AllocationError(f"job {jid}: unknown node {p.node!r}")
+                types.add(self.node_types[i])
                 if p.gpus < 0 or p.cpus < 0:
                     raise AllocationError(f"job {jid}: negative amount on {p.node}")
                 free_g[i] -= p.gpus
@@ -403,26 +415,31 @@ class Simulator:
                 gpus += p.gpus
             if gpus != d.plan.gpus:
                 raise AllocationError(f"job {jid}: plan {d.plan.label()} needs {d.plan.gpus} GPUs, placement has {gpus}")
+            if len(types) > 1:
+                raise AllocationError(f"job {jid}: placement spans GPU types {sorted(types)} (a job runs on one type)")
+            if not accepts(r.job.spec, next(iter(types))):
+                raise AllocationError(f"job {jid}: placed on {next(iter(types))!r} GPUs; it accepts "
+                                      f"{', '.join(r.job.spec.gpu_types)}")
         for i, name in enumerate(self.node_names):
             if free_g[i] < 0:
-                raise AllocationError(f"node {name}: {self.cluster.gpus_per_node - free_g[i]} GPUs allocated, it has {self.cluster.gpus_per_node}")
+                raise AllocationError(f"node {name}: {self.cap_g[i] - free_g[i]} GPUs allocated, it has {self.cap_g[i]}")
             if free_c[i] < 0:
-                raise AllocationError(f"node {name}: {self.cluster.cpus_per_node - free_c[i]} CPUs allocated, it has {self.cluster.cpus_per_node}")
+                raise AllocationError(f"node {name}: {self.cap_c[i] - free_c[i]} CPUs allocated, it has {self.cap_c[i]}")
         return same
 
     def _check_capacity(self) -> None:
         c = self.cluster
-        used_g = [0] * c.nodes
-        used_c = [0] * c.nodes
+        used_g = [0] * len(self.node_names)
+        used_c = [0] * len(self.node_names)
         for r in self.running.values():
             for p in r.placement:
                 i = self.node_index[p.node]
                 used_g[i] += p.gpus
                 used_c[i] += p.cpus
-        for i in range(c.nodes):
-            if used_g[i] > c.gpus_per_node or used_c[i] > c.cpus_per_node:
+        for i in range(len(self.node_names)):
+            if used_g[i] > self.cap_g[i] or used_c[i] > self.cap_c[i]:
                 raise InvariantError(f"node {self.node_names[i]} holds {used_g[i]} GPUs / {used_c[i]} CPUs")
-            if used_g[i] + self.free_g[i] != c.gpus_per_node or used_c[i] + self.free_c[i] != c.cpus_per_node:
+            if used_g[i] + self.free_g[i] != self.cap_g[i] or used_c[i] + self.free_c[i] != self.cap_c[i]:
                 raise InvariantError(f"node {self.node_names[i]}: free-capacity bookkeeping is off")
 
     # ------------------------------------------------------------ the loop

@@ -46,7 +46,7 @@ from .trace import ClusterSpec, Trace, TraceJob, parse_cluster
 
 DATA = Path(__file__).parent / "data"
 
-FORMATS = ("rubick", "blox", "tiresias", "itp", "pollux")
+FORMATS = ("rubick", "blox", "tiresias", "itp", "pollux", "gavel")
 
 _GENERIC_BATCH = 32
 
@@ -180,6 +180,37 @@ def load_pollux(path: str | Path, name: str = "") -> Trace:
 LOADERS = {"rubick": load_rubick, "blox": load_blox, "tiresias": load_tiresias, "itp": load_itp, "pollux": load_pollux}
 
 
+def load_gavel(path: str | Path, name: str = "") -> Trace:
+    """Gavel's Philly-derived traces (``msr/seed=N/<vc>.trace``, tab-separated: job_type,
+    command, num_steps_arg, needs_data_dir, total_steps, arrival_time, scale_factor).
+    The request's speed is Gavel's measured V100 steps/s at its scale factor (scaled by
+    GPUs^0.8 from the largest measured one beyond it), moved to the reference GPU by the
+    measured A100 : V100 ratio; ``truth_key`` "gavel:<job type>" makes the ground truth
+    read Gavel's table on K80/P100/V100 (``sim.gputruth``). Default cluster: Gavel's
+    heterogeneous one, scaled down (v100:9x4,p100:9x4,k80:9x4)."""
+    from . import gputruth
+
+    jobs = []
+    with open(path, newline="") as f:
+        for n, line in enumerate(f):
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) < 7:
+                if line.strip():
+                    raise ValueError(f"{path}:{n + 1}: expected 7 tab-separated columns, got {len(parts)}")
+                continue
+            jt, steps, arrival, gpus = parts[0], int(float(parts[4])), float(parts[5]), int(parts[6])
+            speed = gputruth.gavel_request_speed(jt, gpus)
+            if not speed:
+                raise ValueError(f"{path}:{n + 1}: job type {jt!r} has no measured V100 speed in Gavel's table")
+            jobs.append(_make(f"g{n}", arrival, _generic_model(jt), gpus, max(1, steps), 1.0 / speed,
+                              truth_key=f"gavel:{jt}"))
+    return Trace(name or Path(path).stem, jobs, parse_cluster("v100:9x4,p100:9x4,k80:9x4"),
+                 note="Gavel Philly-derived trace (MIT); speeds from Gavel's measured throughputs")
+
+
+LOADERS["gavel"] = load_gavel
+
+
 def load_trace_file(path: str | Path, fmt: str) -> Trace:
     try:
         loader = LOADERS[fmt]
@@ -198,6 +229,7 @@ NAMED: dict[str, tuple[str, str]] = {
     "pollux-w6": ("pollux", "philly-pollux/workload-6.csv"),
     "philly-10k": ("pollux", "philly-pollux/philly_10k.csv"),
     "itp-c10": ("itp", "microsoft-itp/cluster10.csv"),
+    "gavel-2869ce": ("gavel", "gavel/msr_seed0_2869ce.trace"),
 }
 
 

@@ -50,7 +50,7 @@ import msgspec
 from pathlib import Path
 
 from bus_schema.messages import JobSpec, Plan
-from policies.api import JobView, Placement
+from policies.api import JobView, Placement, placement_type
 
 from .rubick_catalog import GLOBAL_BATCH, MODELS, placement_key, proxy_families, rubick_family
 from .trace import TraceJob
@@ -184,16 +184,44 @@ class GroundTruth:
         threads = sum(p.cpus for p in placement) // max(1, sum(per_node))
         # The job's own step time is part of the key even for tabled models: the
         # ``request`` source returns it (jobs of one model have different ones).
+        gtype = placement_type(placement)
         ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time,
-              job.spec.plan, job.spec.gpus, plan, per_node, threads)
+              job.spec.plan, job.spec.gpus, plan, per_node, threads, gtype)
         hit = self._cache.get(ck)
         if hit is None:
             self._placement = placement
             hit = self._compute(job, plan, per_node)
             if hit[1] not in ("measured", "request"):
                 hit = (hit[0] * self.unmeasured_slowdown, hit[1])
+            if gtype:
+                hit = self._on_type(job, plan, gtype, hit)
             self._cache[ck] = hit
         return hit
+
+    def _on_type(self, job: TraceJob, plan: Plan, gtype: str, hit: tuple[float, str]) -> tuple[float, str]:
+        """The reference GPU's truth moved to ``gtype`` (``sim.gputruth``): out of memory
+        where the independent estimate leaves under 10% of the type's memory free,
+        else slower or faster by the measured (or spec) ratio. Tagged ``source@type``."""
+        from . import extended as ext
+        from . import gputruth
+
+        t, source = hit
+        if t <= 0:
+            return hit
+        if job.truth_key.startswith("gavel:") and gtype in gputruth.MEASURED_TYPES:
+            # Gavel's own job types: its measured steps/s on this type, as a ratio to the
+            # reference the rest of the truth was built on (plan and placement effects kept)
+            jt, gpus = job.truth_key[6:], plan.gpus
+            here, ref = gputruth.gavel_measured(jt, gpus, gtype), gputruth.gavel_request_speed(jt, gpus)
+            if here is not None and ref:
+                return (0.0, f"oom@{gtype}") if here <= 0 else (t * ref / here, f"{source}@{gtype}")
+        mem = gputruth.memory_gb(gtype)
+        if mem < ext.GPU_MEM_GB and ext.memory_gb(job.spec.model, job.spec.global_batch, plan) > mem * 0.9:
+            return 0.0, f"oom@{gtype}"
+        factor, kind = gputruth.speed_factor(gtype, job.spec.model.name)
+        if kind == "reference":
+            return hit
+        return t / factor, f"{source}@{gtype}"
 
     def _compute(self, job: TraceJob, plan: Plan, per_node: tuple[int, ...]) -> tuple[float, str]:
         spec = job.spec
@@ -348,7 +376,8 @@ class BeliefOracle:
                 return 0.0
             return self._analytic.throughput(job, plan, placement)
         threads = sum(p.cpus for p in placement) // sum(per_node)
-        ck = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node, threads)
+        gtype = placement_type(placement)
+        ck = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node, threads, gtype)
         v = self._cache.get(ck)
         if v is None:
             if self.allowed is not None and not self.allowed(spec, plan, per_node):
@@ -358,6 +387,10 @@ class BeliefOracle:
                 v = float(self._live.throughput(job, plan, placement))
             else:
                 v = self._compute(with_threads(spec, placement), plan, per_node)
+                if gtype and v > 0:  # a model the fit does not know: the type's spec-based compute ratio
+                    from perfmodel.gputypes import compute_slowdown
+
+                    v /= compute_slowdown(gtype)
             self._cache[ck] = v
         return v
 
