@@ -34,19 +34,32 @@ def command(trace: str, regime: str, policies: str = POLICIES, extra: tuple[str,
     return ["--trace", trace, "--policies", policies, "--regime", regime, *extra, "-o", "json", "--no-progress"]
 
 
+ABLATIONS = [("rubick as before issue 10's last fix: a pending job's start charged the restart relative to its "
+              "whole run", '{"start_unavoidable": false}'),
+             ("rubick with the completion weight (Smith's rule, beta = 1)", '{"completion_weight": 1}')]
+
+
 def _run(argv: list[str]):
     from .cli import build_parser, run
 
     args = build_parser().parse_args(argv)
+    t0 = time.time()
     results, summaries, rat = run(args)
     per_model = {}
     for res in results:
-        by: dict[str, list[float]] = {}
+        by: dict[str, list[tuple[float, float]]] = {}
         for r in res.records:
             if r.finish is not None:
-                by.setdefault(r.job.truth_key or r.job.spec.model.name, []).append(r.finish - r.job.submit)
-        per_model[res.policy] = {m: (sum(v) / len(v), len(v)) for m, v in by.items()}
-    return argv, summaries, rat, per_model
+                by.setdefault(r.job.truth_key or r.job.spec.model.name, []).append(
+                    (r.finish - r.job.submit, r.first_start - r.job.submit))
+        per_model[res.policy] = {m: (sum(x for x, _ in v) / len(v), len(v), sum(q for _, q in v) / len(v))
+                                 for m, v in by.items()}
+    return argv, summaries, rat, per_model, time.time() - t0
+
+
+def _slug(argv: list[str]) -> str:
+    keep = [a.lstrip("-").replace(":", "_").replace("=", "") for a in argv if a not in ("-o", "json", "--no-progress")]
+    return "_".join(k for k in keep if k not in ("trace", "policies", "regime")).replace(",", "+")[:120] or "run"
 
 
 def _h(x) -> str:
@@ -58,7 +71,9 @@ def _x(v) -> str:
 
 
 def _cmd(argv: list[str]) -> str:
-    return "gearshift simulate " + " ".join(a for a in argv if a != "--no-progress")
+    import shlex
+
+    return "gearshift simulate " + " ".join(shlex.quote(a) for a in argv if a != "--no-progress")
 
 
 def _table(summaries: list[dict], rat: dict) -> str:
@@ -98,29 +113,50 @@ def _per_model(per_model: dict, summaries: list[dict]) -> str:
     if not peers or "rubick" not in per_model:
         return ""
     best = min(peers, key=lambda s: s["avg_jct_s"])["policy"]
-    rows = ["| model | jobs | rubick avg JCT h | " + best + " avg JCT h | ratio | share of the total gap |",
-            "|---|---:|---:|---:|---:|---:|"]
+    rows = [f"Best baseline here: **{best}**. Share of the gap: that model's part of the difference in summed JCT "
+            "(negative: rubick loses there).", "",
+            "| model | jobs | rubick avg JCT h | " + best + " avg JCT h | ratio | rubick avg queue h | " + best
+            + " avg queue h | share of the total gap |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
     r, b = per_model["rubick"], per_model[best]
     gap_total = sum(b[m][0] * b[m][1] for m in b) - sum(r[m][0] * r[m][1] for m in r)
     for m in sorted(set(r) & set(b), key=lambda m: -(b[m][0] - r[m][0]) * r[m][1]):
         gap = b[m][0] * b[m][1] - r[m][0] * r[m][1]
         share = f"{100 * gap / gap_total:.0f}%" if gap_total else "-"
-        rows.append(f"| {m} | {r[m][1]} | {_h(r[m][0])} | {_h(b[m][0])} | {_x(b[m][0] / r[m][0])} | {share} |")
+        rows.append(f"| {m} | {r[m][1]} | {_h(r[m][0])} | {_h(b[m][0])} | {_x(b[m][0] / r[m][0])} | "
+                    f"{_h(r[m][2])} | {_h(b[m][2])} | {share} |")
     return "\n".join(rows)
 
 
-def generate(out: Path, workers: int = 2, quick: bool = False) -> str:
+def _ablation(opts: str) -> list[str]:
+    return command("rubick-base", "measured", "rubick", ("--policy-options", opts))
+
+
+def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | None = None) -> str:
+    import json
+
+    from .cli import _clean
+
     t0 = time.time()
     runs = [command(t, reg) for reg in ("measured", "extended") for t in TRACES]
     runs += [command(HELD_OUT, reg) for reg in ("measured", "extended")]
+    runs += [_ablation(o) for _, o in ABLATIONS]
     runs += [command("rubick-base", "extended", "rubick,sia", k) for k in SWEEP]
     if quick:
         runs = [command("rubick-base", "measured", extra=("--jobs", "60"))]
     got: dict[tuple, tuple] = {}
+    if json_dir is not None:
+        json_dir.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=workers) as ex:
-        for argv, summaries, rat, per_model in ex.map(_run, runs):
+        for argv, summaries, rat, per_model, wall in ex.map(_run, runs):
             got[tuple(argv)] = (summaries, rat, per_model)
-            print(f"  {_cmd(argv)}: rubick {_x(rat.get('rubick', {}).get('jct_x'))}", flush=True)
+            print(f"  {_cmd(argv)}: rubick {_x(rat.get('rubick', {}).get('jct_x'))} ({wall:.0f} s)", flush=True)
+            if json_dir is not None:  # what `gearshift simulate ... -o json` prints, plus the per-model means
+                doc = {"command": _cmd(argv), "wall_s": round(wall, 1), "results": summaries,
+                       "ratios_vs_best_baseline": rat,
+                       "per_model": {p: {m: {"avg_jct_s": v[0], "jobs": v[1], "avg_queue_s": v[2]}
+                                         for m, v in pm.items()} for p, pm in per_model.items()}}
+                (json_dir / f"{_slug(argv)}.json").write_text(json.dumps(_clean(doc), indent=1))
 
     def res(argv):
         return got.get(tuple(argv))
@@ -163,6 +199,28 @@ def generate(out: Path, workers: int = 2, quick: bool = False) -> str:
                     _verdict(summaries, rat, floor), "",
                     "Per model, against the best baseline (sorted by where rubick gains most):", "",
                     _per_model(per_model, summaries), ""]
+    base = res(command("rubick-base", "measured"))
+    abl = [(what, opts, res(_ablation(opts))) for what, opts in ABLATIONS]
+    if base is not None and any(a[2] for a in abl):
+        peers = [s for s in base[0] if s["policy"] in PEERS and s["unfinished"] == 0]
+        best = min(peers, key=lambda s: s["avg_jct_s"]) if peers else None
+        rub = next(s for s in base[0] if s["policy"] == "rubick")
+        doc += ["## Where the measured-regime lead comes from (rubick-base, measured)", "",
+                "Rubick run alone with one of its options changed, against the best baseline of the run above "
+                f"({best['policy'] if best else '-'}, avg JCT {_h(best['avg_jct_s']) if best else '-'} h, makespan "
+                f"{_h(best and min(s['makespan_s'] for s in peers))} h).", "",
+                "| rubick variant | avg JCT h | makespan h | reconf | JCT vs best baseline |", "|---|---:|---:|---:|---:|",
+                f"| default (`{_cmd(command('rubick-base', 'measured'))}`) | {_h(rub['avg_jct_s'])} | "
+                f"{_h(rub['makespan_s'])} | {rub['reconfigurations']} | "
+                f"{_x(best['avg_jct_s'] / rub['avg_jct_s'] if best else None)} |"]
+        for what, opts, r in abl:
+            if r is None:
+                continue
+            a = r[0][0]
+            ratio = best["avg_jct_s"] / a["avg_jct_s"] if best and a["unfinished"] == 0 else None
+            doc.append(f"| {what} (`--policy-options '{opts}'`) | {_h(a['avg_jct_s'])} | {_h(a['makespan_s'])} | "
+                       f"{a['reconfigurations']} | {_x(ratio)} |")
+        doc.append("")
     doc += ["## Extended regime: knob sweep (rubick-base, rubick vs sia)", "",
             "| knob | value | rubick avg JCT h | sia avg JCT h | rubick vs sia | rubick unfinished | rubick OOM starts | "
             "rubick measured % |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -196,8 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="docs/evaluation.md")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one small run (a smoke test of the generator)")
+    ap.add_argument("--json-dir", help="also write each run's summaries, ratios and per-model means here as JSON")
     a = ap.parse_args(argv)
-    generate(Path(a.out), a.workers, a.quick)
+    generate(Path(a.out), a.workers, a.quick, Path(a.json_dir) if a.json_dir else None)
     print(f"wrote {a.out}")
     return 0
 
