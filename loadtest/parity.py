@@ -245,7 +245,19 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
     from services.runtime import connect, ensure_infra
 
     clock = Clock()
-    opt_mod.now = adm_mod.now = clock  # the injected clock
+    # The injected clock, in every service module that reads the time: the optimizer's
+    # split-out writers stamp last_switch_at / created_at with it (a wall-clock stamp
+    # there made the live policy see a job switched in the future, pinned forever).
+    import importlib
+
+    import services.runtime as rt_mod
+
+    for name in ("services.admission", "services.optimizer", "services.record_writer", "services.alloc_writer",
+                 "services.node_modes", "services.lifecycle", "services.policy_bridge"):
+        mod = importlib.import_module(name)
+        if getattr(mod, "now", None) is rt_mod.now:
+            mod.now = clock
+    opt_mod.now = adm_mod.now = clock
     if verbose:
         import signal
 
@@ -264,6 +276,10 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
         _, svc = await start_admission(nc)
         opt = await Optimizer(nc, policy="rubick", interval=1e9, policy_options=policy_options,
                               max_retries=10_000, node_timeout=1e12).open()
+        # what Optimizer._lead does on taking the lease: fence the buckets it writes
+        # (every allocation write carries the epoch), then subscribe to progress
+        await opt.leadership.fence.take()
+        opt.store.fence = opt.leadership.fence
         opt.is_leader = True
         await nc.subscribe("gs.job.*.progress", cb=opt.on_progress)  # what _lead subscribes to
         opt.leader_since = time.monotonic()

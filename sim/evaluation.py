@@ -132,19 +132,57 @@ def _ablation(opts: str) -> list[str]:
     return command("rubick-base", "measured", "rubick", ("--policy-options", opts))
 
 
-def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | None = None) -> str:
+SWEEP_JOBS = 150  # the knob sweep runs on rubick-base's first 150 jobs (a full run takes ~10 min a policy pair)
+
+
+def sweep_command(k: tuple[str, str]) -> list[str]:
+    return command("rubick-base", "extended", "rubick,sia", (*k, "--jobs", str(SWEEP_JOBS)))
+
+
+def all_runs() -> list[list[str]]:
+    runs = [command(t, reg) for reg in ("measured", "extended") for t in TRACES]
+    runs += [command(HELD_OUT, reg) for reg in ("measured", "extended")]
+    runs += [_ablation(o) for _, o in ABLATIONS]
+    runs += [sweep_command(k) for k in SWEEP]
+    runs += [command("rubick-base", "extended", "rubick,sia", ("--jobs", str(SWEEP_JOBS)))]
+    return runs
+
+
+def _load(json_dir: Path) -> dict[tuple, tuple]:
+    """Runs saved by an earlier ``--json-dir`` (keyed by their command)."""
+    import json
+
+    got = {}
+    by_cmd = {_cmd(a): a for a in all_runs()}
+    for f in sorted(json_dir.glob("*.json")):
+        d = json.loads(f.read_text())
+        argv = by_cmd.get(d.get("command"))
+        if argv is None:
+            continue
+        nan = lambda x: math.nan if x is None else x
+        summaries = [{k: nan(v) if k.endswith("_s") or k == "measured_share" else v for k, v in s.items()}
+                     for s in d["results"]]
+        rat = {p: {k: nan(v) for k, v in r.items()} for p, r in d["ratios_vs_best_baseline"].items()}
+        pm = {p: {m: (v["avg_jct_s"], v["jobs"], v["avg_queue_s"]) for m, v in ms.items()}
+              for p, ms in d.get("per_model", {}).items()}
+        got[tuple(argv)] = (summaries, rat, pm)
+    return got
+
+
+def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | None = None,
+             only: str | None = None, from_json: bool = False) -> str:
     import json
 
     from .cli import _clean
 
     t0 = time.time()
-    runs = [command(t, reg) for reg in ("measured", "extended") for t in TRACES]
-    runs += [command(HELD_OUT, reg) for reg in ("measured", "extended")]
-    runs += [_ablation(o) for _, o in ABLATIONS]
-    runs += [command("rubick-base", "extended", "rubick,sia", k) for k in SWEEP]
+    runs = all_runs()
+    if only:
+        runs = [a for a in runs if only in _cmd(a)]
     if quick:
         runs = [command("rubick-base", "measured", extra=("--jobs", "60"))]
-    got: dict[tuple, tuple] = {}
+    got: dict[tuple, tuple] = _load(json_dir) if (from_json and json_dir is not None) else {}
+    runs = [a for a in runs if tuple(a) not in got]
     if json_dir is not None:
         json_dir.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=workers) as ex:
@@ -221,11 +259,12 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
             doc.append(f"| {what} (`--policy-options '{opts}'`) | {_h(a['avg_jct_s'])} | {_h(a['makespan_s'])} | "
                        f"{a['reconfigurations']} | {_x(ratio)} |")
         doc.append("")
-    doc += ["## Extended regime: knob sweep (rubick-base, rubick vs sia)", "",
+    doc += [f"## Extended regime: knob sweep (rubick-base's first {SWEEP_JOBS} jobs, rubick vs sia)", "",
             "| knob | value | rubick avg JCT h | sia avg JCT h | rubick vs sia | rubick unfinished | rubick OOM starts | "
             "rubick measured % |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for k in SWEEP:
-        r = res(command("rubick-base", "extended", "rubick,sia", k))
+    for k in [("defaults", "-")] + SWEEP:
+        r = res(sweep_command(k) if k[0] != "defaults" else
+                command("rubick-base", "extended", "rubick,sia", ("--jobs", str(SWEEP_JOBS))))
         if r is None:
             continue
         by = {s["policy"]: s for s in r[0]}
@@ -234,7 +273,7 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
         doc.append(f"| {k[0]} | {k[1]} | {_h(ru['avg_jct_s'])} | {_h(si['avg_jct_s'])} | {_x(ratio)} | "
                    f"{ru['unfinished']} | {ru['stalled_allocations']} | {100 * ru['measured_share']:.0f} |")
     doc += ["", "Defaults: --systematic 0.15, --distance-slowdown 0.10, --headroom 0.10. Each row changes one knob "
-            f"(`{_cmd(command('rubick-base', 'extended', 'rubick,sia', ('--headroom', '0.2')))}`).", ""]
+            f"(`{_cmd(sweep_command(('--headroom', '0.2')))}`).", ""]
     doc += ["## Held-out workload", "",
             "rubick-base resampled with seed 1 (`--trace rubick-base:resample=1`: the same arrival times, each "
             "slot filled with a job drawn with replacement from rubick-base). Nobody tuned on it.", ""]
@@ -255,8 +294,12 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="one small run (a smoke test of the generator)")
     ap.add_argument("--json-dir", help="also write each run's summaries, ratios and per-model means here as JSON")
+    ap.add_argument("--from-json", action="store_true", help="reuse the runs already saved in --json-dir")
+    ap.add_argument("--only", help="run only the commands containing this text (e.g. --jobs for the sweep)")
     a = ap.parse_args(argv)
-    generate(Path(a.out), a.workers, a.quick, Path(a.json_dir) if a.json_dir else None)
+    if a.from_json and not a.json_dir:
+        ap.error("--from-json needs --json-dir")
+    generate(Path(a.out), a.workers, a.quick, Path(a.json_dir) if a.json_dir else None, a.only, a.from_json)
     print(f"wrote {a.out}")
     return 0
 
