@@ -169,7 +169,7 @@ def _learned(res) -> list[str]:
         if "llama30" in r and gap:
             share = (b["llama30"][0] - r["llama30"][0]) * r["llama30"][1] / gap
             out.append(f"- **Where the measured lead comes from.** On rubick-base (measured) rubick's average JCT is "
-                       f"{_x(rat['rubick']['jct_x'])} {best}'s. llama30 ({r["llama30"][1]} jobs asking for 24, 40 or 48 GPUs) is "
+                       f"{_x(rat['rubick']['jct_x'])} {best}'s. llama30 ({r['llama30'][1]} jobs asking for 24, 40 or 48 GPUs) is "
                        f"{100 * share:.0f}% of the difference: its jobs queue {_h(r['llama30'][2])} h on average "
                        f"under rubick against {_h(b['llama30'][2])} h under {best}. Most llama30 jobs in the trace "
                        "have minutes of work and a restart of ~9 minutes; rubick starts them on the smallest "
