@@ -139,7 +139,8 @@ def _floor_row(t: str, regime: str, r) -> str:
     meas = ", ".join(f"{p} {100 * s['measured_share']:.0f}%" for p, s in by.items())
     ok = (not math.isnan(jx) and jx >= floor and mx >= 1.0 and all(s["unfinished"] == 0 for s in summaries)
           and (not ru["guaranteed_jobs"] or ru["guarantees_kept"] == ru["guaranteed_accepted"]))
-    return (f"| {t} | {regime} | {_x(jx)} (floor {floor:g}x) | {_x(mx)} | {unf} | {g} | {meas} | "
+    mxs = "-" if math.isnan(mx) else f"{mx:.3f}x"
+    return (f"| {t} | {regime} | {_x(jx)} (floor {floor:g}x) | {mxs} | {unf} | {g} | {meas} | "
             f"{'met' if ok else '**not met**'} |")
 
 
@@ -203,8 +204,9 @@ def _learned(res) -> list[str]:
         bm = min(peers, key=lambda s: s["makespan_s"])
         if rat["rubick"]["makespan_x"] < 1:
             out.append(f"- **rubick-mt's makespan.** rubick's is {_h(ru['makespan_s'])} h against {bm['policy']}'s "
-                       f"{_h(bm['makespan_s'])} h ({_x(rat['rubick']['makespan_x'])}): the floor's \"no worse\" is "
-                       "missed by that much. On rubick-mt most llama30 jobs are guaranteed and run exactly their "
+                       f"{_h(bm['makespan_s'])} h ({rat['rubick']['makespan_x']:.4f}x, "
+                       f"{ru['makespan_s'] - bm['makespan_s']:.0f} s longer): the floor's \"no worse\" is missed by "
+                       "that much. On rubick-mt most llama30 jobs are guaranteed and run exactly their "
                        "request (24, 40 or 48 of the 64 GPUs), so the 40- and 48-GPU ones run one after another "
                        "whatever the policy; the few best-effort llama30 jobs fill in around them, are preempted "
                        "when a guaranteed one needs their GPUs, and the last of them finish after that chain: "
