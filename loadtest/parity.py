@@ -20,6 +20,14 @@ each one's plan and GPU count (node names differ between the two). Each
 disagreement is listed with its cause, found by comparing what the two policies
 were shown that round (the jobs, their progress, their holdings) and the oracle's
 learning state.
+
+Known, modelled difference (not a bug): live, GPUs that a reconfigured job gives up are
+handed to another job only once the old generation has exited (the gang barrier; the
+optimizer says "waiting for GPUs that other jobs are still releasing"), one round later;
+the simulator frees and grants them in the same instant. A job started on such GPUs
+finishes one round later live, which shows up as "different live jobs" (on the default
+trace: vit-20, placed at t=8040 on GPUs roberta-18 gives up, finishes at 8160.6 simulated
+and at 8280.5 live).
 """
 
 from __future__ import annotations
