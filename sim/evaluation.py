@@ -219,7 +219,8 @@ def _learned(res) -> list[str]:
     ext = res(command("rubick-base", "extended"))
     if ext is not None:
         ru = next(s for s in ext[0] if s["policy"] == "rubick")
-        out.append(f"- **Extended regime.** rubick's lead grows ({_x(ext[1]['rubick']['jct_x'])} on rubick-base) "
+        m = f", against {_x(base[1]['rubick']['jct_x'])} measured" if base is not None else ""
+        out.append(f"- **Extended regime.** rubick's lead is {_x(ext[1]['rubick']['jct_x'])} on rubick-base{m}, "
                    f"but only {100 * ru['measured_share']:.0f}% of its allocations there ran a measured "
                    "configuration or the request: the rest of the lead rests on the extended truth, whose knobs "
                    "the sweep below varies.")
