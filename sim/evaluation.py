@@ -224,6 +224,20 @@ def _learned(res) -> list[str]:
                    f"but only {100 * ru['measured_share']:.0f}% of its allocations there ran a measured "
                    "configuration or the request: the rest of the lead rests on the extended truth, whose knobs "
                    "the sweep below varies.")
+    sweep = []
+    for k in [("defaults", "-")] + SWEEP:
+        r = res(sweep_command(k) if k[0] != "defaults" else
+                command("rubick-base", "extended", "rubick,sia", ("--jobs", str(SWEEP_JOBS))))
+        if r is not None:
+            by = {s["policy"]: s for s in r[0]}
+            sweep.append((k, by["sia"]["avg_jct_s"] / by["rubick"]["avg_jct_s"], by["rubick"]["stalled_allocations"]))
+    if sweep:
+        lo, hi = min(sweep, key=lambda x: x[1]), max(sweep, key=lambda x: x[1])
+        out.append(f"- **The extended lead depends on its knobs.** On rubick-base's first {SWEEP_JOBS} jobs rubick vs "
+                   f"sia ranges from {_x(lo[1])} ({' '.join(lo[0])}, {lo[2]} out-of-memory starts) to {_x(hi[1])} "
+                   f"({' '.join(hi[0])}). Where the independent memory estimate is stricter than the belief's, "
+                   "rubick keeps trying configurations nobody measured that do not fit: learning rules out each "
+                   "plan that failed, but not its neighbours, so the failures add up.")
     meas = [s for t in TRACES for s in ((res(command(t, "measured")) or ([],))[0]) if s["measured_share"] < 1]
     if meas:
         out.append("- **Measured share below 100% in the measured regime**: "
