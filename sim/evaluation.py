@@ -236,8 +236,9 @@ def _learned(res) -> list[str]:
         out.append(f"- **The extended lead depends on its knobs.** On rubick-base's first {SWEEP_JOBS} jobs rubick vs "
                    f"sia ranges from {_x(lo[1])} ({' '.join(lo[0])}, {lo[2]} out-of-memory starts) to {_x(hi[1])} "
                    f"({' '.join(hi[0])}). Where the independent memory estimate is stricter than the belief's, "
-                   "rubick keeps trying configurations nobody measured that do not fit: learning rules out each "
-                   "plan that failed, but not its neighbours, so the failures add up.")
+                   "rubick keeps trying configurations nobody measured that do not fit: learning rules out the plan "
+                   "that failed (and its larger micro-batches), not other layouts the belief also thinks fit, so the "
+                   "failures add up.")
     meas = [s for t in TRACES for s in ((res(command(t, "measured")) or ([],))[0]) if s["measured_share"] < 1]
     if meas:
         out.append("- **Measured share below 100% in the measured regime**: "
