@@ -187,7 +187,7 @@ def _learned(res) -> list[str]:
         old = res(_ablation(ABLATIONS[0][1]))
         bs = next(s for s in summaries if s["policy"] == best)
         was = (f"{_x(bs['avg_jct_s'] / old[0][0]['avg_jct_s'])} (the ablation below)" if old is not None else
-               "1.14x (the same command at commit a7678b3, before the change; the ablation below reruns it)")
+               "1.14x (the same command at commit a7678b3, before the change)")
         out.append("- **The fix that made the difference.** Until this evaluation rubick charged a job that "
                    "was not running the restart relative to its whole run, T/(T+R), when ranking its start: "
                    "that ranks starts by length, longest first, so llama30 jobs with minutes of work waited "
