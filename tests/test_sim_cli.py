@@ -100,7 +100,14 @@ def test_evaluation_page_rebuilds_from_saved_runs(tmp_path):
     saved = [json.loads(f.read_text()) for f in sorted(runs.glob("*.json"))]
     assert saved
     for d in saved:
-        if "--jobs" not in d["command"]:  # the sweep's runs are rows of its table, not printed one by one
+        argv = d["command"].split()
+        if "--policy-options" in argv:  # an ablation: a row named by the options it changes
+            assert d["command"].split("--policy-options ")[1].split(" -o")[0] in text
+        elif "--jobs" in argv:  # a sweep run: a row of the sweep table, named by its knob
+            knob = [a for a in argv if a in ("--systematic", "--distance-slowdown", "--headroom")]
+            row = f"| {knob[0]} | {argv[argv.index(knob[0]) + 1]} |" if knob else "| defaults | - |"
+            assert row in text
+        else:
             assert d["command"] in text
     rows = [line for line in text.splitlines() if line.startswith("| rubick-")]
     assert rows and all(line.rstrip(" |").endswith(("met", "**not met**")) for line in rows)
