@@ -59,7 +59,7 @@ profile-accuracy: $(STAMP)
 # issue 5: regenerate docs/evaluation.md (simulated comparison of rubick and the baselines)
 .PHONY: evaluation
 evaluation: $(STAMP)
-	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m sim.evaluation --out docs/evaluation.md
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m sim.evaluation --out docs/evaluation.md --json-dir docs/evaluation-runs
 
 # issue 12: deploy/make-certs.sh (and its test) use the openssl command
 .PHONY: openssl

@@ -245,3 +245,35 @@ def test_no_live_node_means_every_job_waits():
     spec = JobSpec(name="a", model=LLAMA, global_batch=16, steps=100, gpus=2)
     d = make_policy("rubick").schedule(0.0, [], [JobView("a", spec, submitted_at=0.0)], AnalyticOracle())
     assert not d.allocations and "no live node" in d.waiting["a"]
+
+
+def test_a_pending_short_job_is_not_deferred_behind_a_long_one():
+    """A job that is not running pays the restart whenever it starts, so the restart
+    must not rank its start below a longer job's (issue 10: charged in full, it put
+    llama30 jobs with minutes of work hours behind long ones on rubick-base)."""
+    ns = nodes(1)
+    perf = CurveOracle({"whole": {8: 8, 16: 16}})  # runs on a whole node or not at all
+    # 64 samples/step at 8 samples/s on 8 GPUs: 10 steps = 80 s of work, 10^6 steps = 92 days
+    short = job("short", 8, curve="whole", steps=10, t=0)  # it came first
+    long = job("long", 8, curve="whole", steps=10**6, t=1)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [short, long], perf)
+    assert "short" in d.allocations and "long" in d.waiting
+    # the old charge (the restart relative to the whole run) starts the long job first
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, start_unavoidable=False), 10_000.0, ns,
+               [short, long], perf)
+    assert "long" in d.allocations and "short" in d.waiting
+    # with the completion weight (Smith's rule) the short job goes first whatever the order
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, completion_weight=1.0), 10_000.0, ns,
+               [long, short], perf)
+    assert "short" in d.allocations and "long" in d.waiting
+
+
+def test_a_short_pending_job_does_not_grow_when_the_restart_dominates():
+    ns = nodes(1)
+    perf = CurveOracle({"lin": LIN})
+    short = job("short", 2, curve="lin", steps=10)  # 320 s at its request: growing 4x saves 240 s of 580
+    long = job("long", 2, curve="lin", steps=10**6)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [short], perf)
+    assert d.allocations["short"].plan.gpus == 2
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [long], perf)
+    assert d.allocations["long"].plan.gpus == 8

@@ -82,3 +82,32 @@ def test_speed_rubick_trace_under_60s():
 
     for p in ("fifo", "tiresias", "antman"):
         assert named_trace("rubick-base", p)["total_s"] < 60
+
+
+def test_evaluation_page_rebuilds_from_saved_runs(tmp_path):
+    """docs/evaluation.md can be rebuilt from the runs' saved JSON: every saved command
+    is printed beside its table and every floor row states its verdict."""
+    import json
+    from pathlib import Path
+
+    from sim.evaluation import main as evaluation
+
+    runs = Path(__file__).resolve().parent.parent / "docs" / "evaluation-runs"
+    out = tmp_path / "evaluation.md"
+    assert evaluation(["--from-json", "--json-dir", str(runs), "--only", "no such run", "--out", str(out),
+                       "--workers", "1"]) == 0
+    text = out.read_text()
+    saved = [json.loads(f.read_text()) for f in sorted(runs.glob("*.json"))]
+    assert saved
+    for d in saved:
+        argv = d["command"].split()
+        if "--policy-options" in argv:  # an ablation: a row named by the options it changes
+            assert d["command"].split("--policy-options ")[1].split(" -o")[0] in text
+        elif "--jobs" in argv:  # a sweep run: a row of the sweep table, named by its knob
+            knob = [a for a in argv if a in ("--systematic", "--distance-slowdown", "--headroom")]
+            row = f"| {knob[0]} | {argv[argv.index(knob[0]) + 1]} |" if knob else "| defaults | - |"
+            assert row in text
+        else:
+            assert d["command"] in text
+    rows = [line for line in text.splitlines() if line.startswith("| rubick-")]
+    assert rows and all(line.rstrip(" |").endswith(("met", "**not met**")) for line in rows)
