@@ -286,11 +286,9 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
                               max_retries=10_000, node_timeout=1e12).open()
         # what Optimizer._lead does on taking the lease: fence the buckets it writes
         # (every allocation write carries the epoch), then subscribe to progress
-        await opt.leadership.fence.take()
-        opt.store.fence = opt.leadership.fence
-        opt.is_leader = True
         await opt.leadership.fence.take()  # what leading does: its writes carry the epoch
         opt.store.fence = opt.leadership.fence
+        opt.is_leader = True
         await nc.subscribe("gs.job.*.progress", cb=opt.on_progress)  # what _lead subscribes to
         opt.leader_since = time.monotonic()
         from policies.kernels import warm_up
