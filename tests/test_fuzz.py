@@ -188,11 +188,16 @@ async def _last_seqs(nc: Any, streams: list[str]) -> dict[str, int]:
 
 
 def fuzz_endpoint(bus: Bus, subject: str, bases: list[Any], reply_type: Any, guarded: list[str], cases: int,
-                  alive: Callable[[], Any]) -> Counter:
-    """Send ``cases`` payloads to ``subject``; check every reply; return counts."""
+                  alive: Callable[[], Any], settle: Callable[[], Any] | None = None) -> Counter:
+    """Send ``cases`` payloads to ``subject``; check every reply; return counts.
+    ``settle`` waits for what an earlier accepted request still writes in the
+    background (admission clears a submitted job's outbox off the request path),
+    so that the state compared is the one this request found."""
     counts: Counter = Counter()
 
     async def one(data: bytes) -> None:
+        if settle is not None:
+            await settle()
         before = await _last_seqs(bus.nc, guarded)
         msg = await bus.nc.request(subject, data, timeout=30)
         headers = msg.headers or {}
@@ -227,8 +232,7 @@ def report(name: str, counts: Counter) -> None:
 async def start_admission(nc: Any) -> Any:
     from services.admission import start_admission as start
 
-    _, svc = await start(nc, max_gpus=8, max_jobs_per_tenant=20)
-    return svc
+    return await start(nc, max_gpus=8, max_jobs_per_tenant=20)
 
 
 async def ping(nc: Any, name: str) -> None:
@@ -237,7 +241,7 @@ async def ping(nc: Any, name: str) -> None:
 
 
 def admission_cases(bus: Bus, cases: int) -> dict[str, Counter]:
-    svc = bus.run(start_admission(bus.nc))
+    adm, svc = bus.run(start_admission(bus.nc))
     try:
         known = bus.run(_seed_job(bus.nc))
         ref = [{"job_id": known}, {"job_id": "jnothere"}]
@@ -263,10 +267,11 @@ def admission_cases(bus: Bus, cases: int) -> dict[str, Counter]:
             ("admission.list.<tenant>", subj.ADMISSION_LIST + ".fuzz", [{}, {"states": ["running"]}], JobList),
             ("admission.nodes", subj.ADMISSION_NODES, [{}], NodeList),
         ]:
-            out[name] = fuzz_endpoint(bus, subject, bases, reply, guarded, cases, alive)
+            out[name] = fuzz_endpoint(bus, subject, bases, reply, guarded, cases, alive, adm.outbox.idle)
         return out
     finally:
         bus.run(svc.stop())
+        bus.run(adm.close())
 
 
 async def _seed_job(nc: Any) -> str:
