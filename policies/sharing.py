@@ -127,20 +127,23 @@ class Shared:
                 else v.spec.priority <= prio and self.standing[v.job_id][-1] > mine and v.spec.tenant != t)]
             cands.sort(key=lambda v: (v.spec.priority, -self.standing[v.job_id][-1], -(v.switched_at or 0.0), v.job_id))
         plan = default_plan(j.spec)
-        taken: list[JobView] = []
-        for v in cands:
-            if kind == "reclaim" and book.borrowed(v.spec.tenant) <= 0:
-                continue  # no longer borrowing (Kueue's rule: a victim's queue must borrow when chosen)
-            ledger.give(v.placement)
-            book.add(v.spec.tenant, -v.gpus)
-            taken.append(v)
-            quota_ok = kind != "priority-own" or book.within_quota(t, j.spec.gpus) or (
-                book.borrowable(t) >= book.use.get(t, 0) + j.spec.gpus - book.quota(t) - book.borrowed(t))
-            if quota_ok and _place(ledger, j, plan) is not None:
-                return taken
-        for v in taken:  # not enough: undo
-            ledger.take(v.placement)
-            book.add(v.spec.tenant, v.gpus)
+        # on a mixed cluster, victims on one GPU type first: freed GPUs of another type
+        # cannot join them, and whole-job victims from a borrower may stop it borrowing
+        for group in typed_place.per_type(ledger, j, cands):
+            taken: list[JobView] = []
+            for v in group:
+                if kind == "reclaim" and book.borrowed(v.spec.tenant) <= 0:
+                    continue  # no longer borrowing (Kueue's rule: a victim's queue must borrow when chosen)
+                ledger.give(v.placement)
+                book.add(v.spec.tenant, -v.gpus)
+                taken.append(v)
+                quota_ok = kind != "priority-own" or book.within_quota(t, j.spec.gpus) or (
+                    book.borrowable(t) >= book.use.get(t, 0) + j.spec.gpus - book.quota(t) - book.borrowed(t))
+                if quota_ok and _place(ledger, j, plan) is not None:
+                    return taken
+            for v in taken:  # not enough: undo
+                ledger.take(v.placement)
+                book.add(v.spec.tenant, v.gpus)
         return None
 
     # ------------------------------------------------------------ a round
