@@ -55,6 +55,43 @@ def _place(ledger: Ledger, job: JobView, plan) -> tuple | None:
     return typed_place.place(ledger, job, plan, prefer=tuple(p.node for p in job.placement))
 
 
+def _clear_for(j: JobView, decision: Decision, ledger: Ledger, by_id: dict, must: dict, standing: dict,
+               protected) -> None:
+    """The inner policy gave a protected job's GPUs away (a type-aware policy may
+    move others onto them): its new starts on those nodes wait instead (lowest
+    standing first), then running jobs moved or grown there go back to what they
+    hold, until the protected job fits where it runs."""
+    nodes = {p.node for p in j.placement}
+
+    def on(jid):
+        return any(p.node in nodes for p in decision.allocations[jid].placement)
+    starts = [k for k in decision.allocations if not by_id[k].running and k not in must and on(k)]
+    starts.sort(key=lambda k: standing.get(k, ()) + (by_id[k].submitted_at, k), reverse=True)
+    for k in starts:
+        if ledger.fits(j.placement):
+            return
+        ledger.give(decision.allocations.pop(k).placement)
+        decision.waiting[k] = f"waiting: {j.job_id} is inside its minimum run time on these GPUs"
+    # running jobs moved or grown onto them go back to what they hold; one that cannot
+    # and is past its own minimum run time waits (the protected job has the right)
+    for k in [k for k in decision.allocations if by_id[k].running and k not in must and on(k)]:
+        if ledger.fits(j.placement):
+            return
+        v, d = by_id[k], decision.allocations[k]
+        if d.placement == v.placement:
+            continue
+        ledger.give(d.placement)
+        if ledger.fits(v.placement):
+            ledger.take(v.placement)
+            decision.allocations[k] = JobDecision(v.placement, v.plan or default_plan(v.spec),
+                                                  f"kept: {j.job_id} is inside its minimum run time")
+        elif not protected(v):
+            decision.allocations.pop(k)
+            decision.waiting[k] = f"preempted: {j.job_id} is inside its minimum run time on these GPUs"
+        else:
+            ledger.take(d.placement)
+
+
 class Shared:
     def __init__(self, inner: Policy, cfg: ShareConfig | None = None, *, log: bool = False):
         self.inner = inner
@@ -238,7 +275,6 @@ class Shared:
     def _repair(self, now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision,
                 must: dict[str, str], gone: set[str], claimed: set[str]) -> None:
         by_id = {j.job_id: j for j in jobs}
-        self._now = now
         ledger = Ledger(nodes)
         for d in decision.allocations.values():
             ledger.take(d.placement)
@@ -256,7 +292,7 @@ class Shared:
         for j in jobs:
             if j.running and j.job_id not in gone and j.job_id not in decision.allocations and self._protected(j, now):
                 if not ledger.fits(j.placement):
-                    self._clear_for(j, decision, ledger, by_id, must)
+                    _clear_for(j, decision, ledger, by_id, must, self.standing, lambda v: self._protected(v, now))
                 if ledger.fits(j.placement):
                     ledger.take(j.placement)
                     decision.allocations[j.job_id] = JobDecision(j.placement, j.plan or default_plan(j.spec),
@@ -298,40 +334,6 @@ class Shared:
                 decision.allocations[jid] = JobDecision(j.placement, j.plan or default_plan(j.spec),
                                                         f"kept: tenant {t} would borrow more than its cohort lends")
                 book.add(t, -extra)
-
-    def _clear_for(self, j: JobView, decision: Decision, ledger: Ledger, by_id: dict, must: dict) -> None:
-        """The inner policy gave a protected job's GPUs away (a type-aware policy may
-        move others onto them): its new starts on those nodes wait instead (lowest
-        standing first), then growths of running jobs there are reverted, until the
-        protected job fits where it runs."""
-        nodes = {p.node for p in j.placement}
-        def on(jid):
-            return any(p.node in nodes for p in decision.allocations[jid].placement)
-        starts = [k for k in decision.allocations if not by_id[k].running and k not in must and on(k)]
-        starts.sort(key=lambda k: self.standing.get(k, ()) + (by_id[k].submitted_at, k), reverse=True)
-        for k in starts:
-            if ledger.fits(j.placement):
-                return
-            ledger.give(decision.allocations.pop(k).placement)
-            decision.waiting[k] = f"waiting: {j.job_id} is inside its minimum run time on these GPUs"
-        # running jobs moved or grown onto them go back to what they hold; one that cannot
-        # and is past its own minimum run time waits (the protected job has the right)
-        for k in [k for k in decision.allocations if by_id[k].running and k not in must and on(k)]:
-            if ledger.fits(j.placement):
-                return
-            v, d = by_id[k], decision.allocations[k]
-            if d.placement == v.placement:
-                continue
-            ledger.give(d.placement)
-            if ledger.fits(v.placement):
-                ledger.take(v.placement)
-                decision.allocations[k] = JobDecision(v.placement, v.plan or default_plan(v.spec),
-                                                      f"kept: {j.job_id} is inside its minimum run time")
-            elif not self._protected(v, self._now):
-                decision.allocations.pop(k)
-                decision.waiting[k] = f"preempted: {j.job_id} is inside its minimum run time on these GPUs"
-            else:
-                ledger.take(d.placement)
 
     def _record(self, now: float, jobs: list[JobView], decision: Decision, victims: list[Victim],
                 owed: list[str]) -> None:
