@@ -147,8 +147,16 @@ class Rebalancer:
                                  f"{describe(spot)}, tenant {t} below its share")
 
         got = try_place()
-        if got is None:
-            for v, kind in self._donors(now, j, decision, fixed, by_id, pos):
+        donors = self._donors(now, j, decision, fixed, by_id, pos)
+        # on a mixed cluster, donors on one GPU type first: room freed on two types
+        # does not add up for a job that runs on one
+        groups = typed_place.per_type(self.ledger, j, donors,
+                                      node_of=lambda vk: decision.allocations[vk[0].job_id].placement)
+        for group in groups if got is None else ():
+            if done:
+                self._undo(decision, done, by_id)
+                done = []
+            for v, kind in group:
                 u = v.spec.tenant
                 old = decision.allocations[v.job_id]
                 keep = {"undo": 0, "preempt": 0, "revert": v.gpus, "shrink": default_plan(v.spec).gpus}[kind]
@@ -167,6 +175,8 @@ class Rebalancer:
                 got = try_place()
                 if got is not None:
                     break
+            if got is not None:
+                break
         if got is not None:
             self.ledger.take(got.placement)
             self._apply(decision, Move(j, have, got), by_id)

@@ -55,6 +55,43 @@ def _place(ledger: Ledger, job: JobView, plan) -> tuple | None:
     return typed_place.place(ledger, job, plan, prefer=tuple(p.node for p in job.placement))
 
 
+def _clear_for(j: JobView, decision: Decision, ledger: Ledger, by_id: dict, must: dict, standing: dict,
+               protected) -> None:
+    """The inner policy gave a protected job's GPUs away (a type-aware policy may
+    move others onto them): its new starts on those nodes wait instead (lowest
+    standing first), then running jobs moved or grown there go back to what they
+    hold, until the protected job fits where it runs."""
+    nodes = {p.node for p in j.placement}
+
+    def on(jid):
+        return any(p.node in nodes for p in decision.allocations[jid].placement)
+    starts = [k for k in decision.allocations if not by_id[k].running and k not in must and on(k)]
+    starts.sort(key=lambda k: standing.get(k, ()) + (by_id[k].submitted_at, k), reverse=True)
+    for k in starts:
+        if ledger.fits(j.placement):
+            return
+        ledger.give(decision.allocations.pop(k).placement)
+        decision.waiting[k] = f"waiting: {j.job_id} is inside its minimum run time on these GPUs"
+    # running jobs moved or grown onto them go back to what they hold; one that cannot
+    # and is past its own minimum run time waits (the protected job has the right)
+    for k in [k for k in decision.allocations if by_id[k].running and k not in must and on(k)]:
+        if ledger.fits(j.placement):
+            return
+        v, d = by_id[k], decision.allocations[k]
+        if d.placement == v.placement:
+            continue
+        ledger.give(d.placement)
+        if ledger.fits(v.placement):
+            ledger.take(v.placement)
+            decision.allocations[k] = JobDecision(v.placement, v.plan or default_plan(v.spec),
+                                                  f"kept: {j.job_id} is inside its minimum run time")
+        elif not protected(v):
+            decision.allocations.pop(k)
+            decision.waiting[k] = f"preempted: {j.job_id} is inside its minimum run time on these GPUs"
+        else:
+            ledger.take(d.placement)
+
+
 class Shared:
     def __init__(self, inner: Policy, cfg: ShareConfig | None = None, *, log: bool = False):
         self.inner = inner
@@ -127,20 +164,23 @@ class Shared:
                 else v.spec.priority <= prio and self.standing[v.job_id][-1] > mine and v.spec.tenant != t)]
             cands.sort(key=lambda v: (v.spec.priority, -self.standing[v.job_id][-1], -(v.switched_at or 0.0), v.job_id))
         plan = default_plan(j.spec)
-        taken: list[JobView] = []
-        for v in cands:
-            if kind == "reclaim" and book.borrowed(v.spec.tenant) <= 0:
-                continue  # no longer borrowing (Kueue's rule: a victim's queue must borrow when chosen)
-            ledger.give(v.placement)
-            book.add(v.spec.tenant, -v.gpus)
-            taken.append(v)
-            quota_ok = kind != "priority-own" or book.within_quota(t, j.spec.gpus) or (
-                book.borrowable(t) >= book.use.get(t, 0) + j.spec.gpus - book.quota(t) - book.borrowed(t))
-            if quota_ok and _place(ledger, j, plan) is not None:
-                return taken
-        for v in taken:  # not enough: undo
-            ledger.take(v.placement)
-            book.add(v.spec.tenant, v.gpus)
+        # on a mixed cluster, victims on one GPU type first: freed GPUs of another type
+        # cannot join them, and whole-job victims from a borrower may stop it borrowing
+        for group in typed_place.per_type(ledger, j, cands):
+            taken: list[JobView] = []
+            for v in group:
+                if kind == "reclaim" and book.borrowed(v.spec.tenant) <= 0:
+                    continue  # no longer borrowing (Kueue's rule: a victim's queue must borrow when chosen)
+                ledger.give(v.placement)
+                book.add(v.spec.tenant, -v.gpus)
+                taken.append(v)
+                quota_ok = kind != "priority-own" or book.within_quota(t, j.spec.gpus) or (
+                    book.borrowable(t) >= book.use.get(t, 0) + j.spec.gpus - book.quota(t) - book.borrowed(t))
+                if quota_ok and _place(ledger, j, plan) is not None:
+                    return taken
+            for v in taken:  # not enough: undo
+                ledger.take(v.placement)
+                book.add(v.spec.tenant, v.gpus)
         return None
 
     # ------------------------------------------------------------ a round
@@ -251,6 +291,8 @@ class Shared:
         # the inner policy may not take a job inside its minimum run time (only reclaim may)
         for j in jobs:
             if j.running and j.job_id not in gone and j.job_id not in decision.allocations and self._protected(j, now):
+                if not ledger.fits(j.placement):
+                    _clear_for(j, decision, ledger, by_id, must, self.standing, lambda v: self._protected(v, now))
                 if ledger.fits(j.placement):
                     ledger.take(j.placement)
                     decision.allocations[j.job_id] = JobDecision(j.placement, j.plan or default_plan(j.spec),

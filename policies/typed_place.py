@@ -38,3 +38,22 @@ def place(ledger: Ledger, job, plan, prefer: tuple[str, ...] = ()) -> tuple | No
         if spot is not None:
             return spot
     return None
+
+
+def per_type(ledger: Ledger, job, cands: list, node_of=lambda v: v.placement) -> list[list]:
+    """``cands`` (jobs whose GPUs could make room for ``job``) as the orders to try:
+    on a mixed cluster first those on each GPU type ``job`` accepts, the type with
+    the most free GPUs first (GPUs freed on another type cannot join them: a job runs
+    on one type), then all of them; on one type, just ``cands``."""
+    kind = {n.name: _type(n) for n in ledger.nodes}
+    if len(set(kind.values())) <= 1:
+        return [cands]
+    accepted = tuple(getattr(job.spec, "gpu_types", ()) or ())
+    types = sorted({t for t in kind.values() if not accepted or t in accepted},
+                   key=lambda t: (-sum(ledger.free_g[n] for n, k in kind.items() if k == t), t))
+    out = []
+    for t in types:
+        on = [v for v in cands if node_of(v) and all(kind.get(p.node) == t for p in node_of(v))]
+        if on:
+            out.append(on)
+    return out + [cands]

@@ -120,3 +120,66 @@ def test_rounds_settle_without_moving_jobs_back_and_forth(name):
         assert r == 0 or held == {"a": 8, "b": 8}, (name, r, held)
     if name != "gavel":  # gavel rotates jobs by design (time shares); the others settle
         assert changes[-3:] == [0, 0, 0], (name, changes)
+
+
+# ---------------------------------------------------------------- mixed GPU types
+def typed_nodes():
+    from policies.api import NodeState
+
+    return [NodeState("a", 8, 8, 64, 64, gpu_type="a100"), NodeState("v", 8, 8, 64, 64, gpu_type="v100")]
+
+
+def test_fair_share_takes_donors_on_the_type_the_job_can_use():
+    """b's 8-GPU job needs room on one type: 4 A100s are free, so preempting a's job on
+    the A100 node is enough; taking a's two V100 jobs (the newest, which a type-blind
+    order takes first) would preempt twice and leave a below its share."""
+    ns = typed_nodes()
+    a1 = tj("a1", 4, "a", running_on=(Placement("a", 4, 8, "a100"),), since=0.0)
+    a2 = tj("a2", 4, "a", running_on=(Placement("v", 4, 8, "v100"),), since=100.0)
+    a3 = tj("a3", 4, "a", running_on=(Placement("v", 4, 8, "v100"),), since=200.0)
+    b1 = tj("b1", 8, "b", t=900.0)
+    pol = make_policy("fifo", sharing=NO_QUOTAS)
+    pol.log = []
+    d = run(pol, 1000.0, ns, [a1, a2, a3, b1])
+    assert [p.node for p in d.allocations["b1"].placement] == ["a"]
+    assert {"a2", "a3"} <= set(d.allocations) and "a1" not in d.allocations
+    assert [(p["job"], p["kind"]) for e in pol.log for p in e["preempted"]] == [("a1", "fair-share")]
+
+
+def test_reclaim_takes_victims_on_one_type():
+    """The owner's 8-GPU job is owed its quota; the borrower's newest job is on the V100s
+    and taking it ends its borrowing, so a type-blind reclaim found no room for a whole
+    round. Victims on the A100s (4 free there) come first: one reclaim, started now."""
+    cfg = {"queues": {"o": {"quota": 8, "cohort": "c"}, "b": {"quota": 8, "cohort": "c"}},
+           "min_run_time": 600, "starvation_wait": None}
+    ns = typed_nodes()
+    # all inside their minimum run time: only reclaim may take them
+    b1 = tj("b1", 4, "b", running_on=(Placement("a", 4, 8, "a100"),), since=700.0)
+    b2 = tj("b2", 4, "b", running_on=(Placement("v", 4, 8, "v100"),), since=800.0)
+    b3 = tj("b3", 4, "b", running_on=(Placement("v", 4, 8, "v100"),), since=900.0)
+    o1 = tj("o1", 8, "o", t=950.0)
+    pol = make_policy("fifo", sharing=cfg)
+    pol.log = []
+    d = run(pol, 1000.0, ns, [b1, b2, b3, o1])
+    assert [p.node for p in d.allocations["o1"].placement] == ["a"]
+    assert {"b2", "b3"} <= set(d.allocations)
+    assert [(p["job"], p["kind"]) for e in pol.log for p in e["preempted"]] == [("b1", "reclaim")]
+    assert pol.log[-1]["owed"] == ["o1"] and pol.log[-1]["started"] == ["o1"]
+
+
+def test_a_job_moved_onto_a_protected_jobs_gpus_goes_back():
+    """A type-aware inner policy moves x onto the GPUs of p, which is inside its minimum
+    run time, and drops p: x goes back to where it runs and p keeps running."""
+    ns = typed_nodes()
+    p = tj("p", 8, "a", running_on=(Placement("v", 8, 16, "v100"),), since=900.0)
+    x = tj("x", 8, "a", running_on=(Placement("a", 8, 16, "a100"),), since=0.0)
+
+    def mover(jobs):
+        return Decision({"x": JobDecision((Placement("v", 8, 16, "v100"),), Plan(dp=8))},
+                        waiting={"p": "preempted: given to x"})
+
+    pol = Shared(Scripted(mover), ShareConfig.from_dict(NO_QUOTAS), log=True)
+    d = run(pol, 1000.0, ns, [p, x])
+    assert d.allocations["p"].placement == p.placement
+    assert d.allocations["x"].placement == x.placement
+    assert pol.log[-1]["preempted"] == []
