@@ -76,6 +76,12 @@ class LearningOracle:
         self._fam: dict[tuple, dict[tuple, float]] = {}  # (model, family) -> {config: log ratio}
         self._factor: dict[tuple, float] = {}  # (model, family) -> refitted scale
         self._version: dict[tuple, int] = {}  # model -> changes
+        # The base model's own answers, remembered: what an observation changes is the
+        # correction on top of them, so a policy's rebuild after a revision bump costs
+        # lookups, not model evaluations. (base's key, CPUs/GPU, placement) -> {plan: samples/s}
+        self._raw: dict[tuple, dict] = {}
+        self._base_keys: dict[int, tuple] = {}  # id(spec) -> (spec, key), for bases without spec_key
+        self._plan_keys: dict[tuple, tuple] = {}  # (plan, batch) -> (normalised plan, family)
         if hasattr(base, "plans"):
             self.plans = base.plans
 
@@ -167,9 +173,77 @@ class LearningOracle:
         return t * self._factor.get((model, plan_family(plan)), 1.0)
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
-        return self._adjust(job.spec, plan, placement, self.base.throughput(job, plan, placement))
+        memo = self._memo(job.spec, placement, "one")
+        t = memo.get(plan)
+        if t is None:
+            t = memo[plan] = self.base.throughput(job, plan, placement)
+        return self._adjust(job.spec, plan, placement, t)
 
     def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
-        many = getattr(self.base, "throughput_many", None)
-        raw = many(job, plans, placement) if many is not None else [self.base.throughput(job, p, placement) for p in plans]
-        return [self._adjust(job.spec, p, placement, float(t)) for p, t in zip(plans, raw)]
+        memo = self._memo(job.spec, placement, "many")
+        missing = [p for p in plans if p not in memo]
+        if missing:
+            many = getattr(self.base, "throughput_many", None)
+            got = many(job, missing, placement) if many is not None else [self.base.throughput(job, p, placement) for p in missing]
+            for p, t in zip(missing, got):
+                memo[p] = float(t)
+        return self._adjust_many(job.spec, plans, placement, [memo[p] for p in plans])
+
+    def _memo(self, spec: JobSpec, placement: tuple[Placement, ...], how: str) -> dict:
+        """The base's remembered answers for this spec (by what the base says they
+        depend on) and placement. A base whose key changes (a new fit) misses."""
+        own = getattr(self.base, "spec_key", None)
+        if own is not None:
+            bkey = own(spec)
+        else:
+            hit = self._base_keys.get(id(spec))
+            if hit is None or hit[0] is not spec:
+                from .candidates import spec_key
+
+                if len(self._base_keys) > 100_000:
+                    self._base_keys.clear()
+                hit = self._base_keys[id(spec)] = (spec, spec_key(spec))
+            bkey = hit[1]
+        key = (how, bkey, spec.cpus_per_gpu, tuple((p.node, p.gpus, p.cpus) for p in placement))
+        memo = self._raw.get(key)
+        if memo is None:
+            if len(self._raw) > 50_000:  # old fits' answers
+                self._raw.clear()
+            memo = self._raw[key] = {}
+        return memo
+
+    def _plan_key(self, plan: Plan, batch: int) -> tuple:
+        got = self._plan_keys.get((plan, batch))
+        if got is None:
+            if len(self._plan_keys) > 100_000:
+                self._plan_keys.clear()
+            got = self._plan_keys[(plan, batch)] = (_norm(plan, batch), plan_family(plan))
+        return got
+
+    def _adjust_many(self, spec: JobSpec, plans, placement: tuple[Placement, ...], raw: list[float]) -> list[float]:
+        """``_adjust`` over many plans on one placement (the same answers, the
+        per-call work done once)."""
+        if not self._version:
+            return raw
+        model = _model_of(spec)
+        if model not in self._version:
+            return raw
+        ooms = model in self._oom_by_model
+        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        batch = spec.global_batch
+        exact, factor = self._exact, self._factor
+        out = []
+        for plan, t in zip(plans, raw):
+            pkey, fam = self._plan_key(plan, batch)
+            if ooms and self._dominated(model, pkey):
+                out.append(0.0)
+            elif t <= 0:
+                out.append(t)
+            else:
+                got = exact.get((model, pkey, per_node))
+                if got is not None:
+                    observed, then = got
+                    out.append(observed * (t / then) if then > 0 else observed)
+                else:
+                    out.append(t * factor.get((model, fam), 1.0))
+        return out
