@@ -73,6 +73,7 @@ class LearningOracle:
         self._exact: dict[tuple, tuple[float, float]] = {}
         self._oom: set[tuple] = set()  # (model, plan)
         self._oom_by_model: dict[tuple, list[tuple]] = {}
+        self._oom_at: dict[tuple, list[tuple]] = {}  # (model, layout) -> the OOMs' plans
         self._fam: dict[tuple, dict[tuple, float]] = {}  # (model, family) -> {config: log ratio}
         self._factor: dict[tuple, float] = {}  # (model, family) -> refitted scale
         self._version: dict[tuple, int] = {}  # model -> changes
@@ -81,7 +82,7 @@ class LearningOracle:
         # lookups, not model evaluations. (base's key, CPUs/GPU, placement) -> {plan: samples/s}
         self._raw: dict[tuple, dict] = {}
         self._base_keys: dict[int, tuple] = {}  # id(spec) -> (spec, key), for bases without spec_key
-        self._plan_keys: dict[tuple, tuple] = {}  # (plan, batch) -> (normalised plan, family)
+        self._exact_at: dict[tuple, dict] = {}  # (model, per_node) -> {plan: what _exact holds}
         if hasattr(base, "plans"):
             self.plans = base.plans
 
@@ -100,6 +101,7 @@ class LearningOracle:
                 return False
             self._oom.add((model, pkey))
             self._oom_by_model.setdefault(model, []).append(pkey)
+            self._oom_at.setdefault((model, pkey[:5]), []).append(pkey)  # by layout
             return self._bump(model)
         if step_time is None or not step_time > 0 or not math.isfinite(step_time):
             return False
@@ -110,7 +112,7 @@ class LearningOracle:
         old = self._exact.get(ck)
         if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:
             return False
-        self._exact[ck] = (observed, predicted)
+        self._exact[ck] = self._exact_at.setdefault((model, per_node), {})[pkey] = (observed, predicted)
         if predicted > 0:  # the model's error here refits the family's scale
             fk = (model, plan_family(plan))
             logs = self._fam.setdefault(fk, {})
@@ -127,8 +129,8 @@ class LearningOracle:
         """Does a plan that ran out of memory need no more memory than ``pkey``? Same
         layout (dp, tp, pp, ZeRO, offload), a micro-batch at least as large, and
         checkpointing only if the failed plan had it too."""
-        for f in self._oom_by_model.get(model, ()):
-            if f[:5] == pkey[:5] and pkey[6] >= f[6] and (f[7] or not pkey[7]):
+        for f in self._oom_at.get((model, pkey[:5]), ()):
+            if pkey[6] >= f[6] and (f[7] or not pkey[7]):
                 return True
         return False
 
@@ -180,14 +182,18 @@ class LearningOracle:
         return self._adjust(job.spec, plan, placement, t)
 
     def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
-        memo = self._memo(job.spec, placement, "many")
+        memo = self._memo(job.spec, placement, "many")  # plan -> (base's answer, normalised plan, family)
         missing = [p for p in plans if p not in memo]
         if missing:
             many = getattr(self.base, "throughput_many", None)
             got = many(job, missing, placement) if many is not None else [self.base.throughput(job, p, placement) for p in missing]
+            batch = job.spec.global_batch
             for p, t in zip(missing, got):
-                memo[p] = float(t)
-        return self._adjust_many(job.spec, plans, placement, [memo[p] for p in plans])
+                memo[p] = (float(t), _norm(p, batch), plan_family(p))
+        rows = [memo[p] for p in plans]
+        if not self._version or _model_of(job.spec) not in self._version:
+            return [r[0] for r in rows]
+        return self._adjust_many(_model_of(job.spec), placement, rows)
 
     def _memo(self, spec: JobSpec, placement: tuple[Placement, ...], how: str) -> dict:
         """The base's remembered answers for this spec (by what the base says they
@@ -212,38 +218,27 @@ class LearningOracle:
             memo = self._raw[key] = {}
         return memo
 
-    def _plan_key(self, plan: Plan, batch: int) -> tuple:
-        got = self._plan_keys.get((plan, batch))
-        if got is None:
-            if len(self._plan_keys) > 100_000:
-                self._plan_keys.clear()
-            got = self._plan_keys[(plan, batch)] = (_norm(plan, batch), plan_family(plan))
-        return got
-
-    def _adjust_many(self, spec: JobSpec, plans, placement: tuple[Placement, ...], raw: list[float]) -> list[float]:
-        """``_adjust`` over many plans on one placement (the same answers, the
-        per-call work done once)."""
-        if not self._version:
-            return raw
-        model = _model_of(spec)
-        if model not in self._version:
-            return raw
+    def _adjust_many(self, model: tuple, placement: tuple[Placement, ...], rows: list[tuple]) -> list[float]:
+        """``_adjust`` over many plans of one model on one placement: the same
+        answers, the per-call work done once."""
         ooms = model in self._oom_by_model
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
-        batch = spec.global_batch
-        exact, factor = self._exact, self._factor
+        here = self._exact_at.get((model, per_node))
+        factors = {}
         out = []
-        for plan, t in zip(plans, raw):
-            pkey, fam = self._plan_key(plan, batch)
+        for t, pkey, fam in rows:
             if ooms and self._dominated(model, pkey):
                 out.append(0.0)
             elif t <= 0:
                 out.append(t)
             else:
-                got = exact.get((model, pkey, per_node))
+                got = here.get(pkey) if here else None
                 if got is not None:
                     observed, then = got
                     out.append(observed * (t / then) if then > 0 else observed)
                 else:
-                    out.append(t * factor.get((model, fam), 1.0))
+                    f = factors.get(fam)
+                    if f is None:
+                        f = factors[fam] = self._factor.get((model, fam), 1.0)
+                    out.append(t * f)
         return out
