@@ -22,7 +22,10 @@ observations of configurations that actually ran:
   oracle answers 0 and policies stop choosing them.
 
 Each observation that changes an answer bumps ``revision`` and the model's entry
-in ``spec_key``, so policies' cached curves for that model are rebuilt.
+in ``spec_key``, so policies' cached curves for that model are rebuilt. The rebuild
+is cheap: the base's own answers are remembered (by the base's ``spec_key``, the
+request's CPUs/GPU, the placement and the plan; a refit changes the base's key) and
+only the correction above is applied again.
 
 Live, the optimizer feeds it from the agents' STEPPED/EXITED reports (step time
 between reports of one generation) and OOM exits; in simulation, the engine
