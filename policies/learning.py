@@ -216,7 +216,7 @@ class LearningOracle:
         key = (how, bkey, spec.cpus_per_gpu, tuple((p.node, p.gpus, p.cpus) for p in placement))
         memo = self._raw.get(key)
         if memo is None:
-            if len(self._raw) > 50_000:  # old fits' answers
+            if len(self._raw) > 20_000:  # old fits' answers
                 self._raw.clear()
             memo = self._raw[key] = {}
         return memo

@@ -50,7 +50,8 @@ def _specs(n: int) -> list[JobSpec]:
     return out
 
 
-def _rounds(oracle: LearningOracle, specs: list[JobSpec], rounds: int = 4) -> list[list[tuple]]:
+def _rounds(oracle: LearningOracle, specs: list[JobSpec], rounds: int = 4, slack: int | None = None,
+            sizes: list | None = None) -> list[list[tuple]]:
     """Rubick rounds on one cluster; between rounds every running job reports a step
     time (the model's prediction x a per-(model, plan family) bias), one an OOM."""
     pol = make_policy("rubick")
@@ -65,6 +66,10 @@ def _rounds(oracle: LearningOracle, specs: list[JobSpec], rounds: int = 4) -> li
                                        plan=st[1] if st else None, last_switch_at=st[2] if st else None,
                                        started_at=st[2] if st else None))
         d = pol.schedule(now, cluster, views, oracle)
+        if slack is not None:
+            pol._cache.slack = slack
+        if sizes is not None:
+            sizes.append(len(pol._cache.store))
         out.append(sorted((k, v.placement, v.plan, v.predicted_throughput, v.reason) for k, v in d.allocations.items())
                    + sorted(d.waiting.items()))
         state = {k: (v.placement, v.plan, now if state.get(k, (None, None))[:2] != (v.placement, v.plan) else state[k][2])
@@ -90,6 +95,17 @@ def test_remembered_answers_decide_exactly_as_fresh_evaluation():
     assert len(got) == 4 and all(got)
     for r, (a, b) in enumerate(zip(got, want)):
         assert a == b, f"round {r} differs"
+
+
+def test_old_revisions_curves_are_dropped_and_decisions_do_not_change():
+    specs = _specs(24)
+    kept, swept = [], []
+    got = _rounds(LearningOracle(PerfModelOracle()), specs, rounds=6, slack=0, sizes=swept)
+    want = _rounds(LearningOracle(PerfModelOracle()), specs, rounds=6, slack=10**9, sizes=kept)
+    assert got == want
+    live = len({(s.model, s.gpus) for s in specs})  # jobs sharing a curve
+    assert kept[-1] > 3 * live  # every revision's curves piled up...
+    assert max(swept) <= 3 * live  # ...unless swept: what the round asked for, and the last round's
 
 
 def test_observations_barely_ask_the_model_again_but_still_change_the_decision():
