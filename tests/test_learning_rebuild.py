@@ -11,23 +11,13 @@ from __future__ import annotations
 import zlib
 
 from bus_schema.messages import JobSpec, Plan
+from loadtest.learning_rounds import FreshLearningOracle as Fresh
 from loadtest.optimality_gap import BATCH, MODELS
 from policies.api import JobView, Placement, make_job_view
 from policies.learning import LearningOracle
 from policies.oracle import PerfModelOracle
 from policies.registry import make_policy
 from policy_helpers import model, nodes
-
-
-class Fresh(LearningOracle):
-    """The learning oracle without remembered base answers (how it answered before)."""
-
-    def throughput(self, job, plan, placement):
-        return self._adjust(job.spec, plan, placement, self.base.throughput(job, plan, placement))
-
-    def throughput_many(self, job, plans, placement):
-        raw = self.base.throughput_many(job, plans, placement)
-        return [self._adjust(job.spec, p, placement, float(t)) for p, t in zip(plans, raw)]
 
 
 class Counting(PerfModelOracle):
@@ -157,3 +147,22 @@ def test_a_new_fit_of_the_base_is_not_hidden_by_remembered_answers():
     base.speed, base.version = 300.0, 1
     assert oracle.throughput(job, Plan(dp=2), pl) == 600.0
     assert oracle.throughput_many(job, [Plan(dp=2)], pl) == [600.0]
+
+
+def test_learning_rounds_benchmark_runs_both_paths_and_they_agree():
+    from loadtest import learning_rounds
+
+    got = learning_rounds.run(jobs=40, nodes=6, rounds=3, seed=2)
+    assert got["identical_decisions"] is True
+    assert got["revision"] > 0 and got["round_ms_fresh"] > 0 and got["round_ms_remembered"] > 0
+
+
+def test_learning_rounds_benchmark_refuses_bad_input(capsys):
+    import pytest
+
+    from loadtest import learning_rounds
+
+    with pytest.raises(SystemExit) as e:
+        learning_rounds.main(["--jobs", "many"])
+    assert e.value.code == 2
+    assert "--jobs" in capsys.readouterr().err
