@@ -113,6 +113,8 @@ class CandidateCache:
     space: CandidateSpace
     store: dict = field(default_factory=dict)
     _keys: dict = field(default_factory=dict)  # id(spec) -> (spec, key): specs outlive rounds
+    _seen: set = field(default_factory=set)  # keys asked for since the last sweep
+    slack: int = 1000  # unused entries tolerated beyond twice the used ones
 
     def key(self, job: JobView, perf: PerfOracle | None = None) -> object:
         """An oracle may say what its answers depend on (``perf.spec_key(spec)``);
@@ -135,8 +137,21 @@ class CandidateCache:
         s = job.spec  # what the candidate grid itself depends on, besides speed
         return ("oracle", own(s), s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable)
 
+    def sweep(self) -> bool:
+        """Call once a round: drop entries no job asked for since the last sweep
+        when they outnumber those asked for (a learning oracle's every revision
+        makes new keys; the old ones would pile up). True if it dropped any: a
+        caller's tables built from dropped lists go with them. Entries are pure
+        functions of their key, so a dropped one comes back the same if asked."""
+        seen, self._seen = self._seen, set()
+        if len(self.store) <= 2 * len(seen) + self.slack:
+            return False
+        self.store = {k: v for k, v in self.store.items() if k in seen}
+        return True
+
     def get(self, job: JobView, perf: PerfOracle) -> list[Candidate]:
         k = self.key(job, perf)
+        self._seen.add(k)
         got = self.store.get(k)
         if got is None:
             got = build_candidates(job, perf, self.space)

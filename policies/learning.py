@@ -22,7 +22,10 @@ observations of configurations that actually ran:
   oracle answers 0 and policies stop choosing them.
 
 Each observation that changes an answer bumps ``revision`` and the model's entry
-in ``spec_key``, so policies' cached curves for that model are rebuilt.
+in ``spec_key``, so policies' cached curves for that model are rebuilt. The rebuild
+is cheap: the base's own answers are remembered (by the base's ``spec_key``, the
+request's CPUs/GPU, the placement and the plan; a refit changes the base's key) and
+only the correction above is applied again.
 
 Live, the optimizer feeds it from the agents' STEPPED/EXITED reports (step time
 between reports of one generation) and OOM exits; in simulation, the engine
@@ -73,9 +76,16 @@ class LearningOracle:
         self._exact: dict[tuple, tuple[float, float]] = {}
         self._oom: set[tuple] = set()  # (model, plan)
         self._oom_by_model: dict[tuple, list[tuple]] = {}
+        self._oom_at: dict[tuple, list[tuple]] = {}  # (model, layout) -> the OOMs' plans
         self._fam: dict[tuple, dict[tuple, float]] = {}  # (model, family) -> {config: log ratio}
         self._factor: dict[tuple, float] = {}  # (model, family) -> refitted scale
         self._version: dict[tuple, int] = {}  # model -> changes
+        # The base model's own answers, remembered: what an observation changes is the
+        # correction on top of them, so a policy's rebuild after a revision bump costs
+        # lookups, not model evaluations. (base's key, CPUs/GPU, placement) -> {plan: samples/s}
+        self._raw: dict[tuple, dict] = {}
+        self._base_keys: dict[int, tuple] = {}  # id(spec) -> (spec, key), for bases without spec_key
+        self._exact_at: dict[tuple, dict] = {}  # (model, per_node) -> {plan: what _exact holds}
         if hasattr(base, "plans"):
             self.plans = base.plans
 
@@ -89,12 +99,14 @@ class LearningOracle:
             return False
         model = _model_of(spec)
         gt = placement_type(placement)  # memory and speed differ by GPU type
+        tm = model + (gt,)
         pkey = _norm(plan, spec.global_batch)
         if oom:
-            if self._dominated(model + (gt,), pkey):
+            if self._dominated(tm, pkey):
                 return False
-            self._oom.add((model + (gt,), pkey))
-            self._oom_by_model.setdefault(model + (gt,), []).append(pkey)
+            self._oom.add((tm, pkey))
+            self._oom_by_model.setdefault(tm, []).append(pkey)
+            self._oom_at.setdefault((tm, pkey[:5]), []).append(pkey)  # by layout
             return self._bump(model)
         if step_time is None or not step_time > 0 or not math.isfinite(step_time):
             return False
@@ -105,7 +117,7 @@ class LearningOracle:
         old = self._exact.get(ck)
         if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:
             return False
-        self._exact[ck] = (observed, predicted)
+        self._exact[ck] = self._exact_at.setdefault((model, per_node, gt), {})[pkey] = (observed, predicted)
         if predicted > 0:  # the model's error here refits the family's scale
             fk = (model, plan_family(plan), gt)
             logs = self._fam.setdefault(fk, {})
@@ -122,8 +134,8 @@ class LearningOracle:
         """Does a plan that ran out of memory need no more memory than ``pkey``? Same
         layout (dp, tp, pp, ZeRO, offload), a micro-batch at least as large, and
         checkpointing only if the failed plan had it too."""
-        for f in self._oom_by_model.get(model, ()):
-            if f[:5] == pkey[:5] and pkey[6] >= f[6] and (f[7] or not pkey[7]):
+        for f in self._oom_at.get((model, pkey[:5]), ()):
+            if pkey[6] >= f[6] and (f[7] or not pkey[7]):
                 return True
         return False
 
@@ -169,9 +181,72 @@ class LearningOracle:
         return t * self._factor.get((model, plan_family(plan), gt), 1.0)
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
-        return self._adjust(job.spec, plan, placement, self.base.throughput(job, plan, placement))
+        memo = self._memo(job.spec, placement, "one")
+        t = memo.get(plan)
+        if t is None:
+            t = memo[plan] = self.base.throughput(job, plan, placement)
+        return self._adjust(job.spec, plan, placement, t)
 
     def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
-        many = getattr(self.base, "throughput_many", None)
-        raw = many(job, plans, placement) if many is not None else [self.base.throughput(job, p, placement) for p in plans]
-        return [self._adjust(job.spec, p, placement, float(t)) for p, t in zip(plans, raw)]
+        memo = self._memo(job.spec, placement, "many")  # plan -> (base's answer, normalised plan, family)
+        missing = [p for p in plans if p not in memo]
+        if missing:
+            many = getattr(self.base, "throughput_many", None)
+            got = many(job, missing, placement) if many is not None else [self.base.throughput(job, p, placement) for p in missing]
+            batch = job.spec.global_batch
+            for p, t in zip(missing, got):
+                memo[p] = (float(t), _norm(p, batch), plan_family(p))
+        rows = [memo[p] for p in plans]
+        if not self._version or _model_of(job.spec) not in self._version:
+            return [r[0] for r in rows]
+        return self._adjust_many(_model_of(job.spec), placement, rows)
+
+    def _memo(self, spec: JobSpec, placement: tuple[Placement, ...], how: str) -> dict:
+        """The base's remembered answers for this spec (by what the base says they
+        depend on) and placement. A base whose key changes (a new fit) misses."""
+        own = getattr(self.base, "spec_key", None)
+        if own is not None:
+            bkey = own(spec)
+        else:
+            hit = self._base_keys.get(id(spec))
+            if hit is None or hit[0] is not spec:
+                from .candidates import spec_key
+
+                if len(self._base_keys) > 100_000:
+                    self._base_keys.clear()
+                hit = self._base_keys[id(spec)] = (spec, spec_key(spec))
+            bkey = hit[1]
+        key = (how, bkey, spec.cpus_per_gpu, tuple((p.node, p.gpus, p.cpus, p.gpu_type) for p in placement))
+        memo = self._raw.get(key)
+        if memo is None:
+            if len(self._raw) > 20_000:  # old fits' answers
+                self._raw.clear()
+            memo = self._raw[key] = {}
+        return memo
+
+    def _adjust_many(self, model: tuple, placement: tuple[Placement, ...], rows: list[tuple]) -> list[float]:
+        """``_adjust`` over many plans of one model on one placement: the same
+        answers, the per-call work done once."""
+        gt = placement_type(placement)
+        tm = model + (gt,)
+        ooms = tm in self._oom_by_model
+        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        here = self._exact_at.get((model, per_node, gt))
+        factors = {}
+        out = []
+        for t, pkey, fam in rows:
+            if ooms and self._dominated(tm, pkey):
+                out.append(0.0)
+            elif t <= 0:
+                out.append(t)
+            else:
+                got = here.get(pkey) if here else None
+                if got is not None:
+                    observed, then = got
+                    out.append(observed * (t / then) if then > 0 else observed)
+                else:
+                    f = factors.get(fam)
+                    if f is None:
+                        f = factors[fam] = self._factor.get((model, fam, gt), 1.0)
+                    out.append(t * f)
+        return out

@@ -252,6 +252,9 @@ class Rubick:
         """The round as arrays: candidates, utilities, costs, holdings, seeds."""
         perf = perf or self._fallback
         space = self._space(nodes)
+        if self._cache is not None and self._cache.sweep():  # old revisions' curves (candidates.py)
+            self._tables.clear(), self._stay.clear()  # pure functions of their keys: rebuilt the same
+            self._ref = {k: v for k, v in self._ref.items() if type(k) is int}  # per-spec references stay
         node_ix = {n.name: i for i, n in enumerate(nodes)}
         cpg_cluster = max(space.cpus_per_node / space.gpus_per_node, 1e-9)
         J = len(jobs)
