@@ -56,10 +56,11 @@ def _rounds(oracle: LearningOracle, specs: list[JobSpec], rounds: int = 4, slack
                                        plan=st[1] if st else None, last_switch_at=st[2] if st else None,
                                        started_at=st[2] if st else None))
         d = pol.schedule(now, cluster, views, oracle)
+        core = pol.inner("") if hasattr(pol, "inner") else pol  # rubick inside the GPU-type wrapper
         if slack is not None:
-            pol._cache.slack = slack
+            core._cache.slack = slack
         if sizes is not None:
-            sizes.append(len(pol._cache.store))
+            sizes.append(len(core._cache.store))
         out.append(sorted((k, v.placement, v.plan, v.predicted_throughput, v.reason) for k, v in d.allocations.items())
                    + sorted(d.waiting.items()))
         state = {k: (v.placement, v.plan, now if state.get(k, (None, None))[:2] != (v.placement, v.plan) else state[k][2])
