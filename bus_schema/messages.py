@@ -129,7 +129,9 @@ class JobRef(_Input, kw_only=True, frozen=True):
 class ListRequest(_Input, kw_only=True, frozen=True):
     """One page of jobs. A reply never exceeds MAX_MESSAGE_BYTES: it holds at
     most ``limit`` jobs and fewer if they would not fit; ``JobList.next_cursor``
-    continues. ``all``: finished jobs moved to the history store too."""
+    continues. ``all``: finished jobs moved to the history store too, paged after
+    the live ones; a job archived while a client pages may come twice (the later
+    record is the final one), never not at all."""
 
     tenant: Tenant | None = None
     states: list[str] | None = None

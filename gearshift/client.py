@@ -144,10 +144,13 @@ class Client:
                    limit: int | None = None, **filters: Any) -> list[JobRecord]:
         """Every job that matches (at most ``limit``), page after page;
         ``filters``: ``node``, ``all`` (the history store too); see ListRequest."""
-        out: list[JobRecord] = []
+        out: dict[str, JobRecord] = {}
         async for page in self.job_pages(tenant, states, limit, **filters):
-            out.extend(page)
-        return out[:limit] if limit is not None else out
+            for rec in page:  # a job archived while paging comes twice: its final record wins
+                out.pop(rec.job_id, None)
+                out[rec.job_id] = rec
+        jobs = list(out.values())
+        return jobs[:limit] if limit is not None else jobs
 
     async def job_pages(self, tenant: str | None = None, states: list[str] | None = None,
                         limit: int | None = None, **filters: Any) -> AsyncIterator[list[JobRecord]]:

@@ -2,9 +2,14 @@
 
 A page is cut at ``limit`` jobs or when the next job would push the encoded
 reply past ``budget`` bytes, whichever comes first; the cursor says where to
-go on. ``all`` lists go through the history store first (finished jobs, in
-the order they were archived: cursor ``h<stream sequence>``), then the jobs
-still in ``gs_jobs`` in submission order (cursor ``l<submitted_at>|<job id>``).
+go on. Lists go through the jobs still in ``gs_jobs`` in submission order
+(cursor ``l<submitted_at>|<job id>``); ``all`` lists then go through the history
+store (finished jobs, in the order they were archived: cursor ``h<stream
+sequence>``). Live jobs first, history last: a job is written to the history
+store before it leaves ``gs_jobs``, so one archived while a client pages is
+listed at least once (twice if it was archived after its live page: the client
+keeps the later, final record). History first would miss a job archived after
+the history pages and before its live page.
 """
 
 from __future__ import annotations
@@ -63,31 +68,35 @@ class Pager:
 async def list_page(js: Any, view: JobsView, req: ListRequest) -> tuple[list[JobRecord], str | None]:
     keep = keep_for(req)
     cursor = req.cursor
-    if cursor is not None and not cursor.startswith(("h", "l")):
+    if cursor is not None and not (cursor.startswith("l") or (req.all and cursor.startswith("h"))):
         raise BadCursor(f"malformed cursor {cursor!r}")
     pager = Pager()
     out: list[JobRecord] = []
-    if req.all and (cursor is None or cursor.startswith("h")):
-        try:
-            after = int(cursor[1:]) if cursor else 0
-        except ValueError:
-            raise BadCursor(f"malformed cursor {cursor!r}") from None
-        recs, last, more = await history_page(js, after, req.limit, keep, pager)
-        out.extend(recs)
-        if more:
-            return out, f"h{last}"
-        cursor = None
-    after_pos = _live_pos(cursor) if cursor else None
-    while len(out) < req.limit:
-        page, nxt = view.page(after_pos, min(500, req.limit - len(out)), keep)
-        for i, rec in enumerate(page):
-            if not pager.add(rec):
-                return out, (f"l{out[-1].submitted_at!r}|{out[-1].job_id}" if out else None)
-            out.append(rec)
-        after_pos = nxt
-        if nxt is None:
+    if cursor is None or cursor.startswith("l"):
+        after_pos = _live_pos(cursor) if cursor else None
+        while True:
+            if len(out) >= req.limit:
+                return out, f"l{out[-1].submitted_at!r}|{out[-1].job_id}"
+            page, nxt = view.page(after_pos, min(500, req.limit - len(out)), keep)
+            for rec in page:
+                if not pager.add(rec):
+                    return out, (f"l{out[-1].submitted_at!r}|{out[-1].job_id}" if out else None)
+                out.append(rec)
+            after_pos = nxt
+            if nxt is None:
+                break
+        if not req.all:
             return out, None
-    return out, f"l{out[-1].submitted_at!r}|{out[-1].job_id}"
+        cursor = "h0"
+        if len(out) >= req.limit:
+            return out, cursor
+    try:
+        after = int(cursor[1:])
+    except ValueError:
+        raise BadCursor(f"malformed cursor {cursor!r}") from None
+    recs, last, more = await history_page(js, after, req.limit - len(out), keep, pager)
+    out.extend(recs)
+    return out, (f"h{last}" if more else None)
 
 
 async def history_page(js: Any, after: int, limit: int, keep: Callable[[JobRecord], bool],
