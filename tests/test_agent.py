@@ -28,6 +28,7 @@ from bus_schema.messages import (
 )
 from services import auth_alloc
 from services.runtime import call
+from tests.wait import eventually
 
 PY = sys.executable
 STARTED, EXITED = RunReportKind.STARTED, RunReportKind.EXITED
@@ -47,20 +48,6 @@ STUBBORN = (
     "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "open(os.path.join(os.environ['OUT_DIR'], 'ready'), 'w').write('1'); time.sleep(60)"
 )
-
-
-async def eventually(fn, timeout: float = 5.0, interval: float = 0.02):
-    """Poll ``fn`` (sync or async) until it returns something truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 class Reports:

@@ -21,20 +21,14 @@ from bus_schema.messages import JobRecord, JobState, ReconfigureReply, RunReport
 from services.admission import start_admission
 from services.optimizer import Optimizer
 from services.runtime import call
+from tests.wait import eventually as _eventually
 
 MODEL = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
 DRAIN_TIMEOUT = 600.0  # far beyond any wait here: only a report can end a drain in time
 
 
-async def eventually(fn, timeout=30.0, interval=0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)
+def eventually(fn, timeout=30.0, interval=0.1):
+    return _eventually(fn, timeout, interval)
 
 
 class AgentProcess:

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -25,19 +24,13 @@ from services.admission import start_admission
 from services.jobstore import kv_snapshot
 from services.optimizer import OPTIMIZER_RECONFIGURE, Optimizer
 from services.runtime import call
+from tests.wait import eventually as _eventually
 
 MODEL = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
 
 
-async def eventually(fn, timeout=20.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = await fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(interval)
+def eventually(fn, timeout=20.0, interval=0.05):
+    return _eventually(fn, timeout, interval)
 
 
 class Recorder:
