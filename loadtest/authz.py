@@ -92,7 +92,9 @@ def spec(tenant: str, name: str) -> JobSpec:
                    global_batch=8, steps=100000, gpus=1, tenant=tenant, step_time=0.05)
 
 
-class Suite:
+class Probes:
+    """The suite's state and its probes: is an action refused, and did it change nothing."""
+
     def __init__(self, url: str, auth_dir: Path):
         self.url = url
         self.dir = auth_dir
@@ -170,124 +172,9 @@ class Suite:
         subject = f"$KV.{bucket}.{key}"
         await self.refused_request(who, role, subject, forged, await self.kv_forged(bucket, key, forged))
 
-    # ------------------------------------------------------------ the suite
-    async def run(self) -> None:
-        self.admin = await nats.connect(self.url, **auth.connect_options(auth.load_creds(self.dir / "admin.creds")))
-        try:
-            jobs = await self.seed_jobs()
-            await self.agent_checks()
-            await self.tenant_checks(jobs)
-            await self.tools_checks()
-            await self.dashboard_checks(jobs)
-            await self.service_checks()
-        finally:
-            await self.admin.close()
 
-    async def seed_jobs(self) -> dict[str, str]:
-        out = {}
-        for t in TENANTS:
-            r = await call(self.admin, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec(t, f"seed-{t}"), token=f"seed-{t}"),
-                           SubmitReply)
-            out[t] = r.job_id
-        return out
-
-    async def agent_checks(self) -> None:
-        role = "agent-node0"
-        async with self.ident("agent-node0") as a:
-            js = a.nc.jetstream()
-            # allowed: its own heartbeat, node key, reports, allocations, commands
-            got: list[Any] = []
-
-            async def cb(msg: Any) -> None:
-                got.append(msg)
-
-            s = await self.admin.subscribe("gs.node.node0.heartbeat", cb=cb)
-            await self.admin.flush()  # the subscription is in place before the probe
-
-            async def beat() -> None:
-                await a.nc.publish("gs.node.node0.heartbeat", b"{}")
-                await a.nc.flush()
-
-            await beat()
-            await arrived(got, resend=beat)
-            await s.unsubscribe()
-            self.record(role, "publish own heartbeat", "allowed", bool(got))
-            kv_nodes = await js.key_value(subj.NODES_BUCKET)
-            before = await self.kv_value(subj.NODES_BUCKET, "node0")
-            try:
-                await kv_nodes.put("node0", before or b"{}")
-                self.record(role, "write own gs_nodes key", "allowed", True)
-            except Exception as exc:
-                self.record(role, "write own gs_nodes key", "allowed", False, repr(exc))
-            try:
-                ack = await js.publish("gs.report.node0.jauthz", b"not a report", timeout=2)
-                self.record(role, "publish own run report", "allowed", ack.stream == subj.REPORTS_STREAM)
-            except Exception as exc:
-                self.record(role, "publish own run report", "allowed", False, repr(exc))
-            alloc = Allocation(job_id="jauthz", generation=1, plan=Plan(dp=1),
-                               placement=[NodePlacement(node="node1", gpus=[0], cpus=1)], steps=1)
-            admin_alloc = await self.admin.jetstream().key_value(subj.ALLOC_BUCKET)
-            # an allocation for node1 only: node0 must not see it; one for node0: it must
-            await auth_alloc.put(admin_alloc, "jauthz-other", codec.encode(alloc), ["node1"])
-            mine = Allocation(job_id="jauthz-mine", generation=10**6, plan=Plan(dp=1),
-                              placement=[NodePlacement(node="node0", gpus=[0], cpus=1)], steps=1,
-                              command=["/bin/true"])
-            watch = await auth_alloc.node_alloc_watch(js, "node0")
-            seen: list[str] = []
-            try:
-                await auth_alloc.put(admin_alloc, "jauthz-mine", codec.encode(mine), ["node0"])
-                deadline = time.monotonic() + 5
-                while time.monotonic() < deadline and "jauthz-mine" not in seen:
-                    try:
-                        e = await asyncio.wait_for(watch.__anext__(), 1)
-                    except asyncio.TimeoutError:
-                        continue
-                    if e is not None:
-                        seen.append(e.key)
-            finally:
-                await watch.stop()
-                await auth_alloc.delete(admin_alloc, "jauthz-mine")
-                await auth_alloc.delete(admin_alloc, "jauthz-other")
-            self.record(role, "watch own allocations", "allowed", "jauthz-mine" in seen and "jauthz-other" not in seen,
-                        f"seen={seen}")
-            got.clear()
-            # a command of the bus contract (the real agent answers it too: nothing runs there)
-            await a.nc.subscribe("gs.agent.node0.checkpoint", cb=cb)
-            await a.nc.flush()
-            async def command() -> None:
-                await self.admin.publish("gs.agent.node0.checkpoint", b'{"job_id": "jnone", "generation": 1}',
-                                         reply=self.admin.new_inbox())
-                await self.admin.flush()
-
-            await command()
-            await arrived(got, resend=command)
-            self.record(role, "receive own commands", "allowed", bool(got))
-
-            # refused
-            await self.refused_publish(a, role, "gs.node.node1.heartbeat")
-            await self.refused_kv_put(a, role, subj.NODES_BUCKET, "node1")
-            await self.refused_request(a, role, "gs.report.node1.jauthz", b"{}")
-            await self.refused_subscribe(a, role, "gs.agent.node1.>", "gs.agent.node1.stop")
-            await self.refused_subscribe(a, role, "gs.agent.*.stop", "gs.agent.node1.stop")
-            await self.refused_subscribe(a, role, "_INBOX.>", "_INBOX.abc")
-            await self.refused_subscribe(a, role, "gs.evt.>", "gs.evt.job.x.completed")
-            # the allocations of another node, and all of them
-            f = f"$KV.{subj.ALLOC_BUCKET}.node1.>"
-            api = f"$JS.API.CONSUMER.CREATE.KV_{subj.ALLOC_BUCKET}.spy.{f}"
-            await self.refused_request(a, role, api, json.dumps({"stream_name": f"KV_{subj.ALLOC_BUCKET}", "config": {
-                "name": "spy", "filter_subject": f, "ack_policy": "none", "deliver_policy": "last_per_subject"}}).encode())
-            await self.refused_request(a, role, f"$JS.API.CONSUMER.CREATE.KV_{subj.ALLOC_BUCKET}", json.dumps(
-                {"stream_name": f"KV_{subj.ALLOC_BUCKET}", "config": {"ack_policy": "none",
-                                                                      "deliver_subject": "_INBOX_agent-node0.x"}}).encode())
-            await self.refused_request(a, role, f"$JS.API.STREAM.MSG.GET.KV_{subj.ALLOC_BUCKET}",
-                                       json.dumps({"last_by_subj": f"$KV.{subj.ALLOC_BUCKET}.node1.x"}).encode())
-            await self.refused_kv_put(a, role, subj.ALLOC_BUCKET, "node0.jforged")
-            await self.refused_kv_put(a, role, subj.JOBS_BUCKET, "jforged")
-            await self.refused_request(a, role, subj.ADMISSION_SUBMIT,
-                                       codec.encode(SubmitRequest(spec=spec("nlp", "forged"))))
-            await self.refused_request(a, role, "gs.evt.job.jforged.completed", b"{}")
-            await self.refused_request(a, role, f"$JS.API.STREAM.DELETE.{subj.EVENTS_STREAM}")
-            await self.refused_request(a, role, "gs.agent.node1.stop", b'{"job_id": "x", "generation": 1}')
+class ClientChecks(Probes):
+    """What tenants, outside tools and the dashboard may and may not do."""
 
     async def tenant_checks(self, jobs: dict[str, str]) -> None:
         role = "tenant-nlp"
@@ -496,6 +383,129 @@ class Suite:
             self.record(role, "create a durable consumer on the event stream", "refused",
                         b'"error"' in reply.data and not made, reply.data.decode()[:120])
 
+
+class Suite(ClientChecks):
+    """Every role's checks against one authorised server."""
+
+    # ------------------------------------------------------------ the suite
+    async def run(self) -> None:
+        self.admin = await nats.connect(self.url, **auth.connect_options(auth.load_creds(self.dir / "admin.creds")))
+        try:
+            jobs = await self.seed_jobs()
+            await self.agent_checks()
+            await self.tenant_checks(jobs)
+            await self.tools_checks()
+            await self.dashboard_checks(jobs)
+            await self.service_checks()
+        finally:
+            await self.admin.close()
+
+    async def seed_jobs(self) -> dict[str, str]:
+        out = {}
+        for t in TENANTS:
+            r = await call(self.admin, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec(t, f"seed-{t}"), token=f"seed-{t}"),
+                           SubmitReply)
+            out[t] = r.job_id
+        return out
+
+    async def agent_checks(self) -> None:
+        role = "agent-node0"
+        async with self.ident("agent-node0") as a:
+            js = a.nc.jetstream()
+            # allowed: its own heartbeat, node key, reports, allocations, commands
+            got: list[Any] = []
+
+            async def cb(msg: Any) -> None:
+                got.append(msg)
+
+            s = await self.admin.subscribe("gs.node.node0.heartbeat", cb=cb)
+            await self.admin.flush()  # the subscription is in place before the probe
+
+            async def beat() -> None:
+                await a.nc.publish("gs.node.node0.heartbeat", b"{}")
+                await a.nc.flush()
+
+            await beat()
+            await arrived(got, resend=beat)
+            await s.unsubscribe()
+            self.record(role, "publish own heartbeat", "allowed", bool(got))
+            kv_nodes = await js.key_value(subj.NODES_BUCKET)
+            before = await self.kv_value(subj.NODES_BUCKET, "node0")
+            try:
+                await kv_nodes.put("node0", before or b"{}")
+                self.record(role, "write own gs_nodes key", "allowed", True)
+            except Exception as exc:
+                self.record(role, "write own gs_nodes key", "allowed", False, repr(exc))
+            try:
+                ack = await js.publish("gs.report.node0.jauthz", b"not a report", timeout=2)
+                self.record(role, "publish own run report", "allowed", ack.stream == subj.REPORTS_STREAM)
+            except Exception as exc:
+                self.record(role, "publish own run report", "allowed", False, repr(exc))
+            alloc = Allocation(job_id="jauthz", generation=1, plan=Plan(dp=1),
+                               placement=[NodePlacement(node="node1", gpus=[0], cpus=1)], steps=1)
+            admin_alloc = await self.admin.jetstream().key_value(subj.ALLOC_BUCKET)
+            # an allocation for node1 only: node0 must not see it; one for node0: it must
+            await auth_alloc.put(admin_alloc, "jauthz-other", codec.encode(alloc), ["node1"])
+            mine = Allocation(job_id="jauthz-mine", generation=10**6, plan=Plan(dp=1),
+                              placement=[NodePlacement(node="node0", gpus=[0], cpus=1)], steps=1,
+                              command=["/bin/true"])
+            watch = await auth_alloc.node_alloc_watch(js, "node0")
+            seen: list[str] = []
+            try:
+                await auth_alloc.put(admin_alloc, "jauthz-mine", codec.encode(mine), ["node0"])
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline and "jauthz-mine" not in seen:
+                    try:
+                        e = await asyncio.wait_for(watch.__anext__(), 1)
+                    except asyncio.TimeoutError:
+                        continue
+                    if e is not None:
+                        seen.append(e.key)
+            finally:
+                await watch.stop()
+                await auth_alloc.delete(admin_alloc, "jauthz-mine")
+                await auth_alloc.delete(admin_alloc, "jauthz-other")
+            self.record(role, "watch own allocations", "allowed", "jauthz-mine" in seen and "jauthz-other" not in seen,
+                        f"seen={seen}")
+            got.clear()
+            # a command of the bus contract (the real agent answers it too: nothing runs there)
+            await a.nc.subscribe("gs.agent.node0.checkpoint", cb=cb)
+            await a.nc.flush()
+            async def command() -> None:
+                await self.admin.publish("gs.agent.node0.checkpoint", b'{"job_id": "jnone", "generation": 1}',
+                                         reply=self.admin.new_inbox())
+                await self.admin.flush()
+
+            await command()
+            await arrived(got, resend=command)
+            self.record(role, "receive own commands", "allowed", bool(got))
+
+            # refused
+            await self.refused_publish(a, role, "gs.node.node1.heartbeat")
+            await self.refused_kv_put(a, role, subj.NODES_BUCKET, "node1")
+            await self.refused_request(a, role, "gs.report.node1.jauthz", b"{}")
+            await self.refused_subscribe(a, role, "gs.agent.node1.>", "gs.agent.node1.stop")
+            await self.refused_subscribe(a, role, "gs.agent.*.stop", "gs.agent.node1.stop")
+            await self.refused_subscribe(a, role, "_INBOX.>", "_INBOX.abc")
+            await self.refused_subscribe(a, role, "gs.evt.>", "gs.evt.job.x.completed")
+            # the allocations of another node, and all of them
+            f = f"$KV.{subj.ALLOC_BUCKET}.node1.>"
+            api = f"$JS.API.CONSUMER.CREATE.KV_{subj.ALLOC_BUCKET}.spy.{f}"
+            await self.refused_request(a, role, api, json.dumps({"stream_name": f"KV_{subj.ALLOC_BUCKET}", "config": {
+                "name": "spy", "filter_subject": f, "ack_policy": "none", "deliver_policy": "last_per_subject"}}).encode())
+            await self.refused_request(a, role, f"$JS.API.CONSUMER.CREATE.KV_{subj.ALLOC_BUCKET}", json.dumps(
+                {"stream_name": f"KV_{subj.ALLOC_BUCKET}", "config": {"ack_policy": "none",
+                                                                      "deliver_subject": "_INBOX_agent-node0.x"}}).encode())
+            await self.refused_request(a, role, f"$JS.API.STREAM.MSG.GET.KV_{subj.ALLOC_BUCKET}",
+                                       json.dumps({"last_by_subj": f"$KV.{subj.ALLOC_BUCKET}.node1.x"}).encode())
+            await self.refused_kv_put(a, role, subj.ALLOC_BUCKET, "node0.jforged")
+            await self.refused_kv_put(a, role, subj.JOBS_BUCKET, "jforged")
+            await self.refused_request(a, role, subj.ADMISSION_SUBMIT,
+                                       codec.encode(SubmitRequest(spec=spec("nlp", "forged"))))
+            await self.refused_request(a, role, "gs.evt.job.jforged.completed", b"{}")
+            await self.refused_request(a, role, f"$JS.API.STREAM.DELETE.{subj.EVENTS_STREAM}")
+            await self.refused_request(a, role, "gs.agent.node1.stop", b'{"job_id": "x", "generation": 1}')
+
     async def service_checks(self) -> None:
         """Each service can do its own job and not another's."""
         async with self.ident("admission") as s:
@@ -524,6 +534,7 @@ async def run_suite(url: str, auth_dir: Path) -> list[Check]:
     suite = Suite(url, auth_dir)
     await suite.run()
     return suite.checks
+
 
 
 def main(argv: list[str] | None = None) -> int:
