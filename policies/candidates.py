@@ -133,7 +133,9 @@ class CandidateCache:
             if o == hit[4]:
                 self._keys[id(job.spec)] = (job.spec, perf, hit[2], rev, o)
                 return hit[2]
-        k, o = self._key(job, perf)
+            k = self._key(job, perf, o)
+        else:
+            k, o = self._key(job, perf)
         if len(self._keys) > 100_000:
             self._keys.clear()
             self._intern.clear()
@@ -141,14 +143,17 @@ class CandidateCache:
         self._keys[id(job.spec)] = (job.spec, perf, k, rev, o)
         return k
 
-    def _key(self, job: JobView, perf: PerfOracle | None) -> tuple[object, object]:
-        """The key and the oracle's own part of it (None without ``spec_key``)."""
+    def _key(self, job: JobView, perf: PerfOracle | None, *own_key) -> tuple[object, object] | object:
+        """The key and the oracle's own part of it (None without ``spec_key``);
+        given that part (``own_key``), the key alone."""
         own = getattr(perf, "spec_key", None) if perf is not None else None
         if own is None:
-            return spec_key(job.spec), None
-        s = job.spec  # what the candidate grid itself depends on, besides speed
-        o = own(s)
-        return ("oracle", o, s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable), o
+            k, o = spec_key(job.spec), None
+        else:
+            s = job.spec  # what the candidate grid itself depends on, besides speed
+            o = own_key[0] if own_key else own(s)
+            k = ("oracle", o, s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable)
+        return k if own_key else (k, o)
 
     def sweep(self) -> bool:
         """Call once a round: drop entries no job asked for since the last sweep
