@@ -153,3 +153,24 @@ def _progress():
     from bus_schema.messages import JobProgress
 
     return JobProgress(job_id="a", generation=1, node="n0", steps_done=0, ts=0.0)
+
+
+def test_live_rounds_benchmark_runs_both_paths_and_they_agree(capsys):
+    from loadtest import live_rounds
+
+    assert live_rounds.main(["--live", "150", "--nodes", "20", "--rounds", "3", "--arrivals", "20", "--json"]) == 0
+    import json
+
+    run = json.loads(capsys.readouterr().out)["runs"][0]
+    assert run["identical_decisions"] and run["round_ms_kept"] > 0 and run["round_ms_rebuilt"] > 0
+    assert run["revision"] > 0 and max(run["running_per_round"]) > 0
+
+
+def test_live_rounds_benchmark_refuses_bad_input(capsys):
+    import pytest
+
+    from loadtest import live_rounds
+
+    with pytest.raises(SystemExit):
+        live_rounds.main(["--live", "many"])
+    assert "--live" in capsys.readouterr().err
