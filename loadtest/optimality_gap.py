@@ -82,7 +82,7 @@ def run(instances: int, seed: int, max_jobs: int, max_nodes: int) -> dict:
         t_greedy += time.perf_counter() - t0
         greedy = pb.objective(level)
         # the greedy's decision must be a valid one
-        d = pol._decide(jobs, nodes, pb.rows, level, out_nodes, pb.stay, pb.thr, pb.refs, pb.targets, pb.u, pb.pinned)
+        d = pol._decide(jobs, nodes, pb, level, out_nodes)
         check_decision(d, nodes, {j.job_id: j for j in jobs})
         t0 = time.perf_counter()
         admitted = pb.seed_any & (level >= 0)

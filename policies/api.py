@@ -147,6 +147,13 @@ def with_type(placement: tuple[Placement, ...], gpu_type: str) -> tuple[Placemen
     return tuple(Placement(p.node, p.gpus, p.cpus, gpu_type) for p in placement)
 
 
+def attained_service(before: float, placement: tuple[Placement, ...], last_switch_at: float | None, now: float) -> float:
+    """GPU-seconds of ended allocations plus the current one's GPUs x time since it started."""
+    if placement and last_switch_at is not None:
+        return before + sum(p.gpus for p in placement) * max(0.0, now - last_switch_at)
+    return before
+
+
 def make_job_view(job_id: str, spec: JobSpec, submitted_at: float, now: float, *, steps_done: float = 0.0,
                   placement: tuple[Placement, ...] = (), plan: Plan | None = None, attained_before: float = 0.0,
                   restarts: int = 0, last_switch_at: float | None = None, started_at: float | None = None,
@@ -154,9 +161,7 @@ def make_job_view(job_id: str, spec: JobSpec, submitted_at: float, now: float, *
     """The one way a ``JobView`` is made, live (``services.policy_bridge``) and in the
     simulator: attained service = GPU-seconds of finished allocations
     (``attained_before``) + the current one's GPUs x time since it started."""
-    attained = attained_before
-    if placement and last_switch_at is not None:
-        attained += sum(p.gpus for p in placement) * max(0.0, now - last_switch_at)
+    attained = attained_service(attained_before, placement, last_switch_at, now)
     return JobView(job_id=job_id, spec=spec, submitted_at=submitted_at, steps_done=steps_done,
                    placement=placement, plan=plan if placement else None, attained_service=attained,
                    restarts=restarts, last_switch_at=last_switch_at, started_at=started_at,

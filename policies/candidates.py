@@ -114,6 +114,7 @@ class CandidateCache:
     store: dict = field(default_factory=dict)
     _keys: dict = field(default_factory=dict)  # id(spec) -> (spec, key): specs outlive rounds
     _seen: set = field(default_factory=set)  # keys asked for since the last sweep
+    _intern: dict = field(default_factory=dict)  # key -> the one object for equal keys
     slack: int = 1000  # unused entries tolerated beyond twice the used ones
 
     def key(self, job: JobView, perf: PerfOracle | None = None) -> object:
@@ -122,20 +123,37 @@ class CandidateCache:
         hit = self._keys.get(id(job.spec))
         # An oracle that learns says so with ``revision``: its keys change with it.
         rev = getattr(perf, "revision", 0)
-        if hit is not None and hit[0] is job.spec and hit[1] is perf and hit[3] == rev:
-            return hit[2]
-        k = self._key(job, perf)
+        if hit is not None and hit[0] is job.spec and hit[1] is perf:
+            if hit[3] == rev:
+                return hit[2]
+            # a new revision: the key is asked again, but one equal to the last is the
+            # same object, so what callers built from it (by identity) stays valid
+            own = getattr(perf, "spec_key", None) if perf is not None else None
+            o = own(job.spec) if own is not None else None
+            if o == hit[4]:
+                self._keys[id(job.spec)] = (job.spec, perf, hit[2], rev, o)
+                return hit[2]
+            k = self._key(job, perf, o)
+        else:
+            k, o = self._key(job, perf)
         if len(self._keys) > 100_000:
             self._keys.clear()
-        self._keys[id(job.spec)] = (job.spec, perf, k, rev)
+            self._intern.clear()
+        k = self._intern.setdefault(k, k)  # jobs of equal keys share one (callers may tell them by identity)
+        self._keys[id(job.spec)] = (job.spec, perf, k, rev, o)
         return k
 
-    def _key(self, job: JobView, perf: PerfOracle | None) -> object:
+    def _key(self, job: JobView, perf: PerfOracle | None, *own_key) -> tuple[object, object] | object:
+        """The key and the oracle's own part of it (None without ``spec_key``);
+        given that part (``own_key``), the key alone."""
         own = getattr(perf, "spec_key", None) if perf is not None else None
         if own is None:
-            return spec_key(job.spec)
-        s = job.spec  # what the candidate grid itself depends on, besides speed
-        return ("oracle", own(s), s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable)
+            k, o = spec_key(job.spec), None
+        else:
+            s = job.spec  # what the candidate grid itself depends on, besides speed
+            o = own_key[0] if own_key else own(s)
+            k = ("oracle", o, s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable)
+        return k if own_key else (k, o)
 
     def sweep(self) -> bool:
         """Call once a round: drop entries no job asked for since the last sweep
@@ -147,6 +165,7 @@ class CandidateCache:
         if len(self.store) <= 2 * len(seen) + self.slack:
             return False
         self.store = {k: v for k, v in self.store.items() if k in seen}
+        self._intern = {k: k for k in self._intern if k in seen}
         return True
 
     def get(self, job: JobView, perf: PerfOracle) -> list[Candidate]:

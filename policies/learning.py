@@ -85,6 +85,7 @@ class LearningOracle:
         # lookups, not model evaluations. (base's key, CPUs/GPU, placement) -> {plan: samples/s}
         self._raw: dict[tuple, dict] = {}
         self._base_keys: dict[int, tuple] = {}  # id(spec) -> (spec, key), for bases without spec_key
+        self._models: dict[int, tuple] = {}  # id(spec) -> (spec, _model_of(spec))
         self._exact_at: dict[tuple, dict] = {}  # (model, per_node) -> {plan: what _exact holds}
         if hasattr(base, "plans"):
             self.plans = base.plans
@@ -157,7 +158,12 @@ class LearningOracle:
             from .candidates import spec_key
 
             base = spec_key(spec)
-        return ("learned", base, self._version.get(_model_of(spec), 0))
+        hit = self._models.get(id(spec))  # asked for every job whenever the revision moves
+        if hit is None or hit[0] is not spec:
+            if len(self._models) > 100_000:
+                self._models.clear()
+            hit = self._models[id(spec)] = (spec, _model_of(spec))
+        return ("learned", base, self._version.get(hit[1], 0))
 
     def _adjust(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...], t: float) -> float:
         if not self._version:

@@ -65,10 +65,7 @@ from bus_schema.messages import (
     ExplainReply,
     JobPreempted,
     JobRecord,
-    JobState,
-    NodeLost,
     NodeReport,
-    PinnedPlan,
     ReconfigureReply,
     ReconfigureRequest,
     RoundCompleted,
@@ -76,7 +73,7 @@ from bus_schema.messages import (
     RunReport,
 )
 from bus_schema.ops import NodeModeReply, NodeModeRequest
-from policies import Decision, JobView, check_decision, make_policy
+from policies import make_policy
 from policies.sharing import Shared
 
 from . import capacity, node_modes, observe
@@ -84,9 +81,10 @@ from .alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emula
 from .fencing import Deposed
 from .jobstore import JobStore, publish_event
 from .leadership import Leadership
-from .policy_bridge import ModelOracle, job_view
+from .liveness import NodeLiveness
+from .policy_bridge import ModelOracle, PolicyStep
 from .queues import QueueStore
-from .record_writer import RecordWriter
+from .record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
 from .report_consumer import ReportApplier, consume_reports
 from .runtime import Endpoint, GcClock, connect, ensure_infra, get_logger, now, run_service, serve
 from .views import JobsView, NodesView
@@ -97,7 +95,6 @@ ACTIVE = ACTIVE_STATES
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
 OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
-REASON_WRITES_PER_ROUND = 64  # waiting reasons rewritten into records per round (oldest jobs first)
 PAUSE_ENV = "GEARSHIFT_FAULT_PAUSE_MID_ROUND"  # fault injection: path of a file that, present, stops the leader mid-round
 
 
@@ -135,12 +132,12 @@ class Optimizer:
         self.round_no = 0
         self.last_explain: list[ExplainEntry] = []
         self.kick = asyncio.Event()
-        self.lost_nodes: set[str] = set()
+        self.liveness = NodeLiveness(self.js, node_timeout)
+        self.lost_nodes = self.liveness.lost  # nodes this leader called lost
         self._round_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
         self._svc: Any = None
         self._subs: list[Any] = []
-        self.progress: dict[str, tuple[int, int]] = {}  # job -> (generation, steps) from JobProgress
         self.is_leader = False
         self.leader_since: float | None = None
         self.records_seen: dict[str, JobRecord] = {}  # the last round's records
@@ -153,10 +150,11 @@ class Optimizer:
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
         self.models = ModelOracle(self.models_kv)
+        self.policy_step = PolicyStep(self.policy, self.models, wait_for_models=self.wait_for_models)
         self.queues = None
         if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
-            self.queues = await QueueStore(self.nc).open()
-            self.share_base = self.policy.cfg
+            self.queues = self.policy_step.queues = await QueueStore(self.nc).open()
+            self.share_base = self.policy_step.share_base = self.policy.cfg
             await self.queues.seed(self.share_base)
             await self._load_sharing_memory()
         # standbys keep their views warm too: a takeover need not read the buckets
@@ -281,16 +279,16 @@ class Optimizer:
 
     # ------------------------------------------------------------ rounds
     async def on_progress(self, msg: Any) -> None:
-        """Steps done between exits, for the policy's view (in memory, newest generation
-        only; the record itself still learns them at exits and checkpoints)."""
+        """Steps done between exits, for the policy's view (``PolicyInputs``)."""
         try:
             p = codec.decode(msg.data, JobProgress)
         except msgspec.MsgspecError:
             return
-        got = self.progress.get(p.job_id)
-        if got is None or (p.generation, p.steps_done) > got:
-            self.progress[p.job_id] = (p.generation, p.steps_done)
-            self.models.observe_progress(p.job_id, p.generation, p.ts, p.steps_done)  # speed, once it trains
+        self.policy_step.on_progress(p)
+
+    @property
+    def progress(self) -> dict[str, tuple[int, int]]:
+        return self.policy_step.progress
 
     async def _round_loop(self) -> None:
         while self.is_leader:
@@ -318,26 +316,11 @@ class Optimizer:
         return ExplainReply(policy=self.policy.name, round=self.round_no, jobs=self.last_explain)
 
     async def live_nodes(self) -> list[NodeReport]:
-        """Nodes heard from within ``node_timeout`` by the server's clock (the
-        time the server stored their last report), never the agent's."""
-        await self.nodes.sync()
-        alive, silent = self.nodes.alive(self.node_timeout)
-        for n in alive:
-            self.lost_nodes.discard(n.node)
-        for n, age in silent:
-            if n.node not in self.lost_nodes and self._grace_over():
-                self.lost_nodes.add(n.node)
-                t = now()
-                await publish_event(
-                    self.js, NodeLost(ts=t, node=n.node, reason=f"no heartbeat for {age:.0f}s"),
-                    f"node:{n.node}:lost:{n.ts:.3f}", subj.node_event(n.node, "node.lost"),
-                )
-                log.warning("node lost", node=n.node, silent_s=round(age, 1))
-        return alive
+        """Nodes heard from within ``node_timeout`` by the server's clock (``liveness``)."""
+        return await self.liveness.live(self.nodes, self.leader_since)
 
     def _grace_over(self) -> bool:
-        # A new leader gives agents one timeout to be heard before calling nodes lost.
-        return self.leader_since is not None and time.monotonic() - self.leader_since > self.node_timeout
+        return self.liveness.grace_over(self.leader_since)
 
     async def round(self) -> RoundReply:
         async with self._round_lock:
@@ -364,26 +347,7 @@ class Optimizer:
         for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
             held.setdefault(node, set()).update(gpus)
         node_states = capacity.node_states(nodes, held)
-        unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
-        views = [self._view(r) for r in records.values()
-                 if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
-        views = [v for v in views if all(p.node in alive for p in v.placement)]
-        if len(self.progress) > len(views):  # forget jobs that ended
-            live_ids = {v.job_id for v in views}
-            self.progress = {k: v for k, v in self.progress.items() if k in live_ids}
-        await self.models.refresh([records[v.job_id] for v in views])
-        # the policy is pure CPU work: off the loop, so the lease keeps being renewed
-        if self.queues is not None:
-            self.policy.set_config(await self.queues.config(self.share_base))
-        t_policy = time.perf_counter()
-        decision: Decision = await asyncio.to_thread(self.policy.schedule, now(), node_states, views, self.models.oracle)
-        t_policy = time.perf_counter() - t_policy
-        if self.queues is not None:
-            await self.queues.save_usage(self.policy.memory())
-        capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
-        check_decision(decision, node_states, {v.job_id: v for v in views})
-        for job_id, key in unmodelled.items():
-            decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
+        decision, views, t_policy = await self.policy_step.decide(records, node_states, alive)
         if _pause_requested():
             self.leadership.stop_renewing()
             _pause()
@@ -401,7 +365,7 @@ class Optimizer:
         if full:
             self._reconcile_at = float("inf")  # until this round has ended well
         await self.writer.reconcile(records, copies=full)
-        await self._explain(decision, records)
+        self.last_explain = await self.records.explain(decision, records)
         await self.records.archive()
         t_rest = time.perf_counter() - t_rest
 
@@ -423,34 +387,6 @@ class Optimizer:
             await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}", subj.round_event(ev.__struct_config__.tag))
         return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
 
-    async def _explain(self, decision: Decision, records: dict[str, JobRecord]) -> None:
-        explain, stale = [], []
-        for job_id, why in decision.waiting.items():
-            explain.append(ExplainEntry(job_id=job_id, state=records[job_id].state.value, reason=why))
-            if records[job_id].reason != why and records[job_id].state == JobState.PENDING:
-                stale.append((records[job_id].submitted_at, job_id, why))
-        # A waiting job's reason can change every round for every pending job
-        # (FIFO's "behind <head>"): a bounded number of record writes per round,
-        # oldest first; the explain endpoint always has all of them fresh.
-        todo = [self.store.update(
-            job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
-            hint=self.records.hint(job_id)) for _, job_id, why in sorted(stale)[:REASON_WRITES_PER_ROUND]]
-        await bounded(todo, self.write_parallel)
-        for job_id, d in decision.allocations.items():
-            explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
-        self.last_explain = explain
-
-    def _view(self, rec: JobRecord) -> JobView:
-        # with the progress agents publish between exits (gs.job.<id>.progress), as the simulator knows it
-        got = self.progress.get(rec.job_id)
-        return job_view(rec, now(), got[1] if got is not None and got[0] == rec.generation else None)
-
-    async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
-        """Pending jobs whose model has no fit yet: job id -> model key."""
-        from .perfmodel_service import unmodelled_jobs
-
-        return {job_id: key for job_id, (key, _) in (await unmodelled_jobs(self.models_kv, records.values())).items()}
-
     async def _node_endpoint(self, req: NodeModeRequest) -> NodeModeReply:
         """Cordon / drain / uncordon a node (applied by the next round, kicked now)."""
         if req.mode is not None:
@@ -461,32 +397,15 @@ class Optimizer:
         return node_modes.reply(await node_modes.read_modes(self.modes_kv), self.records_seen.values(), req.node)
 
     async def _reconfigure_endpoint(self, req: ReconfigureRequest) -> ReconfigureReply:
-        from .runtime import RequestError, bad_request
+        from .runtime import RequestError
 
-        if req.plan is not None:
-            if req.placement and sum(s.gpus for s in req.placement) != req.plan.gpus:
-                raise bad_request(f"placement has {sum(s.gpus for s in req.placement)} GPUs, plan "
-                                  f"{req.plan.label()} needs {req.plan.gpus}", "placement")
-        pin = None if req.plan is None else PinnedPlan(plan=req.plan, placement=req.placement, reason=req.reason)
-
-        def change(r: JobRecord) -> JobRecord | None:
-            if r.terminal:
-                return None
-            return msgspec.structs.replace(r, pinned=pin)
-
-        got = await self.store.get(req.job_id)
-        if got is None:
-            raise RequestError("404", f"no job {req.job_id}", "job_id")
         try:
-            new = await self.store.update(req.job_id, change)
+            reply = await self.records.pin(req)
         except Deposed as exc:
             self.leadership.deposed(exc)
             raise RequestError("503", "this optimizer is no longer the leader; retry", "job_id") from None
-        if new is None:
-            raise RequestError("409", f"job {req.job_id} has ended", "job_id")
         self.kick.set()
-        log.info("plan pinned" if pin else "pin cleared", job_id=req.job_id, plan=req.plan.label() if req.plan else None)
-        return ReconfigureReply(job_id=req.job_id, pinned=pin is not None, generation=new.generation)
+        return reply
 
     # kept for callers of the old names
     def allocation_for(self, rec: JobRecord):

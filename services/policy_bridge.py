@@ -7,14 +7,17 @@ policy sees the same ``JobView``/``PerfOracle`` shapes the simulator gives it.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
-from bus_schema.messages import ACTIVE_STATES as ACTIVE, JobRecord
-from policies import JobView, Placement
-from policies.api import make_job_view
+from bus_schema.messages import ACTIVE_STATES as ACTIVE, JobRecord, JobState
+from policies import Decision, JobView, Placement, check_decision
+from policies.api import attained_service, make_job_view
 
+from . import capacity
 from .jobstore import kv_snapshot
-
+from .runtime import now
 
 
 def job_view(rec: JobRecord, now: float, progress: float | None = None) -> JobView:
@@ -30,6 +33,103 @@ def job_view(rec: JobRecord, now: float, progress: float | None = None) -> JobVi
                          placement=placement, plan=rec.plan if running else None,
                          attained_before=rec.attained_gpu_s, restarts=rec.restarts,
                          last_switch_at=switch, started_at=rec.started_at)
+
+
+class JobViews:
+    """The policy's views of the live records, kept across rounds as the simulator
+    keeps its own: a job's view is built again (``job_view``) only when its record
+    changed (the jobs view decodes a new record per KV revision); otherwise only
+    what moves with time is set in place, a running job's steps (its agents'
+    progress) and attained service. The same views, so the policy's caches keyed
+    by their parts (``policies.rubick_problem``) hold while nothing changed."""
+
+    def __init__(self) -> None:
+        self._views: dict[str, tuple[JobRecord, bool, float | None, JobView]] = {}
+
+    def view(self, rec: JobRecord, now: float, progress: float | None = None) -> JobView:
+        hit = self._views.get(rec.job_id)
+        if hit is None or hit[0] is not rec:
+            v = job_view(rec, now, progress)
+            self._views[rec.job_id] = (rec, rec.state in ACTIVE, v.last_switch_at, v)
+            return v
+        _, running, switch, v = hit
+        if running:  # as job_view sets them
+            v.steps_done = max(rec.steps_done, progress) if progress is not None else rec.steps_done
+            v.attained_service = attained_service(rec.attained_gpu_s, v.placement, switch, now)
+        return v
+
+    def keep(self, job_ids: set[str]) -> None:
+        """Forget the views of jobs that left the round (ended, archived)."""
+        if len(self._views) > len(job_ids):
+            self._views = {k: v for k, v in self._views.items() if k in job_ids}
+
+
+ROUND_STATES = frozenset((JobState.PENDING, *ACTIVE))  # the jobs a round hands its policy
+
+
+class PolicyStep:
+    """A round's call of its policy: the views it hands it (``JobViews``, with the
+    steps agents publish between exits, ``gs.job.<id>.progress``: in memory, newest
+    generation only, as the simulator knows them; the record learns them at exits and
+    checkpoints), the oracle (``ModelOracle``), tenant queues' settings for a sharing
+    policy, and its decision, with operators' pins, checked."""
+
+    def __init__(self, policy: Any, models: "ModelOracle", *, wait_for_models: bool = False):
+        self.policy = policy
+        self.models = models
+        self.wait_for_models = wait_for_models
+        self.queues: Any = None  # services.queues.QueueStore for a sharing policy
+        self.share_base: Any = None
+        self.progress: dict[str, tuple[int, int]] = {}  # job -> (generation, steps) from JobProgress
+        self.cache = JobViews()
+
+    def on_progress(self, p: Any) -> None:
+        got = self.progress.get(p.job_id)
+        if got is None or (p.generation, p.steps_done) > got:
+            self.progress[p.job_id] = (p.generation, p.steps_done)
+            self.models.observe_progress(p.job_id, p.generation, p.ts, p.steps_done)  # speed, once it trains
+
+    def view(self, rec: JobRecord, now: float) -> JobView:
+        got = self.progress.get(rec.job_id)
+        return self.cache.view(rec, now, got[1] if got is not None and got[0] == rec.generation else None)
+
+    def views(self, records: dict[str, JobRecord], alive: set[str], now: float, skip: Any = ()) -> list[JobView]:
+        """The views of pending and active jobs but those in ``skip`` and those on nodes not alive."""
+        views = [self.view(r, now) for r in records.values() if r.state in ROUND_STATES and r.job_id not in skip]
+        views = [v for v in views if all(p.node in alive for p in v.placement)]
+        live = {v.job_id for v in views}
+        if len(self.progress) > len(views):  # forget jobs that ended
+            self.progress = {k: v for k, v in self.progress.items() if k in live}
+        self.cache.keep(live)
+        return views
+
+    async def decide(self, records: dict[str, JobRecord], node_states: list, alive: set[str]
+                     ) -> tuple[Decision, list[JobView], float]:
+        """The policy's decision for the live records on ``node_states``; its views; seconds it took."""
+        unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
+        t = now()
+        views = self.views(records, alive, t, unmodelled)
+        await self.models.refresh([records[v.job_id] for v in views])
+        if self.queues is not None:
+            self.policy.set_config(await self.queues.config(self.share_base))
+        # the policy is pure CPU work: off the loop, so the lease keeps being renewed
+        t_policy = time.perf_counter()
+        decision: Decision = await asyncio.to_thread(self.policy.schedule, t, node_states, views, self.models.oracle)
+        t_policy = time.perf_counter() - t_policy
+        if self.queues is not None:
+            await self.queues.save_usage(self.policy.memory())
+        capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
+        check_decision(decision, node_states, {v.job_id: v for v in views})
+        for job_id, key in unmodelled.items():
+            decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
+        return decision, views, t_policy
+
+    async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
+        """Pending jobs whose model has no fit yet: job id -> model key."""
+        from .perfmodel_service import unmodelled_jobs
+
+        got = await unmodelled_jobs(self.models.kv, records.values())
+        return {job_id: key for job_id, (key, _) in got.items()}
 
 
 def segment_gpu_s(rec: JobRecord, ts: float) -> float:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus_schema.messages import ACTIVE_STATES, JobPreempted, JobRecord, JobRequeued, JobState
+import msgspec
+
+from bus_schema.messages import (ACTIVE_STATES, ExplainEntry, JobPreempted, JobRecord, JobRequeued, JobState, PinnedPlan,
+                                 ReconfigureReply, ReconfigureRequest)
 from policies import Decision
 
 from . import capacity, lifecycle
@@ -20,6 +23,7 @@ from .views import JobsView
 
 log = get_logger(service="optimizer")
 ACTIVE = ACTIVE_STATES
+REASON_WRITES_PER_ROUND = 64  # waiting reasons rewritten into records per round (oldest jobs first)
 
 
 class RecordWriter:
@@ -182,3 +186,46 @@ class RecordWriter:
                 await self.writer.put(new)
         return new
 
+    async def explain(self, decision: Decision, records: dict[str, JobRecord]) -> list[ExplainEntry]:
+        """Why each job waits or runs (the explain endpoint's entries), and the
+        waiting reasons written into records."""
+        explain, stale = [], []
+        for job_id, why in decision.waiting.items():
+            rec = records[job_id]
+            explain.append(ExplainEntry(job_id=job_id, state=rec.state.value, reason=why))
+            if rec.reason != why and rec.state == JobState.PENDING:
+                stale.append((rec.submitted_at, job_id, why))
+        # A waiting job's reason can change every round for every pending job
+        # (FIFO's "behind <head>"): a bounded number of record writes per round,
+        # oldest first; the explain endpoint always has all of them fresh.
+        todo = [self.store.update(
+            job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
+            hint=self.hint(job_id)) for _, job_id, why in sorted(stale)[:REASON_WRITES_PER_ROUND]]
+        await bounded(todo, self.parallel)
+        for job_id, d in decision.allocations.items():
+            explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
+        return explain
+
+    async def pin(self, req: ReconfigureRequest) -> ReconfigureReply:
+        """An operator's plan pin (``gs.optimizer.reconfigure``) into the job's record."""
+        from .runtime import RequestError, bad_request
+
+        if req.plan is not None:
+            if req.placement and sum(s.gpus for s in req.placement) != req.plan.gpus:
+                raise bad_request(f"placement has {sum(s.gpus for s in req.placement)} GPUs, plan "
+                                  f"{req.plan.label()} needs {req.plan.gpus}", "placement")
+        pin = None if req.plan is None else PinnedPlan(plan=req.plan, placement=req.placement, reason=req.reason)
+
+        def change(r: JobRecord) -> JobRecord | None:
+            if r.terminal:
+                return None
+            return msgspec.structs.replace(r, pinned=pin)
+
+        got = await self.store.get(req.job_id)
+        if got is None:
+            raise RequestError("404", f"no job {req.job_id}", "job_id")
+        new = await self.store.update(req.job_id, change)
+        if new is None:
+            raise RequestError("409", f"job {req.job_id} has ended", "job_id")
+        log.info("plan pinned" if pin else "pin cleared", job_id=req.job_id, plan=req.plan.label() if req.plan else None)
+        return ReconfigureReply(job_id=req.job_id, pinned=pin is not None, generation=new.generation)

@@ -58,9 +58,9 @@ def _rounds(oracle: LearningOracle, specs: list[JobSpec], rounds: int = 4, slack
         d = pol.schedule(now, cluster, views, oracle)
         core = pol.inner("") if hasattr(pol, "inner") else pol  # rubick inside the GPU-type wrapper
         if slack is not None:
-            core._cache.slack = slack
+            core.problems.cache.slack = slack
         if sizes is not None:
-            sizes.append(len(core._cache.store))
+            sizes.append(len(core.problems.cache.store))
         out.append(sorted((k, v.placement, v.plan, v.predicted_throughput, v.reason) for k, v in d.allocations.items())
                    + sorted(d.waiting.items()))
         state = {k: (v.placement, v.plan, now if state.get(k, (None, None))[:2] != (v.placement, v.plan) else state[k][2])

@@ -1,0 +1,423 @@
+"""Rubick's round as arrays (``Problem``, searched by ``kernels.py``), built by ``ProblemBuilder``.
+
+A job's part of the problem depends on its spec, its curve (the candidate cache's
+list for the oracle's current answers, ``candidates.py``), its holding and its
+target, and on the round only through time: its remaining steps, whether it is
+pinned or held out, its utilities' restart factors. The builder keeps, per job,
+what depends on the former (``_Row``: the candidate table, the request's
+throughput, the candidates a guarantee allows, what staying where it runs is worth
+and what it holds) and rebuilds a row only when one of them changed (a new record,
+a switch, a learning oracle's new revision of its model). The rest of a round runs
+over arrays, so its cost per live job is a few lookups. Every cached value is a pure
+function of what its row is checked against, so the problem is the same, bit for
+bit, as one built from nothing (``tests/test_rubick_rows.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .api import JobView, NodeState, PerfOracle, Placement, default_plan
+from .candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
+
+
+@dataclass(slots=True)
+class _Row:
+    """One job's part of the problem and what it was built from (checked by identity).
+
+    What it holds (``hold``, ``stay_at``, ``holds_ok``) follows its spec and view;
+    the rest its curve (``cands``) too."""
+
+    spec: Any
+    placement: tuple
+    plan: Any
+    target_in: float | None  # JobView.target_throughput
+    hold: tuple = ((), (), ())  # running: nodes, GPUs and CPUs of its parts
+    stay_at: tuple | None = None  # running: (gpus, cpus/gpu, nodes spanned, cost) of staying
+    stay_key: tuple = ()  # running: (plan, sorted (gpus, cpus) per node) it runs
+    holds_ok: tuple = (False, False)  # running: (holds its request, trusted shape but for speed)
+    cands: list | None = None  # the candidate cache's list: a new curve is a new list
+    rows: list = field(default_factory=list)  # candidates (a guaranteed job's request appended)
+    tab: np.ndarray | None = None  # (gpus, cpus/gpu, nodes, throughput, cost) per row
+    ref: float = 0.0
+    target: float = 0.0
+    g_ok: np.ndarray | None = None  # guaranteed: rows the guarantee allows
+    st: float = 0.0  # running: predicted throughput of staying
+    ok: bool = False  # running: staying is allowed
+
+
+class ProblemBuilder:
+    """The caches behind ``Rubick.build_problem`` and the build itself."""
+
+    def __init__(self):
+        self.cache: CandidateCache | None = None
+        self.ref: dict = {}
+        self.stay: dict = {}
+        self.tables: dict = {}
+        self.rows: dict[str, _Row] = {}
+
+    # ---------------------------------------------------------------- per curve
+    def _candidates(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
+        if not job.spec.reconfigurable:
+            key = ("fixed", self.cache.key(job, perf))
+            got = self.cache.store.get(key)
+            if got is None:
+                got = fixed_candidates(job, perf, space)
+                self.cache.store[key] = got
+            return got
+        return self.cache.get(job, perf)
+
+    def _table(self, cands: list[Candidate], cpg_cluster: float) -> np.ndarray:
+        """Candidates' (gpus, cpus/gpu, nodes, throughput, cost) rows, cached with them."""
+        tab = self.tables.get(id(cands))
+        if tab is None or tab[0] is not cands:
+            arr = np.array(
+                [(c.gpus, c.cpus_per_gpu, c.nodes, c.throughput, resource_cost(c, cpg_cluster)) for c in cands],
+                float,
+            ).reshape(-1, 5)
+            tab = (cands, arr)
+            self.tables[id(cands)] = tab
+        return tab[1]
+
+    def _with_request(self, job, perf, space, cpg_cluster, cands, tab):
+        """Guaranteed jobs: their exact request (own plan, GPUs, CPUs, compact) as a candidate."""
+        key = ("req", self.cache.key(job, perf))
+        got = self.tables.get(key)
+        if got is None or got[0] is not cands:
+            extra = fixed_candidates(job, perf, space)
+            if extra:
+                c = extra[0]
+                row = np.array([[c.gpus, c.cpus_per_gpu, c.nodes, c.throughput, resource_cost(c, cpg_cluster)]])
+                got = (cands, cands + extra, np.vstack([tab, row]))
+            else:
+                got = (cands, cands, tab)
+            self.tables[key] = got
+        return got[1], got[2]
+
+    def requested_throughput(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> float:
+        """The job's own plan on its own GPUs and CPUs, compactly placed."""
+        hit = self.ref.get(id(job.spec))
+        if hit is not None and hit[0] is job.spec:
+            return hit[1]
+        key = (self.cache.key(job, perf), job.spec.plan, job.spec.gpus, job.spec.cpus_per_gpu)
+        got = self.ref.get(key)
+        if got is None:
+            plan = default_plan(job.spec)
+            cpg = job.spec.cpus_per_gpu or max(1, min(4, space.cpus_per_node // space.gpus_per_node))
+            got = perf.throughput(job, plan, compact(plan.gpus, cpg, space.gpus_per_node))
+            self.ref[key] = got
+        self.ref[id(job.spec)] = (job.spec, got)
+        return got
+
+    def _stay_throughput(self, job: JobView, perf: PerfOracle, plan, shape) -> float:
+        key = (self.cache.key(job, perf), plan, shape)
+        got = self.stay.get(key)
+        if got is None:
+            got = perf.throughput(job, plan, tuple(Placement(f"_n{i}", g, c) for i, (g, c) in enumerate(shape)))
+            self.stay[key] = got
+        return got
+
+    def _trusted(self, job: JobView, cands: list[Candidate]) -> np.ndarray:
+        """Which candidates of a guaranteed job lie where the model is trusted:
+        one node, data-parallel family (no TP/PP), at least the request's GPUs
+        and CPUs per GPU (never a shrink)."""
+        key = ("trust", id(cands), job.spec.gpus, job.spec.cpus_per_gpu)
+        got = self.tables.get(key)
+        if got is not None and got[0] is cands:
+            return got[1]
+        cpg = job.spec.cpus_per_gpu or 0
+        out = np.array(
+            [c.nodes == 1 and c.plan.tp == 1 and c.plan.pp == 1 and c.gpus >= job.spec.gpus and c.cpus_per_gpu >= cpg
+             for c in cands],
+            bool,
+        )
+        self.tables[key] = (cands, out)
+        return out
+
+    # ---------------------------------------------------------------- per job
+    def _row(self, j: JobView, space, cpg_cluster) -> _Row:
+        """What a job's rows take from its view alone."""
+        r = _Row(j.spec, j.placement, j.plan, j.target_throughput)
+        if j.running:
+            gpus, cpus = j.gpus, j.cpus
+            r.hold = tuple(p.node for p in j.placement), tuple(p.gpus for p in j.placement), tuple(
+                p.cpus for p in j.placement)
+            r.stay_at = (gpus, max(1, cpus // max(gpus, 1)), len(j.placement), gpus + cpus / cpg_cluster)
+            r.stay_key = (j.plan or default_plan(j.spec), tuple(sorted((p.gpus, p.cpus) for p in j.placement)))
+            plan = r.stay_key[0]
+            cpg = j.spec.cpus_per_gpu or 0
+            r.holds_ok = (self._holds_request(j, space), len(j.placement) == 1 and plan.tp == 1 and plan.pp == 1
+                          and gpus >= j.spec.gpus and cpus >= cpg * gpus)
+        return r
+
+    def _curve(self, pol, r: _Row, j: JobView, perf, space, cpg_cluster, cands) -> None:
+        """What a job's rows take from its curve: candidates, reference, guarantee, staying."""
+        tab = self._table(cands, cpg_cluster)
+        rows, req_k = cands, -1
+        guar = j.spec.guaranteed
+        if guar:
+            n0 = len(cands)
+            rows, tab = self._with_request(j, perf, space, cpg_cluster, cands, tab)
+            if len(rows) > n0:
+                req_k = len(rows) - 1
+        ref = self.requested_throughput(j, perf, space)
+        if ref <= 0:  # request infeasible under the model: best it could do at its size
+            ref = max((c.throughput for c in rows if c.gpus <= j.spec.gpus), default=0.0) or (
+                rows[0].throughput if rows else 1.0
+            )
+        target = float((j.target_throughput or ref) if guar else 0.0)
+        # A guaranteed job may run exactly its own request (its plan, GPUs and
+        # CPUs, compactly placed: what the guarantee is measured against), or
+        # an alternative in the regime where the model has been validated
+        # (one node, data-parallel family, at least its GPUs and CPUs per GPU)
+        # that the model predicts to beat its target by the margin. Multi-node
+        # and 3D-parallel predictions err by more than any margin, so they
+        # never stand in for a request; a guaranteed job is never shrunk.
+        need = target * (1 + pol.guarantee_margin) if guar else 0.0
+        g_ok = None
+        if guar:
+            g_ok = np.zeros(len(rows), bool)
+            if req_k >= 0:
+                g_ok[req_k] = True
+            trust = self._trusted(j, rows)
+            n = len(trust)
+            g_ok[:n] |= trust & (tab[:n, 3] >= need * (1 - 1e-9))
+        r.cands, r.rows, r.tab, r.ref, r.target, r.g_ok = cands, rows, tab, ref, target, g_ok
+        if r.stay_at is not None:
+            st = r.st = self._stay_throughput(j, perf, *r.stay_key)
+            r.ok = st > 0 and (not guar or r.holds_ok[0] or (r.holds_ok[1] and st >= need * (1 - 1e-9)))
+
+    @staticmethod
+    def _holds_request(j: JobView, space: CandidateSpace) -> bool:
+        """A running job holds exactly its request: own plan on its GPUs, compact."""
+        req = default_plan(j.spec)
+        plan = j.plan or req
+        same_plan = (plan.dp, plan.tp, plan.pp, plan.zero, plan.offload, plan.grad_ckpt) == (
+            req.dp, req.tp, req.pp, req.zero, req.offload, req.grad_ckpt
+        ) and (req.ga == plan.ga or j.spec.plan is None)
+        return same_plan and j.gpus == j.spec.gpus and len(j.placement) == math.ceil(j.spec.gpus / space.gpus_per_node)
+
+    # ---------------------------------------------------------------- round
+    def build(self, pol, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle, space) -> "Problem":
+        """The round as arrays: candidates, utilities, costs, holdings, seeds."""
+        if self.cache is not None and self.cache.sweep():  # old revisions' curves (candidates.py)
+            self.tables.clear(), self.stay.clear()  # pure functions of their keys: rebuilt the same
+            self.ref = {k: v for k, v in self.ref.items() if type(k) is int}  # per-spec references stay
+        if jobs and (self.cache is None or self.cache.space != space):
+            self.cache = CandidateCache(space)
+            self.tables.clear(), self.ref.clear(), self.stay.clear(), self.rows.clear()
+        node_ix = {n.name: i for i, n in enumerate(nodes)}
+        cpg_cluster = max(space.cpus_per_node / space.gpus_per_node, 1e-9)
+        J = len(jobs)
+        old, rows_now = self.rows, {}
+        got: list[_Row] = []
+        held, left = [False] * J, [0.0] * J
+        curves: dict[int, tuple] = {}  # id(key) -> (key, candidates): jobs of one key share them
+        for i, j in enumerate(jobs):
+            if j.spec.reconfigurable:
+                k = self.cache.key(j, perf)
+                hit = curves.get(id(k))
+                if hit is None or hit[0] is not k:
+                    hit = curves[id(k)] = (k, self._candidates(j, perf, space))
+                cands = hit[1]
+            else:
+                cands = self._candidates(j, perf, space)
+            r = old.get(j.job_id)
+            if (r is None or r.spec is not j.spec or r.placement is not j.placement or r.plan is not j.plan
+                    or r.target_in != j.target_throughput):
+                r = self._row(j, space, cpg_cluster)
+            if r.cands is not cands:
+                self._curve(pol, r, j, perf, space, cpg_cluster, cands)
+            rows_now[j.job_id] = r
+            got.append(r)
+            if r.stay_at is None and not r.spec.guaranteed:
+                held[i] = pol._held_out(j, now)
+            left[i] = max(j.remaining_steps, 1.0) * j.spec.global_batch
+        self.rows = rows_now
+        return _assemble(pol, now, jobs, got, np.array(held, bool), np.array(left, float), node_ix, nodes)
+
+
+def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.ndarray, left: np.ndarray,
+              node_ix: dict[str, int], nodes: list[NodeState]) -> "Problem":
+    """The arrays of one round from its jobs' rows (see ``kernels.py`` for the fields)."""
+    J = len(jobs)
+    nrows = np.array([len(r.rows) for r in got], np.int64)
+    K = (int(nrows.max()) if J else 0) + 1
+    # rows of (gpus, cpus/gpu, nodes, throughput, cost), padded; column K-1 at most is "stay"
+    table = np.zeros((J, K, 5))
+    table[:, :, 2] = 1
+    if J and nrows.sum():
+        starts = np.cumsum(nrows) - nrows
+        flat = np.concatenate([r.tab for r in got])
+        table[np.repeat(np.arange(J), nrows), np.arange(len(flat)) - np.repeat(starts, nrows)] = flat
+    nk = nrows.copy()
+    refs = np.array([r.ref for r in got], float)
+    targets = np.array([r.target for r in got], float)
+    guar = np.array([r.spec.guaranteed for r in got], bool)
+    running = np.array([r.stay_at is not None for r in got], bool)
+    thr = table[:, :, 3].copy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = (thr / refs[:, None]) ** pol.alpha
+        R = pol.restart_cost
+        T1 = left / refs  # seconds left at the request's predicted speed
+        if R > 0:  # average speed over the rest of the run, restart included
+            T = left[:, None] / thr
+            f = T / (T + R)
+            if pol.start_unavoidable:
+                # A job that does not run pays the restart whenever it starts: it
+                # cannot decide *whether* it runs first, only which allocation
+                # (a short job gains little from growing when the restart dominates).
+                f1 = T1 / (T1 + R)
+                f = np.where(~running[:, None], f / f1[:, None], f)
+            u = u * f
+        # Completion weight (off by default): a job's utilities scale with its
+        # completion rate at its request, 1 / (time left + restart), relative to
+        # the restart cost: among equal normalised gains the job closer to done
+        # goes first (Smith's rule per unit of resource).
+        R0 = max(R, 60.0)
+        w = (R0 / (T1 + R0)) ** pol.completion_weight if pol.completion_weight else np.ones(J)
+        u = u * w[:, None]
+    valid = np.arange(K)[None, :] < nk[:, None]
+    valid &= thr > 0
+    g_ok = np.zeros((J, K), bool)  # what a guarantee allows (``_Row.g_ok``)
+    for i in np.flatnonzero(guar):
+        g_ok[i, : len(got[i].g_ok)] = got[i].g_ok
+    valid &= ~guar[:, None] | g_ok
+    valid &= ~held[:, None]
+    u = np.where(valid, u, -1.0)
+    cg = table[:, :, 0].astype(np.int64)
+    cc = table[:, :, 1].astype(np.int64)
+    cm = table[:, :, 2].astype(np.int64)
+    cost = table[:, :, 4].copy()
+    # "stay": a running job's exact holding, one more candidate after its rows
+    stay = np.full(J, -1, np.int64)
+    pinned = np.zeros(J, bool)
+    counts = np.zeros(J, np.int64)
+    at, pins, su, sv, st, nh, hn, hg, hc = [], [], [], [], [], [], [], [], []
+    wl, rl, alpha = w.tolist(), refs.tolist(), pol.alpha
+    for i in np.flatnonzero(running).tolist():
+        r = got[i]
+        try:
+            ix = [node_ix[n] for n in r.hold[0]]
+        except KeyError:  # a node it holds is gone
+            continue
+        pin = pol._pinned(jobs[i], now)
+        at.append(i)
+        pins.append(pin)
+        sv.extend(r.stay_at)
+        st.append(r.st)
+        nh.append(len(ix))
+        # as numpy computes it for one job (C pow; the array power may differ in the last bit)
+        su.append((wl[i] * (r.st / rl[i]) ** alpha if rl[i] else float(w[i] * (r.st / refs[i]) ** alpha)) if r.ok
+                  else (0.0 if pin else -1.0))
+        hn.extend(ix)
+        hg.extend(r.hold[1])
+        hc.extend(r.hold[2])
+    if at:
+        ia = np.array(at, np.int64)
+        pinned[ia] = pins
+        counts[ia] = nh
+        na = nk[ia]
+        sv_ = np.array(sv, float).reshape(-1, 4)
+        stay[ia] = na
+        cg[ia, na] = sv_[:, 0]
+        cc[ia, na] = sv_[:, 1]
+        cm[ia, na] = sv_[:, 2]
+        cost[ia, na] = sv_[:, 3]
+        thr[ia, na] = st
+        u[ia, na] = su
+        nk[ia] = na + 1
+    hold_ptr = np.zeros(J + 1, np.int64)
+    np.cumsum(counts, out=hold_ptr[1:])
+    # seeds: pinned guaranteed, running guaranteed, pending guaranteed, pinned best-effort
+    seed = np.full(J, -1, np.int64)
+    g0 = np.flatnonzero(guar & pinned)
+    g1 = np.flatnonzero(guar & ~pinned & (stay >= 0))
+    g3 = np.flatnonzero(~guar & pinned)
+    seed[g0] = stay[g0]
+    seed[g1] = np.where(u[g1, stay[g1]] >= 0, stay[g1], -1)
+    seed[g3] = stay[g3]
+    # Pending guaranteed jobs: shortest predicted run at their request first
+    # (fewest job-seconds spent waiting behind long ones), then by arrival.
+    g2 = sorted(np.flatnonzero(guar & (stay < 0)).tolist(),
+                key=lambda i: (left[i] / max(targets[i], 1e-9), jobs[i].submitted_at, jobs[i].job_id))
+    g2 = np.array(g2, np.int64)
+    groups = [g0, g1, g2, g3] if pol.guarantee_evicts else [g0, g1, g3, g2]
+    return Problem(
+        cg=cg, cc=cc, cm=cm, u=u, cost=cost, nk=nk, stay=stay, hold_ptr=hold_ptr,
+        hold_node=np.array(hn, np.int64), hold_g=np.array(hg, np.int64), hold_c=np.array(hc, np.int64),
+        seed_order=np.concatenate(groups).astype(np.int64), seed=seed, seed_any=guar.copy(), pinned=pinned,
+        cap_g=space_cap(nodes, "g"), cap_c=space_cap(nodes, "c"), rows=[r.rows for r in got], thr=thr, refs=refs,
+        targets=targets, guaranteed=guar, running=running, nrows=nrows,
+    )
+
+
+@dataclass
+class Problem:
+    """One round's allocation problem (see ``kernels.py`` for the fields)."""
+
+    cg: np.ndarray
+    cc: np.ndarray
+    cm: np.ndarray
+    u: np.ndarray
+    cost: np.ndarray
+    nk: np.ndarray
+    stay: np.ndarray
+    hold_ptr: np.ndarray
+    hold_node: np.ndarray
+    hold_g: np.ndarray
+    hold_c: np.ndarray
+    seed_order: np.ndarray
+    seed: np.ndarray
+    seed_any: np.ndarray
+    pinned: np.ndarray
+    cap_g: np.ndarray
+    cap_c: np.ndarray
+    rows: list = field(default_factory=list)
+    thr: np.ndarray | None = None
+    refs: np.ndarray | None = None
+    targets: np.ndarray | None = None
+    guaranteed: np.ndarray | None = None
+    running: np.ndarray | None = None
+    nrows: np.ndarray | None = None  # candidates per job before "stay"
+
+    def kernel_args(self) -> tuple:
+        return (
+            self.cg, self.cc, self.cm, self.u, self.cost, self.nk, self.stay, self.hold_ptr, self.hold_node,
+            self.hold_g, self.hold_c, self.seed_order, self.seed, self.seed_any, self.pinned, self.cap_g, self.cap_c,
+        )
+
+    def objective(self, level: np.ndarray) -> float:
+        i = np.flatnonzero(level >= 0)
+        return float(sum(self.u[i, level[i]].tolist()))
+
+
+def space_cap(nodes: list[NodeState], what: str) -> np.ndarray:
+    return np.array([n.gpus_total if what == "g" else n.cpus_total for n in nodes], np.int64)
+
+
+def compact(gpus: int, cpg: int, per_node: int) -> tuple[Placement, ...]:
+    out = []
+    i = 0
+    while gpus > 0:
+        g = min(gpus, per_node)
+        out.append(Placement(f"_n{i}", g, g * cpg))
+        gpus -= g
+        i += 1
+    return tuple(out)
+
+
+def fixed_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
+    """A job that may not be reconfigured: its own plan and GPUs, compact."""
+    plan = default_plan(job.spec)
+    cpg = job.spec.cpus_per_gpu or max(1, min(4, space.cpus_per_node // space.gpus_per_node))
+    m = math.ceil(plan.gpus / space.gpus_per_node)
+    if plan.gpus % m:
+        return []
+    shape = tuple(Placement(f"_n{i}", plan.gpus // m, plan.gpus // m * cpg) for i in range(m))
+    t = perf.throughput(job, plan, shape)
+    return [Candidate(plan.gpus, cpg, m, plan, t)] if t > 0 else []

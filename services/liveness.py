@@ -1,0 +1,44 @@
+"""Which nodes a round may use: heard from within ``node_timeout`` by the server's
+clock (the time the server stored their last report, ``views.NodesView``), never
+the agent's. A node that falls silent is announced once (``node.lost``); a new
+leader first gives agents one timeout to be heard."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bus_schema import subjects as subj
+from bus_schema.messages import NodeLost, NodeReport
+
+from .jobstore import publish_event
+from .runtime import get_logger, now
+
+log = get_logger(service="optimizer")
+
+
+class NodeLiveness:
+    def __init__(self, js: Any, node_timeout: float):
+        self.js = js
+        self.node_timeout = node_timeout
+        self.lost: set[str] = set()
+
+    def grace_over(self, leader_since: float | None) -> bool:
+        """A new leader (since ``leader_since``, monotonic) gives agents one timeout to be heard."""
+        return leader_since is not None and time.monotonic() - leader_since > self.node_timeout
+
+    async def live(self, nodes: Any, leader_since: float | None) -> list[NodeReport]:
+        """The live nodes of ``nodes`` (a ``NodesView``); newly silent ones announced as lost."""
+        await nodes.sync()
+        alive, silent = nodes.alive(self.node_timeout)
+        for n in alive:
+            self.lost.discard(n.node)
+        for n, age in silent:
+            if n.node not in self.lost and self.grace_over(leader_since):
+                self.lost.add(n.node)
+                await publish_event(
+                    self.js, NodeLost(ts=now(), node=n.node, reason=f"no heartbeat for {age:.0f}s"),
+                    f"node:{n.node}:lost:{n.ts:.3f}", subj.node_event(n.node, "node.lost"),
+                )
+                log.warning("node lost", node=n.node, silent_s=round(age, 1))
+        return alive
