@@ -24,7 +24,10 @@ One round:
    behind long ones. ``completion_weight`` (beta, default 0: off) further
    scales every utility of a job by (R0/(T1+R0))^beta, its completion rate
    at its request relative to R0 = max(R, 60 s) (Smith's rule: shorter
-   remaining work first among equal normalised gains).
+   remaining work first among equal normalised gains). ``resume_charge``
+   (on): every utility of a running job is divided by its request's
+   T1/(T1+R), since a preempted job pays R again to resume
+   (``rubick_resume.py``): a job minutes from done is not displaced.
 3. Guarantees: a guaranteed job runs exactly its own request (its plan on
    its GPUs and CPUs, compactly placed) unless an alternative lies where the
    model has been validated (one node, data-parallel family, at least the
@@ -66,6 +69,7 @@ from .classes import enforce
 from .kernels import greedy_allocate
 from .oracle import AnalyticOracle
 from .placement import describe
+from .rubick_resume import resume_weights
 
 
 class Rubick:
@@ -84,6 +88,7 @@ class Rubick:
         utility_exponent: float = 0.5,
         start_unavoidable: bool = True,
         completion_weight: float = 0.0,
+        resume_charge: bool = True,
         use_numba: bool = True,
     ):
         self.name = name
@@ -98,6 +103,7 @@ class Rubick:
         self.alpha = utility_exponent
         self.start_unavoidable = start_unavoidable
         self.completion_weight = completion_weight
+        self.resume_charge = resume_charge
         self.use_numba = use_numba
         self._cache: CandidateCache | None = None
         self._ref: dict = {}
@@ -317,6 +323,8 @@ class Rubick:
             # goes first (Smith's rule per unit of resource).
             R0 = max(R, 60.0)
             w = (R0 / (T1 + R0)) ** self.completion_weight if self.completion_weight else np.ones(J)
+            if self.resume_charge:  # a preempted job pays the restart again (rubick_resume.py)
+                w = w * resume_weights(np.array([j.running for j in jobs], bool), T1, R)
             u = u * w[:, None]
         valid = np.arange(K)[None, :] < nk[:, None]
         valid &= thr > 0
