@@ -27,7 +27,7 @@ One round:
    remaining work first among equal normalised gains). ``resume_charge``
    (on): every utility of a running job is divided by its request's
    T1/(T1+R), since a preempted job pays R again to resume
-   (``rubick_resume.py``): a job minutes from done is not displaced.
+   (``rubick_rules.py``): a job minutes from done is not displaced.
 3. Guarantees: a guaranteed job runs exactly its own request (its plan on
    its GPUs and CPUs, compactly placed) unless an alternative lies where the
    model has been validated (one node, data-parallel family, at least the
@@ -44,7 +44,9 @@ One round:
    best-effort ones (so a guarantee waits at most ``min_run_time`` for them:
    now that a guarantee is admitted at its full request, evicting freshly
    (re)started best-effort jobs for it costs them two restarts in a window)
-   and before every other job, shortest predicted run first.
+   and before every other job, shortest predicted run first. One that has
+   waited ``min_run_time`` goes before them (``guarantee_wait_bound``, on:
+   jobs pinned anew at every switch kept 40-GPU guarantees out for hours).
    ``guarantee_evicts=True`` seeds them before pinned best-effort jobs (a
    guarantee may then evict one inside the minimum run time).
 5. Everything else: greedy by normalised marginal gain per unit of resource
@@ -69,7 +71,7 @@ from .classes import enforce
 from .kernels import greedy_allocate
 from .oracle import AnalyticOracle
 from .placement import describe
-from .rubick_resume import resume_weights
+from .rubick_rules import resume_weights, seed_groups
 
 
 class Rubick:
@@ -89,6 +91,7 @@ class Rubick:
         start_unavoidable: bool = True,
         completion_weight: float = 0.0,
         resume_charge: bool = True,
+        guarantee_wait_bound: bool = True,
         use_numba: bool = True,
     ):
         self.name = name
@@ -104,6 +107,7 @@ class Rubick:
         self.start_unavoidable = start_unavoidable
         self.completion_weight = completion_weight
         self.resume_charge = resume_charge
+        self.guarantee_wait_bound = guarantee_wait_bound
         self.use_numba = use_numba
         self._cache: CandidateCache | None = None
         self._ref: dict = {}
@@ -323,7 +327,7 @@ class Rubick:
             # goes first (Smith's rule per unit of resource).
             R0 = max(R, 60.0)
             w = (R0 / (T1 + R0)) ** self.completion_weight if self.completion_weight else np.ones(J)
-            if self.resume_charge:  # a preempted job pays the restart again (rubick_resume.py)
+            if self.resume_charge:  # a preempted job pays the restart again (rubick_rules.py)
                 w = w * resume_weights(np.array([j.running for j in jobs], bool), T1, R)
             u = u * w[:, None]
         valid = np.arange(K)[None, :] < nk[:, None]
@@ -396,8 +400,8 @@ class Rubick:
         # Pending guaranteed jobs: shortest predicted run at their request first
         # (fewest job-seconds spent waiting behind long ones), then by arrival.
         groups[2].sort(key=lambda i: (left[i] / max(targets[i], 1e-9), jobs[i].submitted_at, jobs[i].job_id))
-        if not self.guarantee_evicts:
-            groups = [groups[0], groups[1], groups[3], groups[2]]
+        groups = seed_groups(groups, [now - j.submitted_at for j in jobs], self.min_run_time,
+                            evicts=self.guarantee_evicts, bound=self.guarantee_wait_bound)  # rubick_rules.py
         seed_order = np.array([i for g in groups for i in g], np.int64)
         return Problem(
             cg=cg, cc=cc, cm=cm, u=u, cost=cost, nk=nk, stay=stay, hold_ptr=hold_ptr,

@@ -60,7 +60,7 @@ def test_guarantee_evicts_best_effort_even_inside_min_run_time():
     ns = nodes(1)
     perf = CurveOracle()
     be = job("be", 8, running_on=(Placement("n0", 8, 16),), since=9_990)
-    g = job("g", 8, t=5, guaranteed=True)
+    g = job("g", 8, t=9_995, guaranteed=True)
     d = decide(make_policy("rubick", min_run_time=600, guarantee_evicts=True), 10_000.0, ns, [be, g], perf)
     assert "g" in d.allocations and "be" in d.waiting
     # Changed on purpose: by default a guarantee waits out a best-effort job's
@@ -70,6 +70,25 @@ def test_guarantee_evicts_best_effort_even_inside_min_run_time():
         assert "be" in d.allocations and "g" in d.waiting
     d = decide(make_policy("rubick", min_run_time=600), 10_700.0, ns, [be, g], perf)  # pin expired
     assert "g" in d.allocations and "be" in d.waiting
+
+
+def test_a_guarantee_waits_at_most_min_run_time_for_pinned_best_effort_jobs():
+    """Best-effort jobs are pinned anew at every switch: a guarantee that waited for
+    pinned jobs could wait for ever (rubick-mt: 40-GPU llama30 guarantees waited
+    4,700 s while small jobs, each switched minutes ago, sat on every node).
+    Once it has waited min_run_time it goes before them (rubick_rules.py)."""
+    ns = nodes(1)
+    perf = CurveOracle()
+    be = job("be", 8, running_on=(Placement("n0", 8, 16),), since=9_990)  # switched 10 s ago
+    g = job("g", 8, t=9_300, guaranteed=True)  # has waited 700 s
+    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, g], perf)
+    assert "g" in d.allocations and "be" in d.waiting
+    d = decide(make_policy("rubick", min_run_time=600, guarantee_wait_bound=False), 10_000.0, ns, [be, g], perf)
+    assert "be" in d.allocations and "g" in d.waiting
+    # a guarantee that came 300 s ago still waits for the pinned job
+    young = job("g", 8, t=9_700, guaranteed=True)
+    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, young], perf)
+    assert "be" in d.allocations and "g" in d.waiting
 
 
 def test_no_switch_within_min_run_time():
