@@ -24,7 +24,10 @@ One round:
    behind long ones. ``completion_weight`` (beta, default 0: off) further
    scales every utility of a job by (R0/(T1+R0))^beta, its completion rate
    at its request relative to R0 = max(R, 60 s) (Smith's rule: shorter
-   remaining work first among equal normalised gains).
+   remaining work first among equal normalised gains). ``resume_charge``
+   (on): every utility of a running job is divided by its request's
+   T1/(T1+R), since a preempted job pays R again to resume
+   (``rubick_rules.py``): a job minutes from done is not displaced.
 3. Guarantees: a guaranteed job runs exactly its own request (its plan on
    its GPUs and CPUs, compactly placed) unless an alternative lies where the
    model has been validated (one node, data-parallel family, at least the
@@ -41,7 +44,9 @@ One round:
    best-effort ones (so a guarantee waits at most ``min_run_time`` for them:
    now that a guarantee is admitted at its full request, evicting freshly
    (re)started best-effort jobs for it costs them two restarts in a window)
-   and before every other job, shortest predicted run first.
+   and before every other job, shortest predicted run first. One that has
+   waited ``min_run_time`` goes before them (``guarantee_wait_bound``, on:
+   jobs pinned anew at every switch kept 40-GPU guarantees out for hours).
    ``guarantee_evicts=True`` seeds them before pinned best-effort jobs (a
    guarantee may then evict one inside the minimum run time).
 5. Everything else: greedy by normalised marginal gain per unit of resource
@@ -84,6 +89,8 @@ class Rubick:
         utility_exponent: float = 0.5,
         start_unavoidable: bool = True,
         completion_weight: float = 0.0,
+        resume_charge: bool = True,
+        guarantee_wait_bound: bool = True,
         use_numba: bool = True,
     ):
         self.name = name
@@ -98,6 +105,8 @@ class Rubick:
         self.alpha = utility_exponent
         self.start_unavoidable = start_unavoidable
         self.completion_weight = completion_weight
+        self.resume_charge = resume_charge
+        self.guarantee_wait_bound = guarantee_wait_bound
         self.use_numba = use_numba
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
         self._fallback = AnalyticOracle()

@@ -23,6 +23,7 @@ import numpy as np
 
 from .api import JobView, NodeState, PerfOracle, Placement, default_plan
 from .candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
+from .rubick_rules import resume_weights, seed_groups
 
 
 @dataclass(slots=True)
@@ -280,6 +281,8 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
         # goes first (Smith's rule per unit of resource).
         R0 = max(R, 60.0)
         w = (R0 / (T1 + R0)) ** pol.completion_weight if pol.completion_weight else np.ones(J)
+        if pol.resume_charge:  # a preempted job pays the restart again (rubick_rules.py)
+            w = w * resume_weights(running, T1, R)
         u = u * w[:, None]
     valid = np.arange(K)[None, :] < nk[:, None]
     valid &= thr > 0
@@ -346,7 +349,9 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
     g2 = sorted(np.flatnonzero(guar & (stay < 0)).tolist(),
                 key=lambda i: (left[i] / max(targets[i], 1e-9), jobs[i].submitted_at, jobs[i].job_id))
     g2 = np.array(g2, np.int64)
-    groups = [g0, g1, g2, g3] if pol.guarantee_evicts else [g0, g1, g3, g2]
+    groups = seed_groups([g0, g1, g2, g3], [now - j.submitted_at for j in jobs], pol.min_run_time,
+                         evicts=pol.guarantee_evicts, bound=pol.guarantee_wait_bound)  # rubick_rules.py
+    groups = [np.asarray(g, np.int64) for g in groups]
     return Problem(
         cg=cg, cc=cc, cm=cm, u=u, cost=cost, nk=nk, stay=stay, hold_ptr=hold_ptr,
         hold_node=np.array(hn, np.int64), hold_g=np.array(hg, np.int64), hold_c=np.array(hc, np.int64),

@@ -34,9 +34,15 @@ def command(trace: str, regime: str, policies: str = POLICIES, extra: tuple[str,
     return ["--trace", trace, "--policies", policies, "--regime", regime, *extra, "-o", "json", "--no-progress"]
 
 
-ABLATIONS = [("rubick as before issue 10's last fix: a pending job's start charged the restart relative to its "
-              "whole run", '{"start_unavoidable": false}'),
-             ("rubick with the completion weight (Smith's rule, beta = 1)", '{"completion_weight": 1}')]
+ABLATIONS = [("rubick as before issue 10's start fix: a pending job's start charged the restart relative to its "
+              "whole run (and no resume charge, which came later)", '{"start_unavoidable": false, "resume_charge": false}'),
+             ("rubick with the completion weight (Smith's rule, beta = 1)", '{"completion_weight": 1}'),
+             ("rubick without the resume charge (preempting a job free of the restart it pays to resume)",
+              '{"resume_charge": false}')]
+# rubick-mt (measured): the two rules that brought rubick's makespan to the floor (policies/rubick_rules.py)
+MT_ABLATIONS = [("without the resume charge", '{"resume_charge": false}'),
+                ("without the bounded guarantee wait", '{"guarantee_wait_bound": false}'),
+                ("without both (rubick before them)", '{"resume_charge": false, "guarantee_wait_bound": false}')]
 
 
 def _run(argv: list[str]):
@@ -189,13 +195,14 @@ def _learned(res) -> list[str]:
                        "barely moves.")
         old = res(_ablation(ABLATIONS[0][1]))
         bs = next(s for s in summaries if s["policy"] == best)
-        was = (f"{_x(bs['avg_jct_s'] / old[0][0]['avg_jct_s'])} (the ablation below)" if old is not None else
+        ratio = bs['avg_jct_s'] / old[0][0]['avg_jct_s'] if old is not None else 1.14
+        was = (f"{_x(ratio)} (the ablation below)" if old is not None else
                "1.14x (the same command at commit a7678b3, before the change)")
         out.append("- **The fix that made the difference.** Until this evaluation rubick charged a job that "
                    "was not running the restart relative to its whole run, T/(T+R), when ranking its start: "
                    "that ranks starts by length, longest first, so llama30 jobs with minutes of work waited "
-                   f"hours. With that rule rubick's lead on rubick-base (measured) was {was}, short of the 1.15x "
-                   "floor; now a pending job's restart only decides which allocation it gets "
+                   f"hours. With that rule rubick's lead on rubick-base (measured) was {was}, "
+                   f"{'short of' if ratio < 1.15 else 'above'} the 1.15x floor; now a pending job's restart only decides which allocation it gets "
                    "(`policies/rubick.py`, `start_unavoidable`). It uses nothing the live system lacks: the job's "
                    "declared steps and the belief's (or an observed) speed.")
     mt = res(command("rubick-mt", "measured"))
@@ -214,6 +221,20 @@ def _learned(res) -> list[str]:
                        "when a guaranteed one needs their GPUs, and the last of them finish after that chain: "
                        "the makespan is set by how those last jobs pack, which rubick's greedy allocation does not "
                        "plan ahead for.")
+        else:
+            before = res(_ablation(MT_ABLATIONS[-1][1], "rubick-mt"))
+            was_mt = (f"{bm['makespan_s'] / before[0][0]['makespan_s']:.4f}x without them" if before is not None
+                      and before[0][0]["unfinished"] == 0 else "0.9986x (commit a7a0409, before them)")
+            out.append(f"- **rubick-mt's makespan.** rubick's is {_h(ru['makespan_s'])} h against {bm['policy']}'s "
+                       f"{_h(bm['makespan_s'])} h ({rat['rubick']['makespan_x']:.3f}x). Most llama30 jobs there are "
+                       "guaranteed and run exactly their request (40 or 48 of the 64 GPUs), one after another "
+                       "whatever the policy; the makespan is when that chain and the best-effort llama30 jobs after "
+                       f"it end. Two rules (`policies/rubick_rules.py`, table below) moved it from {was_mt}: a running "
+                       "job's utilities carry the restart it would pay to resume if preempted (before, one-step jobs "
+                       "displaced jobs a few steps from done, which then restarted for ~9 minutes), and a pending "
+                       "guarantee that has waited the minimum run time goes before pinned best-effort jobs (before, "
+                       "small jobs re-pinned at every switch kept 40-GPU guarantees waiting for hours). Both use "
+                       "only declared steps, the belief's speeds and the restart cost.")
         if ru["guaranteed_jobs"]:
             out.append(f"- **Guarantees on rubick-mt**: rubick keeps {ru['guarantees_kept']} of "
                        f"{ru['guaranteed_accepted']} accepted; "
@@ -226,7 +247,7 @@ def _learned(res) -> list[str]:
         peers = [s for s in summaries if s["policy"] in PEERS and s["unfinished"] == 0]
         bm = min(peers, key=lambda s: s["makespan_s"])
         out.append(f"- **Held-out workload (measured).** rubick's average JCT is {_x(rat['rubick']['jct_x'])} the "
-                   f"best baseline's, but its makespan is {_h(ru['makespan_s'])} h against {bm['policy']}'s "
+                   f"best baseline's, {'but' if rat['rubick']['makespan_x'] < 1 else 'and'} its makespan is {_h(ru['makespan_s'])} h against {bm['policy']}'s "
                    f"{_h(bm['makespan_s'])} h ({rat['rubick']['makespan_x']:.3f}x)"
                    + (": the makespan floor is not met there. " if rat["rubick"]["makespan_x"] < 1 else ". ")
                    + f"{bm['policy']} ran {100 * bm['measured_share']:.0f}% of its allocations measured (the rest "
@@ -264,8 +285,8 @@ def _learned(res) -> list[str]:
     return out + [""]
 
 
-def _ablation(opts: str) -> list[str]:
-    return command("rubick-base", "measured", "rubick", ("--policy-options", opts))
+def _ablation(opts: str, trace: str = "rubick-base") -> list[str]:
+    return command(trace, "measured", "rubick", ("--policy-options", opts))
 
 
 SWEEP_JOBS = 60  # the knob sweep runs on rubick-base's first 60 jobs (a full extended run takes tens of minutes on 2 busy cores)
@@ -279,6 +300,7 @@ def all_runs() -> list[list[str]]:
     runs = [command(t, reg) for reg in ("measured", "extended") for t in TRACES]
     runs += [command(HELD_OUT, reg) for reg in ("measured", "extended")]
     runs += [_ablation(o) for _, o in ABLATIONS]
+    runs += [_ablation(o, "rubick-mt") for _, o in MT_ABLATIONS]
     runs += [sweep_command(k) for k in SWEEP]
     runs += [command("rubick-base", "extended", "rubick,sia", ("--jobs", str(SWEEP_JOBS)))]
     return runs
@@ -397,6 +419,28 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
             ratio = best["avg_jct_s"] / a["avg_jct_s"] if best and a["unfinished"] == 0 else None
             doc.append(f"| {what} (`--policy-options '{opts}'`) | {_h(a['avg_jct_s'])} | {_h(a['makespan_s'])} | "
                        f"{a['reconfigurations']} | {_x(ratio)} |")
+        doc.append("")
+    mt = res(command("rubick-mt", "measured"))
+    mabl = [(what, opts, res(_ablation(opts, "rubick-mt"))) for what, opts in MT_ABLATIONS]
+    if mt is not None and any(a[2] for a in mabl):
+        peers = [s for s in mt[0] if s["policy"] in PEERS and s["unfinished"] == 0]
+        bj = min(s["avg_jct_s"] for s in peers)
+        bm = min(s["makespan_s"] for s in peers)
+        rub = next(s for s in mt[0] if s["policy"] == "rubick")
+        doc += ["## rubick-mt's makespan: the two rules (measured)", "",
+                "Rubick run alone without one or both of `policies/rubick_rules.py`'s rules, against the best "
+                f"baselines of the rubick-mt run above (avg JCT {_h(bj)} h, makespan {_h(bm)} h).", "",
+                "| rubick variant | avg JCT h | makespan h | restarts | guarantees kept | JCT vs best | makespan vs best |",
+                "|---|---:|---:|---:|---:|---:|---:|"]
+        for what, opts, r in [("default", None, mt)] + mabl:
+            if r is None:
+                continue
+            a = rub if opts is None else r[0][0]
+            ok = a["unfinished"] == 0
+            label = f"{what} (`--policy-options '{opts}'`)" if opts else f"{what} (`{_cmd(command('rubick-mt', 'measured'))}`)"
+            doc.append(f"| {label} | {_h(a['avg_jct_s'])} | {_h(a['makespan_s'])} | {a['restarts']} | "
+                       f"{a['guarantees_kept']}/{a['guaranteed_accepted']} | {_x(bj / a['avg_jct_s'] if ok else None)} | "
+                       f"{('%.4fx' % (bm / a['makespan_s'])) if ok else '-'} |")
         doc.append("")
     doc += [f"## Extended regime: knob sweep (rubick-base's first {SWEEP_JOBS} jobs, rubick vs sia)", "",
             "| knob | value | rubick avg JCT h | sia avg JCT h | rubick vs sia | rubick unfinished | rubick OOM starts | "

@@ -60,7 +60,7 @@ def test_guarantee_evicts_best_effort_even_inside_min_run_time():
     ns = nodes(1)
     perf = CurveOracle()
     be = job("be", 8, running_on=(Placement("n0", 8, 16),), since=9_990)
-    g = job("g", 8, t=5, guaranteed=True)
+    g = job("g", 8, t=9_995, guaranteed=True)
     d = decide(make_policy("rubick", min_run_time=600, guarantee_evicts=True), 10_000.0, ns, [be, g], perf)
     assert "g" in d.allocations and "be" in d.waiting
     # Changed on purpose: by default a guarantee waits out a best-effort job's
@@ -70,6 +70,25 @@ def test_guarantee_evicts_best_effort_even_inside_min_run_time():
         assert "be" in d.allocations and "g" in d.waiting
     d = decide(make_policy("rubick", min_run_time=600), 10_700.0, ns, [be, g], perf)  # pin expired
     assert "g" in d.allocations and "be" in d.waiting
+
+
+def test_a_guarantee_waits_at_most_min_run_time_for_pinned_best_effort_jobs():
+    """Best-effort jobs are pinned anew at every switch: a guarantee that waited for
+    pinned jobs could wait for ever (rubick-mt: 40-GPU llama30 guarantees waited
+    4,700 s while small jobs, each switched minutes ago, sat on every node).
+    Once it has waited min_run_time it goes before them (rubick_rules.py)."""
+    ns = nodes(1)
+    perf = CurveOracle()
+    be = job("be", 8, running_on=(Placement("n0", 8, 16),), since=9_990)  # switched 10 s ago
+    g = job("g", 8, t=9_300, guaranteed=True)  # has waited 700 s
+    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, g], perf)
+    assert "g" in d.allocations and "be" in d.waiting
+    d = decide(make_policy("rubick", min_run_time=600, guarantee_wait_bound=False), 10_000.0, ns, [be, g], perf)
+    assert "be" in d.allocations and "g" in d.waiting
+    # a guarantee that came 300 s ago still waits for the pinned job
+    young = job("g", 8, t=9_700, guaranteed=True)
+    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, young], perf)
+    assert "be" in d.allocations and "g" in d.waiting
 
 
 def test_no_switch_within_min_run_time():
@@ -277,3 +296,27 @@ def test_a_short_pending_job_does_not_grow_when_the_restart_dominates():
     assert d.allocations["short"].plan.gpus == 2
     d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [long], perf)
     assert d.allocations["long"].plan.gpus == 8
+
+
+def test_a_running_job_near_its_end_is_not_preempted_for_a_start():
+    """Preempting a job costs it the restart again when it resumes (rubick_resume.py).
+    Uncharged, a pending one-step job (whose start is unavoidable, and which loses
+    nothing by running below its request) displaced a job 3 steps from done: on
+    rubick-mt such preemptions added restarts to the llama30 jobs that finish last."""
+    ns = nodes(1)
+    perf = CurveOracle({"whole": {8: 8, 16: 16}})
+    # 64 samples/step at 8 samples/s: 3 steps = 24 s left against a 260 s restart
+    near = job("near", 8, curve="whole", steps=1000, done=997, running_on=(Placement("n0", 8, 16),), since=0)
+    # asks for 16 GPUs (2 nodes: 14.4 samples/s predicted), runs at 8/14.4 of it on one node:
+    # (8/14.4)^0.5 = 0.75, times its start factor (T/(T+R)) / (T1/(T1+R)) = 1.78: 1.33 > 1
+    new = job("new", 16, curve="whole", steps=1, t=5)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [near, new], perf)
+    assert d.allocations["near"].placement == near.placement and "new" in d.waiting
+    # without the charge the job 24 s from done is preempted (and would pay 260 s to resume)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, resume_charge=False), 10_000.0, ns,
+               [near, new], perf)
+    assert "near" in d.waiting and "new" in d.allocations
+    # a job with days left still yields (the charge is 1 + R / T1, ~1 for it)
+    far = job("far", 8, curve="whole", steps=10**6, running_on=(Placement("n0", 8, 16),), since=0)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [far, new], perf)
+    assert "far" in d.waiting and "new" in d.allocations

@@ -1,0 +1,65 @@
+"""Two of Rubick's rules (``rubick.py``), kept here: what preempting a running
+job costs it, and how long a pending guarantee waits for pinned jobs.
+
+**Resume charge** (``resume_charge``, on). Rubick charges a restart to the
+allocation that causes it: a running job's change of plan or placement is
+scaled by T/(T+R) (T = time left at that speed, R = restart cost), and a
+pending job's start by the same factor relative to its request's
+(``start_unavoidable``: a pending job pays R once whenever it starts).
+Preempting a running job was free, yet the job pays R again when it resumes.
+A pending one-step job (start unavoidable, and no slower for running below
+its request when the restart dominates) could therefore displace a job a few
+steps from done, which then restarted for those steps: on rubick-mt's llama30
+tail (R ~ 530 s) four such preemptions added restarts to the jobs that
+finish last. Now every utility of a running job (staying, or any other
+allocation) is divided by its request's T1/(T1+R) (T1 = time left at the
+request's predicted speed), the factor a pending job's start is measured
+against: running and pending jobs are on one scale ("throughput over the
+rest of the run, relative to the request's including one start"), and a
+running job competes as if the start it would have to repeat were paid. Its
+own choices (stay, grow, shrink, switch) keep their order; a job with hours
+left is barely affected (factor 1 + R/T1); one minutes from done is not
+displaced for a job of equal normalised gain.
+
+**Bounded guarantee wait** (``guarantee_wait_bound``, on). Pending guaranteed
+jobs are seeded after pinned best-effort jobs (those (re)started less than
+``min_run_time`` ago), so that evicting a fresh start does not cost it two
+restarts in one window; the intent was that a guarantee waits at most
+``min_run_time`` for them. But best-effort jobs that keep growing and
+shrinking are pinned anew at every switch, so a guarantee needing whole
+nodes (rubick-mt's 40- and 48-GPU llama30 jobs) waited for hours while small
+jobs were spread over every node. A pending guaranteed job that has waited
+``min_run_time`` or longer is now seeded before pinned best-effort jobs (as
+with ``guarantee_evicts``); younger ones still wait behind them.
+
+Both use only what the live system knows: declared steps, the belief's
+throughput of the request, the restart cost the policy charges, and times.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def resume_weights(running: np.ndarray, seconds_left_at_request: np.ndarray, restart_cost: float) -> np.ndarray:
+    """Per job: (T1 + R) / T1 for a running job, 1 for a pending one."""
+    t1 = np.maximum(np.asarray(seconds_left_at_request, float), 1e-9)
+    if restart_cost <= 0:
+        return np.ones(len(t1))
+    return np.where(np.asarray(running, bool), (t1 + restart_cost) / t1, 1.0)
+
+
+def seed_groups(groups: list[list[int]], waited: list[float], min_run_time: float, *, evicts: bool,
+               bound: bool) -> list[list[int]]:
+    """Seed groups in order. ``groups`` = [pinned guaranteed, running guaranteed,
+    pending guaranteed, pinned best-effort]; ``waited[i]`` = seconds job i has
+    waited. Pending guarantees go before pinned best-effort jobs when ``evicts``,
+    or (``bound``) once they have waited ``min_run_time``."""
+    pinned_g, running_g, pending_g, pinned_be = groups
+    if evicts:
+        return [pinned_g, running_g, pending_g, pinned_be]
+    if not bound:
+        return [pinned_g, running_g, pinned_be, pending_g]
+    over = [i for i in pending_g if waited[i] >= min_run_time]
+    young = [i for i in pending_g if waited[i] < min_run_time]
+    return [pinned_g, running_g, over, pinned_be, young]
