@@ -71,3 +71,11 @@ def memory_per_gpu_gb(shape: ModelShape, plans: PlanArray) -> np.ndarray:
 
 def memory_feasible(shape: ModelShape, plans: PlanArray, gpu_mem_gb: float = 80.0) -> np.ndarray:
     return memory_per_gpu_gb(shape, plans) <= gpu_mem_gb
+
+
+def memory_parts_gb(shape: ModelShape, plans: PlanArray) -> tuple[np.ndarray, np.ndarray]:
+    """Per GPU (GiB): the model states and the activations of each plan (the fixed
+    reserve is in neither). What a configuration needs grows with each on its own:
+    fewer ZeRO/tp/pp shards or no offload grow the states, a larger micro-batch,
+    no checkpointing or more micro-batches in flight grow the activations."""
+    return model_state_bytes(shape, plans) / GIB, activation_bytes(shape, plans) / GIB
