@@ -18,7 +18,7 @@ Shapes and plans
   ResourceArray.from_resources(list) / .broadcast(res, n)
   enumerate_plans(shape, global_batch, resources) -> PlanArray   whole plan space
   memory_per_gpu_gb(shape, plans) / memory_feasible(shape, plans, gpu_mem_gb=80)
-  memory_parts_gb(shape, plans) -> (model states, activations) per GPU, GiB
+  memory_parts_gb(shape, plans) -> [plan, (weights, grads, optimizer, activations)] per GPU, GiB
 
 Fitted parameters
   PerfParams(model_key, theta, cluster, gpu_mem_gb=80.0); .to_dict() / .from_dict()

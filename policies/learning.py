@@ -18,9 +18,9 @@ observations of configurations that actually ran:
 * An out-of-memory start marks the plan infeasible for that model, batch and GPU
   type on any placement (memory per GPU depends on the plan, not on where it
   runs), and with it every plan that needs at least as much memory by the belief's
-  own accounting: as much model-state memory and as much activation memory per
-  GPU (``policies.memory_rule``). A configuration that ran, and any that needs no
-  more of either, stays feasible. The oracle answers 0 for the ruled-out ones and
+  own accounting, part by part: weights, gradients, optimizer state, activations
+  per GPU (``policies.memory_rule``). A configuration that ran, and any that needs
+  no more of any part, stays feasible. The oracle answers 0 for the ruled-out ones and
   policies stop choosing them.
 
 Each observation that changes an answer bumps ``revision`` and the model's entry

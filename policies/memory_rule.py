@@ -2,25 +2,26 @@
 
 Memory per GPU depends on the plan, not on where it runs, so the rule is per (model,
 global batch, GPU type) and plan. It reads the belief's own memory accounting: the
-base oracle's ``memory_parts(spec, plans)``, per GPU the model states and the
-activations (``perfmodel.memory_parts_gb`` for the fitted model). It never sees the
-memory the GPU really used, only the OOM (or the run) and the belief.
+base oracle's ``memory_parts(spec, plans)``, per GPU the weights, gradients,
+optimizer state and activations (``perfmodel.memory_parts_gb`` for the fitted
+model). It never sees the memory the GPU really used, only the OOM (or the run) and
+the belief.
 
 * A configuration observed exactly: the latest observation stands (it ran: it fits;
   it ran out of memory: it does not).
-* Otherwise it is ruled out when it needs at least as much model-state memory *and*
-  at least as much activation memory as a configuration that ran out of memory: by
-  the accounting, whatever made the failed one too big is there too (fewer ZeRO, tp
-  or pp shards, no offload, a larger micro-batch, no checkpointing, more
-  micro-batches in flight ...).
-* ... unless it needs no more of either than a configuration that ran: a success
+* Otherwise it is ruled out when it needs at least as much of *every* part as a
+  configuration that ran out of memory: by the accounting, whatever made the failed
+  one too big is there too (fewer ZeRO, tp or pp shards, a lower ZeRO stage, no
+  offload, a larger micro-batch, no checkpointing, more micro-batches in flight ...).
+* ... unless it needs no more of any part than a configuration that ran: a success
   bounds the rule from above where the accounting ranked wrongly.
 
-Component-wise, not by the total: a total ranks configurations only as far as the
-accounting's parts are right relative to each other. If the belief overrates what
-ZeRO-3 saves, a ZeRO-3 OOM at a small believed total must not rule out every plan
-with a larger total (most of which fit); it rules out the plans that keep at least
-as much of both.
+Part by part, not by the total (nor by states + activations): a sum ranks
+configurations only as far as the accounting's parts are right relative to each
+other. The belief credits ZeRO-3 with sharding the weights; if the GPU disagrees, a
+ZeRO-3 OOM at a small believed total must not rule out a tensor/pipeline-parallel
+plan with a larger total (it keeps more optimizer state but far fewer weights, and
+fits): rubick-mt's 48-GPU llama30 requests were starved that way by a two-part rule.
 
 A base without ``memory_parts`` (or one that cannot answer for a model) gets the
 layout rule instead: the same (dp, tp, pp, ZeRO, offload), a micro-batch at least as
@@ -37,7 +38,8 @@ TOL_GB = 1e-6  # parts equal to within this are equal
 
 
 def _covers(big: tuple, small: tuple) -> bool:
-    return big[0] >= small[0] - TOL_GB and big[1] >= small[1] - TOL_GB
+    """Does ``big`` need at least as much of every part as ``small``?"""
+    return all(b >= s - TOL_GB for b, s in zip(big, small))
 
 
 def _layout_dominates(pkey: tuple, failed: tuple) -> bool:
@@ -55,7 +57,7 @@ class OomRule:
         self._exact: dict[tuple, dict[tuple, bool]] = {}  # tm -> {pkey: fits} (latest observation)
         self._oom: dict[tuple, list[tuple]] = {}  # tm -> [(parts or None, pkey)] that ran out of memory
         self._ran: dict[tuple, list[tuple]] = {}  # tm -> parts that ran (maximal ones)
-        self._parts: dict[tuple, tuple | None] = {}  # (model, pkey) -> (states, activations) GiB
+        self._parts: dict[tuple, tuple | None] = {}  # (model, pkey) -> the accounting's parts, GiB
         self._verdict: dict[tuple, dict[tuple, bool]] = {}  # tm -> {pkey: ruled out}
 
     def has_oom(self, tm: tuple) -> bool:
@@ -115,7 +117,7 @@ class OomRule:
         return [memo[k] for k, _ in items]
 
     def _parts_of(self, spec: JobSpec, tm: tuple, items: list[tuple[tuple, Plan]]) -> list[tuple | None]:
-        """The belief's (model states, activations) per GPU for each plan, remembered."""
+        """The belief's memory parts per GPU for each plan, remembered."""
         model = tm[:-1]
         want = [(k, p) for k, p in items if (model, k) not in self._parts]
         if want:
@@ -123,5 +125,5 @@ class OomRule:
             if self._parts_fn is not None:
                 got = self._parts_fn(spec, [p for _, p in want])
             for i, (k, _) in enumerate(want):
-                self._parts[(model, k)] = (float(got[i][0]), float(got[i][1])) if got is not None else None
+                self._parts[(model, k)] = tuple(float(x) for x in got[i]) if got is not None else None
         return [self._parts[(model, k)] for k, _ in items]

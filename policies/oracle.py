@@ -53,8 +53,7 @@ class AnalyticOracle:
         mb = B // (dp * ga)
         per_node = gpus // nodes if gpus % nodes == 0 else max(p.gpus for p in placement)
         shard = P / (tp * pp)
-        states, act = _memory(m, mb, plan)
-        if states + act > self.gpu_mem_gb * 1e9 * 0.92:
+        if sum(_memory(m, mb, plan)) > self.gpu_mem_gb * 1e9 * 0.92:
             return 0.0
         # --- compute
         tokens_mb = mb * m.seq_len
@@ -98,8 +97,9 @@ class AnalyticOracle:
         t_iter = max(t_gpu, t_data) + 0.1 * min(t_gpu, t_data)
         return B / t_iter
 
-    def memory_parts(self, spec, plans) -> list[tuple[float, float]]:
-        """This model's memory per GPU (GB): (model states, activations) per plan."""
+    def memory_parts(self, spec, plans) -> list[tuple[float, ...]]:
+        """This model's memory per GPU (GB): (weights, grads, optimizer state,
+        activations) per plan."""
         B = spec.global_batch
         return [tuple(x / 1e9 for x in _memory(spec.model, max(1, B // (p.dp * p.ga)), p))
                 for p in plans]
@@ -115,19 +115,19 @@ class AnalyticOracle:
                               self.data_s_per_sample, self.gpus_per_node)
 
 
-def _memory(m, mb: int, plan: Plan) -> tuple[float, float]:
-    """AnalyticOracle's memory per GPU (bytes): model states, activations."""
+def _memory(m, mb: int, plan: Plan) -> tuple[float, float, float, float]:
+    """AnalyticOracle's memory per GPU (bytes): weights, grads, optimizer state, activations."""
     shard = m.params * 1e6 / (plan.tp * plan.pp)
     if plan.offload:
-        states = shard * 2 + shard * 2 / plan.dp
+        w, g, opt = shard * 2, shard * 2 / plan.dp, 0.0
     elif plan.zero >= 1:
-        states = shard * 4 + shard * 12 / plan.dp
+        w, g, opt = shard * 2, shard * 2, shard * 12 / plan.dp
     else:
-        states = shard * 16
+        w, g, opt = shard * 2, shard * 2, shard * 12
     act = mb * m.seq_len * m.hidden * (m.layers / plan.pp) * 34 / plan.tp
     if plan.grad_ckpt:
         act *= 2.0 / max(2.0, m.layers / plan.pp)
-    return states, act
+    return w, g, opt, act
 
 
 class PerfModelOracle:
@@ -203,14 +203,14 @@ class PerfModelOracle:
         pm_plans = [self._pm.as_plan(p, B) for p in plans]
         return self._pm.predict(params, shape, B, pm_plans, res).throughput
 
-    def memory_parts(self, spec, plans) -> list[tuple[float, float]]:
-        """The model's memory accounting per GPU (GiB): (model states, activations)
-        for each plan (``perfmodel.memory_parts_gb``); what the learning oracle's
-        OOM rule compares."""
+    def memory_parts(self, spec, plans) -> list[tuple[float, ...]]:
+        """The model's memory accounting per GPU (GiB): (weights, grads, optimizer
+        state, activations) for each plan (``perfmodel.memory_parts_gb``); what the
+        learning oracle's OOM rule compares."""
         shape, _ = self._model(spec)
         B = int(spec.global_batch)
-        states, act = self._pm.memory_parts_gb(shape, self._pm.PlanArray.from_plans([self._pm.as_plan(p, B) for p in plans]))
-        return list(zip(states.tolist(), act.tolist()))
+        parts = self._pm.memory_parts_gb(shape, self._pm.PlanArray.from_plans([self._pm.as_plan(p, B) for p in plans]))
+        return [tuple(row) for row in parts.tolist()]
 
     def plans(self, job: JobView, placement: tuple[Placement, ...]) -> list[Plan]:
         shape, _ = self._model(job.spec)

@@ -255,10 +255,10 @@ def _learned(res) -> list[str]:
                    f"out-of-memory starts peak at {oom[2]} ({' '.join(oom[0])}, {_x(oom[1])}). Where the independent "
                    "memory estimate is stricter than the belief's, rubick tries configurations nobody measured that "
                    "do not fit. Each out-of-memory start rules out every configuration that needs at least as much "
-                   "model-state and activation memory per GPU by the belief's own accounting; what still fails are "
-                   "configurations that accounting does not order against one that failed (another layout, or "
-                   "ZeRO-3, whose saving the independent estimate does not credit) and several jobs of one model "
-                   "trying the same untried configuration in the same round.")
+                   "weight, gradient, optimizer and activation memory per GPU by the belief's own accounting; what "
+                   "still fails are configurations that accounting does not order against one that failed "
+                   "(another layout, or ZeRO-3, whose saving the independent estimate does not credit) and several "
+                   "jobs of one model trying the same untried configuration in the same round.")
     meas = [s for t in TRACES for s in ((res(command(t, "measured")) or ([],))[0]) if s["measured_share"] < 1]
     if meas:
         out.append("- **Measured share below 100% in the measured regime**: "
@@ -352,8 +352,8 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
            "- **Learning**: every model-driven policy (rubick, sia, synergy's CPU sizing) gets the belief through "
            "`policies.learning.LearningOracle`: an observed speed replaces the prediction for that configuration "
            "and refits a per-(model, plan family) scale; an out-of-memory start rules out that plan and every plan "
-           "that needs at least as much model-state and activation memory per GPU by the belief's accounting "
-           "(a plan that ran, or needs no more than one that ran, stays in). In the "
+           "that needs at least as much weight, gradient, optimizer and activation memory per GPU by the belief's "
+           "accounting (a plan that ran, or needs no more than one that ran, stays in). In the "
            "simulator it is fed when a job starts training and when a launch runs out of memory; live, from the "
            "agents' STEPPED/EXITED reports.",
            "- **Truth**: a measured Rubick row for the (model, plan family, placement) x per-run noise (sigma "
