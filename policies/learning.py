@@ -65,6 +65,11 @@ def _norm(plan: Plan, batch: int) -> tuple:
     return (plan.dp, plan.tp, plan.pp, plan.zero, bool(plan.offload), plan.ga, mb, bool(plan.grad_ckpt))
 
 
+def _request(spec: JobSpec) -> tuple | None:
+    """The job's own plan, normalised (the OOM rule never rules it out by inference)."""
+    return _norm(spec.plan, spec.global_batch) if spec.plan is not None else None
+
+
 def _model_of(spec: JobSpec) -> tuple:
     m = spec.model
     return (m.name, m.params, m.layers, m.hidden, m.seq_len, int(spec.global_batch))
@@ -78,6 +83,7 @@ class LearningOracle:
         # (model, plan, per_node) -> (observed samples/s, the model's prediction then)
         self._exact: dict[tuple, tuple[float, float]] = {}
         self._mem = OomRule(base)  # what OOMs (and runs) say about which plans fit
+        self._oom_models: set[tuple] = set()  # models with an OOM (answers depend on the request)
         self._fam: dict[tuple, dict[tuple, float]] = {}  # (model, family) -> {config: log ratio}
         self._factor: dict[tuple, float] = {}  # (model, family) -> refitted scale
         self._version: dict[tuple, int] = {}  # model -> changes
@@ -103,6 +109,7 @@ class LearningOracle:
         tm = model + (gt,)
         pkey = _norm(plan, spec.global_batch)
         if oom:
+            self._oom_models.add(model)
             return self._bump(model) if self._mem.oom(spec, tm, pkey, plan) else False
         if step_time is None or not step_time > 0 or not math.isfinite(step_time):
             return False
@@ -129,7 +136,8 @@ class LearningOracle:
 
     def infeasible(self, spec: JobSpec, plan: Plan, gpu_type: str = "") -> bool:
         """Ruled out by what ran out of memory (and not freed by what ran)?"""
-        return self._mem.blocked(spec, _model_of(spec) + (gpu_type,), _norm(plan, spec.global_batch), plan)
+        return self._mem.blocked(spec, _model_of(spec) + (gpu_type,), _norm(plan, spec.global_batch), plan,
+                                 _request(spec))
 
     def observed(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...]) -> float | None:
         """Observed samples/s of exactly this configuration, if it ran."""
@@ -146,7 +154,10 @@ class LearningOracle:
             from .candidates import spec_key
 
             base = spec_key(spec)
-        return ("learned", base, self._version.get(_model_of(spec), 0))
+        model = _model_of(spec)
+        if spec.plan is not None and model in self._oom_models:  # its request is spared (memory_rule)
+            return ("learned", base, self._version.get(model, 0), _request(spec))
+        return ("learned", base, self._version.get(model, 0))
 
     def _adjust(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...], t: float) -> float:
         if not self._version:
@@ -157,7 +168,7 @@ class LearningOracle:
         pkey = _norm(plan, spec.global_batch)
         gt = placement_type(placement)
         tm = model + (gt,)
-        if self._mem.has_oom(tm) and self._mem.blocked(spec, tm, pkey, plan):
+        if self._mem.has_oom(tm) and self._mem.blocked(spec, tm, pkey, plan, _request(spec)):
             return 0.0
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         if t <= 0:  # the model's (or the regime's) "may not run" stands
@@ -220,7 +231,7 @@ class LearningOracle:
         model = _model_of(spec)
         gt = placement_type(placement)
         tm = model + (gt,)
-        blocked = (self._mem.blocked_many(spec, tm, [(r[1], p) for r, p in zip(rows, plans)])
+        blocked = (self._mem.blocked_many(spec, tm, [(r[1], p) for r, p in zip(rows, plans)], _request(spec))
                    if self._mem.has_oom(tm) else None)
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         here = self._exact_at.get((model, per_node, gt))

@@ -15,6 +15,9 @@ the belief.
   offload, a larger micro-batch, no checkpointing, more micro-batches in flight ...).
 * ... unless it needs no more of any part than a configuration that ran: a success
   bounds the rule from above where the accounting ranked wrongly.
+* A job's own request (the plan its owner asked for) is ruled out only by an OOM of
+  that plan itself, never by inference: a wrong inference must not leave a job with
+  no shape it may run in.
 
 Part by part, not by the total (nor by states + activations): a sum ranks
 configurations only as far as the accounting's parts are right relative to each
@@ -94,11 +97,13 @@ class OomRule:
         return False
 
     # ------------------------------------------------------------ answers
-    def blocked(self, spec: JobSpec, tm: tuple, pkey: tuple, plan: Plan) -> bool:
-        return self.blocked_many(spec, tm, [(pkey, plan)])[0]
+    def blocked(self, spec: JobSpec, tm: tuple, pkey: tuple, plan: Plan, request: tuple | None = None) -> bool:
+        return self.blocked_many(spec, tm, [(pkey, plan)], request)[0]
 
-    def blocked_many(self, spec: JobSpec, tm: tuple, items: list[tuple[tuple, Plan]]) -> list[bool]:
-        """Is each (normalised plan, plan) ruled out for this model on this GPU type?"""
+    def blocked_many(self, spec: JobSpec, tm: tuple, items: list[tuple[tuple, Plan]],
+                     request: tuple | None = None) -> list[bool]:
+        """Is each (normalised plan, plan) ruled out for this model on this GPU type?
+        ``request``: the job's own plan, normalised (ruled out only by its own OOM)."""
         if tm not in self._oom:
             return [False] * len(items)
         memo = self._verdict.setdefault(tm, {})
@@ -114,7 +119,9 @@ class OomRule:
                 else:
                     memo[k] = (any(_layout_dominates(k, fk) if f is None else _covers(parts, f) for f, fk in ooms)
                                and not any(_covers(s, parts) for s in ran))
-        return [memo[k] for k, _ in items]
+        if request is None or request in self._exact.get(tm, ()):
+            return [memo[k] for k, _ in items]
+        return [memo[k] and k != request for k, _ in items]
 
     def _parts_of(self, spec: JobSpec, tm: tuple, items: list[tuple[tuple, Plan]]) -> list[tuple | None]:
         """The belief's memory parts per GPU for each plan, remembered."""

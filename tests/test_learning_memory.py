@@ -137,3 +137,17 @@ def test_an_oom_where_the_accounting_is_off_does_not_starve_a_request_that_fits(
     assert not oracle.infeasible(SPEC, request)
     assert oracle.throughput(JOB, request, tuple(Placement(f"n{i}", 8, 64) for i in range(6))) > 0
     assert oracle.infeasible(SPEC, _off(2, 2, 1, 2))  # ZeRO-2 instead: more weights, the rest as much
+
+
+def test_a_jobs_own_request_is_ruled_out_only_by_its_own_oom():
+    oracle = LearningOracle(PerfModelOracle())
+    oracle.observe(JOB, _off(1, 2, 4, 1), _on(1), oom=True)
+    bigger = _off(1, 2, 1, 4)
+    asked = JobView("b", JobSpec(name="b", model=LLAMA30, global_batch=4, steps=10, gpus=1, cpus_per_gpu=8,
+                                 plan=bigger), submitted_at=0.0)
+    assert oracle.throughput(JOB, bigger, _on(1)) == 0.0  # inferred: needs more than what ran out
+    assert oracle.throughput(asked, bigger, _on(1)) > 0  # ... but it is what b's owner asked for
+    assert oracle.throughput_many(asked, [bigger, _off(1, 1, 1, 4)], _on(1))[0] > 0
+    assert oracle.spec_key(asked.spec) != oracle.spec_key(JOB.spec)  # policies' caches keep them apart
+    oracle.observe(asked, bigger, _on(1), oom=True)
+    assert oracle.throughput(asked, bigger, _on(1)) == 0.0  # its own OOM does rule it out
