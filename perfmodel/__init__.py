@@ -18,6 +18,7 @@ Shapes and plans
   ResourceArray.from_resources(list) / .broadcast(res, n)
   enumerate_plans(shape, global_batch, resources) -> PlanArray   whole plan space
   memory_per_gpu_gb(shape, plans) / memory_feasible(shape, plans, gpu_mem_gb=80)
+  memory_parts_gb(shape, plans) -> [plan, (weights, grads, optimizer, activations)] per GPU, GiB
 
 Fitted parameters
   PerfParams(model_key, theta, cluster, gpu_mem_gb=80.0); .to_dict() / .from_dict()
@@ -64,7 +65,7 @@ from .catalog import fitted_model_for, params_for_shape, rubick_job, shape_from_
 from .curve import Allocation, SensitivityCurve, clear_curve_cache, curve
 from .fit import Sample, fit, fit_joint
 from .gputypes import REFERENCE as REFERENCE_GPU, SPECS as GPU_SPECS, params_for_type
-from .memory import memory_feasible, memory_per_gpu_gb
+from .memory import memory_feasible, memory_parts_gb, memory_per_gpu_gb
 from .model import CLUSTER_NAMES, PARAM_NAMES, PerfParams
 from .plans import FAMILIES, Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
 from .predict import Prediction, best_plan, plan_throughput, predict
@@ -76,6 +77,6 @@ __all__ = [
     "Allocation", "CLUSTER_NAMES", "GPU_SPECS", "REFERENCE_GPU", "params_for_type", "FAMILIES", "ModelShape", "PARAM_NAMES", "PerfParams", "Plan", "PlanArray",
     "Prediction", "RUBICK_MODELS", "ResourceArray", "Resources", "Sample", "SensitivityCurve", "as_plan",
     "best_plan", "clear_curve_cache", "curve", "enumerate_plans", "fit", "fit_joint", "fitted_model_for",
-    "memory_feasible", "memory_per_gpu_gb", "plan_throughput", "predict", "rubick_global_batch", "rubick_job",
+    "memory_feasible", "memory_parts_gb", "memory_per_gpu_gb", "plan_throughput", "predict", "rubick_global_batch", "rubick_job",
     "rubick_shape", "shipped_cluster", "params_for_shape", "shape_from_spec", "sim_predictor",
 ]

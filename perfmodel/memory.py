@@ -32,7 +32,8 @@ BUCKET_GB = 1.0
 FLASH_ATTENTION = True
 
 
-def model_state_bytes(shape: ModelShape, plans: PlanArray) -> np.ndarray:
+def model_state_parts(shape: ModelShape, plans: PlanArray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per GPU (bytes): fp16 weights, fp16 grads, optimizer state (fp32 master + Adam)."""
     P = shape.params_m * 1e6 / (plans.tp * plans.pp)
     dp = plans.dp.astype(np.float64)
     z = plans.zero
@@ -44,6 +45,11 @@ def model_state_bytes(shape: ModelShape, plans: PlanArray) -> np.ndarray:
     g = np.where(plans.offload, np.minimum(g, BUCKET_GB * GIB), g)
     # ZeRO-3 gathers one layer's full weights at a time.
     w = w + np.where(z >= 3, 2.0 * shape.params_m * 1e6 / shape.layers, 0.0)
+    return w, g, opt
+
+
+def model_state_bytes(shape: ModelShape, plans: PlanArray) -> np.ndarray:
+    w, g, opt = model_state_parts(shape, plans)
     return w + g + opt
 
 
@@ -71,3 +77,12 @@ def memory_per_gpu_gb(shape: ModelShape, plans: PlanArray) -> np.ndarray:
 
 def memory_feasible(shape: ModelShape, plans: PlanArray, gpu_mem_gb: float = 80.0) -> np.ndarray:
     return memory_per_gpu_gb(shape, plans) <= gpu_mem_gb
+
+
+def memory_parts_gb(shape: ModelShape, plans: PlanArray) -> np.ndarray:
+    """Per GPU (GiB), one row per plan: weights, grads, optimizer state, activations
+    (the fixed reserve is in none). What a configuration needs grows part by part:
+    fewer ZeRO/tp/pp shards or no offload grow the states, a larger micro-batch, no
+    checkpointing or more micro-batches in flight grow the activations."""
+    w, g, opt = model_state_parts(shape, plans)
+    return np.stack([w, g, opt, activation_bytes(shape, plans)], axis=1) / GIB

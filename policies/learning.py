@@ -15,11 +15,13 @@ observations of configurations that actually ran:
   Unobserved configurations of that family are predicted as model x factor.
   (The model's own parameters are not refitted per observation: a joint fit takes
   seconds; this one-parameter correction is what changes between rounds.)
-* An out-of-memory start marks the plan infeasible for that model and batch on
-  any placement (memory per GPU depends on the plan, not on where it runs), and
-  with it every plan of the same layout that needs at least as much memory (a
-  micro-batch as large or larger, no checkpointing where it had none): the
-  oracle answers 0 and policies stop choosing them.
+* An out-of-memory start marks the plan infeasible for that model, batch and GPU
+  type on any placement (memory per GPU depends on the plan, not on where it
+  runs), and with it every plan that needs at least as much memory by the belief's
+  own accounting, part by part: weights, gradients, optimizer state, activations
+  per GPU (``policies.memory_rule``). A configuration that ran, and any that needs
+  no more of any part, stays feasible. The oracle answers 0 for the ruled-out ones and
+  policies stop choosing them.
 
 Each observation that changes an answer bumps ``revision`` and the model's entry
 in ``spec_key``, so policies' cached curves for that model are rebuilt. The rebuild
@@ -40,6 +42,7 @@ from typing import Any
 from bus_schema.messages import JobSpec, Plan
 
 from .api import JobView, Placement, placement_type
+from .memory_rule import OomRule
 
 CHANGE_TOL = 0.02  # an observation within 2% of the current answer changes nothing
 
@@ -62,6 +65,11 @@ def _norm(plan: Plan, batch: int) -> tuple:
     return (plan.dp, plan.tp, plan.pp, plan.zero, bool(plan.offload), plan.ga, mb, bool(plan.grad_ckpt))
 
 
+def _request(spec: JobSpec) -> tuple | None:
+    """The job's own plan, normalised (the OOM rule never rules it out by inference)."""
+    return _norm(spec.plan, spec.global_batch) if spec.plan is not None else None
+
+
 def _model_of(spec: JobSpec) -> tuple:
     m = spec.model
     return (m.name, m.params, m.layers, m.hidden, m.seq_len, int(spec.global_batch))
@@ -74,9 +82,8 @@ class LearningOracle:
         self.revision = 0
         # (model, plan, per_node) -> (observed samples/s, the model's prediction then)
         self._exact: dict[tuple, tuple[float, float]] = {}
-        self._oom: set[tuple] = set()  # (model, plan)
-        self._oom_by_model: dict[tuple, list[tuple]] = {}
-        self._oom_at: dict[tuple, list[tuple]] = {}  # (model, layout) -> the OOMs' plans
+        self._mem = OomRule(base)  # what OOMs (and runs) say about which plans fit
+        self._oom_models: set[tuple] = set()  # models with an OOM (answers depend on the request)
         self._fam: dict[tuple, dict[tuple, float]] = {}  # (model, family) -> {config: log ratio}
         self._factor: dict[tuple, float] = {}  # (model, family) -> refitted scale
         self._version: dict[tuple, int] = {}  # model -> changes
@@ -103,21 +110,18 @@ class LearningOracle:
         tm = model + (gt,)
         pkey = _norm(plan, spec.global_batch)
         if oom:
-            if self._dominated(tm, pkey):
-                return False
-            self._oom.add((tm, pkey))
-            self._oom_by_model.setdefault(tm, []).append(pkey)
-            self._oom_at.setdefault((tm, pkey[:5]), []).append(pkey)  # by layout
-            return self._bump(model)
+            self._oom_models.add(model)
+            return self._bump(model) if self._mem.oom(spec, tm, pkey, plan) else False
         if step_time is None or not step_time > 0 or not math.isfinite(step_time):
             return False
+        relaxed = self._mem.ran(spec, tm, pkey, plan)  # it fits, and so does what needs no more
         view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
         predicted = float(self.base.throughput(view, plan, placement))
         observed = spec.global_batch / step_time
         ck = (model, pkey, per_node, gt)
         old = self._exact.get(ck)
         if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:
-            return False
+            return self._bump(model) if relaxed else False
         self._exact[ck] = self._exact_at.setdefault((model, per_node, gt), {})[pkey] = (observed, predicted)
         if predicted > 0:  # the model's error here refits the family's scale
             fk = (model, plan_family(plan), gt)
@@ -131,17 +135,10 @@ class LearningOracle:
         self.revision += 1
         return True
 
-    def _dominated(self, model: tuple, pkey: tuple) -> bool:
-        """Does a plan that ran out of memory need no more memory than ``pkey``? Same
-        layout (dp, tp, pp, ZeRO, offload), a micro-batch at least as large, and
-        checkpointing only if the failed plan had it too."""
-        for f in self._oom_at.get((model, pkey[:5]), ()):
-            if pkey[6] >= f[6] and (f[7] or not pkey[7]):
-                return True
-        return False
-
     def infeasible(self, spec: JobSpec, plan: Plan, gpu_type: str = "") -> bool:
-        return self._dominated(_model_of(spec) + (gpu_type,), _norm(plan, spec.global_batch))
+        """Ruled out by what ran out of memory (and not freed by what ran)?"""
+        return self._mem.blocked(spec, _model_of(spec) + (gpu_type,), _norm(plan, spec.global_batch), plan,
+                                 _request(spec))
 
     def observed(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...]) -> float | None:
         """Observed samples/s of exactly this configuration, if it ran."""
@@ -163,7 +160,10 @@ class LearningOracle:
             if len(self._models) > 100_000:
                 self._models.clear()
             hit = self._models[id(spec)] = (spec, _model_of(spec))
-        return ("learned", base, self._version.get(hit[1], 0))
+        model = hit[1]
+        if spec.plan is not None and model in self._oom_models:  # its request is spared (memory_rule)
+            return ("learned", base, self._version.get(model, 0), _request(spec))
+        return ("learned", base, self._version.get(model, 0))
 
     def _adjust(self, spec: JobSpec, plan: Plan, placement: tuple[Placement, ...], t: float) -> float:
         if not self._version:
@@ -173,7 +173,8 @@ class LearningOracle:
             return t
         pkey = _norm(plan, spec.global_batch)
         gt = placement_type(placement)
-        if model + (gt,) in self._oom_by_model and self._dominated(model + (gt,), pkey):
+        tm = model + (gt,)
+        if self._mem.has_oom(tm) and self._mem.blocked(spec, tm, pkey, plan, _request(spec)):
             return 0.0
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         if t <= 0:  # the model's (or the regime's) "may not run" stands
@@ -205,7 +206,7 @@ class LearningOracle:
         rows = [memo[p] for p in plans]
         if not self._version or _model_of(job.spec) not in self._version:
             return [r[0] for r in rows]
-        return self._adjust_many(_model_of(job.spec), placement, rows)
+        return self._adjust_many(job.spec, placement, plans, rows)
 
     def _memo(self, spec: JobSpec, placement: tuple[Placement, ...], how: str) -> dict:
         """The base's remembered answers for this spec (by what the base says they
@@ -230,18 +231,20 @@ class LearningOracle:
             memo = self._raw[key] = {}
         return memo
 
-    def _adjust_many(self, model: tuple, placement: tuple[Placement, ...], rows: list[tuple]) -> list[float]:
+    def _adjust_many(self, spec: JobSpec, placement: tuple[Placement, ...], plans, rows: list[tuple]) -> list[float]:
         """``_adjust`` over many plans of one model on one placement: the same
         answers, the per-call work done once."""
+        model = _model_of(spec)
         gt = placement_type(placement)
         tm = model + (gt,)
-        ooms = tm in self._oom_by_model
+        blocked = (self._mem.blocked_many(spec, tm, [(r[1], p) for r, p in zip(rows, plans)], _request(spec))
+                   if self._mem.has_oom(tm) else None)
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         here = self._exact_at.get((model, per_node, gt))
         factors = {}
         out = []
-        for t, pkey, fam in rows:
-            if ooms and self._dominated(tm, pkey):
+        for i, (t, pkey, fam) in enumerate(rows):
+            if blocked is not None and blocked[i]:
                 out.append(0.0)
             elif t <= 0:
                 out.append(t)

@@ -52,20 +52,8 @@ class AnalyticOracle:
             return 0.0
         mb = B // (dp * ga)
         per_node = gpus // nodes if gpus % nodes == 0 else max(p.gpus for p in placement)
-        # --- memory per GPU (bytes)
         shard = P / (tp * pp)
-        if plan.offload:
-            states = shard * 2 + shard * 2 / dp
-        elif plan.zero >= 2:
-            states = shard * 4 + shard * 12 / dp
-        elif plan.zero == 1:
-            states = shard * 4 + shard * 12 / dp
-        else:
-            states = shard * 16
-        act = mb * m.seq_len * m.hidden * (m.layers / pp) * 34 / tp
-        if plan.grad_ckpt:
-            act *= 2.0 / max(2.0, m.layers / pp)
-        if states + act > self.gpu_mem_gb * 1e9 * 0.92:
+        if sum(_memory(m, mb, plan)) > self.gpu_mem_gb * 1e9 * 0.92:
             return 0.0
         # --- compute
         tokens_mb = mb * m.seq_len
@@ -109,6 +97,13 @@ class AnalyticOracle:
         t_iter = max(t_gpu, t_data) + 0.1 * min(t_gpu, t_data)
         return B / t_iter
 
+    def memory_parts(self, spec, plans) -> list[tuple[float, ...]]:
+        """This model's memory per GPU (GB): (weights, grads, optimizer state,
+        activations) per plan."""
+        B = spec.global_batch
+        return [tuple(x / 1e9 for x in _memory(spec.model, max(1, B // (p.dp * p.ga)), p))
+                for p in plans]
+
     def _typed(self, gpu_type: str) -> "AnalyticOracle":
         """This oracle's numbers moved to another GPU type by its specifications."""
         from perfmodel.gputypes import REFERENCE, compute_slowdown, spec_of
@@ -118,6 +113,21 @@ class AnalyticOracle:
                               self.nvlink_gbs * s.link_gbs / ref.link_gbs, self.net_gbs, self.pcie_gbs,
                               self.hbm_gbs * s.mem_bw_gbs / ref.mem_bw_gbs, self.cpu_opt_s_per_param,
                               self.data_s_per_sample, self.gpus_per_node)
+
+
+def _memory(m, mb: int, plan: Plan) -> tuple[float, float, float, float]:
+    """AnalyticOracle's memory per GPU (bytes): weights, grads, optimizer state, activations."""
+    shard = m.params * 1e6 / (plan.tp * plan.pp)
+    if plan.offload:
+        w, g, opt = shard * 2, shard * 2 / plan.dp, 0.0
+    elif plan.zero >= 1:
+        w, g, opt = shard * 2, shard * 2, shard * 12 / plan.dp
+    else:
+        w, g, opt = shard * 2, shard * 2, shard * 12
+    act = mb * m.seq_len * m.hidden * (m.layers / plan.pp) * 34 / plan.tp
+    if plan.grad_ckpt:
+        act *= 2.0 / max(2.0, m.layers / plan.pp)
+    return w, g, opt, act
 
 
 class PerfModelOracle:
@@ -192,6 +202,15 @@ class PerfModelOracle:
         B = int(job.spec.global_batch)
         pm_plans = [self._pm.as_plan(p, B) for p in plans]
         return self._pm.predict(params, shape, B, pm_plans, res).throughput
+
+    def memory_parts(self, spec, plans) -> list[tuple[float, ...]]:
+        """The model's memory accounting per GPU (GiB): (weights, grads, optimizer
+        state, activations) for each plan (``perfmodel.memory_parts_gb``); what the
+        learning oracle's OOM rule compares."""
+        shape, _ = self._model(spec)
+        B = int(spec.global_batch)
+        parts = self._pm.memory_parts_gb(shape, self._pm.PlanArray.from_plans([self._pm.as_plan(p, B) for p in plans]))
+        return [tuple(row) for row in parts.tolist()]
 
     def plans(self, job: JobView, placement: tuple[Placement, ...]) -> list[Plan]:
         shape, _ = self._model(job.spec)

@@ -270,12 +270,16 @@ def _learned(res) -> list[str]:
             sweep.append((k, by["sia"]["avg_jct_s"] / by["rubick"]["avg_jct_s"], by["rubick"]["stalled_allocations"]))
     if sweep:
         lo, hi = min(sweep, key=lambda x: x[1]), max(sweep, key=lambda x: x[1])
+        oom = max(sweep, key=lambda x: x[2])
         out.append(f"- **The extended lead depends on its knobs.** On rubick-base's first {SWEEP_JOBS} jobs rubick vs "
-                   f"sia ranges from {_x(lo[1])} ({' '.join(lo[0])}, {lo[2]} out-of-memory starts) to {_x(hi[1])} "
-                   f"({' '.join(hi[0])}). Where the independent memory estimate is stricter than the belief's, "
-                   "rubick keeps trying configurations nobody measured that do not fit: learning rules out the plan "
-                   "that failed (and its larger micro-batches), not other layouts the belief also thinks fit, so the "
-                   "failures add up.")
+                   f"sia ranges from {_x(lo[1])} ({' '.join(lo[0])}) to {_x(hi[1])} ({' '.join(hi[0])}); rubick's "
+                   f"out-of-memory starts peak at {oom[2]} ({' '.join(oom[0])}, {_x(oom[1])}). Where the independent "
+                   "memory estimate is stricter than the belief's, rubick tries configurations nobody measured that "
+                   "do not fit. Each out-of-memory start rules out every configuration that needs at least as much "
+                   "weight, gradient, optimizer and activation memory per GPU by the belief's own accounting; what "
+                   "still fails are configurations that accounting does not order against one that failed "
+                   "(another layout, or ZeRO-3, whose saving the independent estimate does not credit) and several "
+                   "jobs of one model trying the same untried configuration in the same round.")
     meas = [s for t in TRACES for s in ((res(command(t, "measured")) or ([],))[0]) if s["measured_share"] < 1]
     if meas:
         out.append("- **Measured share below 100% in the measured regime**: "
@@ -369,7 +373,9 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
            "The optimizer service uses the same fit. It never sees the other measured rows.",
            "- **Learning**: every model-driven policy (rubick, sia, synergy's CPU sizing) gets the belief through "
            "`policies.learning.LearningOracle`: an observed speed replaces the prediction for that configuration "
-           "and refits a per-(model, plan family) scale; an out-of-memory start rules the plan out. In the "
+           "and refits a per-(model, plan family) scale; an out-of-memory start rules out that plan and every plan "
+           "that needs at least as much weight, gradient, optimizer and activation memory per GPU by the belief's "
+           "accounting (a plan that ran, or needs no more than one that ran, stays in). In the "
            "simulator it is fed when a job starts training and when a launch runs out of memory; live, from the "
            "agents' STEPPED/EXITED reports.",
            "- **Truth**: a measured Rubick row for the (model, plan family, placement) x per-run noise (sigma "

@@ -394,6 +394,12 @@ class BeliefOracle:
             self._cache[ck] = v
         return v
 
+    def memory_parts(self, spec: JobSpec, plans: list[Plan]) -> list[tuple[float, float]] | None:
+        """The belief's memory accounting (what the learning oracle's OOM rule reads):
+        the optimizer's, or the analytic oracle's without a fitted model."""
+        src = self._live if self._live is not None else self._analytic
+        return src.memory_parts(spec, plans) if src is not None else None
+
     def _compute(self, spec: JobSpec, plan: Plan, per_node: tuple[int, ...]) -> float:
         t = self.predictor(spec, plan, per_node)
         if spec.model.name not in MODELS and spec.step_time:
