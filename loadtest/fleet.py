@@ -32,11 +32,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from nats.js.api import DeliverPolicy
 
-import agent.agent as agent_module
+import agent.heartbeat as heartbeat_module
 from agent.agent import Agent
 from agent.emulated_runner import CheckpointStore, EmulatedRunner
 from agent.probe import FakeProbe
@@ -113,22 +114,25 @@ class SharedAllocWatch:
             await self._sub.unsubscribe()
 
 
-def _share_host_memory(every: float = 1.0) -> None:
-    """The agents' host-memory sample, taken once per ``every`` seconds for the
-    whole fleet (one host) instead of once per agent and beat."""
-    read = getattr(agent_module, "_host_memory", None)
-    if read is None or getattr(read, "shared", False):
-        return
-    last: list = [0.0, (0, 0)]
+class SharedHostMemory:
+    """The agents' host-memory sample (``agent.heartbeat.host_memory``), read
+    at most once per ``every`` seconds for the whole fleet: its agents share
+    one host, and 2,000 agents reading ``/proc/meminfo`` 1,000 times a second
+    would load the emulator, not the control plane."""
 
-    def shared() -> tuple[int, int]:
-        t = time.monotonic()
-        if t - last[0] >= every:
-            last[0], last[1] = t, read()
-        return last[1]
+    def __init__(self, every: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.every = every
+        self.clock = clock
+        self.reads = 0
+        self._at: float | None = None
+        self._value = (0, 0)
 
-    shared.shared = True  # type: ignore[attr-defined]
-    agent_module._host_memory = shared
+    def __call__(self) -> tuple[int, int]:
+        t = self.clock()
+        if self._at is None or t - self._at >= self.every:
+            self._at, self._value = t, heartbeat_module.host_memory()
+            self.reads += 1
+        return self._value
 
 
 class Fleet:
@@ -147,10 +151,10 @@ class Fleet:
         self.runners: dict[str, EmulatedRunner] = {}
         self.killed: set[str] = set()
         self.watch: SharedAllocWatch | None = None
+        self.host_memory = SharedHostMemory()
 
     async def start(self, batch: int = 50) -> "Fleet":
         """Start the agents in batches spread over one heartbeat interval."""
-        _share_host_memory()
         self.watch = await SharedAllocWatch(self.nc.jetstream()).start()
         t0 = time.monotonic()
         batches = range(0, len(self.names), batch)
@@ -167,6 +171,7 @@ class Fleet:
         agent = Agent(self.nc, name, FakeProbe(self.gpus, node=name), self.workdir / name, cpus=self.cpus,
                       heartbeat=self.heartbeat, grace=self.grace, progress_interval=self.progress_interval,
                       runner=runner, alloc_watch=self.watch.watch)
+        agent.heartbeat.memory = self.host_memory
         await agent.start()
         self.agents[name] = agent
         self.runners[name] = runner

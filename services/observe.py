@@ -146,15 +146,24 @@ def job_states(records: Iterable[Any]) -> None:
         JOBS.labels(state, tenant).set(n)
 
 
+_GPU_GAUGES: dict[tuple[str, ...], tuple[Any, Any, Any, Any]] = {}  # labels -> the four gauges' children
+
+
 def gpu_report(report: Any) -> None:
-    """DCGM-named gauges from an agent's ``NodeReport``."""
+    """DCGM-named gauges from an agent's ``NodeReport``. A GPU's children are
+    looked up once (``labels()`` validates and locks: 32 calls a beat cost
+    about 0.1 ms, and the fleet emulator beats 1,000 times a second)."""
     for g in report.gpus:
         labels = (str(g.index), g.uuid, g.name, report.node)
+        gauges = _GPU_GAUGES.get(labels)
+        if gauges is None:
+            gauges = _GPU_GAUGES[labels] = tuple(m.labels(*labels) for m in (GPU_UTIL, FB_USED, FB_FREE, GPU_PROCS))
+        util, used, free, procs = gauges
         if g.utilization is not None:
-            GPU_UTIL.labels(*labels).set(g.utilization)
-        FB_USED.labels(*labels).set(g.memory_used / 2**20)
-        FB_FREE.labels(*labels).set(max(0, g.memory_total - g.memory_used) / 2**20)
-        GPU_PROCS.labels(*labels).set(len(g.processes))
+            util.set(g.utilization)
+        used.set(g.memory_used / 2**20)
+        free.set(max(0, g.memory_total - g.memory_used) / 2**20)
+        procs.set(len(g.processes))
     AGENT_RUNS.set(len(report.running))
 
 
