@@ -15,7 +15,9 @@ The agents start spread over one heartbeat interval, so their heartbeats
 are too (real hosts boot at different times; a thousand agents beating in
 the same millisecond would measure the emulator's burst, not the control
 plane). What a real agent reads from its host once per beat (``/proc/meminfo``)
-is read once per second for all of them: they share one host.
+is read once per second for all of them: they share one host. Once the agents
+are up their objects are frozen out of the garbage collector's full passes
+(one process holding 2,000 agents would otherwise stall for each).
 
 ``kill(node)`` is an agent dying outright (kill -9): its tasks end, its
 ranks die without a last checkpoint, nothing more is published; the node's
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
@@ -213,6 +216,10 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> dict:
     t0 = time.monotonic()
     fleet = await Fleet(nc, args.nodes, args.gpus_per_node, heartbeat=args.heartbeat, prefix=args.prefix).start()
     started_s = time.monotonic() - t0
+    # The agents' state lives as long as the fleet: out of the collector's way.
+    # Otherwise each full collection walks 2,000 agents' objects (measured: 480 ms,
+    # during which no agent beats; 80 ms frozen) -- a cost one agent per host never has.
+    gc.freeze()
     if not args.json:
         print(f"{args.nodes} agents of {args.gpus_per_node} GPUs up in {started_s:.1f}s", file=sys.stderr)
     try:
