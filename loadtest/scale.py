@@ -18,7 +18,9 @@ GPUs, and waits for every one to finish. Reports:
 - heartbeat lag p99: receipt of a heartbeat here minus the time the agent
   stamped it (one host, one clock), over every heartbeat of a sample of
   ``--lag-sample`` nodes spread over the fleet (receiving all 1,000 a second
-  would load the process that measures submit latency);
+  would load the process that measures submit latency). It includes the
+  fleet's own event loop (all agents share one process: a beat queued behind
+  others is late) and this process's (``scale_loop_lag_p99_ms``);
 - peak RSS per process (psutil);
 - lost jobs: acknowledged but not completed when the run ends; and the
   count ``gearshift get jobs --all -o json`` pages through;
