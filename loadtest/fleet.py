@@ -34,8 +34,8 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from nats.js.api import DeliverPolicy
