@@ -22,7 +22,7 @@ from .core import Run
 class Heartbeat:
     def __init__(self, nc: Any, node: str, probe: Any, *, cpus: int, address: str, interval: float,
                  runs: Mapping[str, Run], reserved: set[int], log: Any,
-                 nodes_kv: Callable[[], Any]):
+                 nodes_kv: Callable[[], Any], memory: Callable[[], tuple[int, int]] | None = None):
         self.nc = nc
         self.node = node
         self.probe = probe
@@ -33,10 +33,12 @@ class Heartbeat:
         self.reserved = reserved  # GPUs of profiling runs, live
         self.log = log
         self.nodes_kv = nodes_kv  # the gs_nodes bucket, once the agent has it
+        # (total, used) host memory; the fleet emulator shares one sample among its agents
+        self.memory = memory or host_memory
         self.started_at = time.time()
 
     async def report(self) -> NodeReport:
-        mem_total, mem_used = host_memory()
+        mem_total, mem_used = self.memory()
         gpus = await self.probe.sample()
         return NodeReport(
             node=self.node,

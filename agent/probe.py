@@ -69,6 +69,7 @@ class FakeProbe:
         self.busy_fraction = busy_fraction
         self.script: dict[int, GpuReport] = {}
         self._holders: dict[int, list[int]] = {}
+        self._reports: dict[int, tuple[tuple[int, ...], GpuReport]] = {}  # index -> (holders, its report)
         self._lock = threading.Lock()
 
     async def open(self) -> None:
@@ -87,16 +88,17 @@ class FakeProbe:
 
     async def sample(self) -> list[GpuReport]:
         with self._lock:
-            holders = {i: list(p) for i, p in self._holders.items()}
+            holders = {i: tuple(p) for i, p in self._holders.items()}
         out = []
         for i in range(self.n_gpus):
             if i in self.script:
                 out.append(self.script[i])
                 continue
-            pids = holders.get(i, [])
-            used = int(self.memory_bytes * self.busy_fraction) if pids else 0
-            out.append(
-                GpuReport(
+            pids = holders.get(i, ())
+            got = self._reports.get(i)
+            if got is None or got[0] != pids:  # a GPU's report changes only when its holders do
+                used = int(self.memory_bytes * self.busy_fraction) if pids else 0
+                got = self._reports[i] = (pids, GpuReport(
                     index=i,
                     uuid=f"GPU-fake-{self.node}-{i}",
                     name=self.name,
@@ -104,8 +106,8 @@ class FakeProbe:
                     memory_total=self.memory_bytes,
                     utilization=100.0 if pids else 0.0,
                     processes=[GpuProcess(pid=p, used_memory=used // len(pids)) for p in pids],
-                )
-            )
+                ))
+            out.append(got[1])
         return out
 
     async def close(self) -> None:

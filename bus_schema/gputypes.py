@@ -11,6 +11,7 @@ published specifications.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 # Known types, newest first. Order matters for matching: "a100" before "a10".
 GPU_TYPES: tuple[str, ...] = ("h200", "h100", "a800", "a100", "v100", "p100", "t4", "k80")
@@ -18,6 +19,7 @@ GPU_TYPES: tuple[str, ...] = ("h200", "h100", "a800", "a100", "v100", "p100", "t
 _RULES = tuple((t, re.compile(rf"(?<![a-z0-9]){t}(?![0-9])")) for t in GPU_TYPES)
 
 
+@lru_cache(maxsize=1024)  # a handful of names, asked for on every heartbeat of every GPU
 def gpu_type_of(device_name: str) -> str:
     """The normalised type of an NVML device name ("" when no rule matches)."""
     text = (device_name or "").lower()

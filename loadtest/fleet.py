@@ -15,7 +15,9 @@ The agents start spread over one heartbeat interval, so their heartbeats
 are too (real hosts boot at different times; a thousand agents beating in
 the same millisecond would measure the emulator's burst, not the control
 plane). What a real agent reads from its host once per beat (``/proc/meminfo``)
-is read once per second for all of them: they share one host.
+is read once per second for all of them: they share one host. Once the agents
+are up their objects are frozen out of the garbage collector's full passes
+(one process holding 2,000 agents would otherwise stall for each).
 
 ``kill(node)`` is an agent dying outright (kill -9): its tasks end, its
 ranks die without a last checkpoint, nothing more is published; the node's
@@ -26,17 +28,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from nats.js.api import DeliverPolicy
 
-import agent.agent as agent_module
+import agent.heartbeat as heartbeat_module
 from agent.agent import Agent
 from agent.emulated_runner import CheckpointStore, EmulatedRunner
 from agent.probe import FakeProbe
@@ -113,22 +117,25 @@ class SharedAllocWatch:
             await self._sub.unsubscribe()
 
 
-def _share_host_memory(every: float = 1.0) -> None:
-    """The agents' host-memory sample, taken once per ``every`` seconds for the
-    whole fleet (one host) instead of once per agent and beat."""
-    read = getattr(agent_module, "_host_memory", None)
-    if read is None or getattr(read, "shared", False):
-        return
-    last: list = [0.0, (0, 0)]
+class SharedHostMemory:
+    """The agents' host-memory sample (``agent.heartbeat.host_memory``), read
+    at most once per ``every`` seconds for the whole fleet: its agents share
+    one host, and 2,000 agents reading ``/proc/meminfo`` 1,000 times a second
+    would load the emulator, not the control plane."""
 
-    def shared() -> tuple[int, int]:
-        t = time.monotonic()
-        if t - last[0] >= every:
-            last[0], last[1] = t, read()
-        return last[1]
+    def __init__(self, every: float = 1.0, clock: Callable[[], float] = time.monotonic):
+        self.every = every
+        self.clock = clock
+        self.reads = 0
+        self._at: float | None = None
+        self._value = (0, 0)
 
-    shared.shared = True  # type: ignore[attr-defined]
-    agent_module._host_memory = shared
+    def __call__(self) -> tuple[int, int]:
+        t = self.clock()
+        if self._at is None or t - self._at >= self.every:
+            self._at, self._value = t, heartbeat_module.host_memory()
+            self.reads += 1
+        return self._value
 
 
 class Fleet:
@@ -147,10 +154,10 @@ class Fleet:
         self.runners: dict[str, EmulatedRunner] = {}
         self.killed: set[str] = set()
         self.watch: SharedAllocWatch | None = None
+        self.host_memory = SharedHostMemory()
 
     async def start(self, batch: int = 50) -> "Fleet":
         """Start the agents in batches spread over one heartbeat interval."""
-        _share_host_memory()
         self.watch = await SharedAllocWatch(self.nc.jetstream()).start()
         t0 = time.monotonic()
         batches = range(0, len(self.names), batch)
@@ -167,6 +174,7 @@ class Fleet:
         agent = Agent(self.nc, name, FakeProbe(self.gpus, node=name), self.workdir / name, cpus=self.cpus,
                       heartbeat=self.heartbeat, grace=self.grace, progress_interval=self.progress_interval,
                       runner=runner, alloc_watch=self.watch.watch)
+        agent.heartbeat.memory = self.host_memory
         await agent.start()
         self.agents[name] = agent
         self.runners[name] = runner
@@ -208,6 +216,10 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> dict:
     t0 = time.monotonic()
     fleet = await Fleet(nc, args.nodes, args.gpus_per_node, heartbeat=args.heartbeat, prefix=args.prefix).start()
     started_s = time.monotonic() - t0
+    # The agents' state lives as long as the fleet: out of the collector's way.
+    # Otherwise each full collection walks 2,000 agents' objects (measured: 480 ms,
+    # during which no agent beats; 80 ms frozen) -- a cost one agent per host never has.
+    gc.freeze()
     if not args.json:
         print(f"{args.nodes} agents of {args.gpus_per_node} GPUs up in {started_s:.1f}s", file=sys.stderr)
     try:

@@ -18,7 +18,9 @@ GPUs, and waits for every one to finish. Reports:
 - heartbeat lag p99: receipt of a heartbeat here minus the time the agent
   stamped it (one host, one clock), over every heartbeat of a sample of
   ``--lag-sample`` nodes spread over the fleet (receiving all 1,000 a second
-  would load the process that measures submit latency);
+  would load the process that measures submit latency). It includes the
+  fleet's own event loop (all agents share one process: a beat queued behind
+  others is late) and this process's (``scale_loop_lag_p99_ms``);
 - peak RSS per process (psutil);
 - lost jobs: acknowledged but not completed when the run ends; and the
   count ``gearshift get jobs --all -o json`` pages through;
@@ -30,6 +32,14 @@ GPUs, and waits for every one to finish. Reports:
 - ``send_lag_p99_ms``: how late this process sent requests against the
   schedule (latencies are timed from the actual send; a late sender would
   hide queueing, so it is reported).
+- where the time goes, while submitting: ``admission_submit_handling`` (the
+  admission's own time per submit, from its request histogram: the share
+  answered within 50 ms and the bucket of its p99 -- what the client sees
+  beyond that is the bus, the scheduler's queue and this process);
+  ``cpu_cores_during_submit`` (CPU each process used, and the whole
+  machine's: on 2 cores, whatever else runs shows here);
+  ``scale_loop_lag_p99_ms`` (how late this process's own event loop woke:
+  the submit and heartbeat timings include it, so it is reported).
 
 With several node counts (``--nodes 250,500,1000,2000``) it makes one run
 per size and adds ``growth``: one row per size with the headline numbers.
@@ -115,6 +125,17 @@ class Procs:
                 self.peak[name] = max(self.peak.get(name, 0), rss)
             await asyncio.sleep(0.5)
 
+    def cpu_seconds(self, extra: dict[str, int]) -> dict[str, float]:
+        """CPU seconds (user + system) each process has used so far."""
+        out = {}
+        for name, pid in ({n: p.pid for n, p in self.procs.items()} | extra).items():
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            out[name] = t.user + t.system
+        return out
+
     def alive(self) -> dict[str, int | None]:
         return {n: p.poll() for n, p in self.procs.items()}
 
@@ -132,6 +153,42 @@ class Procs:
                 p.wait()
 
 
+def request_buckets(observe_dir: Path, process: str, endpoint: str) -> dict[float, float]:
+    """The process's own time to answer ``endpoint`` (its
+    ``gearshift_request_duration_seconds`` histogram): upper bound -> count so
+    far. Empty where the process announced no metrics URL."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        url = json.loads((observe_dir / f"{process}.json").read_text())["metrics"]
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {float(s.labels["le"]): s.value for f in text_string_to_metric_families(text)
+            if f.name == "gearshift_request_duration_seconds" for s in f.samples
+            if s.name.endswith("_bucket") and s.labels.get("endpoint") == endpoint}
+
+
+def handling_summary(before: dict[float, float], after: dict[float, float], floor_s: float) -> dict | None:
+    """What the service itself took, between two scrapes of its histogram: how
+    many requests, the share answered within ``floor_s``, and the bucket
+    holding the 99th percentile (its upper bound: buckets are coarse)."""
+    if not after:
+        return None
+    les = sorted(after)
+    cum = [after[le] - before.get(le, 0.0) for le in les]
+    n = cum[-1]
+    if n <= 0:
+        return {"count": 0}
+    within = next((c for le, c in zip(les, cum) if le >= floor_s), n)
+    p99_le = next(le for le, c in zip(les, cum) if c >= 0.99 * n)
+    return {"count": int(n), "share_within_floor": round(within / n, 4),
+            "p99_at_most_ms": None if p99_le == float("inf") else round(p99_le * 1e3, 1)}
+
+
 class Run:
     def __init__(self, args: argparse.Namespace, nodes: int, workdir: Path):
         self.args = args
@@ -146,6 +203,7 @@ class Run:
         self.failed: set[str] = set()
         self.rounds: list[tuple[float, int]] = []  # (duration ms, live jobs)
         self.hb_lag: list[float] = []
+        self.loop_lag: list[float] = []  # this process's event-loop delay, s
         self.max_live = 0
 
     def spec(self, i: int, seconds: float) -> JobSpec:
@@ -182,6 +240,14 @@ class Run:
 
     async def _on_beat(self, msg: Any) -> None:
         self.hb_lag.append(time.time() - codec.decode(msg.data, _Stamp).ts)
+
+    async def _watch_loop(self, every: float = 0.05) -> None:
+        """How late this process's event loop wakes up: a late loop delays
+        both the replies and the heartbeats it times."""
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(every)
+            self.loop_lag.append(max(0.0, time.monotonic() - t - every))
 
     async def submit_burst(self, nc: Any, count: int, rate: float, seconds: float, start: int = 0) -> dict:
         lat: list[float] = []
@@ -258,8 +324,9 @@ class Run:
         t_start = time.monotonic()
         server = NatsServer(self.workdir / "js")
         server.start()
+        observe_dir = self.workdir / "observe"  # the services announce their metrics URLs here
         env = {**os.environ, "GEARSHIFT_NATS_URL": server.url, "GEARSHIFT_LOG_LEVEL": a.log_level,
-               "GEARSHIFT_LOG_FORMAT": "json"}
+               "GEARSHIFT_LOG_FORMAT": "json", "GEARSHIFT_OBSERVE_DIR": str(observe_dir)}
         procs = Procs()
         out: dict[str, Any] = {"nodes": self.nodes, "gpus_per_node": a.gpus_per_node, "jobs": a.jobs, "rate": a.rate,
                                "policy": a.policy}
@@ -306,8 +373,22 @@ class Run:
                 subs.append(await nc.subscribe(subj.node_heartbeat(f"fleet-{i:05d}"), cb=self._on_beat))
             out["heartbeat_lag_nodes_sampled"] = len(range(0, self.nodes, step))
             load_before = os.getloadavg()
+            pids = {"nats-server": server.proc.pid, "scale": os.getpid()}
+            cpu0, box0, t0 = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic()
+            hist0 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
+            watch = asyncio.create_task(self._watch_loop())
             out["submit"] = await self.submit_burst(nc, a.jobs, a.rate, a.job_seconds)
+            watch.cancel()
             out["load_average_during_submit"] = [round(x, 2) for x in os.getloadavg()]
+            # where the time went: the admission's own time per submit, and the
+            # CPU each process (and the whole machine) used while submitting
+            hist1 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
+            out["admission_submit_handling"] = handling_summary(hist0, hist1, FLOORS["submit_p99_ms"] / 1e3)
+            cpu1, box1, dt = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic() - t0
+            busy = sum(getattr(box1, f) - getattr(box0, f) for f in ("user", "nice", "system", "irq", "softirq"))
+            out["cpu_cores_during_submit"] = {
+                **{n: round((cpu1[n] - cpu0[n]) / dt, 2) for n in sorted(cpu1) if n in cpu0},
+                "machine": round(busy / dt, 2), "machine_cores": psutil.cpu_count()}
             # every acknowledged job must finish
             deadline = time.monotonic() + a.drain_timeout
             while not set(self.sent) <= self.finished and time.monotonic() < deadline:
@@ -344,6 +425,7 @@ class Run:
                 "submit_to_running_p99_s": r(pct(self.running_s, 99), 2),
                 "heartbeat_lag_p50_s": r(pct(self.hb_lag, 50), 3), "heartbeat_lag_p99_s": r(pct(self.hb_lag, 99), 3),
                 "heartbeats": len(self.hb_lag),
+                "scale_loop_lag_p99_ms": r(pct([x * 1e3 for x in self.loop_lag], 99), 1),
                 "acked": len(self.sent), "completed": len([j for j in self.sent if states.get(j) == "completed"]),
                 "lost_jobs": len(lost), "lost_sample": lost[:5],
                 "unfinished_at_deadline": len(unfinished), "unfinished_sample": unfinished[:5],

@@ -146,15 +146,28 @@ def job_states(records: Iterable[Any]) -> None:
         JOBS.labels(state, tenant).set(n)
 
 
+_GPU_GAUGES: dict[tuple[str, ...], list[Any]] = {}  # labels -> the four gauges' children, their last values
+
+
 def gpu_report(report: Any) -> None:
-    """DCGM-named gauges from an agent's ``NodeReport``."""
+    """DCGM-named gauges from an agent's ``NodeReport``. A GPU's children are
+    looked up once, and set only when a value changed (``labels()`` validates
+    and ``set`` locks: 32 of each a beat cost about 0.1 ms, and the fleet
+    emulator's agents beat 1,000 times a second)."""
     for g in report.gpus:
         labels = (str(g.index), g.uuid, g.name, report.node)
-        if g.utilization is not None:
-            GPU_UTIL.labels(*labels).set(g.utilization)
-        FB_USED.labels(*labels).set(g.memory_used / 2**20)
-        FB_FREE.labels(*labels).set(max(0, g.memory_total - g.memory_used) / 2**20)
-        GPU_PROCS.labels(*labels).set(len(g.processes))
+        got = _GPU_GAUGES.get(labels)
+        if got is None:
+            got = _GPU_GAUGES[labels] = [tuple(m.labels(*labels) for m in (GPU_UTIL, FB_USED, FB_FREE, GPU_PROCS)),
+                                         None]
+        values = (g.utilization, g.memory_used / 2**20, max(0, g.memory_total - g.memory_used) / 2**20,
+                  len(g.processes))
+        if values == got[1]:
+            continue
+        got[1] = values
+        for gauge, value in zip(got[0], values):
+            if value is not None:  # no utilisation reading: the gauge keeps its last
+                gauge.set(value)
     AGENT_RUNS.set(len(report.running))
 
 

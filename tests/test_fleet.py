@@ -7,10 +7,12 @@ import json
 
 from bus_schema import subjects as subj
 from bus_schema.messages import JobList, JobState, ListRequest, SubmitReply
+import agent.heartbeat as heartbeat_module
 from loadtest.fleet import Fleet
 from services.admission import start_admission
 from services.optimizer import Optimizer
 from services.runtime import call
+from tests.wait import eventually
 
 MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}
 
@@ -68,3 +70,26 @@ async def test_fleet_runs_jobs_to_completion_and_survives_killed_agents(nc, tmp_
         await task
         await fleet.stop()
         await svc.stop()
+
+
+async def test_the_fleets_agents_share_one_host_memory_sample(nc, tmp_path, monkeypatch):
+    """One host: /proc/meminfo is read once per interval for all agents, not
+    once per agent and beat (2,000 agents would read it 1,000 times a second)."""
+    reads = []
+    monkeypatch.setattr(heartbeat_module, "host_memory", lambda: reads.append(1) or (64 * 2**30, 2**30))
+    beats = []
+
+    async def got(msg):
+        beats.append(msg)
+
+    sub = await nc.subscribe("gs.node.*.heartbeat", cb=got)
+    fleet = Fleet(nc, 6, 2, heartbeat=0.05, workdir=str(tmp_path))
+    fleet.host_memory.clock = lambda: 0.0  # the interval never ends: one read, however many beats
+    await fleet.start(batch=6)
+    try:
+        await eventually(lambda: len(beats) >= 6 * 4, timeout=20)
+        assert len(reads) == 1
+        assert all(b"\"memory_total\":68719476736" in m.data for m in beats)
+    finally:
+        await sub.unsubscribe()
+        await fleet.stop()

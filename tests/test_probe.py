@@ -14,6 +14,7 @@ import pytest
 
 from agent import launch
 from agent.probe import FakeProbe, NvmlProbe, cuda_visible_devices
+from bus_schema.messages import GpuProcess
 from bus_schema import codec, subjects as subj
 from bus_schema.messages import (
     Allocation, GpuHealth, GpuReport, JobState, NodePlacement, NodeReport, Plan,
@@ -297,3 +298,18 @@ def test_old_reports_without_health_decode_as_healthy():
     old = b'{"node":"n","ts":1.0,"cpus":1,"gpus":[{"index":0,"uuid":"GPU-x","memory_total":5}]}'
     (g,) = codec.decode(old, NodeReport).gpus
     assert g.health == GpuHealth.OK and g.healthy
+
+
+async def test_fake_probe_follows_claims_and_reuses_unchanged_reports():
+    """The fleet emulator samples 16,000 fake GPUs every 2 s: a GPU's report is
+    built again only when its holders change."""
+    probe = FakeProbe(2, memory_bytes=100, busy_fraction=0.5, node="n")
+    first = await probe.sample()
+    probe.claim([1], [41, 42])
+    second = await probe.sample()
+    assert second[0] is first[0]  # unchanged: the same report
+    assert second[1].processes == [GpuProcess(pid=41, used_memory=25), GpuProcess(pid=42, used_memory=25)]
+    assert second[1].memory_used == 50 and second[1].utilization == 100.0
+    probe.release([1])
+    third = await probe.sample()
+    assert third[1].processes == [] and third[1].memory_used == 0 and third[1].utilization == 0.0

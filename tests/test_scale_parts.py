@@ -45,3 +45,15 @@ def test_progress_teaches_the_oracle_at_most_every_30s_per_job():
     assert not m.observe_progress("x", 3, 160.0, 36)  # 5 s/step, but only 10 s later: not fed
     assert m.oracle.revision == seen
     assert m.observe_progress("x", 3, 150.0 + PROGRESS_EVERY_S + 1, 36)  # later: fed, and it changed the answer
+
+
+def test_the_admissions_own_time_is_read_from_two_scrapes_of_its_histogram():
+    from loadtest.scale import handling_summary
+
+    inf = float("inf")
+    before = {0.005: 10.0, 0.05: 10.0, 0.5: 10.0, inf: 10.0}
+    after = {0.005: 60.0, 0.05: 100.0, 0.5: 109.0, inf: 110.0}  # 100 more: 50 fast, 40 within 50 ms, 9 slow, 1 slower
+    got = handling_summary(before, after, 0.05)
+    assert got == {"count": 100, "share_within_floor": 0.9, "p99_at_most_ms": 500.0}
+    assert handling_summary({}, {}, 0.05) is None  # no metrics announced
+    assert handling_summary(after, after, 0.05) == {"count": 0}
