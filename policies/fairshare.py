@@ -24,7 +24,13 @@ tenant's entitlement:
   donor was (no overshoot): each move raises the lowest position, so moves
   cannot undo each other round after round;
 - a move never takes a tenant past its quota plus what its cohort lends
-  (``QuotaBook.over_limit``), so quota and borrowing rules still hold.
+  (``QuotaBook.over_limit``), so quota and borrowing rules still hold;
+- *reservation*: a waiting job of a tenant below its share that found no room
+  keeps it from being handed out: other tenants' starts and growths this round
+  that would leave them further from their share go back (``_reserve``), so a
+  stream of small jobs of a tenant at its share cannot hold a larger job of a
+  tenant below it off for good (kueue#534); the room fills as donors pass their
+  minimum run time.
 
 Position = (GPUs held - entitlement) / weight. Pure: no clock, no NATS.
 """
@@ -80,6 +86,7 @@ class Rebalancer:
             self.held[by_id[jid].spec.tenant] += _gpus(d)
             self.ledger.take(d.placement)
         self.ent, self.claimed, self.by_id = ent, claimed, by_id
+        self._no_room = False
         self.over_before = (set(self._over_limit(decision)), set(self._over_limit(decision, claims=False)))
         weight = {t: self.cfg.queue(t).weight for t in demand}
         pos = lambda t: (self.held[t] - ent[t]) / weight[t]  # noqa: E731
@@ -89,6 +96,7 @@ class Rebalancer:
         # (tenant, class) -> the smallest waiting request that found no room: larger ones need not try
         no_room: dict[tuple[str, int], int] = {}
         preempted: list[JobView] = []
+        blocked: list[JobView] = []  # waiting jobs of tenants below their share that found no room
         while True:
             short = sorted((t for t in demand if self.held[t] < ent[t] - _EPS), key=pos)
             pick = None
@@ -104,11 +112,14 @@ class Rebalancer:
                 if pick is not None:
                     break
             if pick is None:
+                self._reserve(decision, fixed, blocked, pos)
                 return preempted, ent
             moves = self._lift(now, pick, decision, fixed, by_id, pos)
             if moves is None and not pick.running:
                 key = (pick.spec.tenant, pick.spec.priority)
                 no_room[key] = min(no_room.get(key, 1 << 30), default_plan(pick.spec).gpus)
+                if self._no_room:
+                    blocked.append(pick)
             for m in moves or ():
                 if m.new is None and m.job.running:
                     preempted.append(m.job)
@@ -147,7 +158,8 @@ class Rebalancer:
                                  f"{describe(spot)}, tenant {t} below its share")
 
         got = try_place()
-        donors = self._donors(now, j, decision, fixed, by_id, pos)
+        borrows = self.held[t] + gain > self.cfg.queue(t).quota
+        donors = self._donors(now, j, decision, fixed, by_id, pos, borrows)
         # on a mixed cluster, donors on one GPU type first: room freed on two types
         # does not add up for a job that runs on one
         groups = typed_place.per_type(self.ledger, j, donors,
@@ -177,6 +189,7 @@ class Rebalancer:
                     break
             if got is not None:
                 break
+        self._no_room = got is None
         if got is not None:
             self.ledger.take(got.placement)
             self._apply(decision, Move(j, have, got), by_id)
@@ -191,11 +204,65 @@ class Rebalancer:
         decision.waiting.pop(j.job_id, None)
         return done
 
-    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos) -> list[tuple[JobView, str]]:
+    def _reserve(self, decision: Decision, fixed: set[str], blocked: list[JobView], pos) -> None:
+        """A waiting job of a tenant below its share found no room (whole jobs: what a
+        donor could give now was not enough): this round's starts and growths of other
+        tenants that would leave them further from their share than without them go back,
+        on the GPU types the job accepts, so the room it waits for is not handed to a
+        stream of small jobs of a tenant already at its share (kueue#534). Only while the
+        job could get room once its donors' minimum run times pass: free GPUs plus what
+        tenants above their share hold on one accepted type cover its request."""
+        for j in sorted(blocked, key=lambda j: pos(j.spec.tenant)):
+            t, types = j.spec.tenant, typed_place.accepted_types(self.ledger, j)
+            if self.held[t] >= self.ent[t] - _EPS or not self._could_fit(j, decision, fixed, types, pos):
+                continue
+            back = []
+            for jid, d in decision.allocations.items():
+                v = self.by_id[jid]
+                u = v.spec.tenant
+                if u == t or jid in fixed or v.spec.priority > j.spec.priority or \
+                        typed_place.type_of(self.ledger, d.placement) not in types:
+                    continue
+                if not v.running or _gpus(d) > v.gpus:
+                    back.append(((v.running,) + tuple(-x if isinstance(x, (int, float)) else x
+                                                      for x in self.standing.get(jid, ())) + (jid,), v))
+            for _, v in sorted(back, key=lambda x: x[0]):
+                u, old = v.spec.tenant, decision.allocations[v.job_id]
+                gain = _gpus(old) - (v.gpus if v.running else 0)
+                if abs(self.held[u] - gain - self.ent[u]) >= abs(self.held[u] - self.ent[u]) - _EPS:
+                    continue  # the donor would end no nearer its share
+                self.ledger.give(old.placement)
+                new = self._smaller(v, "revert") if v.running else None
+                if v.running and new is None:
+                    self.ledger.take(old.placement)
+                    continue
+                if new is not None:
+                    self.ledger.take(new.placement)
+                self._apply(decision, Move(v, old, new), self.by_id,
+                            f"waiting (fair-share): tenant {u} is at or above its share while {j.job_id} of "
+                            f"tenant {t}, below its share, waits for room")
+
+    def _could_fit(self, j: JobView, decision: Decision, fixed: set[str], types: set[str], pos) -> bool:
+        need = default_plan(j.spec).gpus
+        for ty in types:
+            room = sum(self.ledger.free_g[n.name] for n in self.ledger.nodes if typed_place.node_type(n) == ty)
+            for jid, d in decision.allocations.items():
+                v = self.by_id[jid]
+                if v.spec.tenant != j.spec.tenant and jid not in fixed and v.spec.priority <= j.spec.priority \
+                        and pos(v.spec.tenant) > _EPS and typed_place.type_of(self.ledger, d.placement) == ty:
+                    room += _gpus(d)
+            if room >= need:
+                return True
+        return False
+
+    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos,
+                borrows: bool = False) -> list[tuple[JobView, str]]:
         """Jobs to take room from, cheapest first, of the tenants furthest above their
         share: starts this round (undo), growths of running jobs (revert), running jobs
         above their request (shrink to it), then running jobs (preempt); a shrink or
-        preemption never inside the job's minimum run time."""
+        preemption never inside the job's minimum run time. When ``j`` would borrow, an
+        owner's start within its quota (claimed) is not undone: its claim comes before
+        any borrowing, so its GPUs would not be lent to ``j`` anyway."""
         prio, t = j.spec.priority, j.spec.tenant
         out = []
         for jid, d in decision.allocations.items():
@@ -205,7 +272,8 @@ class Rebalancer:
                 continue
             worst_first = tuple(-x if isinstance(x, (int, float)) else x for x in self.standing.get(jid, ()))
             if not v.running:
-                out.append(((0, -pos(u)) + worst_first, v, "undo"))
+                if not (borrows and jid in self.claimed):
+                    out.append(((0, -pos(u)) + worst_first, v, "undo"))
             elif _gpus(d) > v.gpus:
                 out.append(((1, -pos(u)) + worst_first, v, "revert"))
             elif self.protected(v, now):
@@ -222,7 +290,13 @@ class Rebalancer:
         if kind == "revert":
             if self.ledger.fits(v.placement):
                 return JobDecision(v.placement, v.plan or default_plan(v.spec), "kept: growth reverted for fair share")
-            return None
+            # others were moved onto its GPUs: it restarts this round anyway (it was resized),
+            # so at the size it holds wherever that fits on its type
+            plan = v.plan or default_plan(v.spec)
+            spot = typed_place.place(self.ledger, v, plan, prefer=tuple(p.node for p in v.placement))
+            if spot is None or typed_place.type_of(self.ledger, spot) != typed_place.type_of(self.ledger, v.placement):
+                return None
+            return JobDecision(spot, plan, f"{self.name}+fair-share: growth reverted, on {describe(spot)}")
         if kind == "shrink":
             plan = default_plan(v.spec)
             spot = typed_place.place(self.ledger, v, plan, prefer=tuple(p.node for p in v.placement))
