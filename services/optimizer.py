@@ -364,6 +364,7 @@ class Optimizer:
         for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
             held.setdefault(node, set()).update(gpus)
         node_states = capacity.node_states(nodes, held)
+        self.models.node_type = {n.name: n.gpu_type for n in node_states}  # what ran teaches the oracle per GPU type
         unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
         views = [self._view(r) for r in records.values()
                  if r.state in (JobState.PENDING, *ACTIVE) and r.job_id not in unmodelled]
