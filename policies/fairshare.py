@@ -26,8 +26,9 @@ tenant's entitlement:
 - a move never takes a tenant past its quota plus what its cohort lends
   (``QuotaBook.over_limit``), so quota and borrowing rules still hold;
 - *reservation*: a waiting job of a tenant below its share that found no room
-  keeps it from being handed out: other tenants' starts and growths this round
-  that would leave them further from their share go back (``_reserve``), so a
+  keeps it from being handed out: starts and growths this round of tenants above
+  their share go back where a move could take them (the donor ends above the
+  job's tenant; ``_reserve``), so a
   stream of small jobs of a tenant at its share cannot hold a larger job of a
   tenant below it off for good (kueue#534); the room fills as donors pass their
   minimum run time.
@@ -176,7 +177,7 @@ class Rebalancer:
                 if pos(u) <= _EPS or final_u <= before + _EPS or after > pos(u) + _EPS:
                     continue  # a donor stays above the beneficiary's old position; no overshoot
                 self.ledger.give(old.placement)
-                new = self._smaller(v, kind)
+                new = self._smaller(v, kind, old)
                 if keep and new is None:
                     self.ledger.take(old.placement)
                     continue
@@ -206,9 +207,9 @@ class Rebalancer:
 
     def _reserve(self, decision: Decision, fixed: set[str], blocked: list[JobView], pos) -> None:
         """A waiting job of a tenant below its share found no room (whole jobs: what a
-        donor could give now was not enough): this round's starts and growths of other
-        tenants that would leave them further from their share than without them go back,
-        on the GPU types the job accepts, so the room it waits for is not handed to a
+        donor could give now was not enough): this round's starts and growths of tenants
+        above their share go back where a move could take them (the donor still ends above
+        the job's tenant), on the GPU types the job accepts, so the room it waits for is not handed to a
         stream of small jobs of a tenant already at its share (kueue#534). Only while the
         job could get room once its donors' minimum run times pass: free GPUs plus what
         tenants above their share hold on one accepted type cover its request."""
@@ -229,8 +230,8 @@ class Rebalancer:
             for _, v in sorted(back, key=lambda x: x[0]):
                 u, old = v.spec.tenant, decision.allocations[v.job_id]
                 gain = _gpus(old) - (v.gpus if v.running else 0)
-                if abs(self.held[u] - gain - self.ent[u]) >= abs(self.held[u] - self.ent[u]) - _EPS:
-                    continue  # the donor would end no nearer its share
+                if pos(u) <= _EPS or pos(u) - gain / self.cfg.queue(u).weight <= pos(t) + _EPS:
+                    continue  # as for a move: the donor is above its share and ends above the job's tenant
                 self.ledger.give(old.placement)
                 new = self._smaller(v, "revert") if v.running else None
                 if v.running and new is None:
@@ -268,9 +269,13 @@ class Rebalancer:
         for jid, d in decision.allocations.items():
             v = by_id[jid]
             u = v.spec.tenant
-            if u == t or jid in fixed or v.spec.priority > prio or pos(u) <= _EPS:
+            if u == t or v.spec.priority > prio or pos(u) <= _EPS:
                 continue
             worst_first = tuple(-x if isinstance(x, (int, float)) else x for x in self.standing.get(jid, ()))
+            if jid in fixed:  # made room for (reclaim, priority): it has a right to its request, not more
+                if not v.running and _gpus(d) > default_plan(v.spec).gpus:
+                    out.append(((2, -pos(u)) + worst_first, v, "shrink"))
+                continue
             if not v.running:
                 if not (borrows and jid in self.claimed):
                     out.append(((0, -pos(u)) + worst_first, v, "undo"))
@@ -285,7 +290,7 @@ class Rebalancer:
         out.sort(key=lambda x: x[0])
         return [(v, kind) for _, v, kind in out]
 
-    def _smaller(self, v: JobView, kind: str) -> JobDecision | None:
+    def _smaller(self, v: JobView, kind: str, old: JobDecision | None = None) -> JobDecision | None:
         """The donor's new decision (its old one given back to the ledger): None to stop it."""
         if kind == "revert":
             if self.ledger.fits(v.placement):
@@ -297,9 +302,9 @@ class Rebalancer:
             if spot is None or typed_place.type_of(self.ledger, spot) != typed_place.type_of(self.ledger, v.placement):
                 return None
             return JobDecision(spot, plan, f"{self.name}+fair-share: growth reverted, on {describe(spot)}")
-        if kind == "shrink":
+        if kind == "shrink":  # a start too: on the nodes it was given
             plan = default_plan(v.spec)
-            spot = typed_place.place(self.ledger, v, plan, prefer=tuple(p.node for p in v.placement))
+            spot = typed_place.place(self.ledger, v, plan, prefer=tuple(p.node for p in v.placement or old.placement))
             return None if spot is None else JobDecision(
                 spot, plan, f"{self.name}+fair-share: back to its request on {describe(spot)}, tenant above its share")
         return None
