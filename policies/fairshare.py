@@ -152,7 +152,14 @@ class Rebalancer:
 
         def try_place() -> JobDecision | None:
             if want.placement:
-                return want if self.ledger.fits(want.placement) else None
+                if self.ledger.fits(want.placement):
+                    return want
+                # the inner policy resized it (a restart either way): its size anywhere on its type
+                spot = typed_place.place(self.ledger, j, want.plan, prefer=tuple(p.node for p in j.placement))
+                if spot is None or typed_place.type_of(self.ledger, spot) != typed_place.type_of(self.ledger, j.placement):
+                    return None
+                return JobDecision(spot, want.plan, f"{self.name}+fair-share: kept its size on {describe(spot)}, "
+                                                    f"tenant {t} below its share")
             spot = typed_place.place(self.ledger, j, want.plan, prefer=tuple(p.node for p in j.placement))
             return None if spot is None else JobDecision(
                 spot, want.plan, f"{self.name}+fair-share: {'resized to' if j.running else 'started on'} "
@@ -174,8 +181,9 @@ class Rebalancer:
                 old = decision.allocations[v.job_id]
                 keep = {"undo": 0, "preempt": 0, "revert": v.gpus, "shrink": default_plan(v.spec).gpus}[kind]
                 final_u = pos(u) - (_gpus(old) - keep) / self.cfg.queue(u).weight
-                if pos(u) <= _EPS or final_u <= before + _EPS or after > pos(u) + _EPS:
-                    continue  # a donor stays above the beneficiary's old position; no overshoot
+                if pos(u) <= _EPS or final_u <= before + _EPS or \
+                        max(abs(final_u), abs(after)) >= max(pos(u), -before) - _EPS:
+                    continue  # a donor stays above the beneficiary's old position; the pair's larger gap shrinks
                 self.ledger.give(old.placement)
                 new = self._smaller(v, kind, old)
                 if keep and new is None:
@@ -209,8 +217,9 @@ class Rebalancer:
         """A waiting job of a tenant below its share found no room (whole jobs: what a
         donor could give now was not enough): this round's starts and growths of tenants
         above their share go back where a move could take them (the donor still ends above
-        the job's tenant), on the GPU types the job accepts, so the room it waits for is not handed to a
-        stream of small jobs of a tenant already at its share (kueue#534). Only while the
+        the job's tenant; a start made room for keeps its request), on the GPU types the job
+        accepts, so the room it waits for is not handed to a stream of small jobs of a
+        tenant already at its share (kueue#534). Only while the
         job could get room once its donors' minimum run times pass: free GPUs plus what
         tenants above their share hold on one accepted type cover its request."""
         for j in sorted(blocked, key=lambda j: pos(j.spec.tenant)):
@@ -221,20 +230,24 @@ class Rebalancer:
             for jid, d in decision.allocations.items():
                 v = self.by_id[jid]
                 u = v.spec.tenant
-                if u == t or jid in fixed or v.spec.priority > j.spec.priority or \
+                if u == t or v.spec.priority > j.spec.priority or \
                         typed_place.type_of(self.ledger, d.placement) not in types:
                     continue
-                if not v.running or _gpus(d) > v.gpus:
-                    back.append(((v.running,) + tuple(-x if isinstance(x, (int, float)) else x
-                                                      for x in self.standing.get(jid, ())) + (jid,), v))
+                worst_first = tuple(-x if isinstance(x, (int, float)) else x for x in self.standing.get(jid, ()))
+                if jid in fixed:  # made room for: its request, not more
+                    if not v.running and _gpus(d) > default_plan(v.spec).gpus:
+                        back.append(((False,) + worst_first + (jid,), v))
+                elif not v.running or _gpus(d) > v.gpus:
+                    back.append(((v.running,) + worst_first + (jid,), v))
             for _, v in sorted(back, key=lambda x: x[0]):
                 u, old = v.spec.tenant, decision.allocations[v.job_id]
-                gain = _gpus(old) - (v.gpus if v.running else 0)
-                if pos(u) <= _EPS or pos(u) - gain / self.cfg.queue(u).weight <= pos(t) + _EPS:
+                shrink = v.job_id in fixed
+                gain = _gpus(old) - (default_plan(v.spec).gpus if shrink else v.gpus if v.running else 0)
+                if abs(self.held[u] - gain - self.ent[u]) >= abs(self.held[u] - self.ent[u]) - _EPS:
                     continue  # as for a move: the donor is above its share and ends above the job's tenant
                 self.ledger.give(old.placement)
-                new = self._smaller(v, "revert") if v.running else None
-                if v.running and new is None:
+                new = self._smaller(v, "shrink", old) if shrink else self._smaller(v, "revert") if v.running else None
+                if (v.running or shrink) and new is None:
                     self.ledger.take(old.placement)
                     continue
                 if new is not None:
@@ -260,8 +273,9 @@ class Rebalancer:
                 borrows: bool = False) -> list[tuple[JobView, str]]:
         """Jobs to take room from, cheapest first, of the tenants furthest above their
         share: starts this round (undo), growths of running jobs (revert), running jobs
-        above their request (shrink to it), then running jobs (preempt); a shrink or
-        preemption never inside the job's minimum run time. When ``j`` would borrow, an
+        above their request (shrink to it: the minimum run time protects a job's request,
+        not GPUs it grew into), then running jobs (preempt, never inside the job's minimum
+        run time). When ``j`` would borrow, an
         owner's start within its quota (claimed) is not undone: its claim comes before
         any borrowing, so its GPUs would not be lent to ``j`` anyway."""
         prio, t = j.spec.priority, j.spec.tenant
@@ -281,10 +295,11 @@ class Rebalancer:
                     out.append(((0, -pos(u)) + worst_first, v, "undo"))
             elif _gpus(d) > v.gpus:
                 out.append(((1, -pos(u)) + worst_first, v, "revert"))
+            elif _gpus(d) > default_plan(v.spec).gpus:
+                # the minimum run time protects a job's request, not what it grew into
+                out.append(((2, -pos(u)) + worst_first, v, "shrink"))
             elif self.protected(v, now):
                 continue
-            elif _gpus(d) > default_plan(v.spec).gpus:
-                out.append(((2, -pos(u)) + worst_first, v, "shrink"))
             else:
                 out.append(((3, -pos(u), v.spec.priority, -(v.switched_at or 0.0), jid), v, "preempt"))
         out.sort(key=lambda x: x[0])
