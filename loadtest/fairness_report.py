@@ -74,24 +74,25 @@ NOTES = """## How the share is measured, and how it is enforced
   policy): after the inner policy decides, GPUs move one job at a time from tenants above
   their entitlement to the tenant furthest below it: free GPUs first, then the donors'
   starts this round, then growth of their running jobs, then running jobs above their
-  request (shrunk back to it), then running jobs past their minimum run time (preempted,
-  kind `fair-share`). A move must leave every donor above the beneficiary's old position
-  and not leave the beneficiary better placed than the donor was, so moves never undo each
-  other; it never takes a tenant past its quota plus what its cohort lends. Elastic
-  policies (rubick, sia) still choose plans, placements and spare capacity within each
-  tenant's entitlement.
+  request (shrunk back to it: the minimum run time protects a job's request, not GPUs it
+  grew into), then running jobs past their minimum run time (preempted, kind
+  `fair-share`). Position = (held - entitled) / weight. A move must leave every donor
+  above the beneficiary's old position and make the pair's larger gap smaller, so the
+  sorted gaps fall with every move and moves never undo each other; it never takes a
+  tenant past its quota plus what its cohort lends. A start made room for by reclaim or
+  priority keeps its request, not more. Elastic policies (rubick, sia) still choose
+  plans, placements and spare capacity within each tenant's entitlement.
 - **Reservation** (same part): when a job of a tenant below its share finds no room this
-  round (whole jobs: what donors past their minimum run time could give was not enough),
-  starts and growths this round of other tenants that would leave them further from their
-  share go back to waiting on the GPU types the job accepts, while free GPUs plus what
-  tenants above their share hold there cover its request. A stream of small jobs of a
-  tenant at its share cannot keep a larger job of a tenant below it waiting (kueue#534);
-  the room fills once donors pass their minimum run time. A growth that must be reverted
-  after the inner policy moved others onto the job's GPUs restarts it (it was being
-  resized anyway) at the size it held, elsewhere on its GPU type.
+  round (whole jobs: what donors could give now was not enough), starts and growths this
+  round of other tenants that would leave them further from their share go back to
+  waiting on the GPU types the job accepts, while free GPUs plus what tenants above their
+  share hold there cover its request. A stream of small jobs of a tenant at its share
+  cannot keep a larger job of a tenant below it waiting (kueue#534); the room fills once
+  donors pass their minimum run time.
 - Whole jobs still limit how close a tenant can get: a tenant 4 GPUs short whose waiting
-  jobs need 8 cannot be lifted without pushing the donor further below its share than the
-  tenant was; those rounds are what the worst windows show.
+  jobs need 8 cannot be lifted when every way to do it leaves someone at least as far
+  from its share; those rounds are what the worst windows show (and what fails on some
+  other seeds, see evaluation.md).
 """
 
 
