@@ -239,3 +239,24 @@ def test_room_a_tenant_below_its_share_waits_for_is_not_handed_to_a_tenant_above
     d = run(Shared(Scripted(eager), ShareConfig.from_dict(NO_QUOTAS)), 1000.0, ns, [a1, a2, b1, a3, b2])
     assert "a3" not in d.allocations and "fair-share" in d.waiting["a3"]
     assert {"a1", "a2", "b1"} <= set(d.allocations)
+
+
+def test_a_start_made_room_for_moves_off_a_protected_jobs_gpus():
+    """A type-aware inner policy put a job made room for by reclaim (m) on the GPUs of p,
+    inside its minimum run time, and dropped p: m starts on the free node instead and p
+    keeps its GPUs (seed 1 of loadtest.fairness, sia on the mixed cluster: p ran 6 s)."""
+    from policies.placement import Ledger
+    from policies.sharing import _clear_for
+
+    ns = nodes(2)
+    p = tj("p", 4, "a", running_on=(Placement("n0", 4, 8),), since=950.0)
+    q = tj("q", 4, "b", running_on=(Placement("n0", 4, 8),), since=0.0)
+    m = tj("m", 4, "a", t=900.0)
+    d = Decision({"q": JobDecision(q.placement, Plan(dp=4)), "m": JobDecision((Placement("n0", 4, 8),), Plan(dp=4))},
+                 waiting={"p": "preempted: given to m"})
+    ledger = Ledger(ns)
+    for a in d.allocations.values():
+        ledger.take(a.placement)
+    _clear_for(p, d, ledger, {j.job_id: j for j in (p, q, m)}, {"m": "reclaim"}, {}, lambda v: True)
+    assert ledger.fits(p.placement)
+    assert [x.node for x in d.allocations["m"].placement] == ["n1"] and d.allocations["q"].placement == q.placement
