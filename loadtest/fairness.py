@@ -13,12 +13,11 @@ read back. Checks (each with its numbers):
 
 - ``share``: while at least two tenants want more than the cluster, each
   tenant's GPU-hours over every 6 h window (one starting and one ending at
-  every round) are at least 90% of its entitlement: the weighted max-min
-  share of the cluster over what the tenants asked for (water-filling by
-  weight, capped by each one's demand and what its queue may hold:
+  every round) are within 10% (both ways) of its entitlement: the weighted
+  max-min share of the cluster over what the tenants asked for (water-filling
+  by weight, capped by each one's demand and what its queue may hold:
   ``queues.fair_entitlement``, which ``Shared`` enforces), for windows where
-  that entitlement is at least 8 GPU-hours; the upper side (above 110%) is
-  reported (see ``share_check``);
+  that entitlement is at least 8 GPU-hours (see ``share_check``);
 - ``quota``: after every round no tenant holds more than its quota plus what
   its cohort lends (``QuotaBook.over_limit``);
 - ``reclaim``: a job owed its quota back (within quota, no room, others
@@ -109,13 +108,14 @@ def share_check(log: list[dict], cfg: ShareConfig, capacity: int, end: float) ->
     GPU-hours held / GPU-hours entitled, judged where the entitlement is at least
     ``MIN_ENTITLED`` (a few minutes of contention say nothing about a 6 h share).
 
-    Pass: no tenant short of its share by more than 10% (``SHARE_TOLERANCE``) in
-    any judged window. The upper side is reported, not judged: while tenants
-    contend the entitlements add up to the cluster, so what one tenant holds above
-    its share either sat idle for the others or is the others' shortfall, which the
-    floor bounds; for a small share, one whole job of a few GPUs held over it for a
-    minimum run time is more than 10% of it (``above_110pct``, and ``taken``: the
-    part of a tenant's excess held while another tenant was below its share)."""
+    Pass: in every judged window each tenant's ratio is within 1 +- 10%
+    (``SHARE_TOLERANCE``): neither short of its share nor above it by more than 10%.
+    No exception is made for GPUs the others could not use at the time (whole jobs,
+    GPU types): the entitlement caps each tenant at its demand, and the sharing part
+    keeps such room for the larger job that waits for it (``Rebalancer._reserve``)
+    rather than hand it to a tenant at its share.
+    Reported with it: the worst and best windows, ``above_110pct``, and ``taken``: the
+    part of a tenant's excess held while another tenant was below its share."""
     weight = {t: cfg.queue(t).weight for t in cfg.queues}
     tenants = sorted(weight)
     bounds, got_rate, ent_rate = [], {t: [] for t in tenants}, {t: [] for t in tenants}
@@ -169,7 +169,8 @@ def share_check(log: list[dict], cfg: ShareConfig, capacity: int, end: float) ->
     grab = max(windows, key=lambda w: w["taken"]) if windows else None
     within = sum(1 for w in windows if abs(w["ratio"] - 1) <= SHARE_TOLERANCE + 1e-9)
     return {
-        "pass": bool(windows) and all(w["ratio"] >= 1 - SHARE_TOLERANCE for w in windows),
+        "pass": bool(windows) and within == len(windows),
+        "below_90pct": sum(1 for w in windows if w["ratio"] < 1 - SHARE_TOLERANCE - 1e-9),
         "windows": len(windows), "within_10pct": within,
         "above_110pct": sum(1 for w in windows if w["ratio"] > 1 + SHARE_TOLERANCE + 1e-9),
         "min_ratio": round(worst["ratio"], 3) if worst else None, "worst": worst,

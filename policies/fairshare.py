@@ -24,7 +24,14 @@ tenant's entitlement:
   donor was (no overshoot): each move raises the lowest position, so moves
   cannot undo each other round after round;
 - a move never takes a tenant past its quota plus what its cohort lends
-  (``QuotaBook.over_limit``), so quota and borrowing rules still hold.
+  (``QuotaBook.over_limit``), so quota and borrowing rules still hold;
+- *reservation*: a waiting job of a tenant below its share that found no room
+  keeps it from being handed out: starts and growths this round of tenants above
+  their share go back where a move could take them (the donor ends above the
+  job's tenant; ``_reserve``), so a
+  stream of small jobs of a tenant at its share cannot hold a larger job of a
+  tenant below it off for good (kueue#534); the room fills as donors pass their
+  minimum run time.
 
 Position = (GPUs held - entitlement) / weight. Pure: no clock, no NATS.
 """
@@ -80,6 +87,7 @@ class Rebalancer:
             self.held[by_id[jid].spec.tenant] += _gpus(d)
             self.ledger.take(d.placement)
         self.ent, self.claimed, self.by_id = ent, claimed, by_id
+        self._no_room = False
         self.over_before = (set(self._over_limit(decision)), set(self._over_limit(decision, claims=False)))
         weight = {t: self.cfg.queue(t).weight for t in demand}
         pos = lambda t: (self.held[t] - ent[t]) / weight[t]  # noqa: E731
@@ -89,6 +97,7 @@ class Rebalancer:
         # (tenant, class) -> the smallest waiting request that found no room: larger ones need not try
         no_room: dict[tuple[str, int], int] = {}
         preempted: list[JobView] = []
+        blocked: list[JobView] = []  # waiting jobs of tenants below their share that found no room
         while True:
             short = sorted((t for t in demand if self.held[t] < ent[t] - _EPS), key=pos)
             pick = None
@@ -104,11 +113,14 @@ class Rebalancer:
                 if pick is not None:
                     break
             if pick is None:
+                self._reserve(decision, fixed, blocked, pos)
                 return preempted, ent
             moves = self._lift(now, pick, decision, fixed, by_id, pos)
             if moves is None and not pick.running:
                 key = (pick.spec.tenant, pick.spec.priority)
                 no_room[key] = min(no_room.get(key, 1 << 30), default_plan(pick.spec).gpus)
+                if self._no_room:
+                    blocked.append(pick)
             for m in moves or ():
                 if m.new is None and m.job.running:
                     preempted.append(m.job)
@@ -140,14 +152,22 @@ class Rebalancer:
 
         def try_place() -> JobDecision | None:
             if want.placement:
-                return want if self.ledger.fits(want.placement) else None
+                if self.ledger.fits(want.placement):
+                    return want
+                # the inner policy resized it (a restart either way): its size anywhere on its type
+                spot = typed_place.place(self.ledger, j, want.plan, prefer=tuple(p.node for p in j.placement))
+                if spot is None or typed_place.type_of(self.ledger, spot) != typed_place.type_of(self.ledger, j.placement):
+                    return None
+                return JobDecision(spot, want.plan, f"{self.name}+fair-share: kept its size on {describe(spot)}, "
+                                                    f"tenant {t} below its share")
             spot = typed_place.place(self.ledger, j, want.plan, prefer=tuple(p.node for p in j.placement))
             return None if spot is None else JobDecision(
                 spot, want.plan, f"{self.name}+fair-share: {'resized to' if j.running else 'started on'} "
                                  f"{describe(spot)}, tenant {t} below its share")
 
         got = try_place()
-        donors = self._donors(now, j, decision, fixed, by_id, pos)
+        borrows = self.held[t] + gain > self.cfg.queue(t).quota
+        donors = self._donors(now, j, decision, fixed, by_id, pos, borrows)
         # on a mixed cluster, donors on one GPU type first: room freed on two types
         # does not add up for a job that runs on one
         groups = typed_place.per_type(self.ledger, j, donors,
@@ -161,10 +181,11 @@ class Rebalancer:
                 old = decision.allocations[v.job_id]
                 keep = {"undo": 0, "preempt": 0, "revert": v.gpus, "shrink": default_plan(v.spec).gpus}[kind]
                 final_u = pos(u) - (_gpus(old) - keep) / self.cfg.queue(u).weight
-                if pos(u) <= _EPS or final_u <= before + _EPS or after > pos(u) + _EPS:
-                    continue  # a donor stays above the beneficiary's old position; no overshoot
+                if pos(u) <= _EPS or final_u <= before + _EPS or \
+                        max(abs(final_u), abs(after)) >= max(pos(u), -before) - _EPS:
+                    continue  # a donor stays above the beneficiary's old position; the pair's larger gap shrinks
                 self.ledger.give(old.placement)
-                new = self._smaller(v, kind)
+                new = self._smaller(v, kind, old)
                 if keep and new is None:
                     self.ledger.take(old.placement)
                     continue
@@ -177,6 +198,7 @@ class Rebalancer:
                     break
             if got is not None:
                 break
+        self._no_room = got is None
         if got is not None:
             self.ledger.take(got.placement)
             self._apply(decision, Move(j, have, got), by_id)
@@ -191,41 +213,113 @@ class Rebalancer:
         decision.waiting.pop(j.job_id, None)
         return done
 
-    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos) -> list[tuple[JobView, str]]:
+    def _reserve(self, decision: Decision, fixed: set[str], blocked: list[JobView], pos) -> None:
+        """A waiting job of a tenant below its share found no room (whole jobs: what a
+        donor could give now was not enough): this round's starts and growths of tenants
+        above their share go back where a move could take them (the donor still ends above
+        the job's tenant; a start made room for keeps its request), on the GPU types the job
+        accepts, so the room it waits for is not handed to a stream of small jobs of a
+        tenant already at its share (kueue#534). Only while the
+        job could get room once its donors' minimum run times pass: free GPUs plus what
+        tenants above their share hold on one accepted type cover its request."""
+        for j in sorted(blocked, key=lambda j: pos(j.spec.tenant)):
+            t, types = j.spec.tenant, typed_place.accepted_types(self.ledger, j)
+            if self.held[t] >= self.ent[t] - _EPS or not self._could_fit(j, decision, fixed, types, pos):
+                continue
+            back = []
+            for jid, d in decision.allocations.items():
+                v = self.by_id[jid]
+                u = v.spec.tenant
+                if u == t or v.spec.priority > j.spec.priority or \
+                        typed_place.type_of(self.ledger, d.placement) not in types:
+                    continue
+                worst_first = tuple(-x if isinstance(x, (int, float)) else x for x in self.standing.get(jid, ()))
+                if jid in fixed:  # made room for: its request, not more
+                    if not v.running and _gpus(d) > default_plan(v.spec).gpus:
+                        back.append(((False,) + worst_first + (jid,), v))
+                elif not v.running or _gpus(d) > v.gpus:
+                    back.append(((v.running,) + worst_first + (jid,), v))
+            for _, v in sorted(back, key=lambda x: x[0]):
+                u, old = v.spec.tenant, decision.allocations[v.job_id]
+                shrink = v.job_id in fixed
+                gain = _gpus(old) - (default_plan(v.spec).gpus if shrink else v.gpus if v.running else 0)
+                if abs(self.held[u] - gain - self.ent[u]) >= abs(self.held[u] - self.ent[u]) - _EPS:
+                    continue  # as for a move: the donor is above its share and ends above the job's tenant
+                self.ledger.give(old.placement)
+                new = self._smaller(v, "shrink", old) if shrink else self._smaller(v, "revert") if v.running else None
+                if (v.running or shrink) and new is None:
+                    self.ledger.take(old.placement)
+                    continue
+                if new is not None:
+                    self.ledger.take(new.placement)
+                self._apply(decision, Move(v, old, new), self.by_id,
+                            f"waiting (fair-share): tenant {u} is at or above its share while {j.job_id} of "
+                            f"tenant {t}, below its share, waits for room")
+
+    def _could_fit(self, j: JobView, decision: Decision, fixed: set[str], types: set[str], pos) -> bool:
+        need = default_plan(j.spec).gpus
+        for ty in types:
+            room = sum(self.ledger.free_g[n.name] for n in self.ledger.nodes if typed_place.node_type(n) == ty)
+            for jid, d in decision.allocations.items():
+                v = self.by_id[jid]
+                if v.spec.tenant != j.spec.tenant and jid not in fixed and v.spec.priority <= j.spec.priority \
+                        and pos(v.spec.tenant) > _EPS and typed_place.type_of(self.ledger, d.placement) == ty:
+                    room += _gpus(d)
+            if room >= need:
+                return True
+        return False
+
+    def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos,
+                borrows: bool = False) -> list[tuple[JobView, str]]:
         """Jobs to take room from, cheapest first, of the tenants furthest above their
         share: starts this round (undo), growths of running jobs (revert), running jobs
-        above their request (shrink to it), then running jobs (preempt); a shrink or
-        preemption never inside the job's minimum run time."""
+        above their request (shrink to it: the minimum run time protects a job's request,
+        not GPUs it grew into), then running jobs (preempt, never inside the job's minimum
+        run time). When ``j`` would borrow, an
+        owner's start within its quota (claimed) is not undone: its claim comes before
+        any borrowing, so its GPUs would not be lent to ``j`` anyway."""
         prio, t = j.spec.priority, j.spec.tenant
         out = []
         for jid, d in decision.allocations.items():
             v = by_id[jid]
             u = v.spec.tenant
-            if u == t or jid in fixed or v.spec.priority > prio or pos(u) <= _EPS:
+            if u == t or v.spec.priority > prio or pos(u) <= _EPS:
                 continue
             worst_first = tuple(-x if isinstance(x, (int, float)) else x for x in self.standing.get(jid, ()))
+            if jid in fixed:  # made room for (reclaim, priority): it has a right to its request, not more
+                if not v.running and _gpus(d) > default_plan(v.spec).gpus:
+                    out.append(((2, -pos(u)) + worst_first, v, "shrink"))
+                continue
             if not v.running:
-                out.append(((0, -pos(u)) + worst_first, v, "undo"))
+                if not (borrows and jid in self.claimed):
+                    out.append(((0, -pos(u)) + worst_first, v, "undo"))
             elif _gpus(d) > v.gpus:
                 out.append(((1, -pos(u)) + worst_first, v, "revert"))
+            elif _gpus(d) > default_plan(v.spec).gpus:
+                # the minimum run time protects a job's request, not what it grew into
+                out.append(((2, -pos(u)) + worst_first, v, "shrink"))
             elif self.protected(v, now):
                 continue
-            elif _gpus(d) > default_plan(v.spec).gpus:
-                out.append(((2, -pos(u)) + worst_first, v, "shrink"))
             else:
                 out.append(((3, -pos(u), v.spec.priority, -(v.switched_at or 0.0), jid), v, "preempt"))
         out.sort(key=lambda x: x[0])
         return [(v, kind) for _, v, kind in out]
 
-    def _smaller(self, v: JobView, kind: str) -> JobDecision | None:
+    def _smaller(self, v: JobView, kind: str, old: JobDecision | None = None) -> JobDecision | None:
         """The donor's new decision (its old one given back to the ledger): None to stop it."""
         if kind == "revert":
             if self.ledger.fits(v.placement):
                 return JobDecision(v.placement, v.plan or default_plan(v.spec), "kept: growth reverted for fair share")
-            return None
-        if kind == "shrink":
-            plan = default_plan(v.spec)
+            # others were moved onto its GPUs: it restarts this round anyway (it was resized),
+            # so at the size it holds wherever that fits on its type
+            plan = v.plan or default_plan(v.spec)
             spot = typed_place.place(self.ledger, v, plan, prefer=tuple(p.node for p in v.placement))
+            if spot is None or typed_place.type_of(self.ledger, spot) != typed_place.type_of(self.ledger, v.placement):
+                return None
+            return JobDecision(spot, plan, f"{self.name}+fair-share: growth reverted, on {describe(spot)}")
+        if kind == "shrink":  # a start too: on the nodes it was given
+            plan = default_plan(v.spec)
+            spot = typed_place.place(self.ledger, v, plan, prefer=tuple(p.node for p in v.placement or old.placement))
             return None if spot is None else JobDecision(
                 spot, plan, f"{self.name}+fair-share: back to its request on {describe(spot)}, tenant above its share")
         return None

@@ -8,7 +8,9 @@
 2. Rounds: jobs are ranked by X_j / (fraction of time run so far since
    arrival) and granted their GPUs in that order, skipping jobs that do not
    fit, so that the time each job runs converges to X_j.
-Jobs keep their GPUs for a round of ``min_run_time`` (Gavel's 360 s rounds)
+Jobs keep their GPUs for a round of ``min_run_time`` (Gavel's 360 s rounds), or four
+times their restart cost when that is longer (``round_of``, as on mixed types: a
+30B model's ~530 s restore would otherwise be time-shared into never training),
 before they can be preempted. The plan and GPU count are the user's.
 Priority classes (``JobSpec.priority``) come before Gavel's own priority in the
 round order, so a lower class is what goes without GPUs first.
@@ -86,7 +88,7 @@ class Gavel(HeteroGavel):
         share = {j.job_id: x[i] for i, j in enumerate(jobs)}
         ledger = Ledger(nodes)
         d = Decision()
-        pinned = [j for j in jobs if j.running and j.switched_at is not None and now - j.switched_at < self.min_run_time]
+        pinned = [j for j in jobs if j.running and j.switched_at is not None and now - j.switched_at < self.round_of(j)]
         for j in pinned:
             if ledger.fits(j.placement):
                 ledger.take(j.placement)

@@ -59,8 +59,8 @@ def _clear_for(j: JobView, decision: Decision, ledger: Ledger, by_id: dict, must
                protected) -> None:
     """The inner policy gave a protected job's GPUs away (a type-aware policy may
     move others onto them): its new starts on those nodes wait instead (lowest
-    standing first), then running jobs moved or grown there go back to what they
-    hold, until the protected job fits where it runs."""
+    standing first), a start made room for moves elsewhere, then running jobs moved
+    or grown there go back to what they hold, until the protected job fits where it runs."""
     nodes = {p.node for p in j.placement}
 
     def on(jid):
@@ -72,6 +72,23 @@ def _clear_for(j: JobView, decision: Decision, ledger: Ledger, by_id: dict, must
             return
         ledger.give(decision.allocations.pop(k).placement)
         decision.waiting[k] = f"waiting: {j.job_id} is inside its minimum run time on these GPUs"
+    # a start made room for (reclaim, priority) may start elsewhere; the protected job cannot move
+    for k in [k for k in decision.allocations if not by_id[k].running and k in must and on(k)]:
+        if ledger.fits(j.placement):
+            return
+        d = decision.allocations[k]
+        ledger.give(d.placement)
+        spot = None
+        if ledger.fits(j.placement):
+            ledger.take(j.placement)
+            spot = _place(ledger, by_id[k], d.plan)
+            ledger.give(j.placement)
+        if spot is None:
+            ledger.take(d.placement)
+            continue
+        ledger.take(spot)
+        decision.allocations[k] = JobDecision(spot, d.plan, f"{d.reason}; moved to {describe(spot)}: "
+                                                            f"{j.job_id} is inside its minimum run time")
     # running jobs moved or grown onto them go back to what they hold; one that cannot
     # and is past its own minimum run time waits (the protected job has the right)
     for k in [k for k in decision.allocations if by_id[k].running and k not in must and on(k)]:

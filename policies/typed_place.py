@@ -57,3 +57,19 @@ def per_type(ledger: Ledger, job, cands: list, node_of=lambda v: v.placement) ->
         if on:
             out.append(on)
     return out + [cands]
+
+
+def node_type(node) -> str:
+    return _type(node)
+
+
+def type_of(ledger: Ledger, placement) -> str:
+    """The GPU type of the nodes a placement is on ("" untyped)."""
+    kind = {n.name: _type(n) for n in ledger.nodes}
+    return kind.get(placement[0].node, "") if placement else ""
+
+
+def accepted_types(ledger: Ledger, job) -> set[str]:
+    """The cluster's GPU types ``job`` may run on."""
+    accepted = tuple(getattr(job.spec, "gpu_types", ()) or ())
+    return {_type(n) for n in ledger.nodes if not accepted or _type(n) in accepted}

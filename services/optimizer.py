@@ -347,6 +347,7 @@ class Optimizer:
         for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
             held.setdefault(node, set()).update(gpus)
         node_states = capacity.node_states(nodes, held)
+        self.models.node_type = {n.name: n.gpu_type for n in node_states}  # what ran teaches the oracle per GPU type
         decision, views, t_policy = await self.policy_step.decide(records, node_states, alive)
         if _pause_requested():
             self.leadership.stop_renewing()

@@ -166,6 +166,12 @@ class ModelOracle:
         self._snap: tuple[int, dict] = (-1, {})  # (stream's last sequence, snapshot of gs_models then)
         self._stepped: dict[str, tuple] = {}
         self._progress_at: dict[str, tuple[int, float]] = {}  # job -> (generation, ts) of its last progress fed  # job -> (generation, ts, step, plan, placement)
+        self.node_type: dict[str, str] = {}  # node -> GPU type (the optimizer's node view, every round)
+
+    def _placement(self, rec: JobRecord) -> tuple[Placement, ...]:
+        """Where ``rec`` runs, typed by its nodes' GPU type: the learning oracle keeps what
+        ran per type (a V100's step time must not correct the A100 answers)."""
+        return tuple(Placement(p.node, len(p.gpus), p.cpus, self.node_type.get(p.node, "")) for p in rec.placement)
 
     async def refresh(self, records: list[JobRecord]) -> int:
         """Load parameters that changed since the last round; returns how many."""
@@ -206,7 +212,7 @@ class ModelOracle:
         kind = getattr(r.kind, "value", r.kind)
         if kind == "stepped":
             if rec.plan is not None and rec.placement and r.generation == rec.generation:
-                placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
+                placement = self._placement(rec)
                 self._stepped[rec.job_id] = (r.generation, r.ts, int(r.start_step) + 1, rec.plan, placement, rec.spec)
             return False
         if kind != "exited":
@@ -215,7 +221,7 @@ class ModelOracle:
         if mark is None or mark[0] != r.generation:
             if r.exit_code not in (0, None) and not r.stopped and is_oom(r.message) and rec.plan is not None \
                     and rec.placement and r.generation == rec.generation:
-                placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
+                placement = self._placement(rec)
                 return self.oracle.observe(rec.spec, rec.plan, placement, oom=True)
             return False
         del self._stepped[rec.job_id]

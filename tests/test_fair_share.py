@@ -183,3 +183,80 @@ def test_a_job_moved_onto_a_protected_jobs_gpus_goes_back():
     assert d.allocations["p"].placement == p.placement
     assert d.allocations["x"].placement == x.placement
     assert pol.log[-1]["preempted"] == []
+
+
+# ---------------------------------------------------------------- issue 13: two-sided shares
+def test_growth_past_the_request_is_not_protected_by_the_minimum_run_time():
+    """a1 asked for 4 GPUs and grew to 8 a minute ago: the minimum run time protects its
+    request, not the 4 it grew into, so b (below its share) gets them now; a1 keeps running."""
+    ns = nodes(2)
+    a1 = tj("a1", 4, "a", running_on=(Placement("n0", 8, 16),), since=940.0)
+    a2 = tj("a2", 8, "a", running_on=(Placement("n1", 8, 16),), since=0.0)
+    b1 = tj("b1", 4, "b", t=900.0)
+    pol = make_policy("fifo", sharing=NO_QUOTAS)
+    pol.log = []
+    d = run(pol, 1000.0, ns, [a1, a2, b1])  # entitled a 12, b 4; a holds 16
+    assert "b1" in d.allocations and sum(p.gpus for p in d.allocations["a1"].placement) == 4
+    assert "a2" in d.allocations and pol.log[-1]["preempted"] == []
+
+
+def test_a_move_may_pass_the_donor_when_it_shrinks_the_larger_gap():
+    """a (weight 2) is 2 GPUs above its share (position +1), b 6 below (-6) and its
+    waiting job needs 8: taking a3's 4 GPUs leaves a at -1 and b at +2. Every gap is
+    smaller, though b ends above where a was; the old rule (no overshoot) kept b at -6."""
+    cfg = {"queues": {"a": {"quota": 100, "weight": 2}, "b": {"quota": 100, "weight": 1}},
+           "min_run_time": 600, "starvation_wait": None}
+    ns = nodes(3)
+    a1 = tj("a1", 8, "a", running_on=(Placement("n0", 8, 16),), since=0.0)
+    a2 = tj("a2", 6, "a", running_on=(Placement("n1", 6, 12),), since=0.0)
+    a3 = tj("a3", 4, "a", running_on=(Placement("n2", 4, 8),), since=300.0)  # the newest: preempted first
+    b1 = tj("b1", 2, "b", running_on=(Placement("n1", 2, 4),), since=0.0)
+    b2 = tj("b2", 8, "b", t=900.0)
+    pol = make_policy("fifo", sharing=cfg)
+    pol.log = []
+    d = run(pol, 1000.0, ns, [a1, a2, a3, b1, b2])  # entitled a 16, b 8 of 24
+    assert [p.node for p in d.allocations["b2"].placement] == ["n2"]
+    assert [(p["job"], p["kind"]) for e in pol.log for p in e["preempted"]] == [("a3", "fair-share")]
+
+
+def test_room_a_tenant_below_its_share_waits_for_is_not_handed_to_a_tenant_above_it():
+    """b (below its share) waits for 8 GPUs; a's jobs are inside their minimum run time, so
+    only 4 can be found now. The inner policy starts a3 on the 4 free GPUs, which would take
+    a further above its share: the start goes back (reservation), so the room b2 needs
+    builds up instead of going to a stream of a's small jobs."""
+    ns = nodes(2)
+    a1 = tj("a1", 4, "a", running_on=(Placement("n0", 4, 8),), since=900.0)
+    a2 = tj("a2", 4, "a", running_on=(Placement("n0", 4, 8),), since=900.0)
+    b1 = tj("b1", 4, "b", running_on=(Placement("n1", 4, 8),), since=0.0)
+    a3 = tj("a3", 4, "a", t=950.0)
+    b2 = tj("b2", 8, "b", t=500.0)
+
+    def eager(jobs):  # keeps what runs and starts a3 on the free GPUs
+        keep = {j.job_id: JobDecision(j.placement, j.plan) for j in jobs if j.running}
+        return Decision({**keep, "a3": JobDecision((Placement("n1", 4, 8),), Plan(dp=4))},
+                        waiting={"b2": "no room"})
+
+    d = run(Shared(Scripted(eager), ShareConfig.from_dict(NO_QUOTAS)), 1000.0, ns, [a1, a2, b1, a3, b2])
+    assert "a3" not in d.allocations and "fair-share" in d.waiting["a3"]
+    assert {"a1", "a2", "b1"} <= set(d.allocations)
+
+
+def test_a_start_made_room_for_moves_off_a_protected_jobs_gpus():
+    """A type-aware inner policy put a job made room for by reclaim (m) on the GPUs of p,
+    inside its minimum run time, and dropped p: m starts on the free node instead and p
+    keeps its GPUs (seed 1 of loadtest.fairness, sia on the mixed cluster: p ran 6 s)."""
+    from policies.placement import Ledger
+    from policies.sharing import _clear_for
+
+    ns = nodes(2)
+    p = tj("p", 4, "a", running_on=(Placement("n0", 4, 8),), since=950.0)
+    q = tj("q", 4, "b", running_on=(Placement("n0", 4, 8),), since=0.0)
+    m = tj("m", 4, "a", t=900.0)
+    d = Decision({"q": JobDecision(q.placement, Plan(dp=4)), "m": JobDecision((Placement("n0", 4, 8),), Plan(dp=4))},
+                 waiting={"p": "preempted: given to m"})
+    ledger = Ledger(ns)
+    for a in d.allocations.values():
+        ledger.take(a.placement)
+    _clear_for(p, d, ledger, {j.job_id: j for j in (p, q, m)}, {"m": "reclaim"}, {}, lambda v: True)
+    assert ledger.fits(p.placement)
+    assert [x.node for x in d.allocations["m"].placement] == ["n1"] and d.allocations["q"].placement == q.placement

@@ -100,3 +100,20 @@ def test_first_progress_after_stepped_teaches_the_oracle_and_exit_refines():
                    progress_step=110)
     assert m.observe_report(rec, ex)
     assert abs(m.oracle.observed(SPEC, rec.plan, pl) - SPEC.global_batch / 4.0) < 1e-9
+
+
+def test_what_ran_on_a_typed_node_teaches_that_type_only():
+    """On a mixed cluster the optimizer's node view types each node; a step time measured
+    on V100s is kept for V100 placements, not for untyped (or A100) ones."""
+    from policies.api import Placement
+    from services.policy_bridge import ModelOracle
+
+    m = ModelOracle(None)
+    m.node_type = {"n0": "v100"}
+    rec = _rec(generation=3)
+    m.observe_report(rec, RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.STEPPED, ts=100.0,
+                                    start_step=9))
+    assert m.observe_progress("x", 3, 150.0, 35)  # 2 s/step
+    assert abs(m.oracle.observed(SPEC, rec.plan, (Placement("n0", 2, 4, "v100"),)) - SPEC.global_batch / 2.0) < 1e-9
+    assert m.oracle.observed(SPEC, rec.plan, (Placement("n0", 2, 4),)) is None
+    assert m.oracle.observed(SPEC, rec.plan, (Placement("n0", 2, 4, "a100"),)) is None

@@ -36,6 +36,19 @@ def test_checks_catch_violations():
     assert not share["pass"] and share["worst"]["tenant"] == "research"
 
 
+def test_the_share_check_is_two_sided():
+    # product (entitled 64/3) holds 24 for 8 h of contention, research the rest: product is
+    # 12.5% above its share in every window, research 6% below it; the upper side fails too
+    log = [entry(3600.0 * h, {"research": 40, "product": 24, "intern": 0},
+                 demand={"research": 64, "product": 64, "intern": 0}) for h in range(8)]
+    share, _ = f.share_check(log, CFG, 64, 8 * 3600.0)
+    assert share["min_ratio"] >= 0.9 and share["max_ratio"] > 1.1
+    assert not share["pass"] and share["above_110pct"] > 0 and share["below_90pct"] == 0
+    ok = [entry(3600.0 * h, {"research": 43, "product": 21, "intern": 0},
+                demand={"research": 64, "product": 64, "intern": 0}) for h in range(8)]
+    assert f.share_check(ok, CFG, 64, 8 * 3600.0)[0]["pass"]
+
+
 def test_small_fifo_run_keeps_quota_reclaim_and_min_run_time():
     trace = f.workload(scale=0.3)
     pol, res, _ = f.run_policy("fifo", trace, SimConfig(interval=60, restart_cost=120), f.SHARING)

@@ -128,3 +128,23 @@ def test_sia_restart_factor_keeps_a_young_job_in_place():
     old = job("o", 4, t=0, cpg=1, curve="lin", running_on=(Placement("n0", 4, 4),), since=0)
     d = run("sia", ns, [old], restart_cost=260, min_run_time=0)
     assert d.allocations["o"].plan.gpus == 8
+
+
+def test_gavel_round_is_at_least_four_restarts_on_one_gpu_type_too():
+    """A 30B model restores for minutes: Gavel's 360 s round would preempt it before it
+    trained; its round is four restarts long (as on mixed types), so at 400 s it keeps
+    its GPUs although the waiting job ran less."""
+    from msgspec.structs import replace
+
+    from bus_schema.messages import ModelSpec
+    from perfmodel.restart import restart_seconds
+
+    ns = nodes(1)
+    big = job("big", 8, t=0, running_on=(Placement("n0", 8, 16),), since=0.0, attained=8 * 400.0)
+    big.spec = replace(big.spec, model=ModelSpec(name="llama30", params=30_000, layers=60, hidden=6656, seq_len=2048))
+    assert 4 * restart_seconds(big.spec) > 400
+    small = job("small", 8, t=0)
+    d = run("gavel", ns, [big, small], now=400.0)
+    assert set(d.allocations) == {"big"}
+    d = run("gavel", ns, [big, small], now=4 * restart_seconds(big.spec) + 1)
+    assert set(d.allocations) == {"small"}
