@@ -44,9 +44,11 @@ One round:
    best-effort ones (so a guarantee waits at most ``min_run_time`` for them:
    now that a guarantee is admitted at its full request, evicting freshly
    (re)started best-effort jobs for it costs them two restarts in a window)
-   and before every other job, shortest predicted run first. One that has
-   waited ``min_run_time`` goes before them (``guarantee_wait_bound``, on:
-   jobs pinned anew at every switch kept 40-GPU guarantees out for hours).
+   and before every other job, shortest predicted run first. With
+   ``guarantee_wait_bound`` (off) one that has waited ``min_run_time`` goes
+   before them (jobs pinned anew at every switch kept 40-GPU guarantees out
+   for hours on rubick-mt; but with OOM learning it preempts best-effort jobs
+   more than twice as often in the extended regime: ``rubick_rules.py``).
    ``guarantee_evicts=True`` seeds them before pinned best-effort jobs (a
    guarantee may then evict one inside the minimum run time).
 5. Everything else: greedy by normalised marginal gain per unit of resource
@@ -90,7 +92,7 @@ class Rubick:
         start_unavoidable: bool = True,
         completion_weight: float = 0.0,
         resume_charge: bool = True,
-        guarantee_wait_bound: bool = True,
+        guarantee_wait_bound: bool = False,
         use_numba: bool = True,
     ):
         self.name = name

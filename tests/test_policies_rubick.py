@@ -76,18 +76,19 @@ def test_a_guarantee_waits_at_most_min_run_time_for_pinned_best_effort_jobs():
     """Best-effort jobs are pinned anew at every switch: a guarantee that waited for
     pinned jobs could wait for ever (rubick-mt: 40-GPU llama30 guarantees waited
     4,700 s while small jobs, each switched minutes ago, sat on every node).
-    Once it has waited min_run_time it goes before them (rubick_rules.py)."""
+    With ``guarantee_wait_bound`` (an option, off by default: rubick_rules.py says
+    why) it goes before them once it has waited min_run_time."""
     ns = nodes(1)
     perf = CurveOracle()
     be = job("be", 8, running_on=(Placement("n0", 8, 16),), since=9_990)  # switched 10 s ago
     g = job("g", 8, t=9_300, guaranteed=True)  # has waited 700 s
-    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, g], perf)
+    d = decide(make_policy("rubick", min_run_time=600, guarantee_wait_bound=True), 10_000.0, ns, [be, g], perf)
     assert "g" in d.allocations and "be" in d.waiting
-    d = decide(make_policy("rubick", min_run_time=600, guarantee_wait_bound=False), 10_000.0, ns, [be, g], perf)
+    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, g], perf)  # the default: off
     assert "be" in d.allocations and "g" in d.waiting
     # a guarantee that came 300 s ago still waits for the pinned job
     young = job("g", 8, t=9_700, guaranteed=True)
-    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [be, young], perf)
+    d = decide(make_policy("rubick", min_run_time=600, guarantee_wait_bound=True), 10_000.0, ns, [be, young], perf)
     assert "be" in d.allocations and "g" in d.waiting
 
 
