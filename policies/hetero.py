@@ -156,6 +156,8 @@ class ByType:
             tj = [j for j in jobs if assign.get(j.job_id) == t]
             if not tj:
                 continue
+            if "budget" in self._forward:
+                self.inner(t).budget = self._budget_for(t, types, jobs, assign, d)
             sub = self.inner(t).schedule(now, [n for n in nodes if n.gpu_type == t], tj, typed_oracle(perf, t))
             for jid, a in sub.allocations.items():
                 a.placement = with_type(tuple(a.placement), t)
@@ -169,6 +171,34 @@ class ByType:
                                        + ", ".join(f"{t or 'untyped'} x{sum(n.gpus_total for n in nodes if n.gpu_type == t)}"
                                                    for t in types))
         return d
+
+    def _budget_for(self, t: str, types, jobs, assign, d: Decision) -> dict[str, float] | None:
+        """Type ``t``'s part of each tenant's budget (``Rubick.budget``, set on this wrapper
+        by the sharing part), types decided in order: in proportion to the GPUs its jobs
+        sent to ``t`` and the types after it ask for, of what the types decided before left
+        it (the last type gets all that is left), so a tenant's parts add up to its budget."""
+        total = self._forward.get("budget")
+        if total is None:
+            return None
+        after = types[types.index(t):]
+        by_id = {j.job_id: j for j in jobs}
+        used: dict[str, float] = {}
+        for jid, a in d.allocations.items():
+            u = by_id[jid].spec.tenant
+            used[u] = used.get(u, 0.0) + sum(p.gpus for p in a.placement)
+        here: dict[str, float] = {}
+        rest: dict[str, float] = {}
+        for j in jobs:
+            ty = assign.get(j.job_id)
+            if ty in after:
+                rest[j.spec.tenant] = rest.get(j.spec.tenant, 0.0) + j.spec.gpus
+                if ty == t:
+                    here[j.spec.tenant] = here.get(j.spec.tenant, 0.0) + j.spec.gpus
+        out = {}
+        for u, b in total.items():
+            left = max(0.0, b - used.get(u, 0.0))
+            out[u] = left if t == types[-1] or not rest.get(u) else left * here.get(u, 0.0) / rest[u]
+        return out
 
     # ------------------------------------------------------------ choosing types
     def assign(self, now, nodes, jobs, perf, types) -> dict[str, str]:

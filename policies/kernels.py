@@ -16,6 +16,10 @@ Algorithm:
    step up its curve (any candidate with higher utility) has the best
    utility gained per unit of cost; move it there if it fits (its own
    resources are released first), else mark that candidate dead for it.
+   Optionally jobs belong to groups (``group``, -1: none) with GPU budgets
+   (``budget``): a step that would take a group's jobs past its budget is dead
+   too (the greedy only adds to a group's use, so it stays dead). Rubick's
+   groups are tenants, budgets their fair shares (``Rubick.budget``).
 Node choice for a candidate: the job's own nodes first, then nodes whose
 free capacity nobody running still holds, then best fit (tightest node), then
 lowest index. Everything is deterministic, so both implementations agree
@@ -212,9 +216,10 @@ def _hpop(hr, hj, hv, size):
 
 @njit(cache=True)
 def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-               seed_order, seed, seed_any, fixed, cap_g, cap_c):
+               seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget):
     J, K = u.shape
     N = cap_g.shape[0]
+    gused = np.zeros(budget.shape[0])
     free_g = cap_g.copy()
     free_c = cap_c.copy()
     res_g = np.zeros(N, np.int64)
@@ -268,6 +273,8 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
             # Could not seed: a pinned job loses its pin; a guaranteed job
             # cannot be admitted this round (it must not take less).
             frozen[j] = seed_any[j]
+        elif group[j] >= 0:  # a seed counts against its group's budget, never blocked by it
+            gused[group[j]] += cg[j, level[j]]
     # 2. greedy by marginal gain per cost; a lazy max-heap of (ratio, -job)
     # replaces the argmax scan (stale entries are skipped by version), with
     # the same tie-break as the reference's argmax: the lowest job index.
@@ -291,9 +298,15 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
         if v != version[j]:
             continue
         k = step[j]
-        if not _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-                         free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
+        g = group[j]
+        was = 0 if level[j] < 0 else cg[j, level[j]]
+        if g >= 0 and gused[g] - was + cg[j, k] > budget[g] + 1e-9:
+            dead[j, k] = True  # past its group's budget (the greedy only adds to a group's use)
+        elif not _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
+                           free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
             dead[j, k] = True
+        elif g >= 0:
+            gused[g] += cg[j, k] - was
         version[j] += 1
         r, step[j] = _best_step(j, level, u, cost, nk, dead)
         if step[j] >= 0 and r > 0.0:
@@ -303,8 +316,9 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
 
 # ---------------------------------------------------------------- numpy reference
 def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-                 seed_order, seed, seed_any, fixed, cap_g, cap_c):
+                 seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget):
     J, K = u.shape
+    gused = np.zeros(len(budget))
     N = cap_g.shape[0]
     free_g = cap_g.astype(np.int64).copy()
     free_c = cap_c.astype(np.int64).copy()
@@ -405,6 +419,8 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
                     break
         if not ok:
             frozen[j] = seed_any[j]
+        elif group[j] >= 0:
+            gused[group[j]] += cg[j, level[j]]
     ratio = np.full(J, -1.0)
     step = np.full(J, -1, np.int64)
     for j in range(J):
@@ -416,21 +432,33 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
         if cand[j] <= 0.0:
             break
         k = int(step[j])
-        if not try_move(j, k):
+        g = group[j]
+        was = 0 if level[j] < 0 else cg[j, level[j]]
+        if g >= 0 and gused[g] - was + cg[j, k] > budget[g] + 1e-9:
             dead[j, k] = True
+        elif not try_move(j, k):
+            dead[j, k] = True
+        elif g >= 0:
+            gused[g] += cg[j, k] - was
         ratio[j], step[j] = best_step(j)
     return level, out_nodes
 
 
 def greedy_allocate(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-                    seed_order, seed, seed_any, fixed, cap_g, cap_c, *, use_numba: bool = True):
+                    seed_order, seed, seed_any, fixed, cap_g, cap_c, group=None, budget=None, *,
+                    use_numba: bool = True):
     """Dtype-fixing front door; returns (chosen candidate per job or -1,
-    nodes per job padded with -1)."""
+    nodes per job padded with -1). ``group`` (per job, -1: none) and ``budget`` (GPUs
+    per group): the greedy never takes a group's jobs past its budget (seeds count
+    against it but are never refused); None: no groups."""
     i8, f8, b1 = np.int64, np.float64, np.bool_
+    if group is None:
+        group, budget = np.full(len(nk), -1), np.zeros(0)
     args = (
         _as(cg, i8), _as(cc, i8), _as(cm, i8), _as(u, f8), _as(cost, f8), _as(nk, i8), _as(stay, i8),
         _as(hold_ptr, i8), _as(hold_node, i8), _as(hold_g, i8), _as(hold_c, i8),
         _as(seed_order, i8), _as(seed, i8), _as(seed_any, b1), _as(fixed, b1), _as(cap_g, i8), _as(cap_c, i8),
+        _as(group, i8), _as(budget, f8),
     )
     if use_numba:
         return _greedy_nb(*args)

@@ -114,6 +114,9 @@ class Rubick:
         self._fallback = AnalyticOracle()
         self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
         self.last_stats: dict = {}
+        # tenant -> the most GPUs its jobs may hold this round (the sharing part's fair
+        # shares, ``Shared``): the greedy plans within each tenant's share; None: no budgets
+        self.budget: dict[str, float] | None = None
 
     # ---------------------------------------------------------------- helpers
     def _space(self, nodes: list[NodeState]) -> CandidateSpace:
@@ -156,7 +159,13 @@ class Rubick:
 
     def build_problem(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Problem:
         """The round as arrays: candidates, utilities, costs, holdings, seeds (``rubick_problem.py``)."""
-        return self.problems.build(self, now, nodes, jobs, perf or self._fallback, self._space(nodes))
+        pb = self.problems.build(self, now, nodes, jobs, perf or self._fallback, self._space(nodes))
+        if self.budget is not None:
+            tenants = sorted(self.budget)
+            ix = {t: i for i, t in enumerate(tenants)}
+            pb.group = np.array([ix.get(j.spec.tenant, -1) for j in jobs], np.int64)
+            pb.budget = np.array([self.budget[t] for t in tenants], float)
+        return pb
 
     # ---------------------------------------------------------------- output
     def _decide(self, jobs, nodes, pb: Problem, level, out_nodes, now=0.0) -> Decision:

@@ -389,11 +389,14 @@ class Problem:
     guaranteed: np.ndarray | None = None
     running: np.ndarray | None = None
     nrows: np.ndarray | None = None  # candidates per job before "stay"
+    group: np.ndarray | None = None  # per job: its budget group (-1: none); None: no budgets
+    budget: np.ndarray | None = None  # GPUs per group
 
     def kernel_args(self) -> tuple:
         return (
             self.cg, self.cc, self.cm, self.u, self.cost, self.nk, self.stay, self.hold_ptr, self.hold_node,
             self.hold_g, self.hold_c, self.seed_order, self.seed, self.seed_any, self.pinned, self.cap_g, self.cap_c,
+            self.group, self.budget,
         )
 
     def objective(self, level: np.ndarray) -> float:

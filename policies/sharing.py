@@ -39,7 +39,7 @@ from .fairshare import Rebalancer
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
 from . import typed_place
 from .placement import Ledger, describe
-from .queues import FairShare, QuotaBook, ShareConfig
+from .queues import FairShare, QuotaBook, ShareConfig, fair_entitlement
 
 
 @dataclass(slots=True)
@@ -258,6 +258,7 @@ class Shared:
         view = [j for j in order if j.running and j.job_id not in gone] + [
             dc_replace(j, placement=spots[j.job_id], plan=default_plan(j.spec)) if j.job_id in spots else j
             for j in visible]
+        self._budget(nodes, jobs)
         decision = self.inner.schedule(now, nodes, view, perf)
         self._repair(now, nodes, jobs, decision, must, gone, claimed)
         # each tenant's weighted max-min share, imposed on whatever the inner policy chose
@@ -275,6 +276,21 @@ class Shared:
                                               f"quota {q.quota} + what cohort {q.cohort or '-'} lends now")
         self._record(now, jobs, decision, victims, owed)
         return decision
+
+    def _budget(self, nodes: list[NodeState], jobs: list[JobView]) -> None:
+        """An inner policy that plans within budgets (rubick: ``Rubick.budget``) is told
+        each tenant's share before it decides: its entitlement (what ``rebalance`` will
+        impose) plus the GPUs no tenant is entitled to now (demand below the cluster),
+        so it does not give a tenant at its share what the rebalance takes back."""
+        if not hasattr(self.inner, "budget"):
+            return
+        demand: dict[str, int] = {}
+        for j in jobs:
+            demand[j.spec.tenant] = demand.get(j.spec.tenant, 0) + j.spec.gpus
+        capacity = sum(n.gpus_total for n in nodes)
+        ent = fair_entitlement(self.cfg, demand, capacity)
+        spare = max(0.0, capacity - sum(ent.values()))
+        self.inner.budget = {t: e + spare for t, e in ent.items()}
 
     @staticmethod
     def _tenant(jobs: list[JobView], jid: str) -> str:

@@ -315,3 +315,17 @@ def test_type_blind_policies_still_respect_accepted_types_and_one_type_per_job()
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_rubick_budget_is_split_across_types_so_the_parts_add_up():
+    # one instance per type, each told its part of a tenant's budget (the sharing part's
+    # share): with 2 GPUs for tenant x, the two types together give x at most 2, not 2 each
+    pol = make_policy("rubick", min_run_time=0)
+    pol.budget = {"x": 2.0}
+    jobs = [JobView(j.job_id, j.spec.__class__(**{**{f: getattr(j.spec, f) for f in j.spec.__struct_fields__},
+                                                  "tenant": "x"}), j.submitted_at) for j in views()]
+    d = pol.schedule(10.0, two_types(), jobs, SpeedOracle())
+    assert sum(p.gpus for a in d.allocations.values() for p in a.placement) == 2
+    assert len(d.allocations) == 2  # one GPU each: both still run
+    unbudgeted = make_policy("rubick", min_run_time=0).schedule(10.0, two_types(), jobs, SpeedOracle())
+    assert sum(p.gpus for a in unbudgeted.allocations.values() for p in a.placement) == 3

@@ -212,3 +212,28 @@ def test_every_policy_with_sharing_emits_valid_decisions_and_keeps_quotas(name):
             assert QuotaBook(share, held).over_limit() == [], (held, inst)
             apply(d, jobs, now)
             now += 700.0
+
+
+def test_rubick_plans_within_each_tenants_share_before_the_rebalance():
+    # a's job runs on 1 GPU (its request); b asks for 8. Shares: a 1, b 7. Rubick alone
+    # would grow a's job to 4 and start b's smaller, the rebalance would then take it all
+    # back (restarts for nothing); told the shares first (Rubick.budget), its own
+    # decision already is the final one.
+    pol = make_policy("rubick", sharing=COHORT, min_run_time=600)
+    inner = pol.inner
+    seen = {}
+    orig = inner.schedule
+
+    def spy(now, ns, jobs, perf):
+        d = orig(now, ns, jobs, perf)
+        seen.update({k: sum(p.gpus for p in v.placement) for k, v in d.allocations.items()})
+        return d
+
+    inner.schedule = spy
+    jobs = [tj("a1", 1, "a", running_on=(Placement("n0", 1, 2),), since=0.0), tj("b1", 4, "b", t=1.0),
+            tj("b2", 4, "b", t=2.0)]
+    d = run(pol, 5000.0, nodes(1), jobs)
+    assert inner.budget == {"a": 1.0, "b": 7.0}
+    final = {k: sum(p.gpus for p in v.placement) for k, v in d.allocations.items()}
+    assert seen["a1"] == 1 and final == seen
+    assert sum(g for k, g in final.items() if k.startswith("b")) <= 7
