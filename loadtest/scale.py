@@ -22,8 +22,14 @@ GPUs, and waits for every one to finish. Reports:
   fleet's own event loop (all agents share one process: a beat queued behind
   others is late) and this process's (``scale_loop_lag_p99_ms``);
 - peak RSS per process (psutil);
-- lost jobs: acknowledged but not completed when the run ends; and the
+- lost jobs: acknowledged but not listed when the run ends; and the
   count ``gearshift get jobs --all -o json`` pages through;
+- the drain: after the submits it waits for every job while jobs keep
+  finishing (``--drain-timeout`` in all, ended early once none finished for
+  ``--stall-timeout``: stuck jobs end the wait, slow ones do not), with the
+  count left every 15 s (``drain``); what the jobs still unfinished were doing
+  (``unfinished_detail``), and what the last 5 % to finish were made of
+  (``tail``: run time, restarts, ended on fewer GPUs than asked);
 - ``highest_sustained_rate``: after the run, short bursts (``--probe-seconds``)
   at other rates, and the highest one sustained with submit p99 <= 50 ms. By
   default (``--probe-rates auto``) it doubles the rate while that holds (up to
@@ -74,6 +80,14 @@ from services.views import NodesView
 
 from .optimality_gap import BATCH, MODELS
 
+# The policy's own time constants are kept (rubick's: a 260 s restart, a 600 s
+# minimum run time), though the jobs here last 20-60 s: a job started on 1 of its 8
+# GPUs in the submit burst is then never regrown (a switch is never worth 260 s), so
+# the run ends with a tail of jobs at a fraction of their GPUs (``tail``), which the
+# drain waits out while they keep finishing. Scaled down ({"restart_cost": 2,
+# "min_run_time": 20}) rubick regrows them, but at 2,000 nodes it then reconfigures
+# thousands of jobs again and again (26 restarts per job in the last 5%), and the
+# switches, not the jobs, set the pace: 4,624 of 20,000 still unfinished after 900 s.
 FLOORS = {"submit_p99_ms": 50.0, "round_p99_ms": 2000.0, "round_live_jobs": 5000, "heartbeat_lag_p99_s": 1.0}
 
 
@@ -241,6 +255,25 @@ class Run:
     async def _on_beat(self, msg: Any) -> None:
         self.hb_lag.append(time.time() - codec.decode(msg.data, _Stamp).ts)
 
+    async def drain(self, timeout: float, stall: float, clock=time.monotonic, sleep=asyncio.sleep) -> dict:
+        """Wait until every acknowledged job has finished, while jobs keep finishing:
+        stop after ``timeout`` seconds in all, or once none finished for ``stall``
+        seconds (stuck jobs, not slow ones, end the wait early). Reports the
+        remaining count every 15 s, so a slow tail and a stuck one look different."""
+        t0 = clock()
+        last_done, last_t, series = -1, t0, []
+        while True:
+            left = len(set(self.sent) - self.finished)
+            now = clock()
+            if not series or now - t0 >= 15 * len(series):
+                series.append([r(now - t0), left])
+            if left != last_done:
+                last_done, last_t = left, now
+            if left == 0 or now - t0 >= timeout or now - last_t >= stall:
+                why = "all finished" if left == 0 else ("timeout" if now - t0 >= timeout else "stalled")
+                return {"seconds": r(now - t0), "left": left, "ended_by": why, "left_every_15s": series}
+            await sleep(1.0)
+
     async def _watch_loop(self, every: float = 0.05) -> None:
         """How late this process's event loop wakes up: a late loop delays
         both the replies and the heartbeats it times."""
@@ -337,6 +370,7 @@ class Run:
             procs.start("admission", ["services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
                         self.workdir / "admission.log")
             procs.start("optimizer", ["services.optimizer", "--policy", a.policy, "--interval", str(a.interval),
+                                      *(["--policy-options", a.policy_options] if a.policy_options else []),
                                       "--node-timeout", str(a.node_timeout), "--archive-after", "10"], env,
                         self.workdir / "optimizer.log")
             procs.start("fleet", ["loadtest.fleet", "--nodes", str(self.nodes), "--gpus-per-node", str(a.gpus_per_node),
@@ -390,16 +424,12 @@ class Run:
                 **{n: round((cpu1[n] - cpu0[n]) / dt, 2) for n in sorted(cpu1) if n in cpu0},
                 "machine": round(busy / dt, 2), "machine_cores": psutil.cpu_count()}
             # every acknowledged job must finish
-            deadline = time.monotonic() + a.drain_timeout
-            while not set(self.sent) <= self.finished and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
+            out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])
             if probes:
                 out["probes"] = probes
-                deadline = time.monotonic() + a.probe_drain_timeout  # probe jobs run 1-3 s
-                while not set(self.sent) <= self.finished and time.monotonic() < deadline:
-                    await asyncio.sleep(1.0)
+                out["probe_drain"] = await self.drain(a.probe_drain_timeout, a.stall_timeout)  # probe jobs run 1-3 s
             for s in subs:
                 await s.unsubscribe()
             # what an operator sees: the CLI pages through every job
@@ -413,6 +443,8 @@ class Run:
             lost = [j for j in self.sent if j not in states]  # acknowledged, and gone
             unfinished = [j for j in self.sent if states.get(j) in ("pending", "scheduled", "running", "cancelling")]
             failed = [j for j in self.sent if states.get(j) in ("failed", "cancelled")]
+            out["unfinished_detail"] = unfinished_detail([j for j in listed if j["job_id"] in set(unfinished)])
+            out["tail"] = tail_detail([j for j in listed if j["job_id"] in self.sent])
             rounds = [d for d, _ in self.rounds]
             big = [d for d, live in self.rounds if live >= FLOORS["round_live_jobs"]]
             out |= {
@@ -458,6 +490,51 @@ class Run:
             server.stop()
 
 
+def unfinished_detail(rows: list[dict]) -> dict:
+    """What the jobs still unfinished at the end were doing: by state, whether they
+    ever ran, how far they got, how many GPUs their current plan has against the
+    request, and a sample of their reasons."""
+    def frac(j: dict) -> float:
+        return (j.get("steps_done") or 0) / max(1, j["spec"]["steps"])
+
+    by_state: dict[str, int] = {}
+    for j in rows:
+        by_state[j["state"]] = by_state.get(j["state"], 0) + 1
+    fracs = sorted(frac(j) for j in rows)
+    shrunk = [j for j in rows if j.get("plan") and plan_gpus(j["plan"]) < j["spec"]["gpus"]]
+    return {"count": len(rows), "by_state": by_state,
+            "never_started": sum(1 for j in rows if not j.get("started_at")),
+            "draining": sum(1 for j in rows if j.get("draining")),
+            "progress_p50": r(pct(fracs, 50), 3) if fracs else None,
+            "on_fewer_gpus_than_asked": len(shrunk),
+            "reasons": sorted({(j.get("reason") or "")[:120] for j in rows})[:5]}
+
+
+def tail_detail(rows: list[dict], share: float = 0.05) -> dict:
+    """The last ``share`` of jobs to finish, against all finished: time from
+    start to finish, restarts, and how many ended on fewer GPUs than they asked
+    for (the emulated speed is proportional to the plan's GPUs, so a job shrunk
+    to 1 of 8 GPUs runs 8x longer): what a slow tail is made of."""
+    done = sorted((j for j in rows if j.get("finished_at") and j.get("started_at")), key=lambda j: j["finished_at"])
+    if not done:
+        return {}
+    last = done[-max(1, int(len(done) * share)):]
+
+    def summary(js: list[dict]) -> dict:
+        run = sorted(j["finished_at"] - j["started_at"] for j in js)
+        wait = sorted(j["started_at"] - j["submitted_at"] for j in js)
+        fewer = sum(1 for j in js if j.get("plan") and plan_gpus(j["plan"]) < j["spec"]["gpus"])
+        return {"jobs": len(js), "run_s_p50": r(pct(run, 50)), "run_s_p99": r(pct(run, 99)),
+                "wait_s_p50": r(pct(wait, 50)), "restarts_mean": r(sum(j.get("restarts", 0) for j in js) / len(js), 2),
+                "ended_on_fewer_gpus_share": r(fewer / len(js), 3)}
+
+    return {"all_finished": summary(done), f"last_{int(share * 100)}pct": summary(last)}
+
+
+def plan_gpus(plan: dict) -> int:
+    return int(plan.get("dp", 1)) * int(plan.get("tp", 1)) * int(plan.get("pp", 1))
+
+
 def growth_row(x: dict) -> dict:
     """One size's headline numbers, for the table of growth with size."""
     rd = x.get("round") or {}
@@ -478,16 +555,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=200.0, help="submits per second, open loop")
     ap.add_argument("--policy", default="rubick")
     ap.add_argument("--job-seconds", type=float, default=40.0, help="mean run time of a job at its requested GPUs")
+    ap.add_argument("--policy-options", default="",
+                    help="the optimizer's --policy-options (JSON), e.g. {\"restart_cost\": 2}; default: none")
     ap.add_argument("--heartbeat", type=float, default=2.0, help="agents' heartbeat interval")
     ap.add_argument("--node-timeout", type=float, default=20.0)
     ap.add_argument("--interval", type=float, default=1.0, help="optimizer timer rounds")
     ap.add_argument("--probe-rates", default="auto",
                     help="rates to try after the run: auto (double / halve from --rate), a comma list, or none")
     ap.add_argument("--probe-max", type=float, default=1000.0, help="highest rate auto probing tries")
-    ap.add_argument("--probe-drain-timeout", type=float, default=90.0, help="seconds to wait for the probes' jobs")
+    ap.add_argument("--probe-drain-timeout", type=float, default=300.0,
+                    help="at most this many seconds to wait for the probes' jobs (while they keep finishing)")
     ap.add_argument("--probe-seconds", type=float, default=3.0)
     ap.add_argument("--lag-sample", type=int, default=200, help="nodes whose heartbeats are timed")
-    ap.add_argument("--drain-timeout", type=float, default=240.0, help="seconds to wait for the last jobs")
+    ap.add_argument("--drain-timeout", type=float, default=900.0,
+                    help="at most this many seconds to wait for the last jobs (while they keep finishing)")
+    ap.add_argument("--stall-timeout", type=float, default=60.0,
+                    help="stop waiting once no job finished for this many seconds")
     ap.add_argument("--start-timeout", type=float, default=240.0)
     ap.add_argument("--log-level", default="WARNING", help="services' log level")
     ap.add_argument("--seed", type=int, default=1)

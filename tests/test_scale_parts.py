@@ -57,3 +57,58 @@ def test_the_admissions_own_time_is_read_from_two_scrapes_of_its_histogram():
     assert got == {"count": 100, "share_within_floor": 0.9, "p99_at_most_ms": 500.0}
     assert handling_summary({}, {}, 0.05) is None  # no metrics announced
     assert handling_summary(after, after, 0.05) == {"count": 0}
+
+
+class _Clock:
+    """An injected clock: each sleep advances it, and ``finish`` says which jobs
+    end by when."""
+
+    def __init__(self, run: Run, finish: dict[str, float]):
+        self.t, self.run, self.finish = 0.0, run, finish
+
+    def __call__(self) -> float:
+        return self.t
+
+    async def sleep(self, dt: float) -> None:
+        self.t += dt
+        self.run.finished |= {j for j, at in self.finish.items() if at <= self.t}
+
+
+def _drain(finish: dict[str, float], timeout: float, stall: float) -> dict:
+    import asyncio
+
+    run = Run(parse(["--nodes", "10", "--jobs", "3"]), 10, None)
+    run.sent = {j: 0.0 for j in finish}
+    clock = _Clock(run, finish)
+    return asyncio.run(run.drain(timeout, stall, clock=clock, sleep=clock.sleep))
+
+
+def test_the_drain_waits_out_a_slow_tail_while_jobs_keep_finishing():
+    # one job every 40 s, past a stall limit of 60 s in all: the wait goes on
+    got = _drain({"a": 40.0, "b": 80.0, "c": 120.0}, timeout=900.0, stall=60.0)
+    assert got["ended_by"] == "all finished" and got["left"] == 0 and 120.0 <= got["seconds"] <= 121.0
+    assert got["left_every_15s"][0] == [0.0, 3]
+
+
+def test_the_drain_ends_early_on_a_stuck_job_and_at_its_timeout():
+    stuck = _drain({"a": 10.0, "b": float("inf")}, timeout=900.0, stall=60.0)
+    assert stuck["ended_by"] == "stalled" and stuck["left"] == 1 and stuck["seconds"] <= 75.0
+    slow = _drain({"a": 50.0, "b": 100.0, "c": 150.0}, timeout=120.0, stall=60.0)
+    assert slow["ended_by"] == "timeout" and slow["left"] == 1
+
+
+def test_what_unfinished_and_tail_jobs_were_doing():
+    from loadtest.scale import tail_detail, unfinished_detail
+
+    spec = {"steps": 100, "gpus": 8}
+    rows = [{"job_id": "a", "state": "running", "spec": spec, "steps_done": 50, "started_at": 1.0,
+             "plan": {"dp": 2}, "reason": "rubick: kept"},
+            {"job_id": "b", "state": "pending", "spec": spec, "steps_done": 0, "plan": None, "reason": "waiting"}]
+    u = unfinished_detail(rows)
+    assert u["by_state"] == {"running": 1, "pending": 1} and u["never_started"] == 1
+    assert u["on_fewer_gpus_than_asked"] == 1 and u["progress_p50"] is not None
+    done = [{"job_id": str(i), "spec": spec, "submitted_at": 0.0, "started_at": 1.0, "finished_at": 10.0 + i,
+             "restarts": 0, "plan": {"dp": 8 if i < 95 else 1}} for i in range(100)]
+    t = tail_detail(done)
+    assert t["last_5pct"]["jobs"] == 5 and t["last_5pct"]["ended_on_fewer_gpus_share"] == 1.0
+    assert t["all_finished"]["ended_on_fewer_gpus_share"] == 0.05
