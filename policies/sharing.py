@@ -262,6 +262,7 @@ class Shared:
         decision = self.inner.schedule(now, nodes, view, perf)
         self._repair(now, nodes, jobs, decision, must, gone, claimed)
         # each tenant's weighted max-min share, imposed on whatever the inner policy chose
+        self.fairness.perf = perf
         unfair, self.entitled = self.fairness.rebalance(now, nodes, jobs, decision, set(must), claimed, gone)
         for v in victims:
             decision.allocations.pop(v.job.job_id, None)
