@@ -20,11 +20,13 @@
 3. **admission filter**: the inner policy sees running jobs (minus the
    victims) and only the pending jobs their tenant's quota (+ what the cohort
    may lend) admits; owners' demand within quota is claimed before anything
-   is lent;
+   is lent; a job past its tenant's borrowing room only because the tenant's
+   running jobs hold GPUs past their requests is admitted against that growth;
 4. checks the inner decision: a job made room for is placed if the inner
    policy did not; a job inside its minimum run time that the inner policy
    dropped is kept where it fits; a cohort never borrows more than it lends
-   (newest starts of the over-borrowing tenant are undone).
+   (the over-borrowing tenant's running jobs kept past their requests go back
+   to them first, then its newest starts are undone).
 
 Everything is a function of the job views and ``now``, so the optimizer and
 the simulator decide the same way. ``log`` (off by default) records rounds
@@ -107,6 +109,43 @@ def _clear_for(j: JobView, decision: Decision, ledger: Ledger, by_id: dict, must
             decision.waiting[k] = f"preempted: {j.job_id} is inside its minimum run time on these GPUs"
         else:
             ledger.take(d.placement)
+
+
+def _borrow_over_growth(book: QuotaBook, t: str, gpus: int, growth: dict[str, int]) -> bool:
+    """A waiting job past what its tenant may borrow only because the tenant's running jobs
+    hold GPUs past their requests is admitted against that growth (``_shrink_growth`` takes
+    it back if the inner policy keeps it): growth never keeps the tenant's own request out."""
+    g = growth.get(t, 0)
+    if g <= 0:
+        return False
+    book.add(t, -g)
+    ok = book.borrow(t, gpus)
+    book.add(t, g)
+    if ok:
+        growth[t] = max(0, g - gpus)
+    return ok
+
+
+def _shrink_growth(t: str, decision: Decision, ledger: Ledger, book: QuotaBook, by_id: dict, must: dict) -> None:
+    """Tenant ``t`` would borrow more than its cohort lends: its running jobs kept past their
+    requests go back to their requests (largest growth first; the minimum run time protects
+    a request, not growth) before any of its starts is undone."""
+    grown = [(sum(p.gpus for p in d.placement) - by_id[k].spec.gpus, k) for k, d in decision.allocations.items()
+             if by_id[k].running and by_id[k].spec.tenant == t and k not in must]
+    for extra, jid in sorted(grown, key=lambda x: (-x[0], x[1])):
+        if extra <= 0 or t not in book.over_limit():
+            continue
+        j, d = by_id[jid], decision.allocations[jid]
+        plan = default_plan(j.spec)
+        ledger.give(d.placement)
+        spot = _place(ledger, j, plan)
+        if spot is None:
+            ledger.take(d.placement)
+            continue
+        ledger.take(spot)
+        decision.allocations[jid] = JobDecision(spot, plan, f"back to its request on {describe(spot)}: tenant {t} "
+                                                            "would borrow more than its cohort lends")
+        book.add(t, -extra)
 
 
 class Shared:
@@ -221,8 +260,12 @@ class Shared:
         pending = [j for j in order if not j.running]
         # owners' demand within quota is claimed first; then borrowing, in standing order
         claimed = {j.job_id for j in pending if book.claim(j.spec.tenant, j.spec.gpus)}
+        growth: dict[str, int] = {}  # GPUs running jobs hold past their requests, per tenant
+        for v in holding.values():
+            growth[v.spec.tenant] = growth.get(v.spec.tenant, 0) + max(0, v.gpus - v.spec.gpus)
         for j in pending:
-            if j.job_id not in claimed and not book.borrow(j.spec.tenant, j.spec.gpus):
+            if j.job_id not in claimed and not book.borrow(j.spec.tenant, j.spec.gpus) \
+                    and not _borrow_over_growth(book, j.spec.tenant, j.spec.gpus, growth):
                 # over quota: only its own tenant's lower classes may make room (Kueue's withinClusterQueue)
                 taken = self._make_room(now, j, "priority-own", ledger, book, holding)
                 if not taken:
@@ -343,6 +386,7 @@ class Shared:
                 held[t] = held.get(t, 0) + by_id[jid].spec.gpus
         book = QuotaBook(self.cfg, held)
         for t in book.over_limit():
+            _shrink_growth(t, decision, ledger, book, by_id, must)
             starts = [jid for jid in decision.allocations if not by_id[jid].running and by_id[jid].spec.tenant == t]
             starts.sort(key=lambda jid: self.standing.get(jid, ()) + (by_id[jid].submitted_at, jid), reverse=True)
             for jid in starts:
