@@ -23,6 +23,11 @@ tenant's entitlement:
   old position) and without leaving the beneficiary better placed than the
   donor was (no overshoot): each move raises the lowest position, so moves
   cannot undo each other round after round;
+- *speed*: a lift the performance model predicts to run the job slower than
+  what the inner policy gave it (fewer GPUs, e.g. on one node instead of two:
+  ``slower``) goes after the tenant's other jobs, and is made only if the
+  tenant is still below its share then: its GPUs go to work first, and the
+  inner policy is not made to pack the job again next round (a restart each way);
 - a move never takes a tenant past its quota plus what its cohort lends
   (``QuotaBook.over_limit``), so quota and borrowing rules still hold;
 - *reservation*: a waiting job of a tenant below its share that found no room
@@ -62,12 +67,28 @@ def _gpus(d: JobDecision | None) -> int:
     return sum(p.gpus for p in d.placement) if d is not None else 0
 
 
+def slower(perf, j: JobView, got: JobDecision, have: JobDecision) -> bool:
+    """The performance model (None: no opinion) predicts ``j`` slower on ``got`` (a lift to
+    more GPUs) than on ``have`` (what the inner policy gave it): more GPUs for less work, as
+    a data-parallel job spread over nodes can be, which the inner policy would pack again
+    next round (a restart each way)."""
+    if perf is None:
+        return False
+    try:
+        return perf.throughput(j, got.plan, got.placement) < perf.throughput(j, have.plan, have.placement) * (1 - 1e-9)
+    except Exception:  # an oracle that cannot answer for a shape: no opinion
+        return False
+
+
 class Rebalancer:
     def __init__(self, cfg: ShareConfig, name: str, protected, standing: dict[str, tuple]):
         self.cfg = cfg
         self.name = name
         self.protected = protected  # (job, now) -> inside its minimum run time
         self.standing = standing
+        self.perf = None  # the round's performance oracle (``Shared`` sets it), None: not consulted
+        self._was_slower = False
+        self._last: set[str] = set()
 
     def rebalance(self, now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision,
                   fixed: set[str], claimed: set[str], skip: set[str] = frozenset()) -> tuple[list[JobView], dict[str, float]]:
@@ -98,6 +119,7 @@ class Rebalancer:
         no_room: dict[tuple[str, int], int] = {}
         preempted: list[JobView] = []
         blocked: list[JobView] = []  # waiting jobs of tenants below their share that found no room
+        self._last = set()  # jobs whose lift would slow them: tried again after the tenant's others, then made
         while True:
             short = sorted((t for t in demand if self.held[t] < ent[t] - _EPS), key=pos)
             pick = None
@@ -116,7 +138,10 @@ class Rebalancer:
                 self._reserve(decision, fixed, blocked, pos)
                 return preempted, ent
             moves = self._lift(now, pick, decision, fixed, by_id, pos)
-            if moves is None and not pick.running:
+            if self._was_slower:  # a lift that would slow its job goes after the tenant's other jobs
+                self._last.add(pick.job_id)
+                queue[pick.spec.tenant].append(pick)
+            elif moves is None and not pick.running:
                 key = (pick.spec.tenant, pick.spec.priority)
                 no_room[key] = min(no_room.get(key, 1 << 30), default_plan(pick.spec).gpus)
                 if self._no_room:
@@ -142,6 +167,7 @@ class Rebalancer:
         t = j.spec.tenant
         want = self._want(j, decision)
         have = decision.allocations.get(j.job_id)
+        slow: list[JobDecision] = []  # room found, but predicted slower than ``have``
         gain = want.plan.gpus - _gpus(have)
         before = pos(t)
         w_t = self.cfg.queue(t).weight
@@ -151,6 +177,14 @@ class Rebalancer:
         done: list[Move] = []
 
         def try_place() -> JobDecision | None:
+            got = _try_place()
+            if got is not None and have is not None and _gpus(have) and j.job_id not in self._last \
+                    and slower(self.perf, j, got, have):
+                slow.append(got)
+                return None
+            return got
+
+        def _try_place() -> JobDecision | None:
             if want.placement:
                 if self.ledger.fits(want.placement):
                     return want
@@ -198,7 +232,8 @@ class Rebalancer:
                     break
             if got is not None:
                 break
-        self._no_room = got is None
+        self._was_slower = got is None and bool(slow)
+        self._no_room = got is None and not slow
         if got is not None:
             self.ledger.take(got.placement)
             self._apply(decision, Move(j, have, got), by_id)

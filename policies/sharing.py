@@ -20,11 +20,15 @@
 3. **admission filter**: the inner policy sees running jobs (minus the
    victims) and only the pending jobs their tenant's quota (+ what the cohort
    may lend) admits; owners' demand within quota is claimed before anything
-   is lent;
+   is lent; for an inner policy that plans within budgets (rubick), a job past
+   its tenant's borrowing room only because the tenant's running jobs hold GPUs
+   past their requests is admitted against that growth;
 4. checks the inner decision: a job made room for is placed if the inner
    policy did not; a job inside its minimum run time that the inner policy
    dropped is kept where it fits; a cohort never borrows more than it lends
-   (newest starts of the over-borrowing tenant are undone).
+   (when it starts a job admitted against its growth, the over-borrowing
+   tenant's running jobs kept past their requests go back to them first; then
+   its newest starts are undone).
 
 Everything is a function of the job views and ``now``, so the optimizer and
 the simulator decide the same way. ``log`` (off by default) records rounds
@@ -107,6 +111,47 @@ def _clear_for(j: JobView, decision: Decision, ledger: Ledger, by_id: dict, must
             decision.waiting[k] = f"preempted: {j.job_id} is inside its minimum run time on these GPUs"
         else:
             ledger.take(d.placement)
+
+
+def _borrow_over_growth(book: QuotaBook, j: JobView, growth: dict[str, int], credited: set[str]) -> bool:
+    """A waiting job past what its tenant may borrow only because the tenant's running jobs
+    hold GPUs past their requests is admitted against that growth (``_shrink_growth`` takes
+    it back if the inner policy starts the job and keeps the growth): growth never keeps
+    the tenant's own request out."""
+    t, gpus = j.spec.tenant, j.spec.gpus
+    g = growth.get(t, 0)
+    if g <= 0:
+        return False
+    book.add(t, -g)
+    ok = book.borrow(t, gpus)
+    book.add(t, g)
+    if ok:
+        growth[t] = max(0, g - gpus)
+        credited.add(j.job_id)
+    return ok
+
+
+def _shrink_growth(t: str, decision: Decision, ledger: Ledger, book: QuotaBook, by_id: dict, must: dict) -> None:
+    """Tenant ``t`` would borrow more than its cohort lends and starts a job admitted against
+    its growth (``_borrow_over_growth``): its running jobs kept past their requests go back
+    to their requests (largest growth first; the minimum run time protects
+    a request, not growth) before any of its starts is undone."""
+    grown = [(sum(p.gpus for p in d.placement) - by_id[k].spec.gpus, k) for k, d in decision.allocations.items()
+             if by_id[k].running and by_id[k].spec.tenant == t and k not in must]
+    for extra, jid in sorted(grown, key=lambda x: (-x[0], x[1])):
+        if extra <= 0 or t not in book.over_limit():
+            continue
+        j, d = by_id[jid], decision.allocations[jid]
+        plan = default_plan(j.spec)
+        ledger.give(d.placement)
+        spot = _place(ledger, j, plan)
+        if spot is None:
+            ledger.take(d.placement)
+            continue
+        ledger.take(spot)
+        decision.allocations[jid] = JobDecision(spot, plan, f"back to its request on {describe(spot)}: tenant {t} "
+                                                            "would borrow more than its cohort lends")
+        book.add(t, -extra)
 
 
 class Shared:
@@ -221,8 +266,16 @@ class Shared:
         pending = [j for j in order if not j.running]
         # owners' demand within quota is claimed first; then borrowing, in standing order
         claimed = {j.job_id for j in pending if book.claim(j.spec.tenant, j.spec.gpus)}
+        # GPUs running jobs hold past their requests, per tenant: an inner policy that plans
+        # within budgets (``_budget``) trades that growth for the tenant's waiting job itself;
+        # others are not shown such a job (the repair would restart the grown jobs instead)
+        growth: dict[str, int] = {}
+        credited: set[str] = set()  # jobs admitted against that growth
+        for v in holding.values() if hasattr(self.inner, "budget") else ():
+            growth[v.spec.tenant] = growth.get(v.spec.tenant, 0) + max(0, v.gpus - v.spec.gpus)
         for j in pending:
-            if j.job_id not in claimed and not book.borrow(j.spec.tenant, j.spec.gpus):
+            if j.job_id not in claimed and not book.borrow(j.spec.tenant, j.spec.gpus) \
+                    and not _borrow_over_growth(book, j, growth, credited):
                 # over quota: only its own tenant's lower classes may make room (Kueue's withinClusterQueue)
                 taken = self._make_room(now, j, "priority-own", ledger, book, holding)
                 if not taken:
@@ -260,8 +313,9 @@ class Shared:
             for j in visible]
         self._budget(nodes, jobs)
         decision = self.inner.schedule(now, nodes, view, perf)
-        self._repair(now, nodes, jobs, decision, must, gone, claimed)
+        self._repair(now, nodes, jobs, decision, must, gone, claimed, credited)
         # each tenant's weighted max-min share, imposed on whatever the inner policy chose
+        self.fairness.perf = perf
         unfair, self.entitled = self.fairness.rebalance(now, nodes, jobs, decision, set(must), claimed, gone)
         for v in victims:
             decision.allocations.pop(v.job.job_id, None)
@@ -306,7 +360,7 @@ class Shared:
         return kinds
 
     def _repair(self, now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision,
-                must: dict[str, str], gone: set[str], claimed: set[str]) -> None:
+                must: dict[str, str], gone: set[str], claimed: set[str], credited: set[str] = frozenset()) -> None:
         by_id = {j.job_id: j for j in jobs}
         ledger = Ledger(nodes)
         for d in decision.allocations.values():
@@ -342,6 +396,8 @@ class Shared:
                 held[t] = held.get(t, 0) + by_id[jid].spec.gpus
         book = QuotaBook(self.cfg, held)
         for t in book.over_limit():
+            if any(k in decision.allocations and by_id[k].spec.tenant == t for k in credited):
+                _shrink_growth(t, decision, ledger, book, by_id, must)
             starts = [jid for jid in decision.allocations if not by_id[jid].running and by_id[jid].spec.tenant == t]
             starts.sort(key=lambda jid: self.standing.get(jid, ()) + (by_id[jid].submitted_at, jid), reverse=True)
             for jid in starts:

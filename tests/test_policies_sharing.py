@@ -237,3 +237,46 @@ def test_rubick_plans_within_each_tenants_share_before_the_rebalance():
     final = {k: sum(p.gpus for p in v.placement) for k, v in d.allocations.items()}
     assert seen["a1"] == 1 and final == seen
     assert sum(g for k, g in final.items() if k.startswith("b")) <= 7
+
+
+def test_growth_past_requests_yields_to_the_tenants_own_waiting_job_at_the_borrowing_limit():
+    """a (quota 8) runs a1 (asks 4) grown to 8; b (quota 8) holds 6 and so lends 2. a2 (asks 4)
+    would borrow 4: past what b lends, but only because of a1's growth. It is shown to the
+    inner policy (which starts it on n2 and keeps a1's growth), and a1 goes back to its
+    request rather than a2 waiting for it."""
+    from bus_schema.messages import Plan
+    from policies.api import Decision, JobDecision
+    from policies.sharing import Shared
+
+    def tj(jid, gpus, tenant, **kw):
+        j = job(jid, gpus, **kw)
+        j.spec = replace(j.spec, tenant=tenant)
+        return j
+
+    ns = nodes(3)
+    a1 = tj("a1", 4, "a", running_on=(Placement("n0", 8, 16),), since=0.0)
+    b1 = tj("b1", 6, "b", running_on=(Placement("n1", 6, 12),), since=0.0)
+    a2 = tj("a2", 4, "a", t=500.0)
+    cfg = ShareConfig.from_dict({"queues": {"a": {"quota": 8, "cohort": "c"}, "b": {"quota": 8, "cohort": "c"}},
+                                 "min_run_time": 600})
+
+    class KeepsGrowth:
+        name = "keeps-growth"
+        budget = None  # takes budgets (as rubick): it is shown jobs admitted against growth
+
+        def schedule(self, now, nodes, jobs, perf):
+            d = Decision({j.job_id: JobDecision(j.placement, j.plan) for j in jobs if j.running})
+            if any(j.job_id == "a2" for j in jobs):
+                d.allocations["a2"] = JobDecision((Placement("n2", 4, 8),), Plan(dp=4))
+            return d
+
+    jobs = [a1, b1, a2]
+    d = Shared(KeepsGrowth(), cfg).schedule(1000.0, ns, jobs, None)
+    check_decision(d, ns, {j.job_id: j for j in jobs})
+    assert "a2" in d.allocations
+    assert sum(p.gpus for p in d.allocations["a1"].placement) == 4 and "b1" in d.allocations
+    # a policy that takes no budgets is not shown a2 (the repair would restart its grown jobs)
+    plain = KeepsGrowth()
+    del KeepsGrowth.budget
+    d = Shared(plain, cfg).schedule(1000.0, ns, jobs, None)
+    assert "a2" not in d.allocations and sum(p.gpus for p in d.allocations["a1"].placement) == 8
