@@ -80,6 +80,23 @@ def slower(perf, j: JobView, got: JobDecision, have: JobDecision) -> bool:
         return False
 
 
+def could_fit(ledger, by_id: dict, j: JobView, decision: Decision, fixed: set[str], types: set[str], pos) -> bool:
+    """Free GPUs plus what other tenants above their share hold (not made room for, of no
+    higher class) on one of ``types`` cover ``j``'s request: room it could get once those
+    donors' minimum run times pass."""
+    need = default_plan(j.spec).gpus
+    for ty in types:
+        room = sum(ledger.free_g[n.name] for n in ledger.nodes if typed_place.node_type(n) == ty)
+        for jid, d in decision.allocations.items():
+            v = by_id[jid]
+            if v.spec.tenant != j.spec.tenant and jid not in fixed and v.spec.priority <= j.spec.priority \
+                    and pos(v.spec.tenant) > _EPS and typed_place.type_of(ledger, d.placement) == ty:
+                room += _gpus(d)
+        if room >= need:
+            return True
+    return False
+
+
 class Rebalancer:
     def __init__(self, cfg: ShareConfig, name: str, protected, standing: dict[str, tuple]):
         self.cfg = cfg
@@ -259,7 +276,7 @@ class Rebalancer:
         tenants above their share hold on one accepted type cover its request."""
         for j in sorted(blocked, key=lambda j: pos(j.spec.tenant)):
             t, types = j.spec.tenant, typed_place.accepted_types(self.ledger, j)
-            if self.held[t] >= self.ent[t] - _EPS or not self._could_fit(j, decision, fixed, types, pos):
+            if self.held[t] >= self.ent[t] - _EPS or not could_fit(self.ledger, self.by_id, j, decision, fixed, types, pos):
                 continue
             back = []
             for jid, d in decision.allocations.items():
@@ -290,19 +307,6 @@ class Rebalancer:
                 self._apply(decision, Move(v, old, new), self.by_id,
                             f"waiting (fair-share): tenant {u} is at or above its share while {j.job_id} of "
                             f"tenant {t}, below its share, waits for room")
-
-    def _could_fit(self, j: JobView, decision: Decision, fixed: set[str], types: set[str], pos) -> bool:
-        need = default_plan(j.spec).gpus
-        for ty in types:
-            room = sum(self.ledger.free_g[n.name] for n in self.ledger.nodes if typed_place.node_type(n) == ty)
-            for jid, d in decision.allocations.items():
-                v = self.by_id[jid]
-                if v.spec.tenant != j.spec.tenant and jid not in fixed and v.spec.priority <= j.spec.priority \
-                        and pos(v.spec.tenant) > _EPS and typed_place.type_of(self.ledger, d.placement) == ty:
-                    room += _gpus(d)
-            if room >= need:
-                return True
-        return False
 
     def _donors(self, now, j: JobView, decision: Decision, fixed: set[str], by_id, pos,
                 borrows: bool = False) -> list[tuple[JobView, str]]:
