@@ -77,14 +77,19 @@ def test_numba_equals_numpy_on_rubick_rounds(seed):
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
 
 
-def test_hand_made_split_follows_marginal_gain():
-    # one 8-GPU node; A's curve flattens after 4 GPUs, B's keeps climbing
+def _two_jobs_one_node() -> tuple:
+    """One 8-GPU node; A's curve flattens after 4 GPUs, B's keeps climbing."""
     cg = np.array([[1, 2, 4, 8], [1, 2, 4, 8]])
     u = np.array([[1.0, 1.9, 3.5, 3.8], [1.0, 1.9, 3.6, 6.0]])
     ones = np.ones((2, 4), np.int64)
-    args = (cg, ones, ones, u, cg.astype(float), np.array([4, 4]), np.array([-1, -1]), np.zeros(3), np.zeros(0),
+    return (cg, ones, ones, u, cg.astype(float), np.array([4, 4]), np.array([-1, -1]), np.zeros(3), np.zeros(0),
             np.zeros(0), np.zeros(0), np.zeros(0), np.array([-1, -1]), np.zeros(2), np.zeros(2), np.array([8]),
             np.array([64]))
+
+
+def test_hand_made_split_follows_marginal_gain():
+    # one 8-GPU node; A's curve flattens after 4 GPUs, B's keeps climbing
+    args = _two_jobs_one_node()
     # steps by gain per GPU: A1, B1, A2, B2, B4 (0.85 > A's 0.8), A4; B8 no longer fits
     for numba in (True, False):
         level, nodes = greedy_allocate(*args, use_numba=numba)
@@ -143,12 +148,7 @@ def test_group_budgets_hold_and_numba_equals_numpy(seed):
 
 def test_a_group_budget_stops_growth_the_greedy_would_make():
     # the hand-made split above: without budgets 4 + 4 GPUs; B's group may hold 2
-    cg = np.array([[1, 2, 4, 8], [1, 2, 4, 8]])
-    u = np.array([[1.0, 1.9, 3.5, 3.8], [1.0, 1.9, 3.6, 6.0]])
-    ones = np.ones((2, 4), np.int64)
-    args = (cg, ones, ones, u, cg.astype(float), np.array([4, 4]), np.array([-1, -1]), np.zeros(3), np.zeros(0),
-            np.zeros(0), np.zeros(0), np.zeros(0), np.array([-1, -1]), np.zeros(2), np.zeros(2), np.array([8]),
-            np.array([64]))
+    args = _two_jobs_one_node()
     for numba in (True, False):
         level, _ = greedy_allocate(*args, np.array([-1, 0]), np.array([2.0]), use_numba=numba)
         assert list(level) == [2, 1]  # B stops at 2 (unbudgeted: 4); A at 4 (8 does not fit beside B)
