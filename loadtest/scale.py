@@ -29,7 +29,8 @@ GPUs, and waits for every one to finish. Reports:
   ``--stall-timeout``: stuck jobs end the wait, slow ones do not), with the
   count left every 15 s (``drain``); what the jobs still unfinished were doing
   (``unfinished_detail``), and what the last 5 % to finish were made of
-  (``tail``: run time, restarts, ended on fewer GPUs than asked);
+  (``tail``, over the main run's jobs: run time, restarts, ended on fewer GPUs
+  than asked);
 - ``highest_sustained_rate``: after the run, short bursts (``--probe-seconds``)
   at other rates, and the highest one sustained with submit p99 <= 50 ms. By
   default (``--probe-rates auto``) it doubles the rate while that holds (up to
@@ -425,6 +426,7 @@ class Run:
                 "machine": round(busy / dt, 2), "machine_cores": psutil.cpu_count()}
             # every acknowledged job must finish
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
+            main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])
             if probes:
@@ -444,7 +446,7 @@ class Run:
             unfinished = [j for j in self.sent if states.get(j) in ("pending", "scheduled", "running", "cancelling")]
             failed = [j for j in self.sent if states.get(j) in ("failed", "cancelled")]
             out["unfinished_detail"] = unfinished_detail([j for j in listed if j["job_id"] in set(unfinished)])
-            out["tail"] = tail_detail([j for j in listed if j["job_id"] in self.sent])
+            out["tail"] = tail_detail([j for j in listed if j["job_id"] in main_jobs])
             rounds = [d for d, _ in self.rounds]
             big = [d for d, live in self.rounds if live >= FLOORS["round_live_jobs"]]
             out |= {
