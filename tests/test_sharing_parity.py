@@ -12,7 +12,8 @@ workers). Simulated: ``sim.engine`` with the same policy options. Script, on
 4. a2 (a, 4 GPUs, priority 5): a is at quota and lends nothing now: its own
    lower-class job a1 is preempted.
 After each step the running set and the preemptions (with their kind) are
-compared.
+compared, for fifo and for rubick (which the sharing part also tells each
+tenant's budget before it decides), with the same policy options on both sides.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from bus_schema.messages import JobSpec, ModelSpec
 from gearshift.cluster import LocalCluster
@@ -39,11 +42,14 @@ def spec(name: str, tenant: str, priority: int) -> dict:
             "tenant": tenant, "priority": priority, "step_time": 0.05, "reconfigurable": False}
 
 
-def simulated() -> list[tuple[frozenset, tuple]]:
+OPTIONS = {"sharing": SHARING, "min_run_time": 0}  # the same policy options live and simulated
+
+
+def simulated(policy_name: str = "fifo") -> list[tuple[frozenset, tuple]]:
     jobs = [TraceJob(n, 100.0 * i, JobSpec(**{**spec(n, t, p), "model": ModelSpec(**GPT2)}))
             for i, (n, t, p) in enumerate(SCRIPT)]
     trace = Trace("parity", jobs, ClusterSpec(2, 4, 32))
-    policy = make_policy("fifo", sharing=SHARING, min_run_time=0)
+    policy = make_policy(policy_name, **OPTIONS)
     policy.log = []
     simulate(trace, policy, trace.cluster, SimConfig(interval=60.0, restart_cost=0.0, horizon=100.0 * len(SCRIPT)))
     out, running = [], set()
@@ -79,11 +85,11 @@ def wait_settled(url, submitted: set[str], timeout=60.0) -> dict:
     raise AssertionError(f"not settled: {[(n, j['state'], j['reason']) for n, j in jobs.items()]}")
 
 
-def live(tmp_path) -> list[tuple[frozenset, tuple]]:
-    env = {"GEARSHIFT_POLICY_OPTIONS": json.dumps({"sharing": SHARING})}
+def live(tmp_path, policy_name: str = "fifo") -> list[tuple[frozenset, tuple]]:
+    env = {"GEARSHIFT_POLICY_OPTIONS": json.dumps(OPTIONS)}
     out, seen = [], 0
     with LocalCluster(nodes=2, gpus_per_node=4, cpus_per_node=32, data_dir=str(tmp_path), interval=1.0, grace=3.0,
-                      extra_env=env) as c:
+                      extra_env=env, policy=policy_name) as c:
         submitted: set[str] = set()
         for name, tenant, prio in SCRIPT:
             path = tmp_path / f"{name}.json"
@@ -101,12 +107,14 @@ def live(tmp_path) -> list[tuple[frozenset, tuple]]:
     return out
 
 
-def test_live_and_simulated_sharing_agree(tmp_path):
-    sim = simulated()
+@pytest.mark.parametrize("policy_name", ["fifo", "rubick"])
+def test_live_and_simulated_sharing_agree(tmp_path, policy_name):
+    # rubick too: the sharing part hands it each tenant's budget before it decides
+    sim = simulated(policy_name)
     assert sim == [
         (frozenset({"b1"}), ()),
         (frozenset({"b1", "b2"}), ()),
         (frozenset({"b1", "a1"}), (("b2", "reclaim"),)),
         (frozenset({"b1", "a2"}), (("a1", "priority"),)),
     ]
-    assert live(tmp_path) == sim
+    assert live(tmp_path, policy_name) == sim
