@@ -74,7 +74,7 @@ import msgspec
 import psutil
 
 from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobSpec, RoundCompleted, SubmitReply, SubmitRequest
+from bus_schema.messages import JobSpec, Plan, RoundCompleted, SubmitReply, SubmitRequest
 from services.natsd import NatsServer
 from services.runtime import connect, ensure_infra
 from services.views import NodesView
@@ -534,7 +534,7 @@ def tail_detail(rows: list[dict], share: float = 0.05) -> dict:
 
 
 def plan_gpus(plan: dict) -> int:
-    return int(plan.get("dp", 1)) * int(plan.get("tp", 1)) * int(plan.get("pp", 1))
+    return msgspec.convert(plan, Plan).gpus
 
 
 def growth_row(x: dict) -> dict:

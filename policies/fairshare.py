@@ -80,6 +80,16 @@ def slower(perf, j: JobView, got: JobDecision, have: JobDecision) -> bool:
         return False
 
 
+def round_entitlement(cfg: ShareConfig, nodes: list[NodeState], jobs: list[JobView]) -> tuple[dict, dict]:
+    """Each tenant's GPU demand (its live jobs' requests) and its entitlement this round
+    (``queues.fair_entitlement`` over the cluster's GPUs): what ``rebalance`` imposes
+    and what ``Shared`` tells a policy that plans within budgets."""
+    demand: dict[str, int] = {}
+    for j in jobs:
+        demand[j.spec.tenant] = demand.get(j.spec.tenant, 0) + j.spec.gpus
+    return demand, fair_entitlement(cfg, demand, sum(n.gpus_total for n in nodes))
+
+
 def could_fit(ledger, by_id: dict, j: JobView, decision: Decision, fixed: set[str], types: set[str], pos) -> bool:
     """Free GPUs plus what other tenants above their share hold (not made room for, of no
     higher class) on one of ``types`` cover ``j``'s request: room it could get once those
@@ -115,10 +125,7 @@ class Rebalancer:
         quota, whose GPUs are not lendable while they wait; ``skip``: jobs this round
         already preempted (they count in demand, but are not lifted)."""
         by_id = {j.job_id: j for j in jobs}
-        demand: dict[str, int] = {}
-        for j in jobs:
-            demand[j.spec.tenant] = demand.get(j.spec.tenant, 0) + j.spec.gpus
-        ent = fair_entitlement(self.cfg, demand, sum(n.gpus_total for n in nodes))
+        demand, ent = round_entitlement(self.cfg, nodes, jobs)
         self.held: dict[str, int] = {t: 0 for t in demand}
         self.ledger = Ledger(nodes)
         for jid, d in decision.allocations.items():

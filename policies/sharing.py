@@ -39,11 +39,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace as dc_replace
 
-from .fairshare import Rebalancer
+from .fairshare import Rebalancer, round_entitlement
 from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
 from . import typed_place
 from .placement import Ledger, describe
-from .queues import FairShare, QuotaBook, ShareConfig, fair_entitlement
+from .queues import FairShare, QuotaBook, ShareConfig
 
 
 @dataclass(slots=True)
@@ -338,12 +338,8 @@ class Shared:
         so it does not give a tenant at its share what the rebalance takes back."""
         if not hasattr(self.inner, "budget"):
             return
-        demand: dict[str, int] = {}
-        for j in jobs:
-            demand[j.spec.tenant] = demand.get(j.spec.tenant, 0) + j.spec.gpus
-        capacity = sum(n.gpus_total for n in nodes)
-        ent = fair_entitlement(self.cfg, demand, capacity)
-        spare = max(0.0, capacity - sum(ent.values()))
+        _, ent = round_entitlement(self.cfg, nodes, jobs)
+        spare = max(0.0, sum(n.gpus_total for n in nodes) - sum(ent.values()))
         self.inner.budget = {t: e + spare for t, e in ent.items()}
 
     @staticmethod
