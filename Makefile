@@ -47,7 +47,7 @@ clean:
 	rm -rf $(VENV) .numba_cache .pytest_cache build *.egg-info
 
 schema: $(STAMP)
-	$(BIN)/python -m gearshift.cli schema > schema/bus.json
+	$(BIN)/gearshift schema > schema/bus.json
 
 # issue 6: plan switches of the PyTorch reference workload, and the profiled model's accuracy
 switch-check: $(STAMP)
@@ -59,7 +59,7 @@ profile-accuracy: $(STAMP)
 # issue 5: regenerate docs/evaluation.md (simulated comparison of rubick and the baselines)
 .PHONY: evaluation
 evaluation: $(STAMP)
-	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m sim.evaluation --out docs/evaluation.md --json-dir docs/evaluation-runs
+	NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(BIN)/python -m gearshift.sim.evaluation --out docs/evaluation.md --json-dir docs/evaluation-runs
 
 # issue 12: deploy/make-certs.sh (and its test) use the openssl command
 .PHONY: openssl

@@ -1,5 +1,5 @@
 import sys
 
-from agent.main import main
+from gearshift.agent.main import main
 
 sys.exit(main())

@@ -44,24 +44,31 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    AgentReply, Allocation, CheckpointCommand, ProfileCommand, ProfileResult, RunReportKind, StopCommand,
+from gearshift.agent import core, launch, profiling
+from gearshift.agent.core import Run, RunPhase
+from gearshift.agent.heartbeat import Heartbeat
+from gearshift.agent.logs import read_rank_logs
+from gearshift.agent.probe import GpuProbe
+from gearshift.agent.progress import ProgressPublisher
+from gearshift.agent.reports import Reporter
+from gearshift.agent.runner import Runner, SubprocessRunner
+from gearshift.agent.spawn import RankSpawner
+from gearshift.bus import observe
+from gearshift.bus.alloc_watch import node_alloc_watch
+from gearshift.bus.log import get_logger
+from gearshift.bus.server import Endpoint, serve
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    AgentReply,
+    Allocation,
+    CheckpointCommand,
+    ProfileCommand,
+    ProfileResult,
+    RunReportKind,
+    StopCommand,
 )
-from bus_schema.ops import LogsRequest
-from services import observe
-from services.auth_alloc import node_alloc_watch
-from services.runtime import Endpoint, get_logger, serve
-
-from . import core, launch, profiling
-from .core import Run, RunPhase
-from .heartbeat import Heartbeat
-from .logs import read_rank_logs
-from .probe import GpuProbe
-from .progress import ProgressPublisher
-from .reports import Reporter
-from .runner import Runner, SubprocessRunner
-from .spawn import RankSpawner
+from gearshift.bus_schema.ops import LogsRequest
 
 DEFAULT_GRACE_S = 10.0
 SYNC_WAIT_S = 10.0  # at most this long for the allocations before judging a predecessor's runs
@@ -382,7 +389,8 @@ async def _until_it_works(make: Any, what: str, wait: float = 60.0) -> Any:
     """``await make()``, again while the server does not answer (a cluster
     electing a new leader after a server died): a transient timeout must not
     end the agent."""
-    from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+    from nats.errors import NoRespondersError
+    from nats.errors import TimeoutError as NatsTimeout
 
     deadline = time.monotonic() + wait
     while True:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from bus_schema.messages import Allocation
+from gearshift.bus_schema.messages import Allocation
 
 
 class RunPhase(str, enum.Enum):

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import launch
-from .worker import EXIT_CHECKPOINTED, EXIT_DONE
+from gearshift.agent import launch
+from gearshift.agent.worker import EXIT_CHECKPOINTED, EXIT_DONE
 
 CKPT_INTERVAL_S = 5.0
 _pids = itertools.count(1_000_000)

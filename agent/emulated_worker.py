@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from agent.worker import (
+from gearshift.agent.worker import (
     EXIT_CHECKPOINTED,
     EXIT_DONE,
     ProgressReporter,

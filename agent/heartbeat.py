@@ -10,13 +10,12 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bus_schema import codec, subjects as subj
-from bus_schema.gputypes import node_gpu_type
-from bus_schema.messages import NodeReport
-from services import observe
-from services.runtime import VERSION
-
-from .core import Run
+from gearshift.agent.core import Run
+from gearshift.bus import VERSION, observe
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.gputypes import node_gpu_type
+from gearshift.bus_schema.messages import NodeReport
 
 
 class Heartbeat:

@@ -15,13 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from bus_schema import codec
-from bus_schema.messages import Allocation
-
-from .probe import cuda_visible_devices
+from gearshift.agent.probe import cuda_visible_devices
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import Allocation
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-EMULATED_COMMAND = (sys.executable, "-m", "agent.emulated_worker")
+EMULATED_COMMAND = (sys.executable, "-m", "gearshift.agent.emulated_worker")
 DEFAULT_STEP_TIME = 0.1
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from bus_schema.ops import LogsReply, LogsRequest, RankLog
+from gearshift.bus_schema.ops import LogsReply, LogsRequest, RankLog
 
 _GEN = re.compile(r"^g(\d+)$")
 _RANK = re.compile(r"^rank-(\d+)\.log$")

@@ -6,13 +6,29 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import ClassVar
 
-from bus_schema import subjects as subj
-from services import observe
-from services.runtime import get_logger
+from gearshift.agent.agent import DEFAULT_GRACE_S, Agent
+from gearshift.agent.probe import GpuProbe
+from gearshift.bus import observe
+from gearshift.bus.config import NodeName, NonNegative, NonNegInt, PosInt, Positive, ServiceConfig
+from gearshift.bus.config import parse_args as parse_config
+from gearshift.bus.log import get_logger
+from gearshift.bus_schema import subjects as subj
 
-from .agent import DEFAULT_GRACE_S, Agent
-from .probe import GpuProbe
+
+class AgentConfig(ServiceConfig):
+    service: ClassVar[str] = "agent"
+    node: NodeName | None = None  # default: the host name
+    fake_gpus: NonNegInt | None = None
+    gpu_memory: PosInt = 80 * 2**30
+    gpu_name: str = "Fake GPU"
+    cpus: PosInt | None = None
+    workdir: str | None = None
+    ckpt_root: str | None = None
+    heartbeat: Positive = 1.0
+    grace: NonNegative = 10.0
+    address: str = "127.0.0.1"
 
 
 def _bytes(text: str) -> int:
@@ -43,7 +59,6 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds from SIGTERM to SIGKILL")
     p.add_argument("--address", default="127.0.0.1", help="address other nodes use to reach this one")
-    from services.config import AgentConfig, parse_args as parse_config
 
     args = parse_config(p, AgentConfig, argv)  # --config FILE, GEARSHIFT_AGENT_<FIELD>
     args.node = subj.token(args.node) if args.node else "node"
@@ -53,9 +68,8 @@ def parse_args(argv: list[str] | None):
 
 
 async def run_agent(args, stop: asyncio.Event) -> int:
-    from services.runtime import ServerUnavailable, connect
-
-    from .probe import FakeProbe, NoGpuDriver, NvmlProbe
+    from gearshift.agent.probe import FakeProbe, NoGpuDriver, NvmlProbe
+    from gearshift.bus.client import ServerUnavailable, connect
 
     log = get_logger(agent=args.node)
     if args.fake_gpus is not None:
@@ -100,7 +114,7 @@ async def run_agent(args, stop: asyncio.Event) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.runtime import run_service
+    from gearshift.bus.process import run_service
 
     args = parse_args(argv)
     rc = 0

@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from bus_schema.messages import GpuHealth, GpuProcess, GpuReport
+from gearshift.bus_schema.messages import GpuHealth, GpuProcess, GpuReport
 
 # XIDs an application causes (illegal address, page fault, context stopped by
 # the user, ...), not the GPU: the list NVIDIA's Kubernetes device plugin skips.

@@ -18,9 +18,8 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
 import msgspec
 
-from bus_schema.messages import GpuHealth, GpuProcess, GpuReport
-
-from . import nvml_devices as nd
+from gearshift.agent import nvml_devices as nd
+from gearshift.bus_schema.messages import GpuHealth, GpuProcess, GpuReport
 
 _INHERIT = object()
 

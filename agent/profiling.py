@@ -12,13 +12,12 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from bus_schema.messages import Allocation, NodePlacement, ProfileCommand, ProfileResult
-
-from . import launch
-from .core import Run
+from gearshift.agent import launch
+from gearshift.agent.core import Run
+from gearshift.bus_schema.messages import Allocation, NodePlacement, ProfileCommand, ProfileResult
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from gearshift.agent.agent import Agent
 
 
 def free_gpus(node: str, count: int, reserved: Iterable[int], runs: Iterable[Run],

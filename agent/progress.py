@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobProgress
-
-from .core import Run
-from .reports import Reporter
+from gearshift.agent.core import Run
+from gearshift.agent.reports import Reporter
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobProgress
 
 
 class ProgressPublisher:

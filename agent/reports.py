@@ -20,10 +20,10 @@ from typing import Any
 
 from nats.js.api import Header
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import RunReport, RunReportKind
-
-from .core import Run
+from gearshift.agent.core import Run
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import RunReport, RunReportKind
 
 
 class Reporter:

@@ -20,16 +20,16 @@ import asyncio
 import os
 import signal
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
 
-from bus_schema import codec
-from bus_schema.messages import Allocation
-
-from . import launch, worker as wk
+from gearshift.agent import launch
+from gearshift.agent import worker as wk
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import Allocation
 
 PIDS_FILE = "pids"
 ALLOC_FILE = "alloc.json"
@@ -84,7 +84,7 @@ class SubprocessRunner:
 
     @classmethod
     def with_warm_pool(cls, workdir: Path, log: Any, prewarm: list[str]) -> "SubprocessRunner":
-        from .warm import WarmPool
+        from gearshift.agent.warm import WarmPool
 
         async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
             with open(workdir / "warm.log", "ab") as out:
@@ -194,7 +194,7 @@ def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
     # a warm worker (agent/warm.py) keeps the agent's environment: it moved into the run's folder
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            warm = b"agent.warm" in f.read()
+            warm = b"gearshift.agent.warm" in f.read()
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
     except OSError:
         return False

@@ -9,11 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bus_schema import codec
-from bus_schema.messages import NodeReport
-
-from . import launch
-from .core import Run
+from gearshift.agent import launch
+from gearshift.agent.core import Run
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import NodeReport
 
 
 class RankSpawner:

@@ -80,7 +80,7 @@ class WarmPool:
             while not self._closed and key not in self.refused and \
                     len(self.ready[key]) + self.starting.get(key, 0) < self.size:
                 try:
-                    proc = await self._spawn([key[0], "-m", "agent.warm", key[1]])
+                    proc = await self._spawn([key[0], "-m", "gearshift.agent.warm", key[1]])
                 except OSError as exc:
                     self.log.warning("warm worker did not start", module=key[1], error=str(exc))
                     self.refused.add(key)
@@ -126,7 +126,7 @@ class WarmPool:
     def _write_status(self) -> None:
         if self.status_file is None:
             return
-        from .worker import write_json_atomic
+        from gearshift.agent.worker import write_json_atomic
 
         ready: dict[str, int] = {}
         for key, procs in self.ready.items():

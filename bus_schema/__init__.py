@@ -1,5 +1,5 @@
 """The bus: every message type, subject builder and codec (pure, no NATS)."""
 
-from . import codec, subjects
-from .messages import *  # noqa: F401,F403
-from .perfmodel import *  # noqa: F401,F403
+from gearshift.bus_schema import codec, subjects
+from gearshift.bus_schema.messages import *  # noqa: F401,F403
+from gearshift.bus_schema.perfmodel import *  # noqa: F401,F403

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from . import messages as m
+from gearshift.bus_schema import messages as m
 
 T = TypeVar("T")
 

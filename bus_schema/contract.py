@@ -1,9 +1,9 @@
 """The bus contract: every subject, what travels on it, and who may use it.
 
 One table read by
-- serving (``services.runtime.serve`` refuses an endpoint whose subject or
+- serving (``gearshift.bus.server.serve`` refuses an endpoint whose subject or
   request type disagrees with it),
-- calling (``services.runtime.call`` takes the reply type from it),
+- calling (``gearshift.bus.client.call`` takes the reply type from it),
 - authorisation (``services.auth.permissions`` derives every role's ``gs.*``
   publish and subscribe rights from it),
 - ``gearshift schema`` (the ``subjects`` section of ``schema/bus.json``).
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from . import messages as m
-from . import ops
-from . import perfmodel as pm
-from . import profiler as pr
-from . import subjects as s
+from gearshift.bus_schema import messages as m
+from gearshift.bus_schema import ops
+from gearshift.bus_schema import perfmodel as pm
+from gearshift.bus_schema import profiler as pr
+from gearshift.bus_schema import subjects as s
 
 REQUEST = "request"  # request-reply (nats micro endpoint)
 PUBLISH = "publish"  # core NATS, fire and forget

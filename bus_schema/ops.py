@@ -8,7 +8,7 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from .messages import JobId, Label, NodeName
+from gearshift.bus_schema.messages import JobId, Label, NodeName
 
 MAX_LOG_BYTES = 64 * 1024  # a logs reply stays well under the 256 KiB message limit
 

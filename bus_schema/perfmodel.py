@@ -10,8 +10,8 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from . import subjects as _subj
-from .messages import ModelSpec, Plan
+from gearshift.bus_schema import subjects as _subj
+from gearshift.bus_schema.messages import ModelSpec, Plan
 
 PERFMODEL_FIT = f"{_subj.PERFMODEL}.fit"
 PERFMODEL_PREDICT = f"{_subj.PERFMODEL}.predict"
@@ -116,3 +116,8 @@ __all__ = [
     "FitRequest", "FitReply", "PredictRequest", "PredictReply", "CurveRequest", "CurvePoint", "CurveReply",
     "PERFMODEL_TYPES",
 ]
+
+
+def model_kv_key(model_key: str) -> str:
+    """The ``gs_models`` key of a model key (KV keys allow [-/_=.A-Za-z0-9])."""
+    return "".join(c if (c.isalnum() or c in "-_=.") else "_" for c in model_key)

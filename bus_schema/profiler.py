@@ -6,9 +6,9 @@ from typing import Annotated
 
 from msgspec import Meta, Struct
 
-from . import subjects as _subj
-from .messages import ModelSpec, Plan, ProfileResult
-from .perfmodel import FitReply, ProfileSample
+from gearshift.bus_schema import subjects as _subj
+from gearshift.bus_schema.messages import ModelSpec, Plan, ProfileResult
+from gearshift.bus_schema.perfmodel import FitReply, ProfileSample
 
 PROFILER_PROFILE = f"{_subj.PROFILER}.profile"
 PROFILER_STATUS = f"{_subj.PROFILER}.status"

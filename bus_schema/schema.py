@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-from . import contract
-from . import messages as m
-from . import perfmodel as pm
+from gearshift.bus_schema import contract
+from gearshift.bus_schema import messages as m
+from gearshift.bus_schema import perfmodel as pm
 
 BUS_VERSION = 1
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gputypes import check_gpu_types
-from .messages import JobSpec
+from gearshift.bus_schema.gputypes import check_gpu_types
+from gearshift.bus_schema.messages import JobSpec
 
 
 @dataclass

@@ -20,7 +20,7 @@ import contextlib
 import json
 import sys
 
-from bus_schema import codec
+from gearshift.bus_schema import codec
 from gearshift.client import Client
 
 

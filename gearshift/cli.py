@@ -32,14 +32,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from bus_schema import codec
-from bus_schema.messages import JobRecord, JobState
-
-from . import views
-from .spec_file import SpecFileError, load_spec
+from gearshift import views
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import JobRecord, JobState
+from gearshift.spec_file import SpecFileError, load_spec
 
 if TYPE_CHECKING:
-    from .client import Client
+    from gearshift.client import Client
 
 # nats-py imports aiohttp (half a second or more) for ws:// servers only;
 # the bus verbs skip it unless a websocket URL is in play (see main)
@@ -55,7 +54,7 @@ def _print_json(obj: Any) -> None:
 
 
 async def _with_client(args: argparse.Namespace, fn) -> int:
-    from .client import Client
+    from gearshift.client import Client
 
     client = await Client.connect(args.server, retry_for=CONNECT_WITHIN_S)
     try:
@@ -91,7 +90,7 @@ def _states(text: str | None) -> list[str] | None:
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
-    from services.runtime import ServiceCallError
+    from gearshift.bus.client import ServiceCallError
 
     states = _states(args.state)
 
@@ -132,7 +131,7 @@ async def cmd_get(args: argparse.Namespace) -> int:
 
 async def _modes(c: Client) -> dict[str, Any] | None:
     """Cordoned and draining nodes, or None when this identity may not ask."""
-    from services.runtime import ServiceCallError
+    from gearshift.bus.client import ServiceCallError
 
     try:
         return {e.node: e for e in (await c.node_modes()).nodes}
@@ -194,7 +193,7 @@ async def cmd_set(args: argparse.Namespace) -> int:
 
 
 async def cmd_describe(args: argparse.Namespace) -> int:
-    from services.runtime import ServiceCallError
+    from gearshift.bus.client import ServiceCallError
 
     async def go(c: Client) -> int:
         j = await c.job(args.id)
@@ -271,7 +270,7 @@ async def cmd_events(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from bus_schema.schema import bus_schema
+    from gearshift.bus_schema.schema import bus_schema
 
     print(json.dumps(bus_schema(), indent=2, sort_keys=True))
     return 0
@@ -288,7 +287,7 @@ def _common(p: argparse.ArgumentParser, top: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import cli_ops
+    from gearshift import cli_ops
 
     ap = argparse.ArgumentParser(prog="gearshift", description="GPU-cluster scheduler that reconfigures training plans")
     _common(ap, top=True)
@@ -375,15 +374,15 @@ def _set_env(args: argparse.Namespace) -> None:
             raise SpecFileError(f"--creds: {args.creds}: no such file")
         os.environ["GEARSHIFT_CREDS"] = args.creds
     if args.cmd != "up" and os.environ.get("GEARSHIFT_CREDS"):
-        from services.auth import load_creds
+        from gearshift.bus.auth import load_creds
 
         try:
             load_creds(os.environ["GEARSHIFT_CREDS"])
         except ValueError as exc:
             raise SpecFileError(f"credentials: {exc}") from None
     elif args.cmd != "up" and not os.environ.get("GEARSHIFT_CREDS") and not os.environ.get("GEARSHIFT_USER"):
-        from services.auth import well_known_file
-        from services.runtime import server_url
+        from gearshift.bus.auth import well_known_file
+        from gearshift.bus.client import server_url
 
         known = well_known_file(server_url())
         if known.exists():
@@ -417,13 +416,12 @@ def _skip_websocket_transport(argv: list[str]) -> None:
 
 def _main(argv: list[str]) -> int:
     _skip_websocket_transport(argv)
-    from services.runtime import NotAuthorized, ServerUnavailable, ServiceCallError
-
-    from . import cli_ops
+    from gearshift import cli_ops
+    from gearshift.bus.client import NotAuthorized, ServerUnavailable, ServiceCallError
 
     _, tool, rest = _split_tool(argv)
     if tool == "simulate":
-        from sim.cli import main as sim_main
+        from gearshift.sim.cli import main as sim_main
 
         return sim_main(rest)
     if tool == "perfmodel":
@@ -465,7 +463,7 @@ def _perfmodel(rest: list[str]) -> int:
         print("usage: gearshift perfmodel validate [--data DIR] [-o json]")
         return 0 if rest else 2
     if rest[0] == "validate":
-        from perfmodel.validate import main as validate_main
+        from gearshift.perfmodel.validate import main as validate_main
 
         return validate_main(rest[1:])
     print(f"error: unknown perfmodel command {rest[0]!r} (known: validate)", file=sys.stderr)

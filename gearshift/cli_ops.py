@@ -15,12 +15,11 @@ from typing import Any
 
 import msgspec
 
-from bus_schema import codec
-from bus_schema.messages import ExplainEntry, JobState, NodeShare, Plan
-from services.runtime import ServiceCallError
-
-from . import views
-from .client import Client, SpecFileError
+from gearshift import views
+from gearshift.bus.client import ServiceCallError
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import ExplainEntry, JobState, NodeShare, Plan
+from gearshift.client import Client, SpecFileError
 
 
 # ------------------------------------------------------------------ up
@@ -46,9 +45,8 @@ def _last_lines(path: Path, n: int = 1) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.runtime import configure_logging
-
-    from .cluster import LocalCluster
+    from gearshift.bus.log import configure_logging
+    from gearshift.cluster import LocalCluster
 
     configure_logging("console")
     cluster = LocalCluster(
@@ -70,7 +68,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(url, flush=True)
         export = f"export GEARSHIFT_NATS_URL={url}"
         if cluster.auth_dir is not None:
-            from services.auth import well_known_file
+            from gearshift.bus.auth import well_known_file
 
             admin = cluster.admin_creds
             assert admin is not None
@@ -183,7 +181,7 @@ def parse_placement(text: str | None) -> list[NodeShare]:
 
 
 async def _connected(args: argparse.Namespace, fn) -> int:
-    from .cli import _with_client
+    from gearshift.cli import _with_client
 
     return await _with_client(args, fn)
 
@@ -294,7 +292,7 @@ async def cmd_top(args: argparse.Namespace) -> int:
 
 
 async def _modes(c: Client) -> dict[str, Any] | None:
-    from .cli import _modes as modes
+    from gearshift.cli import _modes as modes
 
     return await modes(c)
 

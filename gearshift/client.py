@@ -34,16 +34,26 @@ from typing import Any, TypeVar
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    ExplainReply, JobList, JobRecord, JobSpec, ListRequest, NodeList, NodeShare, Plan, ReconfigureReply,
-    ReconfigureRequest, SubmitReply, SubmitRequest,
+from gearshift.bus.auth import current_creds, load_creds, tenant_subject
+from gearshift.bus.client import ServiceCallError, call, connect
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    ExplainReply,
+    JobList,
+    JobRecord,
+    JobSpec,
+    ListRequest,
+    NodeList,
+    NodeShare,
+    Plan,
+    ReconfigureReply,
+    ReconfigureRequest,
+    SubmitReply,
+    SubmitRequest,
 )
-from bus_schema.ops import LogsReply, LogsRequest, NodeMode, NodeModeReply, NodeModeRequest
-from services.auth import current_creds, load_creds, tenant_subject
-from services.runtime import ServiceCallError, call, connect
-
-from .spec_file import SpecFileError, load_spec, load_spec_text
+from gearshift.bus_schema.ops import LogsReply, LogsRequest, NodeMode, NodeModeReply, NodeModeRequest
+from gearshift.spec_file import SpecFileError, load_spec, load_spec_text
 
 T = TypeVar("T")
 
@@ -92,7 +102,7 @@ class Client:
 
         extra: dict[str, Any] = {"error_cb": on_error}
         if creds is not None:
-            from services.auth import connect_options
+            from gearshift.bus.auth import connect_options
 
             extra.update(connect_options(data))
         nc = await connect(url, name="gearshift-client", retry_for=retry_for, identity=data.get("user"), **extra)
@@ -197,13 +207,13 @@ class Client:
         return await self._call(subj.agent_command(node, "logs"), req, LogsReply, "read logs")
 
     async def queues(self):
-        from bus_schema.messages import QueueList
+        from gearshift.bus_schema.messages import QueueList
 
         return (await self._call(subj.ADMISSION_QUEUES, None, QueueList, "list queues")).queues
 
     async def set_queue(self, queue: dict):
         """``queue``: QueueSpec fields (admission decodes and checks them)."""
-        from bus_schema.messages import QueueList
+        from gearshift.bus_schema.messages import QueueList
 
         return (await self._call(subj.ADMISSION_SET_QUEUE, msgspec.json.encode(queue), QueueList,
                                  "change queues")).queues

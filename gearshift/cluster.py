@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.natsd import NatsServer
+from gearshift.bus.natsd import NatsServer
 
 
 @dataclass
@@ -65,7 +65,7 @@ class LocalCluster:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         config = None
         if self.auth:
-            from services.auth import write_auth_dir
+            from gearshift.bus.auth import write_auth_dir
 
             self.auth_dir = write_auth_dir(root / "auth", [f"node{i}" for i in range(self.nodes)], self.tenants)
             config = self.auth_dir.config
@@ -75,7 +75,7 @@ class LocalCluster:
         except RuntimeError as exc:
             raise RuntimeError(_server_failure(str(exc), self.port)) from None
         if self.auth_dir is not None:
-            from services.auth import set_url
+            from gearshift.bus.auth import set_url
 
             set_url(self.auth_dir, self.url)
         _ensure_infra(self.url, self.admin_creds)  # streams and buckets exist before any process needs them
@@ -84,31 +84,31 @@ class LocalCluster:
                "GEARSHIFT_METRICS_PORT": "0", "GEARSHIFT_OBSERVE_DIR": str(self.observe_dir), **self.extra_env}
         env.pop("GEARSHIFT_CREDS", None)
         py = sys.executable
-        self._spawn("admission", [py, "-m", "services.admission", "--max-gpus", str(self.nodes * self.gpus_per_node)],
+        self._spawn("admission", [py, "-m", "gearshift.services.admission", "--max-gpus", str(self.nodes * self.gpus_per_node)],
                     self._env_for(env, "admission"))
         self._spawn(
             "optimizer",
-            [py, "-m", "services.optimizer", "--policy", self.policy, "--interval", str(self.interval),
+            [py, "-m", "gearshift.services.optimizer", "--policy", self.policy, "--interval", str(self.interval),
              "--node-timeout", str(self.node_timeout), "--wait-for-models"],
             self._env_for(env, "optimizer"),
         )
-        if _has_module("services.perfmodel_service"):
-            self._spawn("perfmodel", [py, "-m", "services.perfmodel_service"], self._env_for(env, "perfmodel"))
-        if _has_module("services.profiler"):  # fits models of jobs nobody profiled yet
-            self._spawn("profiler", [py, "-m", "services.profiler"], self._env_for(env, "profiler"))
+        if _has_module("gearshift.services.perfmodel_service"):
+            self._spawn("perfmodel", [py, "-m", "gearshift.services.perfmodel_service"], self._env_for(env, "perfmodel"))
+        if _has_module("gearshift.services.profiler"):  # fits models of jobs nobody profiled yet
+            self._spawn("profiler", [py, "-m", "gearshift.services.profiler"], self._env_for(env, "profiler"))
         ckpt = root / "ckpt"  # stands in for the cluster's shared storage
         for i in range(self.nodes):
             name = f"node{i}"
             self._spawn(
                 name,
-                [py, "-m", "agent", "--node", name,
+                [py, "-m", "gearshift.agent", "--node", name,
                  *([] if self.real_gpus else ["--fake-gpus", str(self.gpus_per_node), "--gpu-memory", self.gpu_memory]),
                  "--cpus", str(self.cpus_per_node), "--workdir", str(root / "agents" / name),
                  "--ckpt-root", str(ckpt), "--heartbeat", str(self.heartbeat), "--grace", str(self.grace)],
                 self._env_for(env, f"agent-{name}"),
             )
         if self.dashboard:  # reads the bus with its own read-only identity; actions use the signed-in person's
-            self._spawn("dashboard", [py, "-m", "services.dashboard"], self._env_for(env, "dashboard"))
+            self._spawn("dashboard", [py, "-m", "gearshift.services.dashboard"], self._env_for(env, "dashboard"))
         if wait:
             self.wait_ready()
         return self.url
@@ -226,9 +226,9 @@ def _has_module(name: str) -> bool:
 
 
 async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalCluster") -> None:
-    from bus_schema import subjects as subj
-    from bus_schema.messages import NodeList
-    from services.runtime import call, connect
+    from gearshift.bus.client import call, connect
+    from gearshift.bus_schema import subjects as subj
+    from gearshift.bus_schema.messages import NodeList
 
     nc = await connect(url, name="gearshift-up", retry_for=10, **_creds_options(cluster.admin_creds))
     deadline = time.monotonic() + timeout
@@ -254,13 +254,14 @@ async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalClust
 def _creds_options(path: str | None) -> dict:
     if path is None:
         return {}
-    from services.auth import connect_options, load_creds
+    from gearshift.bus.auth import connect_options, load_creds
 
     return connect_options(load_creds(path))
 
 
 def _ensure_infra(url: str, creds: str | None = None) -> None:
-    from services.runtime import connect, ensure_infra
+    from gearshift.bus.client import connect
+    from gearshift.bus.infra import ensure_infra
 
     async def go() -> None:
         nc = await connect(url, name="gearshift-up", retry_for=10, **_creds_options(creds))

@@ -29,15 +29,21 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    TERMINAL_STATES, JobProgress, JobRecord, JobSpec, JobSwitched, Plan, ReconfigureReply, ReconfigureRequest,
+from gearshift.bus.client import call
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    TERMINAL_STATES,
+    JobProgress,
+    JobRecord,
+    JobSpec,
+    JobSwitched,
+    Plan,
+    ReconfigureReply,
+    ReconfigureRequest,
 )
-
-from services.runtime import call
-
-from .client import Client
-from .cluster import LocalCluster
+from gearshift.client import Client
+from gearshift.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_WORKLOAD = ROOT / "workloads" / "demo.yaml"
@@ -64,7 +70,7 @@ def load_workload(path: Path) -> list[WorkloadItem]:
 
 
 def is_torch(spec: JobSpec) -> bool:
-    return bool(spec.command) and "agent.reference.train" in spec.command
+    return bool(spec.command) and "gearshift.agent.reference.train" in spec.command
 
 
 async def seed_models(nc) -> None:
@@ -73,7 +79,7 @@ async def seed_models(nc) -> None:
         return
     kv = await nc.jetstream().key_value(subj.MODELS_BUCKET)
     data = json.loads(TORCH_MODEL.read_text())
-    from services.perfmodel_service import kv_key
+    from gearshift.bus_schema.perfmodel import model_kv_key as kv_key
 
     await kv.put(kv_key(data["model_key"]), json.dumps(data).encode())
 

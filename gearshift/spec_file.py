@@ -7,9 +7,9 @@ from pathlib import Path
 
 import msgspec
 
-from bus_schema import codec
-from bus_schema.messages import JobSpec
-from bus_schema.validate import SpecError, check_spec
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import JobSpec
+from gearshift.bus_schema.validate import SpecError, check_spec
 
 
 class SpecFileError(ValueError):

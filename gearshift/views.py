@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bus_schema.messages import JobRecord, JobState, NodeReport
+from gearshift.bus_schema.messages import JobRecord, JobState, NodeReport
 
 JOB_HEADERS = ["ID", "NAME", "TENANT", "STATE", "GPUS", "PLAN", "NODES", "STEPS", "SPEED", "RUN TIME", "AGE", "REASON"]
 NODE_HEADERS = ["NODE", "MODE", "GPUS", "USED", "UTIL", "MEM", "CPUS", "PROBE", "RUNNING", "SEEN"]

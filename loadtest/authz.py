@@ -25,12 +25,23 @@ from typing import Any, Awaitable, Callable
 import nats
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    Allocation, JobList, JobRecord, JobSpec, ListRequest, ModelSpec, NodePlacement, Plan, SubmitReply, SubmitRequest,
+from gearshift.bus import alloc_watch, auth
+from gearshift.bus.client import ServiceCallError, call
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    Allocation,
+    JobList,
+    JobRecord,
+    JobSpec,
+    ListRequest,
+    ModelSpec,
+    NodePlacement,
+    Plan,
+    SubmitReply,
+    SubmitRequest,
 )
-from services import auth, auth_alloc
-from services.runtime import ServiceCallError, call
+from gearshift.services import auth_alloc
 
 TENANTS = ["nlp", "vision"]
 
@@ -449,7 +460,7 @@ class Suite(ClientChecks):
             mine = Allocation(job_id="jauthz-mine", generation=10**6, plan=Plan(dp=1),
                               placement=[NodePlacement(node="node0", gpus=[0], cpus=1)], steps=1,
                               command=["/bin/true"])
-            watch = await auth_alloc.node_alloc_watch(js, "node0")
+            watch = await alloc_watch.node_alloc_watch(js, "node0")
             seen: list[str] = []
             try:
                 await auth_alloc.put(admin_alloc, "jauthz-mine", codec.encode(mine), ["node0"])

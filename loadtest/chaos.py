@@ -58,12 +58,22 @@ from typing import Any
 
 import msgspec
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    JobRecord, JobRef, JobSpec, JobState, ModelSpec, NodeList, ReconfigureReply, ReconfigureRequest, SubmitReply,
-    SubmitRequest, TERMINAL_STATES,
+from gearshift.bus.natsd import NatsServer
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    TERMINAL_STATES,
+    JobRecord,
+    JobRef,
+    JobSpec,
+    JobState,
+    ModelSpec,
+    NodeList,
+    ReconfigureReply,
+    ReconfigureRequest,
+    SubmitReply,
+    SubmitRequest,
 )
-from services.natsd import NatsServer
 
 SERVICE_KINDS = ("admission", "optimizer", "perfmodel")
 TENANTS = ("vision", "nlp", "llm")
@@ -401,7 +411,7 @@ class ChaosRun:
         self.rng = random.Random(sc.seed)
         self.auth = None
         if sc.auth:
-            from services.auth import write_auth_dir
+            from gearshift.bus.auth import write_auth_dir
 
             self.auth = write_auth_dir(root / "auth", [f"node{i}" for i in range(sc.nodes)], list(TENANTS))
         self.fleet = NatsFleet(root / "nats", sc.servers, self.auth.config if self.auth else None)
@@ -444,17 +454,18 @@ class ChaosRun:
         """nats-py connect options of ``user`` (none with authorisation off)."""
         if self.auth is None:
             return {}
-        from services.auth import connect_options, load_creds
+        from gearshift.bus.auth import connect_options, load_creds
 
         return connect_options(load_creds(self.auth.creds(user)))
 
     async def setup(self) -> None:
         self.fleet.start()
         if self.auth is not None:
-            from services.auth import set_url
+            from gearshift.bus.auth import set_url
 
             set_url(self.auth, self.fleet.url)
-        from services.runtime import connect, ensure_infra
+        from gearshift.bus.client import connect
+        from gearshift.bus.infra import ensure_infra
 
         deadline = time.monotonic() + 60
         while True:  # a fresh cluster elects its JetStream meta leader first
@@ -471,14 +482,14 @@ class ChaosRun:
                 await asyncio.sleep(0.5)
         py = sys.executable
         total = self.sc.nodes * self.sc.gpus_per_node
-        self._add("admission", [py, "-m", "services.admission", "--max-gpus", str(total)], "admission")
-        self._add("optimizer", [py, "-m", "services.optimizer", "--policy", self.sc.policy, "--interval", "1",
+        self._add("admission", [py, "-m", "gearshift.services.admission", "--max-gpus", str(total)], "admission")
+        self._add("optimizer", [py, "-m", "gearshift.services.optimizer", "--policy", self.sc.policy, "--interval", "1",
                                 "--node-timeout", str(NODE_TIMEOUT), "--drain-timeout", str(DRAIN_TIMEOUT)],
                   "optimizer")
-        self._add("perfmodel", [py, "-m", "services.perfmodel_service"], "perfmodel")
+        self._add("perfmodel", [py, "-m", "gearshift.services.perfmodel_service"], "perfmodel")
         for i in range(self.sc.nodes):
             name = f"node{i}"
-            self._add(name, [py, "-m", "agent", "--node", name, "--fake-gpus", str(self.sc.gpus_per_node),
+            self._add(name, [py, "-m", "gearshift.agent", "--node", name, "--fake-gpus", str(self.sc.gpus_per_node),
                              "--cpus", "32", "--workdir", str(self.root / "agents" / name),
                              "--ckpt-root", str(self.root / "ckpt"), "--heartbeat", "0.5", "--grace", "5"],
                       f"agent-{name}")
@@ -499,7 +510,7 @@ class ChaosRun:
 
     # ------------------------------------------------------------ client
     async def client(self) -> Any:
-        from services.runtime import connect
+        from gearshift.bus.client import connect
 
         return await connect(self.fleet.url, name="chaos-client", retry_for=30, **self._creds("admin"))
 
@@ -508,14 +519,14 @@ class ChaosRun:
         if self.auth is None:
             return self.tenant_nc.setdefault("", await self.client()), ""
         if tenant not in self.tenant_nc:
-            from services.runtime import connect
+            from gearshift.bus.client import connect
 
             self.tenant_nc[tenant] = await connect(self.fleet.url, name=f"chaos-{tenant}", retry_for=30,
                                                    **self._creds(f"tenant-{tenant}"))
         return self.tenant_nc[tenant], "." + subj.token(tenant)
 
     async def request(self, nc: Any, subject: str, body: Any, reply_type: Any, give_up: float = 90) -> Any:
-        from services.runtime import ServiceCallError, call
+        from gearshift.bus.client import ServiceCallError, call
 
         deadline = time.monotonic() + give_up
         while True:
@@ -591,7 +602,7 @@ class ChaosRun:
 
     # ------------------------------------------------------------ end
     async def wait_terminal(self, nc: Any) -> dict[str, JobRecord]:
-        from bus_schema.messages import JobList, ListRequest
+        from gearshift.bus_schema.messages import JobList, ListRequest
 
         deadline = time.monotonic() + self.sc.deadline
         recs: dict[str, JobRecord] = {}

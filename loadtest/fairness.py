@@ -47,15 +47,14 @@ import sys
 import time
 
 import numpy as np
-
 from msgspec.structs import replace
 
-from policies.queues import QuotaBook, ShareConfig, fair_entitlement
-from policies.registry import make_policy
-from sim.engine import SimConfig, simulate
-from sim.metrics import summarize
-from sim.synthetic import synthetic_trace
-from sim.trace import Trace, TraceJob, parse_cluster
+from gearshift.policies.queues import QuotaBook, ShareConfig, fair_entitlement
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import SimConfig, simulate
+from gearshift.sim.metrics import summarize
+from gearshift.sim.synthetic import synthetic_trace
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
 CLUSTER = "8x8"
 MIXED = "a100:4x8,v100:4x8"  # the same 64 GPUs, half of them V100s
@@ -382,7 +381,7 @@ def main(argv=None) -> int:
     out["pass"] = ok
     if args.markdown:
         with open(args.markdown, "w") as f:
-            from .fairness_report import markdown
+            from loadtest.fairness_report import markdown
 
             f.write(markdown(out, "python -m loadtest.fairness " + " ".join(argv if argv is not None else sys.argv[1:])))
         if not args.series:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .fairness import MIN_ENTITLED, SHARE_TOLERANCE, WINDOW
+from loadtest.fairness import MIN_ENTITLED, SHARE_TOLERANCE, WINDOW
 
 
 def _num(x) -> str:

@@ -40,12 +40,12 @@ from typing import Any
 
 from nats.js.api import DeliverPolicy
 
-import agent.heartbeat as heartbeat_module
-from agent.agent import Agent
-from agent.emulated_runner import CheckpointStore, EmulatedRunner
-from agent.probe import FakeProbe
-from bus_schema import subjects as subj
-from services.auth_alloc import AllocEntry
+import gearshift.agent.heartbeat as heartbeat_module
+from gearshift.agent.agent import Agent
+from gearshift.agent.emulated_runner import CheckpointStore, EmulatedRunner
+from gearshift.agent.probe import FakeProbe
+from gearshift.bus.alloc_watch import AllocEntry
+from gearshift.bus_schema import subjects as subj
 
 
 class _NodeWatch:
@@ -104,7 +104,7 @@ class SharedAllocWatch:
             w.queue.put_nowait(entry)
 
     async def watch(self, js: Any, node: str) -> _NodeWatch:
-        """What ``Agent`` calls instead of ``services.auth_alloc.node_alloc_watch``."""
+        """What ``Agent`` calls instead of ``gearshift.bus.alloc_watch.node_alloc_watch``."""
         w = _NodeWatch()
         for entry in self.current.get(node, {}).values():
             w.queue.put_nowait(entry)
@@ -210,7 +210,7 @@ class Fleet:
 
 
 async def amain(args: argparse.Namespace, stop: asyncio.Event) -> dict:
-    from services.runtime import connect
+    from gearshift.bus.client import connect
 
     nc = await connect(args.server, name="gearshift-fleet", retry_for=10)
     t0 = time.monotonic()
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 0:
         ap.error("--nodes must be at least 1 and --gpus-per-node at least 0")
-    from services.runtime import run_service
+    from gearshift.bus.process import run_service
 
     result: dict = {}
 

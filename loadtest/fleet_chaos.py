@@ -32,13 +32,14 @@ from typing import Any
 
 from nats.js.api import DeliverPolicy
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobList, ListRequest, SubmitReply, SubmitRequest
-from services.natsd import NatsServer
-from services.runtime import call, connect, ensure_infra
-
-from .fleet import Fleet
-from .scale import Procs, Run
+from gearshift.bus.client import call, connect
+from gearshift.bus.infra import ensure_infra
+from gearshift.bus.natsd import NatsServer
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobList, ListRequest, SubmitReply, SubmitRequest
+from loadtest.fleet import Fleet
+from loadtest.scale import Procs, Run
 
 
 async def all_jobs(nc: Any) -> dict[str, Any]:
@@ -82,9 +83,9 @@ async def scenario(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     try:
         nc = await connect(server.url, name="fleet-chaos", retry_for=10)
         await ensure_infra(nc)
-        procs.start("admission", ["services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
+        procs.start("admission", ["gearshift.services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
                     workdir / "admission.log")
-        procs.start("optimizer", ["services.optimizer", "--policy", a.policy, "--interval", "1",
+        procs.start("optimizer", ["gearshift.services.optimizer", "--policy", a.policy, "--interval", "1",
                                   "--node-timeout", str(a.node_timeout), "--archive-after", "10"], env,
                     workdir / "optimizer.log")
         procs.watch({})
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.agents < 1 or a.jobs < 1 or not 0 < a.kill_fraction < 1:
         ap.error("--agents and --jobs must be positive, --kill-fraction between 0 and 1")
-    from services.runtime import configure_logging
+    from gearshift.bus.log import configure_logging
 
     configure_logging("json", a.log_level)  # the fleet's agents log here
     with tempfile.TemporaryDirectory(prefix="gearshift-fleet-chaos-") as d:

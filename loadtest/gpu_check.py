@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent import launch, reference
-from agent.probe import NoGpuDriver, NvmlProbe
-from bus_schema.messages import Allocation, GpuReport, NodePlacement, Plan
+from gearshift.agent import launch, reference
+from gearshift.agent.probe import NoGpuDriver, NvmlProbe
+from gearshift.bus_schema.messages import Allocation, GpuReport, NodePlacement, Plan
 
 CHILD_SEES = r"""
 import json, re, sys
@@ -233,11 +233,12 @@ async def workload(probe: NvmlProbe, name: str, plan: Plan, gpus: list[int], ste
 async def one_switch(n_gpus: int, steps: int) -> dict[str, Any]:
     """Submit the reference workload as DP1 to a local cluster whose agent
     reads the real GPUs, switch it once, and see it finish."""
-    from bus_schema import codec, subjects as subj
-    from bus_schema.messages import JobSpec, JobState, ReconfigureReply, ReconfigureRequest
+    from gearshift.bus.client import call
+    from gearshift.bus_schema import codec
+    from gearshift.bus_schema import subjects as subj
+    from gearshift.bus_schema.messages import JobSpec, JobState, ReconfigureReply, ReconfigureRequest
     from gearshift.client import Client
     from gearshift.cluster import LocalCluster
-    from services.runtime import call
 
     to = Plan(dp=2) if n_gpus >= 2 else Plan(dp=1, ga=2)
     with tempfile.TemporaryDirectory(prefix="gpucheck-switch-") as tmp:

@@ -26,13 +26,12 @@ import sys
 import time
 import zlib
 
-from bus_schema.messages import JobSpec
-from policies.api import NodeState, make_job_view
-from policies.learning import LearningOracle
-from policies.oracle import PerfModelOracle
-from policies.rubick import Rubick
-
-from .optimality_gap import BATCH, MODELS
+from gearshift.bus_schema.messages import JobSpec
+from gearshift.policies.api import NodeState, make_job_view
+from gearshift.policies.learning import LearningOracle
+from gearshift.policies.oracle import PerfModelOracle
+from gearshift.policies.rubick import Rubick
+from loadtest.optimality_gap import BATCH, MODELS
 
 
 class FreshLearningOracle(LearningOracle):

@@ -29,14 +29,13 @@ import time
 
 import msgspec
 
-from bus_schema.messages import JobRecord, JobSpec, JobState, NodePlacement
-from policies.api import NodeState, check_decision
-from policies.learning import LearningOracle
-from policies.oracle import PerfModelOracle
-from policies.rubick import Rubick
-from services.policy_bridge import JobViews, PolicyStep
-
-from .optimality_gap import BATCH, MODELS
+from gearshift.bus_schema.messages import JobRecord, JobSpec, JobState, NodePlacement
+from gearshift.policies.api import NodeState, check_decision
+from gearshift.policies.learning import LearningOracle
+from gearshift.policies.oracle import PerfModelOracle
+from gearshift.policies.rubick import Rubick
+from gearshift.services.policy_bridge import JobViews, PolicyStep
+from loadtest.optimality_gap import BATCH, MODELS
 
 
 class _NoModels:

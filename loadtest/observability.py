@@ -152,8 +152,8 @@ def stop_up(proc: subprocess.Popen) -> int:
 
 # ------------------------------------------------------------------ the workload
 def _spec(name: str, tenant: str, gpus: int, plan: dict, steps: int, step_time: float, model: dict | None = None):
-    from bus_schema import codec
-    from bus_schema.messages import JobSpec
+    from gearshift.bus_schema import codec
+    from gearshift.bus_schema.messages import JobSpec
 
     return codec.convert({
         "name": name, "tenant": tenant, "gpus": gpus, "global_batch": 16, "steps": steps, "step_time": step_time,
@@ -162,9 +162,9 @@ def _spec(name: str, tenant: str, gpus: int, plan: dict, steps: int, step_time: 
 
 
 async def workload(data: Path, watcher: Watcher, log) -> dict[str, Any]:
+    from gearshift.bus.auth import connect_options, load_creds
+    from gearshift.bus.client import connect
     from gearshift.client import Client
-    from services.auth import connect_options, load_creds
-    from services.runtime import connect
 
     admin = load_creds(data / "up" / "auth" / "admin.creds")
     client = Client(await connect(admin["url"], name="observability", retry_for=10, **connect_options(admin)))

@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from bus_schema.messages import JobSpec, ModelSpec
-from policies.api import JobView, NodeState, check_decision
-from policies.optimal import milp_optimum
-from policies.oracle import AnalyticOracle
-from policies.rubick import Rubick
+from gearshift.bus_schema.messages import JobSpec, ModelSpec
+from gearshift.policies.api import JobView, NodeState, check_decision
+from gearshift.policies.optimal import milp_optimum
+from gearshift.policies.oracle import AnalyticOracle
+from gearshift.policies.rubick import Rubick
 
 MODELS = [
     ModelSpec(name="vit", params=86, layers=12, hidden=768, seq_len=197),
@@ -55,7 +55,7 @@ def random_instance(rng: random.Random, max_jobs: int = 12, max_nodes: int = 4, 
             cpg = spec.cpus_per_gpu
             for name, (g, c) in free.items():
                 if g >= gpus and c >= gpus * cpg:
-                    from policies.api import Placement, default_plan
+                    from gearshift.policies.api import Placement, default_plan
 
                     jv.placement = (Placement(name, gpus, gpus * cpg),)
                     jv.plan = default_plan(spec)

@@ -44,14 +44,21 @@ from pathlib import Path
 
 import msgspec
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    GpuReport, JobRecord, JobState, NodeReport, RunReport, RunReportKind, SubmitReply,
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    GpuReport,
+    JobRecord,
+    JobState,
+    NodeReport,
+    RunReport,
+    RunReportKind,
+    SubmitReply,
 )
-from policies.api import Placement
-from sim.engine import SimConfig, Simulator
-from sim.loaders import load_named
-from sim.trace import Trace, TraceJob, parse_cluster
+from gearshift.policies.api import Placement
+from gearshift.sim.engine import SimConfig, Simulator
+from gearshift.sim.loaders import load_named
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
 ACTIVE = (JobState.SCHEDULED, JobState.RUNNING)
 
@@ -79,7 +86,7 @@ def _summary(decision, name_of=lambda j: j) -> dict[str, tuple]:
 
 # ------------------------------------------------------------------ simulated side
 def run_sim(trace: Trace, cfg: SimConfig, predictor, truth_predictor, policy_options: dict):
-    from policies.registry import make_policy
+    from gearshift.policies.registry import make_policy
 
     pol = make_policy("rubick", **policy_options)
     rounds: dict[float, dict] = {}
@@ -130,7 +137,7 @@ class Driver:
             await kv.put(f"n{i}", codec.encode(rep))
 
     async def submit(self, j: TraceJob) -> None:
-        from services.runtime import call
+        from gearshift.bus.client import call
 
         spec = msgspec.to_builtins(msgspec.structs.replace(j.spec, name=j.job_id))
         rep = await call(self.nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": spec}).encode(), SubmitReply)
@@ -194,7 +201,7 @@ class Driver:
 
     async def publish_progress(self) -> None:
         """Rank 0's progress line (``gs.job.<id>.progress``), as agents publish it."""
-        from bus_schema.messages import JobProgress
+        from gearshift.bus_schema.messages import JobProgress
 
         t = self.clock()
         want = {}
@@ -245,12 +252,13 @@ class Driver:
 
 async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, grid: list[float], data_dir: Path,
                    verbose: bool = False):
-    import services.admission as adm_mod
-    import services.optimizer as opt_mod
-    from services.admission import start_admission
-    from services.natsd import NatsServer
-    from services.optimizer import Optimizer
-    from services.runtime import connect, ensure_infra
+    import gearshift.services.admission as adm_mod
+    import gearshift.services.optimizer as opt_mod
+    from gearshift.bus.client import connect
+    from gearshift.bus.infra import ensure_infra
+    from gearshift.bus.natsd import NatsServer
+    from gearshift.services.admission import start_admission
+    from gearshift.services.optimizer import Optimizer
 
     clock = Clock()
     # The injected clock, in every service module that reads the time: the optimizer's
@@ -258,10 +266,10 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
     # there made the live policy see a job switched in the future, pinned forever).
     import importlib
 
-    import services.runtime as rt_mod
+    import gearshift.bus.clock as rt_mod
 
-    for name in ("services.admission", "services.optimizer", "services.record_writer", "services.alloc_writer",
-                 "services.node_modes", "services.lifecycle", "services.policy_bridge"):
+    for name in ("gearshift.services.admission", "gearshift.services.optimizer", "gearshift.services.record_writer", "gearshift.services.alloc_writer",
+                 "gearshift.services.node_modes", "gearshift.services.lifecycle", "gearshift.services.policy_bridge"):
         mod = importlib.import_module(name)
         if getattr(mod, "now", None) is rt_mod.now:
             mod.now = clock
@@ -291,7 +299,7 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
         opt.is_leader = True
         await nc.subscribe("gs.job.*.progress", cb=opt.on_progress)  # what _lead subscribes to
         opt.leader_since = time.monotonic()
-        from policies.kernels import warm_up
+        from gearshift.policies.kernels import warm_up
 
         await asyncio.to_thread(warm_up)
         drv = Driver(trace, cfg, truth, nc, opt, clock, cfg.restart_cost)
@@ -382,10 +390,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-v", "--verbose", action="store_true", help="progress on stderr")
     args = ap.parse_args(argv)
-    from services.runtime import configure_logging
+    from gearshift.bus.log import configure_logging
 
     configure_logging("json", "ERROR")  # stdout carries the report only; log lines go to stderr
-    from sim.perfmodel_bridge import find_predictor
+    from gearshift.sim.perfmodel_bridge import find_predictor
 
     trace = scripted_trace(args.jobs)
     cfg = SimConfig(interval=args.interval, restart_cost=args.restart_cost, seed=args.seed, regime="extended",

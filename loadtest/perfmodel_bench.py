@@ -16,8 +16,8 @@ import numpy as np
 
 
 def _candidates(n: int, seed: int = 0):
-    from perfmodel.plans import PlanArray, ResourceArray, Resources, enumerate_plans
-    from perfmodel.rubick import rubick_shape
+    from gearshift.perfmodel.plans import PlanArray, ResourceArray, Resources, enumerate_plans
+    from gearshift.perfmodel.rubick import rubick_shape
 
     shape = rubick_shape("gpt2")
     parts, res = [], []
@@ -34,9 +34,9 @@ def _candidates(n: int, seed: int = 0):
 
 
 def run(n: int = 100_000, repeat: int = 5) -> dict:
-    from perfmodel.catalog import fitted_model_for
-    from perfmodel.kernels import iteration_time_ms_numba, warm_up
-    from perfmodel.model import iteration_time_ms, shape_consts
+    from gearshift.perfmodel.catalog import fitted_model_for
+    from gearshift.perfmodel.kernels import iteration_time_ms_numba, warm_up
+    from gearshift.perfmodel.model import iteration_time_ms, shape_consts
 
     shape, plans, res = _candidates(n)
     params = fitted_model_for("gpt2")

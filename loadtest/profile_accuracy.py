@@ -34,13 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent import reference
-from bus_schema import codec
-from bus_schema.messages import ModelSpec, Plan
+from gearshift.agent import reference
+from gearshift.bus.client import call, connect
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import ModelSpec, Plan
 from gearshift.cluster import LocalCluster
-from services.perfmodel_service import PERFMODEL_PREDICT, PredictReply, PredictRequest, ResourceSpec
-from services.profiler import PROFILER_PROFILE, ProfileReply, ProfileRequest
-from services.runtime import call, connect
+from gearshift.services.perfmodel_service import PERFMODEL_PREDICT, PredictReply, PredictRequest, ResourceSpec
+from gearshift.services.profiler import PROFILER_PROFILE, ProfileReply, ProfileRequest
 
 HELD_OUT = [
     Plan(dp=1, ga=2),

@@ -20,13 +20,12 @@ import statistics
 import sys
 import time
 
-from bus_schema.messages import JobSpec
-from policies.api import JobView, NodeState, Placement, check_decision, default_plan
-from policies.kernels import greedy_allocate, warm_up
-from policies.oracle import AnalyticOracle
-from policies.rubick import Rubick
-
-from .optimality_gap import BATCH, MODELS
+from gearshift.bus_schema.messages import JobSpec
+from gearshift.policies.api import JobView, NodeState, Placement, check_decision, default_plan
+from gearshift.policies.kernels import greedy_allocate, warm_up
+from gearshift.policies.oracle import AnalyticOracle
+from gearshift.policies.rubick import Rubick
+from loadtest.optimality_gap import BATCH, MODELS
 
 
 def build(jobs: int, nodes: int, gpus_per_node: int, cpus_per_node: int, seed: int, now: float):

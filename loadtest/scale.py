@@ -73,13 +73,14 @@ from typing import Any
 import msgspec
 import psutil
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobSpec, Plan, RoundCompleted, SubmitReply, SubmitRequest
-from services.natsd import NatsServer
-from services.runtime import connect, ensure_infra
-from services.views import NodesView
-
-from .optimality_gap import BATCH, MODELS
+from gearshift.bus.client import connect
+from gearshift.bus.infra import ensure_infra
+from gearshift.bus.natsd import NatsServer
+from gearshift.bus.views import NodesView
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobSpec, Plan, RoundCompleted, SubmitReply, SubmitRequest
+from loadtest.optimality_gap import BATCH, MODELS
 
 # The policy's own time constants are kept (rubick's: a 260 s restart, a 600 s
 # minimum run time), though the jobs here last 20-60 s: a job started on 1 of its 8
@@ -368,9 +369,9 @@ class Run:
         try:
             nc = await connect(server.url, name="scale", retry_for=10)
             await ensure_infra(nc)
-            procs.start("admission", ["services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
+            procs.start("admission", ["gearshift.services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
                         self.workdir / "admission.log")
-            procs.start("optimizer", ["services.optimizer", "--policy", a.policy, "--interval", str(a.interval),
+            procs.start("optimizer", ["gearshift.services.optimizer", "--policy", a.policy, "--interval", str(a.interval),
                                       *(["--policy-options", a.policy_options] if a.policy_options else []),
                                       "--node-timeout", str(a.node_timeout), "--archive-after", "10"], env,
                         self.workdir / "optimizer.log")

@@ -19,8 +19,8 @@ BLOX_SECONDS = 7.4 * 60
 
 
 def blox_load8(policy_name: str = "fifo") -> dict:
-    from policies.registry import make_policy
-    from sim import SimConfig, load_named, simulate, summarize
+    from gearshift.policies.registry import make_policy
+    from gearshift.sim import SimConfig, load_named, simulate, summarize
 
     t0 = time.perf_counter()
     trace = load_named("blox-load8")
@@ -46,8 +46,8 @@ def blox_load8(policy_name: str = "fifo") -> dict:
 
 
 def named_trace(trace_name: str, policy_name: str) -> dict:
-    from policies.registry import make_policy
-    from sim import SimConfig, load_named, simulate, summarize
+    from gearshift.policies.registry import make_policy
+    from gearshift.sim import SimConfig, load_named, simulate, summarize
 
     t0 = time.perf_counter()
     res = simulate(load_named(trace_name), make_policy(policy_name), config=SimConfig())

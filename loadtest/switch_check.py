@@ -39,12 +39,21 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent import reference
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobProgress, JobSpec, JobState, JobSwitched, Plan, ReconfigureReply, ReconfigureRequest
+from gearshift.agent import reference
+from gearshift.bus.client import call
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    JobProgress,
+    JobSpec,
+    JobState,
+    JobSwitched,
+    Plan,
+    ReconfigureReply,
+    ReconfigureRequest,
+)
 from gearshift.client import Client
 from gearshift.cluster import LocalCluster
-from services.runtime import call
 
 PHASES = ("checkpoint_s", "teardown_s", "launch_s", "restore_s", "first_step_s", "total_s")
 START = (Plan(dp=1), [("node0", 1)], "DP1")
@@ -66,7 +75,7 @@ async def _reconfigure(nc, job_id: str, plan: Plan, placement, label: str) -> Re
     return await call(nc, subj.OPTIMIZER + ".reconfigure", req, ReconfigureReply, timeout=10)
 
 
-WARM_MODULE = "agent.reference.train"
+WARM_MODULE = "gearshift.agent.reference.train"
 WARM_WAIT_S = 300.0
 
 
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                   plan={"dp": 1}, extra_args=("--ckpt-every", "100000"), env=env)
         # agents keep warm workers for the workload from the start (agent/warm.py), so even a
         # node's first generation of the job skips `import torch`; --cold measures without them
-        os.environ["GEARSHIFT_WARM"] = "" if args.cold else "agent.reference.train"
+        os.environ["GEARSHIFT_WARM"] = "" if args.cold else "gearshift.agent.reference.train"
         with LocalCluster(nodes=2, gpus_per_node=2, cpus_per_node=8, interval=0.25, grace=30.0,
                           data_dir=str(Path(tmp) / "cluster")) as cluster:
             log(f"cluster up at {cluster.url}; logs in {cluster.log_dir}; switches at steps {holds}, {steps} steps")

@@ -61,17 +61,26 @@ Units: iteration time in seconds from `predict`, milliseconds inside the model;
 bandwidths in GB/s; parameters in millions.
 """
 
-from .catalog import fitted_model_for, params_for_shape, rubick_job, shape_from_spec, shipped_cluster, sim_predictor
-from .curve import Allocation, SensitivityCurve, clear_curve_cache, curve
-from .fit import Sample, fit, fit_joint
-from .gputypes import REFERENCE as REFERENCE_GPU, SPECS as GPU_SPECS, params_for_type
-from .memory import memory_feasible, memory_parts_gb, memory_per_gpu_gb
-from .model import CLUSTER_NAMES, PARAM_NAMES, PerfParams
-from .plans import FAMILIES, Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
-from .predict import Prediction, best_plan, plan_throughput, predict
-from .rubick import MODELS as RUBICK_MODELS
-from .rubick import rubick_global_batch, rubick_shape
-from .shapes import ModelShape
+from gearshift.perfmodel.catalog import (
+    fitted_model_for,
+    params_for_shape,
+    rubick_job,
+    shape_from_spec,
+    shipped_cluster,
+    sim_predictor,
+)
+from gearshift.perfmodel.curve import Allocation, SensitivityCurve, clear_curve_cache, curve
+from gearshift.perfmodel.fit import Sample, fit, fit_joint
+from gearshift.perfmodel.gputypes import REFERENCE as REFERENCE_GPU
+from gearshift.perfmodel.gputypes import SPECS as GPU_SPECS
+from gearshift.perfmodel.gputypes import params_for_type
+from gearshift.perfmodel.memory import memory_feasible, memory_parts_gb, memory_per_gpu_gb
+from gearshift.perfmodel.model import CLUSTER_NAMES, PARAM_NAMES, PerfParams
+from gearshift.perfmodel.plans import FAMILIES, Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
+from gearshift.perfmodel.predict import Prediction, best_plan, plan_throughput, predict
+from gearshift.perfmodel.rubick import MODELS as RUBICK_MODELS
+from gearshift.perfmodel.rubick import rubick_global_batch, rubick_shape
+from gearshift.perfmodel.shapes import ModelShape
 
 __all__ = [
     "Allocation", "CLUSTER_NAMES", "GPU_SPECS", "REFERENCE_GPU", "params_for_type", "FAMILIES", "ModelShape", "PARAM_NAMES", "PerfParams", "Plan", "PlanArray",

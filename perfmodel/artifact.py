@@ -12,7 +12,7 @@ import csv
 import math
 from pathlib import Path
 
-from .rubick import DATA_DIR, GLOBAL_BATCH
+from gearshift.perfmodel.rubick import DATA_DIR, GLOBAL_BATCH
 
 # Per model: P ("MB" = params / 2^20), validation forward F (ms), scheduler
 # forward F for 3D, B_nvlink, B_pcie, seq*hidden, layers.

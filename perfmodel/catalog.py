@@ -16,9 +16,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .model import CLUSTER_NAMES, PARAM_NAMES, PARAM_PRIOR, PerfParams
-from .rubick import DATA_DIR, MODELS, balance_weights, load_placements, load_profile, rubick_global_batch, rubick_shape
-from .shapes import ModelShape
+from gearshift.perfmodel.model import CLUSTER_NAMES, PARAM_NAMES, PARAM_PRIOR, PerfParams
+from gearshift.perfmodel.rubick import (
+    DATA_DIR,
+    MODELS,
+    balance_weights,
+    load_placements,
+    load_profile,
+    rubick_global_batch,
+    rubick_shape,
+)
+from gearshift.perfmodel.shapes import ModelShape
 
 # Bump whenever the model's formulas change: stored fits are then recomputed.
 MODEL_VERSION = "gearshift-perfmodel-5"
@@ -31,15 +39,15 @@ def fit_profiled_rows(data_dir=DATA_DIR) -> tuple[np.ndarray, dict[str, np.ndarr
     """The fit the live system could have: each model's profiling runs plus at
     most 7 configurations chosen by the profiler's rule (``validate.profiled_data``),
     as ``perfmodel validate`` fits its held-out model. Never any other row."""
-    from .fit import fit_joint
-    from .validate import profiled_data
+    from gearshift.perfmodel.fit import fit_joint
+    from gearshift.perfmodel.validate import profiled_data
 
     return fit_joint(profiled_data(data_dir)[4])
 
 
 def fit_all_rows(data_dir=DATA_DIR) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    from .fit import fit_joint
-    from .validate import TRAINING_ROWS, is_artefact_row
+    from gearshift.perfmodel.fit import fit_joint
+    from gearshift.perfmodel.validate import TRAINING_ROWS, is_artefact_row
 
     prof = {m: load_profile(m, data_dir) for m in MODELS}
     # Cells that measure the testbed rather than the plan (ViT's multi-node
@@ -166,8 +174,8 @@ def sim_predictor(gpus_per_node: int = 8, fit: str = "belief"):
     (0 when the plan does not fit or is not valid on that placement). ``fit``:
     "belief" (profiling-only, what policies get) or "in_sample" (all rows; the
     extended regime's truth starts from it)."""
-    from .plans import Resources, as_plan
-    from .predict import predict
+    from gearshift.perfmodel.plans import Resources, as_plan
+    from gearshift.perfmodel.predict import predict
 
     cache: dict = {}
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels import iteration_time_ms_numba
-from .memory import memory_per_gpu_gb
-from .model import PerfParams, shape_consts
-from .plans import Plan, PlanArray, ResourceArray, Resources, enumerate_plans
-from .predict import plan_validity
-from .shapes import ModelShape
+from gearshift.perfmodel.kernels import iteration_time_ms_numba
+from gearshift.perfmodel.memory import memory_per_gpu_gb
+from gearshift.perfmodel.model import PerfParams, shape_consts
+from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, enumerate_plans
+from gearshift.perfmodel.predict import plan_validity
+from gearshift.perfmodel.shapes import ModelShape
 
 KNEE_TOLERANCE = 0.01
 DEFAULT_THREADS = (1.0, 2.0, 4.0, 8.0)

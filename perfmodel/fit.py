@@ -16,12 +16,22 @@ import numpy as np
 from scipy.optimize import least_squares
 from scipy.sparse import lil_matrix
 
-from .model import (
-    CPU_SERIAL, CLUSTER_BOUNDS, CLUSTER_NAMES, CLUSTER_PRIOR, PARAM_BOUNDS, PARAM_NAMES, PARAM_PRIOR,
-    PerfParams, default_cluster, default_theta, model_terms, shape_consts,
+from gearshift.perfmodel.model import (
+    CLUSTER_BOUNDS,
+    CLUSTER_NAMES,
+    CLUSTER_PRIOR,
+    CPU_SERIAL,
+    PARAM_BOUNDS,
+    PARAM_NAMES,
+    PARAM_PRIOR,
+    PerfParams,
+    default_cluster,
+    default_theta,
+    model_terms,
+    shape_consts,
 )
-from .plans import Plan, PlanArray, ResourceArray, Resources, as_plan
-from .shapes import ModelShape
+from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, as_plan
+from gearshift.perfmodel.shapes import ModelShape
 
 # Weight of the profiled components relative to iteration time.  Low: the
 # per-phase timers are a different instrument (the artifact's placement rows
@@ -247,7 +257,7 @@ def fit(
     """Fit one model's parameters from its samples, holding the cluster
     constants fixed (default: the constants fitted on the shipped Rubick data)."""
     if cluster is None:
-        from .catalog import shipped_cluster
+        from gearshift.perfmodel.catalog import shipped_cluster
 
         cluster = shipped_cluster()
     _, ths = fit_joint({shape.name: (shape, list(samples))}, cluster=cluster, prior_weight=prior_weight)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .model import C_INDEX, P_INDEX, PerfParams
+from gearshift.perfmodel.model import C_INDEX, P_INDEX, PerfParams
 
 
 @dataclass(frozen=True)

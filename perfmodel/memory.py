@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plans import PlanArray
-from .shapes import ModelShape
+from gearshift.perfmodel.plans import PlanArray
+from gearshift.perfmodel.shapes import ModelShape
 
 GIB = 1024.0**3
 # CUDA context + NCCL/communication buckets + fragmentation slack.

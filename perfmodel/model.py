@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .plans import PlanArray, ResourceArray
-from .shapes import ModelShape
+from gearshift.perfmodel.plans import PlanArray, ResourceArray
+from gearshift.perfmodel.shapes import ModelShape
 
 # Per-model parameters, all positive (fitted in log space).
 PARAM_NAMES = (

@@ -8,10 +8,10 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from .memory import memory_per_gpu_gb
-from .model import PerfParams, iteration_time_ms, shape_consts
-from .plans import PlanArray, ResourceArray, Resources, as_plan
-from .shapes import ModelShape
+from gearshift.perfmodel.memory import memory_per_gpu_gb
+from gearshift.perfmodel.model import PerfParams, iteration_time_ms, shape_consts
+from gearshift.perfmodel.plans import PlanArray, ResourceArray, Resources, as_plan
+from gearshift.perfmodel.shapes import ModelShape
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def predict(
     ra = as_resource_array(resources, len(pa))
     consts = shape_consts(shape)
     if engine == "numba":
-        from .kernels import iteration_time_ms_numba
+        from gearshift.perfmodel.kernels import iteration_time_ms_numba
 
         t_ms = iteration_time_ms_numba(params.theta, params.cluster, consts, pa, ra)
     elif engine == "numpy":
@@ -109,7 +109,7 @@ def best_plan(
 ):
     """(plan, throughput) of the fastest feasible plan on `resources`
     (over the whole plan space unless `plans` is given); (None, 0.0) if none."""
-    from .plans import enumerate_plans
+    from gearshift.perfmodel.plans import enumerate_plans
 
     pa = enumerate_plans(shape, global_batch, resources) if plans is None else as_plan_array(plans)
     if len(pa) == 0:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .memory import memory_feasible
-from .plans import Plan, PlanArray, ResourceArray, Resources, divisors, plan_family
-from .shapes import ModelShape
+from gearshift.perfmodel.memory import memory_feasible
+from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, divisors, plan_family
+from gearshift.perfmodel.shapes import ModelShape
 
 DATA_DIR = Path(__file__).parent / "data" / "rubick"
 

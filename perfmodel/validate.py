@@ -22,14 +22,23 @@ from pathlib import Path
 
 import numpy as np
 
-from .artifact import artifact_iter_ms, history_params
-from .fit import fit_joint
-from .memory import memory_feasible
-from .model import CLUSTER_NAMES, PARAM_NAMES, iteration_time_ms, shape_consts
-from .plans import Plan, PlanArray, Resources, divisors
-from .rubick import (
-    DATA_DIR, GLOBAL_BATCH, MODELS, QUIRKS, balance_weights, family_of_label, load_placements, load_profile, map_label,
-    rows_to_arrays, rubick_shape,
+from gearshift.perfmodel.artifact import artifact_iter_ms, history_params
+from gearshift.perfmodel.fit import fit_joint
+from gearshift.perfmodel.memory import memory_feasible
+from gearshift.perfmodel.model import CLUSTER_NAMES, PARAM_NAMES, iteration_time_ms, shape_consts
+from gearshift.perfmodel.plans import Plan, PlanArray, Resources, divisors
+from gearshift.perfmodel.rubick import (
+    DATA_DIR,
+    GLOBAL_BATCH,
+    MODELS,
+    QUIRKS,
+    balance_weights,
+    family_of_label,
+    load_placements,
+    load_profile,
+    map_label,
+    rows_to_arrays,
+    rubick_shape,
 )
 
 POOLED_LIMIT = 0.12

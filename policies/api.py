@@ -56,7 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from bus_schema.messages import JobSpec, Plan
+from gearshift.bus_schema.messages import JobSpec, Plan
 
 
 @dataclass(slots=True)

@@ -16,10 +16,10 @@ caller (``loadtest.fairness``) can check that backfilled jobs never delayed it.
 
 from __future__ import annotations
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
-from .classes import by_class
-from .ordering import fifo_key, remaining_time
-from .placement import Ledger, describe
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from gearshift.policies.classes import by_class
+from gearshift.policies.ordering import fifo_key, remaining_time
+from gearshift.policies.placement import Ledger, describe
 
 
 def _place(ledger: Ledger, job: JobView, cpg: int):

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus_schema.messages import Plan
-
-from .api import JobView, PerfOracle, Placement, default_plan
-from .plans import candidate_plans, scaled_user_plan
+from gearshift.bus_schema.messages import Plan
+from gearshift.policies.api import JobView, PerfOracle, Placement, default_plan
+from gearshift.policies.plans import candidate_plans, scaled_user_plan
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
-from . import typed_place
-from .placement import Ledger, describe
+from gearshift.policies import typed_place
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from gearshift.policies.placement import Ledger, describe
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 

@@ -45,10 +45,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .api import Decision, JobDecision, JobView, NodeState, default_plan
-from . import typed_place
-from .placement import Ledger, describe
-from .queues import QuotaBook, ShareConfig, fair_entitlement
+from gearshift.policies import typed_place
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, default_plan
+from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.queues import QuotaBook, ShareConfig, fair_entitlement
 
 _EPS = 1e-6
 

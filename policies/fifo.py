@@ -7,9 +7,9 @@ Priority classes (``JobSpec.priority``) come first: FIFO within a class.
 
 from __future__ import annotations
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
-from .classes import class_rank
-from .placement import first_fit, largest_block, take
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from gearshift.policies.classes import class_rank
+from gearshift.policies.placement import first_fit, largest_block, take
 
 
 class Fifo:

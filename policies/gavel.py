@@ -31,10 +31,10 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linprog
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
-from .classes import class_rank
-from .placement import Ledger, describe
-from .gavel_hetero import HeteroGavel
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from gearshift.policies.classes import class_rank
+from gearshift.policies.gavel_hetero import HeteroGavel
+from gearshift.policies.placement import Ledger, describe
 
 
 class Gavel(HeteroGavel):

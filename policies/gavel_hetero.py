@@ -24,17 +24,17 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linprog
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, accepts, default_plan
-from .hetero import compact_shape, node_types, typed_oracle
-from .classes import class_rank
-from .placement import Ledger, describe
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, accepts, default_plan
+from gearshift.policies.classes import class_rank
+from gearshift.policies.hetero import compact_shape, node_types, typed_oracle
+from gearshift.policies.placement import Ledger, describe
 
 
 class HeteroGavel:
     """Mixin of ``policies.gavel.Gavel``: ``schedule_hetero``."""
 
     def throughput_matrix(self, jobs: list[JobView], nodes: list[NodeState], perf, types: list[str]) -> np.ndarray:
-        from .oracle import AnalyticOracle
+        from gearshift.policies.oracle import AnalyticOracle
 
         perf = perf or AnalyticOracle()
         T = np.zeros((len(jobs), len(types)))
@@ -105,7 +105,7 @@ class HeteroGavel:
         checkpoint-restore cost when that is longer. Gavel's rounds assume a
         preemption costs seconds; with a 30B model's ~530 s restore, 360 s rounds
         would time-share it into never training (each grant restarts it)."""
-        from perfmodel.restart import restart_seconds
+        from gearshift.perfmodel.restart import restart_seconds
 
         return max(self.min_run_time, 4.0 * restart_seconds(job.spec))
 

@@ -29,7 +29,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import Decision, JobView, NodeState, PerfOracle, Placement, accepts, default_plan, placement_type, with_type
+from gearshift.policies.api import (
+    Decision,
+    JobView,
+    NodeState,
+    PerfOracle,
+    Placement,
+    accepts,
+    default_plan,
+    placement_type,
+    with_type,
+)
 
 
 class TypedOracle:
@@ -57,7 +67,7 @@ class TypedOracle:
 
     def spec_key(self, spec) -> object:
         own = getattr(self.base, "spec_key", None)
-        from .candidates import spec_key as plain
+        from gearshift.policies.candidates import spec_key as plain
 
         return (self.gpu_type, own(spec) if own is not None else plain(spec))
 
@@ -70,7 +80,7 @@ def typed_oracle(perf: PerfOracle | None, gpu_type: str):
     if not gpu_type:
         return perf
     if perf is None:
-        from .oracle import AnalyticOracle
+        from gearshift.policies.oracle import AnalyticOracle
 
         perf = AnalyticOracle()
     return TypedOracle(perf, gpu_type)
@@ -249,7 +259,7 @@ class ByType:
     def _by_model(self, now, nodes, jobs, perf, types, cap, current) -> dict[str, str]:
         from scipy.optimize import linprog
 
-        from .oracle import AnalyticOracle
+        from gearshift.policies.oracle import AnalyticOracle
 
         perf = perf or AnalyticOracle()
         out: dict[str, str] = {}

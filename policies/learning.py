@@ -39,10 +39,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bus_schema.messages import JobSpec, Plan
-
-from .api import JobView, Placement, placement_type
-from .memory_rule import OomRule
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.policies.api import JobView, Placement, placement_type
+from gearshift.policies.memory_rule import OomRule
 
 CHANGE_TOL = 0.02  # an observation within 2% of the current answer changes nothing
 
@@ -152,7 +151,7 @@ class LearningOracle:
         if own is not None:
             base = own(spec)
         else:  # what any oracle's answer may depend on (never shared across models)
-            from .candidates import spec_key
+            from gearshift.policies.candidates import spec_key
 
             base = spec_key(spec)
         hit = self._models.get(id(spec))  # asked for every job whenever the revision moves
@@ -217,7 +216,7 @@ class LearningOracle:
         else:
             hit = self._base_keys.get(id(spec))
             if hit is None or hit[0] is not spec:
-                from .candidates import spec_key
+                from gearshift.policies.candidates import spec_key
 
                 if len(self._base_keys) > 100_000:
                     self._base_keys.clear()

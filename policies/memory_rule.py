@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus_schema.messages import JobSpec, Plan
+from gearshift.bus_schema.messages import JobSpec, Plan
 
 TOL_GB = 1e-6  # parts equal to within this are equal
 

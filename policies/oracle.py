@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bus_schema.messages import Plan
-
-from .api import JobView, Placement, placement_type
+from gearshift.bus_schema.messages import Plan
+from gearshift.policies.api import JobView, Placement, placement_type
 
 
 @dataclass(slots=True)
@@ -106,7 +105,7 @@ class AnalyticOracle:
 
     def _typed(self, gpu_type: str) -> "AnalyticOracle":
         """This oracle's numbers moved to another GPU type by its specifications."""
-        from perfmodel.gputypes import REFERENCE, compute_slowdown, spec_of
+        from gearshift.perfmodel.gputypes import REFERENCE, compute_slowdown, spec_of
 
         ref, s = spec_of(REFERENCE), spec_of(gpu_type)
         return AnalyticOracle(self.gpu_flops / compute_slowdown(gpu_type), s.mem_gb,
@@ -144,7 +143,7 @@ class PerfModelOracle:
     """
 
     def __init__(self, gpu_mem_gb: float | None = None, default_threads: float = 4.0, max_ga: int | None = 16):
-        import perfmodel
+        from gearshift import perfmodel
 
         self._pm = perfmodel
         self.default_threads = default_threads

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .api import JobView, PerfOracle, default_plan
+from gearshift.policies.api import JobView, PerfOracle, default_plan
 
 
 def fifo_key(job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
@@ -19,7 +19,7 @@ def requested_throughput(job: JobView, perf: PerfOracle | None, gpus_per_node: i
     """Predicted samples/s of the job's own plan on its own GPUs, compactly placed."""
     if perf is None:
         return None
-    from .api import Placement
+    from gearshift.policies.api import Placement
 
     plan = default_plan(job.spec)
     g = plan.gpus

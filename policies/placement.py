@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .api import NodeState, Placement
+from gearshift.policies.api import NodeState, Placement
 
 
 def first_fit(

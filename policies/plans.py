@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from bus_schema.messages import JobSpec, Plan
-
-from .api import default_plan
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.policies.api import default_plan
 
 
 def _divisors(n: int) -> list[int]:

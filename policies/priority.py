@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
-from .classes import by_class
-from .ordering import TiresiasQueues, fifo_key, las_key, srtf_key
-from .placement import Ledger, describe
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from gearshift.policies.classes import by_class
+from gearshift.policies.ordering import TiresiasQueues, fifo_key, las_key, srtf_key
+from gearshift.policies.placement import Ledger, describe
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .api import Policy
+from gearshift.policies.api import Policy
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
 
@@ -31,7 +31,7 @@ def make_policy(name: str, **options) -> Policy:
     def build():
         if name == "fifo" and (backfill is not None or sharing is not None):
             # the key-ordered FIFO (same strict head-of-line order) so sharing can rank its queue
-            from .backfill import EasyFifo
+            from gearshift.policies.backfill import EasyFifo
 
             return EasyFifo(backfill=bool(backfill), restart_cost=options.get("restart_cost", 0.0),
                             name="fifo-easy" if backfill else "fifo")
@@ -40,15 +40,15 @@ def make_policy(name: str, **options) -> Policy:
     policy = build()
     if not getattr(policy, "hetero", False):
         # GPU types: one instance per type (policies.hetero); rubick picks types by its model
-        from .hetero import ByType
+        from gearshift.policies.hetero import ByType
 
         policy = ByType(build, getattr(policy, "name", name), "model" if name.startswith("rubick") else "balance",
                         restart_cost=getattr(policy, "restart_cost", 0.0) or 0.0,
                         min_run_time=getattr(policy, "min_run_time", 0.0) or 0.0, primary=policy)
     if sharing is None or sharing is False:
         return policy
-    from .queues import ShareConfig
-    from .sharing import Shared
+    from gearshift.policies.queues import ShareConfig
+    from gearshift.policies.sharing import Shared
 
     raw = {} if sharing is True else dict(sharing)
     if "min_run_time" not in raw and "min_run_time" in options:
@@ -61,9 +61,9 @@ def policy_names() -> list[str]:
 
 
 def _builtin() -> None:
-    from .fifo import Fifo
-    from .priority import Tiresias, make_antman, make_las, make_srtf
-    from .rubick import Rubick
+    from gearshift.policies.fifo import Fifo
+    from gearshift.policies.priority import Tiresias, make_antman, make_las, make_srtf
+    from gearshift.policies.rubick import Rubick
 
     def fifo(restart_cost: float = 0.0, min_run_time: float = 0.0, **kw):
         return Fifo(**kw)
@@ -71,7 +71,7 @@ def _builtin() -> None:
     register("fifo", fifo)
 
     def fifo_easy(restart_cost: float = 0.0, min_run_time: float = 0.0, **kw):
-        from .backfill import EasyFifo
+        from gearshift.policies.backfill import EasyFifo
 
         return EasyFifo(backfill=True, restart_cost=restart_cost, **kw)
 
@@ -84,19 +84,19 @@ def _builtin() -> None:
     register("rubick-n", lambda **kw: Rubick(name="rubick-n", vary_plan=False, **kw))
     register("rubick-r", lambda **kw: Rubick(name="rubick-r", vary_cpu=False, vary_locality=False, **kw))
     try:
-        from .sia import Sia
+        from gearshift.policies.sia import Sia
 
         register("sia", Sia)
     except ImportError:
         pass
     try:
-        from .synergy import Synergy
+        from gearshift.policies.synergy import Synergy
 
         register("synergy", Synergy)
     except ImportError:
         pass
     try:
-        from .gavel import Gavel
+        from gearshift.policies.gavel import Gavel
 
         register("gavel", Gavel)
     except ImportError:

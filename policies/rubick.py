@@ -66,13 +66,23 @@ import math
 
 import numpy as np
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, DEFAULT_MIN_RUN_TIME, DEFAULT_RESTART_COST, default_plan
-from .candidates import CandidateSpace
-from .classes import enforce
-from .kernels import greedy_allocate
-from .oracle import AnalyticOracle
-from .placement import describe
-from .rubick_problem import Problem, ProblemBuilder
+from gearshift.policies.api import (
+    DEFAULT_MIN_RUN_TIME,
+    DEFAULT_RESTART_COST,
+    Decision,
+    JobDecision,
+    JobView,
+    NodeState,
+    PerfOracle,
+    Placement,
+    default_plan,
+)
+from gearshift.policies.candidates import CandidateSpace
+from gearshift.policies.classes import enforce
+from gearshift.policies.kernels import greedy_allocate
+from gearshift.policies.oracle import AnalyticOracle
+from gearshift.policies.placement import describe
+from gearshift.policies.rubick_problem import Problem, ProblemBuilder
 
 
 class Rubick:

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .api import JobView, NodeState, PerfOracle, Placement, default_plan
-from .candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
-from .rubick_rules import resume_weights, seed_groups
+from gearshift.policies.api import JobView, NodeState, PerfOracle, Placement, default_plan
+from gearshift.policies.candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
+from gearshift.policies.rubick_rules import resume_weights, seed_groups
 
 
 @dataclass(slots=True)

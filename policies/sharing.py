@@ -37,13 +37,14 @@ and preemptions for ``loadtest.fairness``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace as dc_replace
+from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 
-from .fairshare import Rebalancer, round_entitlement
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
-from . import typed_place
-from .placement import Ledger, describe
-from .queues import FairShare, QuotaBook, ShareConfig
+from gearshift.policies import typed_place
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
+from gearshift.policies.fairshare import Rebalancer, round_entitlement
+from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.queues import FairShare, QuotaBook, ShareConfig
 
 
 @dataclass(slots=True)

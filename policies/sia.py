@@ -27,13 +27,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from .api import DEFAULT_RESTART_COST, Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
-from .classes import enforce
-from .oracle import AnalyticOracle
-from .placement import Ledger, describe
-from .candidates import oracle_key
-from .plans import scaled_user_plan
-from .sia_hetero import HeteroSia
+from gearshift.policies.api import (
+    DEFAULT_RESTART_COST,
+    Decision,
+    JobDecision,
+    JobView,
+    NodeState,
+    PerfOracle,
+    Placement,
+    default_plan,
+)
+from gearshift.policies.candidates import oracle_key
+from gearshift.policies.classes import enforce
+from gearshift.policies.oracle import AnalyticOracle
+from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.plans import scaled_user_plan
+from gearshift.policies.sia_hetero import HeteroSia
 
 
 class Sia(HeteroSia):

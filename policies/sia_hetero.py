@@ -21,11 +21,20 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, accepts, default_plan
-from .candidates import oracle_key
-from .hetero import node_types, typed_oracle
-from .placement import Ledger, describe
-from .plans import scaled_user_plan
+from gearshift.policies.api import (
+    Decision,
+    JobDecision,
+    JobView,
+    NodeState,
+    PerfOracle,
+    Placement,
+    accepts,
+    default_plan,
+)
+from gearshift.policies.candidates import oracle_key
+from gearshift.policies.hetero import node_types, typed_oracle
+from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.plans import scaled_user_plan
 
 
 class HeteroSia:
@@ -47,7 +56,7 @@ class HeteroSia:
 
     def schedule_hetero(self, now: float, nodes: list[NodeState], jobs: list[JobView],
                         perf: PerfOracle | None) -> Decision:
-        from .oracle import AnalyticOracle
+        from gearshift.policies.oracle import AnalyticOracle
 
         perf = perf or AnalyticOracle()
         types = node_types(nodes)

@@ -21,11 +21,11 @@ carries GPUs and CPUs only).
 
 from __future__ import annotations
 
-from .api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
-from .classes import by_class
-from .candidates import oracle_key
-from .ordering import fifo_key, las_key, srtf_key
-from .placement import Ledger, describe
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, Placement, default_plan
+from gearshift.policies.candidates import oracle_key
+from gearshift.policies.classes import by_class
+from gearshift.policies.ordering import fifo_key, las_key, srtf_key
+from gearshift.policies.placement import Ledger, describe
 
 ORDERS = {"fifo": fifo_key, "las": las_key, "srtf": srtf_key}
 

@@ -9,7 +9,7 @@ read with ``getattr`` so the parts work on clusters and specs without types.
 
 from __future__ import annotations
 
-from .placement import Ledger
+from gearshift.policies.placement import Ledger
 
 
 def _type(node) -> str:

@@ -19,12 +19,22 @@ import asyncio
 import hashlib
 import os
 import secrets
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
+from gearshift.bus import observe
+from gearshift.bus.client import connect
+from gearshift.bus.clock import now
+from gearshift.bus.config import PosInt, ServiceConfig, parse_args
+from gearshift.bus.infra import ensure_infra
+from gearshift.bus.log import get_logger
+from gearshift.bus.process import run_service
+from gearshift.bus.server import Endpoint, RequestError, bad_request, serve
+from gearshift.bus.views import JobsView, KvView, NodesView
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
     JobCancelled,
     JobCancelRequested,
     JobList,
@@ -42,15 +52,18 @@ from bus_schema.messages import (
     SubmitReply,
     SubmitRequest,
 )
-from bus_schema.validate import SpecError, check_spec
+from gearshift.bus_schema.validate import SpecError, check_spec
+from gearshift.services.jobstore import JobStore, with_event
+from gearshift.services.outbox import OutboxFlusher
+from gearshift.services.paging import BadCursor, list_page
+from gearshift.services.queues import QueueStore, most_gpus, to_core
 
-from . import observe
-from .jobstore import JobStore, with_event
-from .outbox import OutboxFlusher
-from .paging import BadCursor, list_page
-from .queues import QueueStore, most_gpus, to_core
-from .views import JobsView, KvView, NodesView
-from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, now, run_service, serve
+
+class AdmissionConfig(ServiceConfig):
+    service: ClassVar[str] = "admission"
+    max_gpus: PosInt | None = None
+    max_jobs_per_tenant: PosInt = 1000
+
 
 log = get_logger(service="admission")
 
@@ -266,7 +279,7 @@ class Admission:
 
     def _share_config(self) -> Any:
         """The tenant queues from the view, rebuilt only when the bucket changed."""
-        from policies.queues import ShareConfig
+        from gearshift.policies.queues import ShareConfig
 
         assert self.queues_view is not None
         rev, cfg = self._share
@@ -369,7 +382,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-jobs-per-tenant", type=int,
                     default=int(os.environ.get("GEARSHIFT_MAX_JOBS_PER_TENANT") or 1000),
                     help="live (not finished) jobs a tenant may have; more are refused with 429")
-    from services.config import AdmissionConfig, parse_args
 
     args = parse_args(ap, AdmissionConfig, argv)  # --config FILE, GEARSHIFT_ADMISSION_<FIELD>
     run_service(lambda stop: amain(stop, args.server, args.max_gpus, args.max_jobs_per_tenant))

@@ -17,13 +17,13 @@ import asyncio
 from collections.abc import Awaitable, Iterable
 from typing import Any
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import ACTIVE_STATES, Allocation, JobRecord, Plan
-
-from .auth_alloc import node_key
-from .fencing import Fence
-from .runtime import now
-from .views import KvView
+from gearshift.bus.alloc_watch import node_key
+from gearshift.bus.clock import now
+from gearshift.bus.views import KvView
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import ACTIVE_STATES, Allocation, JobRecord, Plan
+from gearshift.services.fencing import Fence
 
 DEFAULT_STEP_TIME = 0.1
 DEFAULT_PARALLEL = 32

@@ -10,28 +10,24 @@ uses the named create form ``$JS.API.CONSUMER.CREATE.<stream>.<name>.<filter>``
 check, so agents do not use it).
 
 The per-node keys are derived: ``reconcile`` makes them mirror the job keys,
-so a crash between the writes heals on the next round.
+so a crash between the writes heals on the next round. The agent's side, the
+watch of its own node's keys, is ``gearshift.bus.alloc_watch``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from dataclasses import dataclass
 from typing import Any
 
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from bus_schema import subjects as subj
-
-
-def node_key(node: str, job_id: str) -> str:
-    return f"{subj.token(node)}.{subj.token(job_id)}"
+from gearshift.bus.alloc_watch import node_key
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import Allocation
 
 
 async def _node_keys_of(kv: Any, job_id: str) -> list[str]:
-    from .jobstore import kv_snapshot
-
     return list(await kv_snapshot(kv, f"*.{subj.token(job_id)}"))
 
 
@@ -66,12 +62,6 @@ async def reconcile(kv: Any) -> int:
     report), and a stale snapshot must never delete or overwrite it (found by
     loadtest.chaos: a deleted copy stopped a generation the agent then
     refused to start again)."""
-    from bus_schema import codec
-    from bus_schema.messages import Allocation
-    from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-
-    from .jobstore import kv_snapshot
-
     snap = await kv_snapshot(kv)
     jobs = {k: v for k, v in snap.items() if "." not in k}
     nodes = {k: v for k, v in snap.items() if "." in k}
@@ -109,113 +99,3 @@ async def reconcile(kv: Any) -> int:
         except Exception:
             pass  # written meanwhile: newer than what we saw
     return writes
-
-
-# ------------------------------------------------------------------ the agent's side
-@dataclass
-class AllocEntry:
-    """What ``kv.watch`` yields, with the key reduced to the job id."""
-
-    key: str
-    value: bytes | None
-    operation: str | None
-    revision: int
-
-
-class NodeAllocWatch:
-    """Watch ``<node>.*`` in ``gs_alloc`` through a named, filtered, ephemeral
-    pull consumer. Yields the current values first (``None`` after them, like
-    ``kv.watch``), then changes. If the consumer disappears (a server restart
-    loses ephemeral consumers) it is made again from the current values,
-    which is a full resync: a deleted key's tombstone is its last value."""
-
-    def __init__(self, js: Any, node: str, *, check_every: float = 5.0):
-        self.js = js
-        self.node = subj.token(node)
-        self.stream = f"KV_{subj.ALLOC_BUCKET}"
-        self.prefix = f"$KV.{subj.ALLOC_BUCKET}.{self.node}."
-        self.check_every = check_every
-        self._psub: Any = None
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._task: asyncio.Task | None = None
-        self._stopped = False
-
-    async def start(self) -> "NodeAllocWatch":
-        await self._subscribe()
-        self._task = asyncio.create_task(self._pump())
-        return self
-
-    async def _subscribe(self) -> None:
-        self._psub = await self.js.pull_subscribe(
-            self.prefix + ">",
-            stream=self.stream,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE, inactive_threshold=120.0,
-            ),
-        )
-
-    async def _pump(self) -> None:
-        initial_done = False
-        last_check = time.monotonic()
-        while not self._stopped:
-            try:
-                msgs = await self._psub.fetch(64, timeout=1)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                msgs = []
-            for msg in msgs:
-                op = (msg.headers or {}).get("KV-Operation")
-                self._queue.put_nowait(AllocEntry(
-                    key=msg.subject[len(self.prefix):], value=msg.data, operation=op,
-                    revision=msg.metadata.sequence.stream,
-                ))
-                if not initial_done and msg.metadata.num_pending == 0:
-                    initial_done = True
-                    self._queue.put_nowait(None)
-            if not msgs and not initial_done:
-                initial_done = True
-                self._queue.put_nowait(None)
-            if not msgs and time.monotonic() - last_check > self.check_every:
-                last_check = time.monotonic()
-                try:
-                    await self._psub.consumer_info()
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # gone (server restarted) or unreachable: make it again
-                    try:
-                        await self._psub.unsubscribe()
-                    except Exception:
-                        pass
-                    try:
-                        await self._subscribe()
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception:
-                        await asyncio.sleep(0.5)
-
-    def __aiter__(self) -> "NodeAllocWatch":
-        return self
-
-    async def __anext__(self) -> AllocEntry | None:
-        if self._stopped and self._queue.empty():
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is StopAsyncIteration:
-            raise StopAsyncIteration
-        return item
-
-    async def stop(self) -> None:
-        self._stopped = True
-        self._queue.put_nowait(StopAsyncIteration)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        try:
-            await self._psub.unsubscribe()
-        except Exception:
-            pass
-
-
-async def node_alloc_watch(js: Any, node: str) -> NodeAllocWatch:
-    return await NodeAllocWatch(js, node).start()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bus_schema.gputypes import node_gpu_type
-from bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodePlacement, NodeReport
-from policies import Decision, NodeState, Placement
-from policies.api import JobDecision
+from gearshift.bus_schema.gputypes import node_gpu_type
+from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodePlacement, NodeReport
+from gearshift.policies import Decision, NodeState, Placement
+from gearshift.policies.api import JobDecision
 
 ACTIVE = ACTIVE_STATES
 

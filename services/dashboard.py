@@ -25,18 +25,30 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 from aiohttp import web
+from msgspec import Meta
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobProgress, JobRecord, NodeReport
+from gearshift.bus import auth, config, observe
+from gearshift.bus.client import ServerUnavailable, ServiceCallError, call, connect
+from gearshift.bus.config import ServiceConfig
+from gearshift.bus.log import get_logger
+from gearshift.bus.process import run_service
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobProgress, JobRecord, NodeReport
+from gearshift.services.dashboard_view import EVENTS, DashboardView
 
-from . import auth, config, observe
-from .dashboard_view import EVENTS, DashboardView
-from .runtime import ServerUnavailable, ServiceCallError, connect, get_logger, run_service
+
+class DashboardConfig(ServiceConfig):
+    service: ClassVar[str] = "dashboard"
+    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"  # 0.0.0.0 in a pod
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # the page; 0: any free port (logged and announced)
+    require_login: bool | None = None  # None: on when the dashboard has credentials
+
 
 log = get_logger(service="dashboard")
 STATIC = Path(__file__).with_name("dashboard_static")
@@ -195,19 +207,19 @@ class Dashboard:
         return token, sess
 
     async def cancel(self, sess: Session | None, job_id: str) -> dict[str, Any]:
-        from gearshift.client import Client
-
         if sess is None:
             if self.require_login:
                 raise Refused(401, "sign in first: actions run with your own credentials")
-            client = Client(self.nc)
+            nc, tenant = self.nc, None
         else:
-            client = Client(sess.nc, tenant=sess.tenant)
+            nc, tenant = sess.nc, sess.tenant
         who = sess.user if sess else "anonymous"
         violation: asyncio.Future = asyncio.get_running_loop().create_future()
         if sess is not None:
             sess.violations.append(violation)
-        task = asyncio.create_task(client.cancel(job_id))
+        # the bus call itself (the public client is a floor above the services)
+        task = asyncio.create_task(call(nc, auth.tenant_subject(subj.ADMISSION_CANCEL, tenant), {"job_id": job_id},
+                                        JobRecord))
         try:
             done, _ = await asyncio.wait({task, violation}, timeout=6, return_when=asyncio.FIRST_COMPLETED)
             if violation in done:
@@ -350,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="actions need the person's credentials (default: on when the dashboard has credentials)")
     ap.add_argument("--no-login", dest="require_login", action="store_false",
                     help="anyone at the page may act with the dashboard's identity (only without authorisation)")
-    args = config.parse_args(ap, config.DashboardConfig, argv)
+    args = config.parse_args(ap, DashboardConfig, argv)
     run_service(lambda stop: amain(stop, args))
 
 

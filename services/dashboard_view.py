@@ -13,9 +13,16 @@ import time
 from collections import deque
 from typing import Any
 
-from bus_schema import codec
-from bus_schema.messages import (
-    ACTIVE_STATES, TERMINAL_STATES, JobProgress, JobRecord, JobReconfigured, JobState, JobSwitched, NodeReport,
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import (
+    ACTIVE_STATES,
+    TERMINAL_STATES,
+    JobProgress,
+    JobReconfigured,
+    JobRecord,
+    JobState,
+    JobSwitched,
+    NodeReport,
 )
 
 PAGE = 200

@@ -24,13 +24,13 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.js.api import DeliverPolicy, Header
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import AnyJobEvent, Event, JobRecord, event_kind
-
-from . import observe
+from gearshift.bus import observe
+from gearshift.bus.kv import event_msg_id, kv_snapshot, publish_event
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobRecord, event_kind
 
 Change = Callable[[JobRecord], JobRecord | None]
 
@@ -40,50 +40,6 @@ def with_event(rec: JobRecord, event_type: type, *, ts: float, **fields: Any) ->
     seq = rec.event_seq + 1
     ev = event_type(ts=ts, job_id=rec.job_id, seq=seq, generation=fields.pop("generation", rec.generation), **fields)
     return msgspec.structs.replace(rec, event_seq=seq, outbox=[*rec.outbox, ev])
-
-
-def event_msg_id(ev: AnyJobEvent) -> str:
-    return f"{ev.job_id}:{ev.seq}"
-
-
-async def publish_event(js: Any, ev: Event, msg_id: str, subject: str) -> None:
-    await js.publish(subject, codec.encode(ev), headers={Header.MSG_ID: msg_id})
-
-
-async def kv_snapshot(kv: Any, keys: str = ">") -> dict[str, tuple[bytes, int]]:
-    """Current value and revision of every key, in one consumer pass (a get
-    per key would cost a round trip each).
-
-    Not ``kv.watch``: its "initial values done" marker can arrive before
-    values already in flight (a race in nats-py 2.16), so a snapshot taken
-    with it may miss keys. Here the end is the message with nothing pending.
-    """
-    js = kv._js
-    stream = kv._stream
-    info = await js.stream_info(stream)
-    out: dict[str, tuple[bytes, int]] = {}
-    if info.state.messages == 0:
-        return out
-    prefix = kv._pre
-    sub = await js.subscribe(
-        f"{prefix}{keys}", stream=stream, ordered_consumer=True, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT
-    )
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=5)
-            op = (msg.headers or {}).get("KV-Operation")
-            key = msg.subject[len(prefix):]
-            if key.startswith("_"):  # fencing marks (services.fencing), not data
-                pass
-            elif op in ("DEL", "PURGE"):
-                out.pop(key, None)
-            else:
-                out[key] = (msg.data, msg.metadata.sequence.stream)
-            if msg.metadata.num_pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
-    return out
 
 
 class JobStore:
@@ -173,7 +129,7 @@ class JobStore:
         one by one. Results in the order of ``items``.
         ``publish=False``: the caller publishes the events (``publish``) once
         what must precede them is written."""
-        from .alloc_writer import bounded
+        from gearshift.services.alloc_writer import bounded
 
         out: list[tuple[JobRecord, int] | None] = [None] * len(items)
         fast: list[tuple[int, str, JobRecord, int]] = []

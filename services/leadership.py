@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .fencing import Deposed, Fence
-from .lease import Lease
-from .runtime import get_logger
+from gearshift.bus.log import get_logger
+from gearshift.services.fencing import Deposed, Fence
+from gearshift.services.lease import Lease
 
 log = get_logger(service="leadership")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from bus_schema.messages import (
+from gearshift.bus_schema.messages import (
     ACTIVE_STATES,
     ALLOWED_TRANSITIONS,
     InvalidTransition,
@@ -31,9 +31,8 @@ from bus_schema.messages import (
     RunReport,
     RunReportKind,
 )
-
-from .jobstore import with_event
-from .policy_bridge import segment_gpu_s
+from gearshift.services.jobstore import with_event
+from gearshift.services.policy_bridge import segment_gpu_s
 
 ACTIVE = ACTIVE_STATES
 
@@ -227,7 +226,7 @@ def allocate(r: JobRecord, rec: JobRecord, d: Any, placement: list, ts: float) -
     """A new generation for ``r`` (the policy's decision ``d`` on ``placement``):
     SCHEDULED, and if it was running, a gang-barrier switch from its old
     placement. None if the job changed under the round or is mid-switch."""
-    from bus_schema.messages import JobReconfigured, JobScheduled, SwitchTiming
+    from gearshift.bus_schema.messages import JobReconfigured, JobScheduled, SwitchTiming
 
     reconfig = rec.state in ACTIVE  # as the round saw it
     if r.state not in (JobState.PENDING, *ACTIVE) or r.generation != rec.generation:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bus_schema import subjects as subj
-from bus_schema.messages import NodeLost, NodeReport
-
-from .jobstore import publish_event
-from .runtime import get_logger, now
+from gearshift.bus.clock import now
+from gearshift.bus.kv import publish_event
+from gearshift.bus.log import get_logger
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import NodeLost, NodeReport
 
 log = get_logger(service="optimizer")
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from bus_schema import codec
-from bus_schema.messages import ACTIVE_STATES, JobRecord, NodeReport
-from bus_schema.ops import NodeMode, NodeModeEntry, NodeModeReply, NodeModeRequest
-
-from .jobstore import kv_snapshot
-from .runtime import RequestError, now
+from gearshift.bus.clock import now
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus.server import RequestError
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, NodeReport
+from gearshift.bus_schema.ops import NodeMode, NodeModeEntry, NodeModeReply, NodeModeRequest
 
 
 async def read_modes(kv: Any) -> dict[str, NodeModeEntry]:

@@ -53,17 +53,29 @@ import signal
 import socket
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
+from msgspec import Meta
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    JobProgress,
+from gearshift.bus import observe
+from gearshift.bus.client import connect
+from gearshift.bus.clock import now
+from gearshift.bus.config import NonNegative, NonNegInt, Positive, ServiceConfig, parse_args
+from gearshift.bus.infra import ensure_infra
+from gearshift.bus.kv import publish_event
+from gearshift.bus.log import get_logger
+from gearshift.bus.process import GcClock, run_service
+from gearshift.bus.server import Endpoint, serve
+from gearshift.bus.views import JobsView, NodesView
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
     ACTIVE_STATES,
     ExplainEntry,
     ExplainReply,
     JobPreempted,
+    JobProgress,
     JobRecord,
     NodeReport,
     ReconfigureReply,
@@ -72,22 +84,52 @@ from bus_schema.messages import (
     RoundReply,
     RunReport,
 )
-from bus_schema.ops import NodeModeReply, NodeModeRequest
-from policies import make_policy
-from policies.sharing import Shared
+from gearshift.bus_schema.ops import NodeModeReply, NodeModeRequest
+from gearshift.policies import make_policy
+from gearshift.policies.sharing import Shared
+from gearshift.services import capacity, node_modes
+from gearshift.services.alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
+from gearshift.services.fencing import Deposed
+from gearshift.services.jobstore import JobStore
+from gearshift.services.leadership import Leadership
+from gearshift.services.liveness import NodeLiveness
+from gearshift.services.policy_bridge import ModelOracle, PolicyStep
+from gearshift.services.queues import QueueStore
+from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
+from gearshift.services.report_consumer import ReportApplier, consume_reports
 
-from . import capacity, node_modes, observe
-from .alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
-from .fencing import Deposed
-from .jobstore import JobStore, publish_event
-from .leadership import Leadership
-from .liveness import NodeLiveness
-from .policy_bridge import ModelOracle, PolicyStep
-from .queues import QueueStore
-from .record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
-from .report_consumer import ReportApplier, consume_reports
-from .runtime import Endpoint, GcClock, connect, ensure_infra, get_logger, now, run_service, serve
-from .views import JobsView, NodesView
+
+class OptimizerConfig(ServiceConfig):
+    service: ClassVar[str] = "optimizer"
+    policy: Annotated[str, Meta(min_length=1)] = "fifo"
+    policy_options: str | None = None  # JSON object of policy keyword arguments
+    interval: Positive = 5.0
+    node_timeout: Positive = 10.0
+    max_retries: NonNegInt = 3
+    drain_timeout: Positive = 120.0
+    wait_for_models: bool = False
+    lease_ttl: Positive = 6.0  # seconds a silent leader keeps the lease
+    archive_after: NonNegative = 30.0  # seconds a finished job stays in gs_jobs before the history store
+
+    def __post_init__(self) -> None:
+        if self.policy_options:
+            try:
+                opts = msgspec.json.decode(self.policy_options)
+            except msgspec.DecodeError:
+                raise ValueError("policy_options: not valid JSON") from None
+            if not isinstance(opts, dict):
+                raise ValueError("policy_options: expected a JSON object")
+        else:
+            opts = {}
+        from gearshift.policies.registry import make_policy, policy_names  # pure core; only the optimizer's config
+
+        if self.policy not in policy_names():
+            raise ValueError(f"policy: unknown policy {self.policy!r}; known: {', '.join(policy_names())}")
+        try:
+            make_policy(self.policy, **opts)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"policy_options: {exc}") from None
+
 
 log = get_logger(service="optimizer")
 
@@ -200,8 +242,8 @@ class Optimizer:
         if self.queues is not None:  # a standby goes on from what the last leader saved, not from its start
             await self._load_sharing_memory()
         log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
-        from perfmodel.kernels import warm_up as warm_up_perfmodel
-        from policies.kernels import warm_up
+        from gearshift.perfmodel.kernels import warm_up as warm_up_perfmodel
+        from gearshift.policies.kernels import warm_up
 
         # compile/load the numba kernels before the first round: the policy's and the
         # performance model's its oracle calls (compiled lazily inside a round, they held
@@ -398,7 +440,7 @@ class Optimizer:
         return node_modes.reply(await node_modes.read_modes(self.modes_kv), self.records_seen.values(), req.node)
 
     async def _reconfigure_endpoint(self, req: ReconfigureRequest) -> ReconfigureReply:
-        from .runtime import RequestError
+        from gearshift.bus.server import RequestError
 
         try:
             reply = await self.records.pin(req)
@@ -464,7 +506,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wait-for-models", action="store_true",
                     default=os.environ.get("GEARSHIFT_WAIT_FOR_MODELS", "") not in ("", "0"),
                     help="jobs without a fitted or shipped performance model wait for the profiler")
-    from services.config import OptimizerConfig, parse_args
 
     args = parse_args(ap, OptimizerConfig, argv)  # --config FILE, GEARSHIFT_OPTIMIZER_<FIELD>
     run_service(lambda stop: amain(stop, args))

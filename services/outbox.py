@@ -18,11 +18,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from bus_schema.messages import JobRecord
-
-from .alloc_writer import bounded
-from .jobstore import JobStore
-from .runtime import get_logger
+from gearshift.bus.log import get_logger
+from gearshift.bus_schema.messages import JobRecord
+from gearshift.services.alloc_writer import bounded
+from gearshift.services.jobstore import JobStore
 
 log = get_logger(service="outbox")
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import MAX_MESSAGE_BYTES, JobRecord, ListRequest
-
-from .views import JobsView
+from gearshift.bus.views import JobsView
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import MAX_MESSAGE_BYTES, JobRecord, ListRequest
 
 # what a reply may hold: the limit less room for the envelope and the cursor
 BUDGET = MAX_MESSAGE_BYTES - 4096

@@ -17,41 +17,56 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
 
-from bus_schema import subjects as subj
-from bus_schema.messages import ModelSpec, Plan
+from gearshift.bus import observe
+from gearshift.bus.client import connect
+from gearshift.bus.config import ServiceConfig, parse_args
+from gearshift.bus.infra import ensure_infra
+from gearshift.bus.log import get_logger
+from gearshift.bus.process import run_service
+from gearshift.bus.server import Endpoint, RequestError, bad_request, serve
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import ModelSpec, Plan
+
 # The request/reply structs live in bus_schema; re-exported for callers that
 # import them from the service module.
-from bus_schema.perfmodel import (  # noqa: F401
-    MAX_CANDIDATES, PERFMODEL_CURVE, PERFMODEL_FIT, PERFMODEL_PREDICT, CurvePoint, CurveReply, CurveRequest, FitReply,
-    FitRequest, PredictReply, PredictRequest, ProfileSample, ResourceSpec,
+from gearshift.bus_schema.perfmodel import (
+    MAX_CANDIDATES,
+    PERFMODEL_CURVE,
+    PERFMODEL_FIT,
+    PERFMODEL_PREDICT,
+    CurvePoint,
+    CurveReply,
+    CurveRequest,
+    FitReply,
+    FitRequest,
+    PredictReply,
+    PredictRequest,
+    ProfileSample,
+    ResourceSpec,
+    model_kv_key,
 )
 
-from . import observe
-from .runtime import Endpoint, RequestError, bad_request, connect, ensure_infra, get_logger, run_service, serve
+
+class PerfmodelConfig(ServiceConfig):
+    service: ClassVar[str] = "perfmodel"
+
 
 log = get_logger(service="perfmodel")
-
-
-def kv_key(model_key: str) -> str:
-    """KV keys allow [-/_=.A-Za-z0-9]."""
-    return "".join(c if (c.isalnum() or c in "-_=.") else "_" for c in model_key)
 
 
 async def unmodelled_jobs(models_kv: Any, records: Any) -> dict[str, tuple[str, Any]]:
     """Pending jobs whose model has neither a fit in ``gs_models`` nor a shipped
     one: job id -> (model key, record). Shared by the optimizer (which holds
     such jobs back) and the profiler (which profiles their models)."""
-    from perfmodel.catalog import shape_from_spec
-    from perfmodel.rubick import MODELS
-
-    from bus_schema.messages import JobState
-
-    from .jobstore import kv_snapshot
+    from gearshift.bus.kv import kv_snapshot
+    from gearshift.bus_schema.messages import JobState
+    from gearshift.perfmodel.catalog import shape_from_spec
+    from gearshift.perfmodel.rubick import MODELS
 
     have = set(await kv_snapshot(models_kv))  # not kv.keys(): its watcher can miss keys
     out: dict[str, tuple[str, Any]] = {}
@@ -62,13 +77,13 @@ async def unmodelled_jobs(models_kv: Any, records: Any) -> dict[str, tuple[str, 
             key = shape_from_spec(rec.spec.model).key
         except (ValueError, TypeError):
             continue
-        if kv_key(key) not in have:
+        if model_kv_key(key) not in have:
             out[rec.job_id] = (key, rec)
     return out
 
 
 def _shape(model: ModelSpec):
-    from perfmodel.catalog import shape_from_spec
+    from gearshift.perfmodel.catalog import shape_from_spec
 
     try:
         return shape_from_spec(model)
@@ -77,7 +92,7 @@ def _shape(model: ModelSpec):
 
 
 def _resources(specs: list[ResourceSpec]):
-    from perfmodel.plans import Resources
+    from gearshift.perfmodel.plans import Resources
 
     return [Resources(tuple(r.gpus_per_node), float(r.cpu_threads_per_gpu)) for r in specs]
 
@@ -102,7 +117,7 @@ class PerfmodelService:
 
     async def open(self) -> "PerfmodelService":
         self.kv = await self.nc.jetstream().key_value(subj.MODELS_BUCKET)
-        from perfmodel.kernels import warm_up
+        from gearshift.perfmodel.kernels import warm_up
 
         warm_up()  # compile before answering
         return self
@@ -111,12 +126,12 @@ class PerfmodelService:
         """(params, source): the KV entry for this model key, else the shipped fit."""
         from nats.js.errors import KeyNotFoundError
 
-        from perfmodel.catalog import params_for_shape
-        from perfmodel.model import PerfParams
-        from perfmodel.rubick import MODELS
+        from gearshift.perfmodel.catalog import params_for_shape
+        from gearshift.perfmodel.model import PerfParams
+        from gearshift.perfmodel.rubick import MODELS
 
         try:
-            entry = await self.kv.get(kv_key(shape.key))
+            entry = await self.kv.get(model_kv_key(shape.key))
             if entry is not None and entry.value:
                 return PerfParams.from_dict(msgspec.json.decode(entry.value)), "kv"
         except KeyNotFoundError:
@@ -127,10 +142,9 @@ class PerfmodelService:
 
     # ------------------------------------------------------------ endpoints
     async def fit(self, req: FitRequest) -> FitReply:
-        from perfmodel.fit import Sample, fit
-        from perfmodel.plans import as_plan
-        from perfmodel.predict import plan_validity, predict
-        from perfmodel.plans import PlanArray, ResourceArray
+        from gearshift.perfmodel.fit import Sample, fit
+        from gearshift.perfmodel.plans import PlanArray, ResourceArray, as_plan
+        from gearshift.perfmodel.predict import plan_validity, predict
 
         shape = _shape(req.model)
         samples = []
@@ -155,7 +169,7 @@ class PerfmodelService:
         if not np.isfinite(err) or not all(np.isfinite(v) for v in _floats(params.to_dict())):
             # extreme timings fit to nothing usable (found by tests/test_fuzz.py): refuse, store nothing
             raise bad_request("samples: these timings give no finite model", "samples")
-        key = kv_key(shape.key)
+        key = model_kv_key(shape.key)
         rev = await self.kv.put(key, msgspec.json.encode(params.to_dict()))
         d = params.to_dict()
         log.info("fitted", model_key=shape.key, samples=len(samples), train_error=round(err, 4))
@@ -163,7 +177,7 @@ class PerfmodelService:
                         params=d["params"], cluster=d["cluster"], train_error=err)
 
     async def predict(self, req: PredictRequest) -> PredictReply:
-        from perfmodel.predict import predict
+        from gearshift.perfmodel.predict import predict
 
         shape = _shape(req.model)
         if len(req.resources) not in (1, len(req.plans)):
@@ -194,7 +208,7 @@ class PerfmodelService:
         )
 
     async def curve(self, req: CurveRequest) -> CurveReply:
-        from perfmodel.curve import curve
+        from gearshift.perfmodel.curve import curve
 
         shape = _shape(req.model)
         params, source = await self._params(shape)
@@ -243,7 +257,6 @@ async def amain(stop: asyncio.Event, url: str | None = None) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="gearshift-perfmodel")
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
-    from services.config import PerfmodelConfig, parse_args
 
     args = parse_args(ap, PerfmodelConfig, argv)  # --config FILE, GEARSHIFT_PERFMODEL_<FIELD>
     run_service(lambda stop: amain(stop, args.server))

@@ -11,13 +11,13 @@ import asyncio
 import time
 from typing import Any
 
-from bus_schema.messages import ACTIVE_STATES as ACTIVE, JobRecord, JobState
-from policies import Decision, JobView, Placement, check_decision
-from policies.api import attained_service, make_job_view
-
-from . import capacity
-from .jobstore import kv_snapshot
-from .runtime import now
+from gearshift.bus.clock import now
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
+from gearshift.bus_schema.messages import JobRecord, JobState
+from gearshift.policies import Decision, JobView, Placement, check_decision
+from gearshift.policies.api import attained_service, make_job_view
+from gearshift.services import capacity
 
 
 def job_view(rec: JobRecord, now: float, progress: float | None = None) -> JobView:
@@ -126,7 +126,7 @@ class PolicyStep:
 
     async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
         """Pending jobs whose model has no fit yet: job id -> model key."""
-        from .perfmodel_service import unmodelled_jobs
+        from gearshift.services.perfmodel_service import unmodelled_jobs
 
         got = await unmodelled_jobs(self.models.kv, records.values())
         return {job_id: key for job_id, (key, _) in got.items()}
@@ -153,9 +153,8 @@ class ModelOracle:
     """
 
     def __init__(self, models_kv: Any):
-        from policies.oracle import PerfModelOracle
-
-        from policies.learning import LearningOracle
+        from gearshift.policies.learning import LearningOracle
+        from gearshift.policies.oracle import PerfModelOracle
 
         self.kv = models_kv
         self.base = PerfModelOracle()
@@ -177,10 +176,9 @@ class ModelOracle:
         """Load parameters that changed since the last round; returns how many."""
         import msgspec
 
-        import perfmodel
-        from perfmodel.model import PerfParams
-
-        from .perfmodel_service import kv_key
+        from gearshift import perfmodel
+        from gearshift.bus_schema.perfmodel import model_kv_key
+        from gearshift.perfmodel.model import PerfParams
 
         # the bucket is read again only when it changed (one stream-info request a round)
         last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
@@ -192,7 +190,7 @@ class ModelOracle:
             name = model.name
             key = self._keys.get(model)
             if key is None:
-                key = self._keys[model] = kv_key(perfmodel.shape_from_spec(model).key)
+                key = self._keys[model] = model_kv_key(perfmodel.shape_from_spec(model).key)
             got = snap.get(key)
             if got is None or self._revisions.get(name) == got[1]:
                 continue

@@ -32,22 +32,37 @@ import argparse
 import asyncio
 import os
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
+from gearshift.bus import observe
+from gearshift.bus.client import call, connect
+from gearshift.bus.config import PosInt, ServiceConfig, parse_args
+from gearshift.bus.infra import ensure_infra
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus.log import get_logger
+from gearshift.bus.process import run_service
+from gearshift.bus.server import Endpoint, RequestError, bad_request, serve
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
     Allocation,
     JobProfiled,
     JobRecord,
-    JobState,
     NodeReport,
     Plan,
     ProfileCommand,
     ProfileResult,
 )
-from bus_schema.profiler import (  # noqa: F401  (re-exported: the messages live in bus_schema)
+from gearshift.bus_schema.perfmodel import (
+    PERFMODEL_FIT,
+    FitReply,
+    FitRequest,
+    ProfileSample,
+    ResourceSpec,
+)
+from gearshift.bus_schema.profiler import (
     DEFAULT_PROFILE_STEPS,
     PROFILER_PROFILE,
     PROFILER_STATUS,
@@ -55,11 +70,14 @@ from bus_schema.profiler import (  # noqa: F401  (re-exported: the messages live
     ProfileRequest,
     ProfilerStatus,
 )
+from gearshift.services.jobstore import JobStore, with_event
 
-from .jobstore import JobStore, kv_snapshot, with_event
-from .perfmodel_service import PERFMODEL_FIT, FitReply, FitRequest, ProfileSample, ResourceSpec, kv_key
-from . import observe
-from .runtime import Endpoint, RequestError, bad_request, call, connect, ensure_infra, get_logger, run_service, serve
+
+class ProfilerConfig(ServiceConfig):
+    service: ClassVar[str] = "profiler"
+    steps: PosInt = 10
+    max_dp: PosInt | None = None
+
 
 log = get_logger(service="profiler")
 
@@ -169,7 +187,7 @@ class Profiler:
             await asyncio.sleep(1.0)
 
     async def profile(self, req: ProfileRequest) -> ProfileReply:
-        from perfmodel.catalog import shape_from_spec
+        from gearshift.perfmodel.catalog import shape_from_spec
 
         try:
             key = shape_from_spec(req.model).key
@@ -220,7 +238,7 @@ class Profiler:
     # ------------------------------------------------------------ watching jobs
     async def _waiting_jobs(self) -> dict[str, list[JobRecord]]:
         """model key -> pending jobs whose model has no fit yet."""
-        from .perfmodel_service import unmodelled_jobs
+        from gearshift.services.perfmodel_service import unmodelled_jobs
 
         out: dict[str, list[JobRecord]] = {}
         waiting = await unmodelled_jobs(self.models_kv, (rec for rec, _ in await self.store.all()))
@@ -299,7 +317,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
     ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="measured steps per profiling run")
     ap.add_argument("--max-dp", type=int, default=None, help="largest DP degree to profile (default: node GPUs)")
-    from services.config import ProfilerConfig, parse_args
 
     args = parse_args(ap, ProfilerConfig, argv)  # --config FILE, GEARSHIFT_PROFILER_<FIELD>
     run_service(lambda stop: amain(stop, args))

@@ -14,11 +14,12 @@ from typing import Any
 
 import msgspec
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import QueueList, QueueSpec
-from policies.queues import Queue, ShareConfig, most_gpus as core_most_gpus
-
-from .jobstore import kv_snapshot
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import QueueList, QueueSpec
+from gearshift.policies.queues import Queue, ShareConfig
+from gearshift.policies.queues import most_gpus as core_most_gpus
 
 USAGE_KEY = "fairshare.usage"
 

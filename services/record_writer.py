@@ -11,15 +11,24 @@ from typing import Any
 
 import msgspec
 
-from bus_schema.messages import (ACTIVE_STATES, ExplainEntry, JobPreempted, JobRecord, JobRequeued, JobState, PinnedPlan,
-                                 ReconfigureReply, ReconfigureRequest)
-from policies import Decision
-
-from . import capacity, lifecycle
-from .alloc_writer import AllocWriter, bounded
-from .jobstore import JobStore
-from .runtime import get_logger, now
-from .views import JobsView
+from gearshift.bus.clock import now
+from gearshift.bus.log import get_logger
+from gearshift.bus.views import JobsView
+from gearshift.bus_schema.messages import (
+    ACTIVE_STATES,
+    ExplainEntry,
+    JobPreempted,
+    JobRecord,
+    JobRequeued,
+    JobState,
+    PinnedPlan,
+    ReconfigureReply,
+    ReconfigureRequest,
+)
+from gearshift.policies import Decision
+from gearshift.services import capacity, lifecycle
+from gearshift.services.alloc_writer import AllocWriter, bounded
+from gearshift.services.jobstore import JobStore
 
 log = get_logger(service="optimizer")
 ACTIVE = ACTIVE_STATES
@@ -208,7 +217,7 @@ class RecordWriter:
 
     async def pin(self, req: ReconfigureRequest) -> ReconfigureReply:
         """An operator's plan pin (``gs.optimizer.reconfigure``) into the job's record."""
-        from .runtime import RequestError, bad_request
+        from gearshift.bus.server import RequestError, bad_request
 
         if req.plan is not None:
             if req.placement and sum(s.gpus for s in req.placement) != req.plan.gpus:

@@ -14,13 +14,14 @@ from typing import Any
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import ACTIVE_STATES, JobRecord, RunReport
-
-from . import lifecycle
-from .alloc_writer import AllocWriter, bounded
-from .jobstore import JobStore
-from .runtime import get_logger, now
+from gearshift.bus.clock import now
+from gearshift.bus.log import get_logger
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, RunReport
+from gearshift.services import lifecycle
+from gearshift.services.alloc_writer import AllocWriter, bounded
+from gearshift.services.jobstore import JobStore
 
 log = get_logger(service="optimizer")
 

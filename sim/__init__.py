@@ -1,16 +1,16 @@
 """Trace-driven discrete-event simulator for gearshift policies (pure: no NATS).
 
-    from sim import load_named, simulate, SimConfig, summarize
+    from gearshift.sim import load_named, simulate, SimConfig, summarize
     res = simulate(load_named("rubick-base"), make_policy("fifo"), config=SimConfig(seed=1))
     print(summarize(res))
 
 See sim/README.md for the model, the trace mappings and every ground-truth fallback.
 """
 
-from .engine import InvariantError, SimConfig, SimResult, Simulator, simulate
-from .loaders import load_named, load_trace_file, trace_names
-from .metrics import per_job_rows, summarize, write_per_job_csv
-from .trace import ClusterSpec, Trace, TraceJob, parse_cluster
+from gearshift.sim.engine import InvariantError, SimConfig, SimResult, Simulator, simulate
+from gearshift.sim.loaders import load_named, load_trace_file, trace_names
+from gearshift.sim.metrics import per_job_rows, summarize, write_per_job_csv
+from gearshift.sim.trace import ClusterSpec, Trace, TraceJob, parse_cluster
 
 __all__ = [
     "ClusterSpec", "InvariantError", "SimConfig", "SimResult", "Simulator", "Trace", "TraceJob",

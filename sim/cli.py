@@ -12,10 +12,10 @@ import math
 import sys
 from typing import Sequence
 
-from .engine import SimConfig, SimResult, simulate
-from .loaders import FORMATS, load_named, load_trace_file, trace_names
-from .metrics import summarize, write_per_job_csv
-from .trace import parse_cluster
+from gearshift.sim.engine import SimConfig, SimResult, simulate
+from gearshift.sim.loaders import FORMATS, load_named, load_trace_file, trace_names
+from gearshift.sim.metrics import summarize, write_per_job_csv
+from gearshift.sim.trace import parse_cluster
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,7 +117,7 @@ def make_named_policy(name: str, seed: int, restart_cost: float, options: dict |
     """``policies.registry.make_policy`` with the run's restart cost and seed, for the
     policies that take them (a policy that charges restarts must know their price),
     plus ``options`` (``--policy-options``: sharing, backfill)."""
-    from policies.registry import make_policy
+    from gearshift.policies.registry import make_policy
 
     opts = {"restart_cost": restart_cost, "seed": seed, **(options or {})}
     while True:
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     restart_model = None
     restart_cost = args.restart_cost
     if restart_cost == "measured":
-        from perfmodel.restart import restart_seconds
+        from gearshift.perfmodel.restart import restart_seconds
 
         restart_model = restart_seconds
         # policies charge one price per restart: the model's mean over this trace
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
                     horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, measured_targets=args.measured_targets, round_on_arrival=not args.no_event_rounds,
                     round_on_completion=not args.no_event_rounds, regime=args.regime, systematic=args.systematic,
                     distance_slowdown=args.distance_slowdown, headroom=args.headroom, learn=not args.no_learning)
-    from .perfmodel_bridge import find_predictor
+    from gearshift.sim.perfmodel_bridge import find_predictor
 
     predictor = find_predictor(cluster.gpus_per_node) if args.perfmodel == "auto" else None
     truth_predictor = find_predictor(cluster.gpus_per_node, "in_sample") if predictor is not None else None
@@ -246,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.per_job_csv:
         write_per_job_csv(results, args.per_job_csv)
     if args.plots:
-        from .plots import write_plots
+        from gearshift.sim.plots import write_plots
 
         write_plots(results, args.plots)
     if args.output == "json":

@@ -32,13 +32,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus_schema.messages import Plan
-from policies.api import AllocationError, JobView, NodeState, Placement, Policy, accepts, check_decision, make_job_view, with_type
-
-from .trace import ClusterSpec, Trace, TraceJob
-from policies.learning import LearningOracle
-
-from .truth import BeliefOracle, GroundTruth, Predictor
+from gearshift.bus_schema.messages import Plan
+from gearshift.policies.api import (
+    AllocationError,
+    JobView,
+    NodeState,
+    Placement,
+    Policy,
+    accepts,
+    check_decision,
+    make_job_view,
+    with_type,
+)
+from gearshift.policies.learning import LearningOracle
+from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
+from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
 
 FUTURE, PENDING, RUNNING, DONE = 0, 1, 2, 3
 _EPS = 1e-9

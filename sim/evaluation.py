@@ -52,7 +52,7 @@ def _mt_ext_bound() -> list[str]:
 
 
 def _run(argv: list[str]):
-    from .cli import build_parser, run
+    from gearshift.sim.cli import build_parser, run
 
     args = build_parser().parse_args(argv)
     t0 = time.time()
@@ -356,7 +356,7 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
              only: str | None = None, from_json: bool = False) -> str:
     import json
 
-    from .cli import _clean
+    from gearshift.sim.cli import _clean
 
     t0 = time.time()
     runs = all_runs()

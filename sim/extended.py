@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import math
 
-from bus_schema.messages import ModelSpec, Plan
-from policies.learning import plan_family as family  # Rubick's families: 3D, zero-offload, zero-dp, gc, ga
-
-from .truth import _unit_normal
+from gearshift.bus_schema.messages import ModelSpec, Plan
+from gearshift.policies.learning import plan_family as family  # Rubick's families: 3D, zero-offload, zero-dp, gc, ga
+from gearshift.sim.truth import _unit_normal
 
 GPU_MEM_GB = 80.0
 OVERHEAD_GB = 3.0

@@ -91,7 +91,7 @@ def speed_factor(gpu_type: str, model_name: str) -> tuple[float, str]:
         r = over_v100(gpu_type, job_class(model_name))
         if not math.isnan(r):
             return v100 * r, "measured-ratio"
-    from perfmodel.gputypes import REFERENCE, spec_of
+    from gearshift.perfmodel.gputypes import REFERENCE, spec_of
 
     return spec_of(gpu_type).mem_bw_gbs / spec_of(REFERENCE).mem_bw_gbs, "spec-ratio"
 
@@ -127,6 +127,6 @@ def gavel_request_speed(job_type: str, gpus: int) -> float | None:
 
 
 def memory_gb(gpu_type: str) -> float:
-    from perfmodel.gputypes import spec_of
+    from gearshift.perfmodel.gputypes import spec_of
 
     return spec_of(gpu_type).mem_gb

@@ -39,10 +39,9 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from bus_schema.messages import ModelSpec, Plan
-
-from . import rubick_catalog as rc
-from .trace import ClusterSpec, Trace, TraceJob, parse_cluster
+from gearshift.bus_schema.messages import ModelSpec, Plan
+from gearshift.sim import rubick_catalog as rc
+from gearshift.sim.trace import ClusterSpec, Trace, TraceJob, parse_cluster
 
 DATA = Path(__file__).parent / "data"
 
@@ -76,7 +75,7 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 def _make(job_id, submit, model, gpus, steps, step_time, plan=None, guaranteed=False, cpg=None,
           batch=_GENERIC_BATCH, truth_key=""):
-    from bus_schema.messages import JobSpec
+    from gearshift.bus_schema.messages import JobSpec
 
     gpus = max(1, int(gpus))
     spec = JobSpec(
@@ -188,7 +187,7 @@ def load_gavel(path: str | Path, name: str = "") -> Trace:
     measured A100 : V100 ratio; ``truth_key`` "gavel:<job type>" makes the ground truth
     read Gavel's table on K80/P100/V100 (``sim.gputruth``). Default cluster: Gavel's
     heterogeneous one, scaled down (v100:9x4,p100:9x4,k80:9x4)."""
-    from . import gputruth
+    from gearshift.sim import gputruth
 
     jobs = []
     with open(path, newline="") as f:
@@ -263,7 +262,7 @@ def load_named(name: str, seed: int = 0, **synthetic_options) -> Trace:
             raise ValueError(f"trace {name!r}: resample needs an integer seed") from None
         return resample(load_named(base, seed), rs)
     if name == "synthetic" or name.startswith("synthetic:"):
-        from .synthetic import synthetic_trace, parse_options
+        from gearshift.sim.synthetic import parse_options, synthetic_trace
 
         opts = parse_options(name.partition(":")[2]) if ":" in name else {}
         opts.update(synthetic_options)

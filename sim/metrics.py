@@ -25,7 +25,7 @@ import csv
 import io
 import math
 
-from .engine import SimResult
+from gearshift.sim.engine import SimResult
 
 GUARANTEE_TOLERANCE = 0.99
 

@@ -9,14 +9,14 @@ documented scaling rule (``sim.truth``).
 
 from __future__ import annotations
 
-from .truth import Predictor
+from gearshift.sim.truth import Predictor
 
 
 def find_predictor(gpus_per_node: int, fit: str = "belief") -> Predictor | None:
     """``fit="belief"``: fitted on profiling runs only (what policies get);
     ``"in_sample"``: fitted on every measured row (the extended truth's source)."""
     try:
-        import perfmodel
+        from gearshift import perfmodel
     except Exception:
         return None
     make = getattr(perfmodel, "sim_predictor", None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .engine import SimResult
+from gearshift.sim.engine import SimResult
 
 
 def write_plots(results: list[SimResult], folder: str | Path) -> list[Path]:

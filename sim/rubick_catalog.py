@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bus_schema.messages import ModelSpec, Plan
+from gearshift.bus_schema.messages import ModelSpec, Plan
 
 GA_MARKER = 2
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import random
+
 from msgspec.structs import replace
 
-from .trace import Trace, TraceJob, parse_cluster
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
 
 def parse_options(text: str) -> dict:
@@ -50,7 +51,7 @@ def synthetic_trace(
     cluster: str = "8x8",
     seed: int = 0,
 ) -> Trace:
-    from .loaders import load_named
+    from gearshift.sim.loaders import load_named
 
     if jobs < 1 or rate_per_hour <= 0 or not 0 <= guaranteed_fraction <= 1 or not 0 < min_hours <= max_hours:
         raise ValueError("synthetic: need jobs >= 1, rate > 0, 0 <= guaranteed <= 1, 0 < min_hours <= max_hours")

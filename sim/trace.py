@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from bus_schema.messages import JobSpec
+from gearshift.bus_schema.messages import JobSpec
 
 
 @dataclass(slots=True, frozen=True)
@@ -86,7 +86,7 @@ def parse_cluster(text: str) -> ClusterSpec:
     """``"8x8"`` = 8 nodes of 8 GPUs; ``"32x4:16"`` adds 16 CPUs per node;
     ``"a100:8x8,v100:8x8"`` = 8 nodes of 8 A100s and 8 of 8 V100s (TYPE:NODESxGPUS[:CPUS],
     types from ``bus_schema.gputypes.GPU_TYPES``)."""
-    from bus_schema.gputypes import GPU_TYPES
+    from gearshift.bus_schema.gputypes import GPU_TYPES
 
     groups = []
     for part in text.split(","):

@@ -45,15 +45,14 @@ import csv
 import hashlib
 import math
 from collections.abc import Callable
-
-import msgspec
 from pathlib import Path
 
-from bus_schema.messages import JobSpec, Plan
-from policies.api import JobView, Placement, placement_type
+import msgspec
 
-from .rubick_catalog import GLOBAL_BATCH, MODELS, placement_key, proxy_families, rubick_family
-from .trace import TraceJob
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.policies.api import JobView, Placement, placement_type
+from gearshift.sim.rubick_catalog import GLOBAL_BATCH, MODELS, placement_key, proxy_families, rubick_family
+from gearshift.sim.trace import TraceJob
 
 TABLES = Path(__file__).parent / "data" / "rubick" / "placements"
 
@@ -202,8 +201,8 @@ class GroundTruth:
         """The reference GPU's truth moved to ``gtype`` (``sim.gputruth``): out of memory
         where the independent estimate leaves under 10% of the type's memory free,
         else slower or faster by the measured (or spec) ratio. Tagged ``source@type``."""
-        from . import extended as ext
-        from . import gputruth
+        from gearshift.sim import extended as ext
+        from gearshift.sim import gputruth
 
         t, source = hit
         if t <= 0:
@@ -262,7 +261,7 @@ class GroundTruth:
 
     def _extended(self, job: TraceJob, plan: Plan, gpus: int, t: float) -> tuple[float, str]:
         """The extended regime where nothing was measured (``sim.extended``)."""
-        from . import extended as ext
+        from gearshift.sim import extended as ext
 
         spec = job.spec
         if (self.headroom is not None and not self._ran(job, plan, gpus)
@@ -352,14 +351,14 @@ class BeliefOracle:
         self._analytic = None
         self._live = None  # the optimizer's own oracle class, for the models the fit knows
         if predictor is None:
-            from policies.oracle import AnalyticOracle
+            from gearshift.policies.oracle import AnalyticOracle
 
             self._analytic = AnalyticOracle(gpus_per_node=gpus_per_node)
         else:
             # The same plan space as the optimizer's oracle (perfmodel.enumerate_plans),
             # so a policy weighs the same plans live and in simulation.
             try:
-                from policies.oracle import PerfModelOracle
+                from gearshift.policies.oracle import PerfModelOracle
 
                 self._live = PerfModelOracle()
                 self.plans = self._live.plans
@@ -388,7 +387,7 @@ class BeliefOracle:
             else:
                 v = self._compute(with_threads(spec, placement), plan, per_node)
                 if gtype and v > 0:  # a model the fit does not know: the type's spec-based compute ratio
-                    from perfmodel.gputypes import compute_slowdown
+                    from gearshift.perfmodel.gputypes import compute_slowdown
 
                     v /= compute_slowdown(gtype)
             self._cache[ck] = v

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from services.natsd import NatsServer
+from gearshift.bus.natsd import NatsServer
 
 os.environ.setdefault("GEARSHIFT_LOG_FORMAT", "json")
 os.environ.setdefault("GEARSHIFT_LOG_LEVEL", "WARNING")
@@ -27,7 +27,8 @@ def nats_url(nats_server) -> str:
 
 @pytest.fixture
 async def nc(nats_url):
-    from services.runtime import connect, ensure_infra
+    from gearshift.bus.client import connect
+    from gearshift.bus.infra import ensure_infra
 
     client = await connect(nats_url, name="test", retry_for=2)
     await ensure_infra(client)
@@ -36,6 +37,6 @@ async def nc(nats_url):
 
 
 def pytest_configure(config):
-    from services.runtime import configure_logging
+    from gearshift.bus.log import configure_logging
 
     configure_logging("json", os.environ["GEARSHIFT_LOG_LEVEL"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services import config
+from gearshift import config_check
+from gearshift.bus import config
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -13,22 +14,21 @@ CONFIG_EXAMPLES = DEPLOY / "config"
 
 
 def check_command(argv: list[str]) -> tuple[str, dict, str | None]:
-    """``[.../python, -m, MODULE, flags...]`` -> (module, options, --config path).
+    """``[.../gearshift-SCRIPT, flags...]`` -> (script, options, --config path).
 
-    Fails unless MODULE is a gearshift entry point and the real parser of that
-    module accepts every flag with a valid value (the config Struct's checks
-    included)."""
-    assert Path(argv[0]).name.startswith("python"), f"{argv}: not a python command"
-    assert argv[1] == "-m", f"{argv}: expected python -m MODULE"
-    module, flags = argv[2], argv[3:]
-    assert module in config.CONFIGS, f"{argv}: {module} is not a gearshift entry point ({sorted(config.CONFIGS)})"
-    ap, base = config.parser_of(module)
+    Fails unless SCRIPT is a gearshift console script (an entry point, not a
+    module path) and its real parser accepts every flag with a valid value (the
+    config Struct's checks included)."""
+    module, flags = Path(argv[0]).name, argv[1:]
+    assert module in config_check.CONFIGS, \
+        f"{argv}: {module} is not a gearshift entry point ({sorted(config_check.CONFIGS)})"
+    ap, base = config_check.entry_parser(module)
     ns, unknown = ap.parse_known_args(flags)
-    assert not unknown, f"{argv}: python -m {module} has no option {unknown}"
+    assert not unknown, f"{argv}: {module} has no option {unknown}"
     rest = [f for i, f in enumerate(flags) if f != "--config" and (i == 0 or flags[i - 1] != "--config")]
     _, cfg = config.resolve(ap, base, rest, environ={})  # raises ConfigError on a bad value
     return module, {k: getattr(cfg, k) for k in cfg.__struct_fields__}, ns.config
 
 
 def example_for(module: str) -> Path:
-    return CONFIG_EXAMPLES / f"{config.CONFIGS[module].service}.yaml"
+    return CONFIG_EXAMPLES / f"{config_check.CONFIGS[module].service}.yaml"

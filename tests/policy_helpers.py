@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies.api import JobView, NodeState, Placement
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies.api import JobView, NodeState, Placement
 
 MODEL = ModelSpec(name="toy", params=100, layers=8, hidden=512, seq_len=128)
 

@@ -6,11 +6,12 @@ import json
 
 import pytest
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobList, JobRecord, JobState, NodeReport, GpuReport, SubmitReply
-from services.admission import start_admission
-from services.jobstore import kv_snapshot
-from services.runtime import ServiceCallError, call
+from gearshift.bus.client import ServiceCallError, call
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import GpuReport, JobList, JobRecord, JobState, NodeReport, SubmitReply
+from gearshift.services.admission import start_admission
 
 SPEC = {
     "name": "gpt2-small",

@@ -11,11 +11,14 @@ import time
 import pytest
 from nats.js.api import DeliverPolicy
 
-from agent.agent import Agent
-from agent.launch import master_port
-from agent.probe import FakeProbe
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
+from gearshift.agent.agent import Agent
+from gearshift.agent.launch import master_port
+from gearshift.agent.probe import FakeProbe
+from gearshift.bus import alloc_watch
+from gearshift.bus.client import call
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
     AgentReply,
     Allocation,
     JobProgress,
@@ -26,8 +29,7 @@ from bus_schema.messages import (
     RunReportKind,
     StopCommand,
 )
-from services import auth_alloc
-from services.runtime import call
+from gearshift.services import auth_alloc
 from tests.wait import eventually
 
 PY = sys.executable
@@ -383,7 +385,7 @@ async def test_agent_without_driver_refuses_in_one_line_unless_fake(nats_url):
     if _nvml_works():
         pytest.skip("this machine has an NVIDIA driver")
     proc = await asyncio.create_subprocess_exec(
-        PY, "-m", "agent", "--server", nats_url, "--node", "nodriver",
+        PY, "-m", "gearshift.agent", "--server", nats_url, "--node", "nodriver",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "GEARSHIFT_LOG_LEVEL": "INFO"},
     )
@@ -395,7 +397,7 @@ async def test_agent_without_driver_refuses_in_one_line_unless_fake(nats_url):
 
 async def test_agent_command_runs_with_fake_gpus_and_leaves_on_sigterm(nc, nats_url, tmp_path):
     proc = await asyncio.create_subprocess_exec(
-        PY, "-m", "agent", "--server", nats_url, "--node", "cli1", "--fake-gpus", "2", "--gpu-memory", "24GiB",
+        PY, "-m", "gearshift.agent", "--server", nats_url, "--node", "cli1", "--fake-gpus", "2", "--gpu-memory", "24GiB",
         "--heartbeat", "0.2", "--workdir", str(tmp_path / "cli1"),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
@@ -419,7 +421,7 @@ async def test_a_watch_the_server_does_not_answer_at_start_is_tried_again(nc, ag
         tries.append(node)
         if len(tries) < 3:
             raise NatsTimeout
-        return await auth_alloc.node_alloc_watch(js, node)
+        return await alloc_watch.node_alloc_watch(js, node)
 
     await agents("n1", alloc_watch=slow_server)
     assert tries == ["n1"] * 3

@@ -16,11 +16,12 @@ import time
 
 import pytest
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobRecord, JobState, ReconfigureReply, RunReport, RunReportKind, SubmitReply
-from services.admission import start_admission
-from services.optimizer import Optimizer
-from services.runtime import call
+from gearshift.bus.client import call
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobRecord, JobState, ReconfigureReply, RunReport, RunReportKind, SubmitReply
+from gearshift.services.admission import start_admission
+from gearshift.services.optimizer import Optimizer
 from tests.wait import eventually as _eventually
 
 MODEL = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
@@ -35,7 +36,7 @@ class AgentProcess:
     """``python -m agent`` on a fixed workdir, killed with SIGKILL and started again."""
 
     def __init__(self, nats_url: str, node: str, tmp_path) -> None:
-        self.argv = [sys.executable, "-m", "agent", "--node", node, "--fake-gpus", "2", "--workdir",
+        self.argv = [sys.executable, "-m", "gearshift.agent", "--node", node, "--fake-gpus", "2", "--workdir",
                      str(tmp_path / node), "--ckpt-root", str(tmp_path / "ckpt"), "--heartbeat", "0.2",
                      "--grace", "3"]
         self.env = {**os.environ, "GEARSHIFT_NATS_URL": nats_url, "GEARSHIFT_METRICS_PORT": "0"}

@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from agent import launch, worker as wk
-from agent.probe import FakeProbe, GpuProbe, NoGpuDriver, NvmlProbe
-from bus_schema.messages import Allocation, NodePlacement, Plan
+from gearshift.agent import launch
+from gearshift.agent import worker as wk
+from gearshift.agent.probe import FakeProbe, GpuProbe, NoGpuDriver, NvmlProbe
+from gearshift.bus_schema.messages import Allocation, NodePlacement, Plan
 
 PY = sys.executable
 
@@ -53,7 +54,7 @@ def _emulated(tmp_path, gen: int, steps: int, step_time: float) -> subprocess.Po
         "GEARSHIFT_CKPT_DIR": str(tmp_path / "ckpt"), "GEARSHIFT_PROGRESS_FILE": str(tmp_path / f"p{gen}.json"),
         "GEARSHIFT_STEPS": str(steps), "GEARSHIFT_STEP_TIME": str(step_time), "GEARSHIFT_GLOBAL_BATCH": "4",
     }
-    return subprocess.Popen([PY, "-m", "agent.emulated_worker"], env=env, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([PY, "-m", "gearshift.agent.emulated_worker"], env=env, stdout=subprocess.PIPE, text=True)
 
 
 def _wait_for(cond, timeout=10.0):

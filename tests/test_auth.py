@@ -17,10 +17,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus_schema import subjects as subj
-from bus_schema.messages import JobList, JobRecord, JobSpec, ListRequest, SubmitReply, SubmitRequest
-from services import auth
-from services.runtime import ServiceCallError, call
+from gearshift.bus import auth
+from gearshift.bus.client import ServiceCallError, call
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobList, JobRecord, JobSpec, ListRequest, SubmitReply, SubmitRequest
 
 SPEC = {"name": "t", "model": {"name": "m", "params": 10, "layers": 2, "hidden": 64, "seq_len": 16},
         "global_batch": 4, "steps": 5, "gpus": 1, "tenant": "nlp"}
@@ -31,7 +31,7 @@ def spec(tenant: str, name: str = "t") -> JobSpec:
 
 
 async def test_tenant_endpoints_keep_tenants_apart(nc):
-    from services.admission import start_admission
+    from gearshift.services.admission import start_admission
 
     _, svc = await start_admission(nc)
     try:
@@ -57,7 +57,7 @@ async def test_tenant_endpoints_keep_tenants_apart(nc):
 
 
 async def test_jobs_per_tenant_limit(nc):
-    from services.admission import start_admission
+    from gearshift.services.admission import start_admission
 
     _, svc = await start_admission(nc, max_jobs_per_tenant=3)
     try:
@@ -90,7 +90,7 @@ def test_dashboard_role_is_read_only():
     """The dashboard's rights come from the contract table: it reads progress,
     events and watches gs_jobs/gs_nodes; it publishes on no bus subject and
     writes no bucket (the authz suite checks the server enforces this)."""
-    from bus_schema import contract
+    from gearshift.bus_schema import contract
 
     perms = auth.permissions(auth.Identity("dashboard", "dashboard"))
     pub, sub = perms["publish"]["allow"], perms["subscribe"]["allow"]
@@ -108,8 +108,8 @@ async def test_nkey_seed_file_connects_and_a_stranger_is_refused(tmp_path):
     """What the nats CLI does with --nkey: sign the server's nonce with the seed file."""
     import nats
 
-    from services.natsd import NatsServer
-    from services.runtime import NotAuthorized, connect
+    from gearshift.bus.client import NotAuthorized, connect
+    from gearshift.bus.natsd import NatsServer
 
     d = auth.write_auth_dir(tmp_path / "auth", ["node0"], ["nlp"])
     server = NatsServer(tmp_path / "js", config=d.config)
@@ -145,8 +145,9 @@ async def test_tls_from_deploy_settings(tmp_path, monkeypatch):
     without it the connection is refused."""
     import shutil
 
-    from services.natsd import NatsServer
-    from services.runtime import ServerUnavailable, connect, ensure_infra
+    from gearshift.bus.client import ServerUnavailable, connect
+    from gearshift.bus.infra import ensure_infra
+    from gearshift.bus.natsd import NatsServer
 
     openssl = shutil.which("openssl")
     if openssl is None:

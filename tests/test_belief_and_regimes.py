@@ -8,18 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from bus_schema.messages import JobSpec, Plan
-from perfmodel import catalog
-from perfmodel.rubick import MODELS, load_placements, rows_to_arrays, rubick_shape
-from perfmodel.model import iteration_time_ms, shape_consts
-from perfmodel.validate import MAX_TRAINING_ROWS, profiled_data
-from policies.api import Placement
-from sim.engine import SimConfig
-from sim.extended import distance, memory_gb, runs_out_of_memory, systematic
-from sim.perfmodel_bridge import find_predictor
-from sim.rubick_catalog import MODELS as SPECS
-from sim.trace import TraceJob
-from sim.truth import GroundTruth, with_threads
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.perfmodel import catalog
+from gearshift.perfmodel.model import iteration_time_ms, shape_consts
+from gearshift.perfmodel.rubick import MODELS, load_placements, rows_to_arrays, rubick_shape
+from gearshift.perfmodel.validate import MAX_TRAINING_ROWS, profiled_data
+from gearshift.policies.api import Placement
+from gearshift.sim.engine import SimConfig
+from gearshift.sim.extended import distance, memory_gb, runs_out_of_memory, systematic
+from gearshift.sim.perfmodel_bridge import find_predictor
+from gearshift.sim.rubick_catalog import MODELS as SPECS
+from gearshift.sim.trace import TraceJob
+from gearshift.sim.truth import GroundTruth, with_threads
 
 
 def test_belief_fit_data_holds_no_truth_row_beyond_the_profilers_seven():
@@ -55,13 +55,13 @@ def test_belief_is_not_the_in_sample_fit_and_errs_out_of_sample():
 
 
 def test_simulator_and_optimizer_share_the_belief():
-    from policies.oracle import PerfModelOracle
+    from gearshift.policies.oracle import PerfModelOracle
 
     spec = JobSpec(name="g", model=SPECS["gpt2"], global_batch=16, steps=10, gpus=8)
     plan = Plan(dp=8, zero=2, micro_batch=2)
     belief = find_predictor(8)(spec, plan, (8,))
     truth_src = find_predictor(8, "in_sample")(spec, plan, (8,))
-    from policies.api import JobView
+    from gearshift.policies.api import JobView
 
     live = PerfModelOracle().throughput(JobView("g", spec, 0.0), plan, (Placement("n", 8, 32),))
     assert belief > 0 and live > 0 and truth_src > 0
@@ -109,7 +109,7 @@ def test_extended_truth_is_not_the_belief_and_fails_where_memory_is_short():
 
 
 def test_measured_regime_lets_policies_choose_only_measured_or_requested(tmp_path):
-    from sim.cli import main
+    from gearshift.sim.cli import main
 
     out = tmp_path / "o.json"
     import contextlib
@@ -127,8 +127,8 @@ def test_measured_regime_lets_policies_choose_only_measured_or_requested(tmp_pat
 
 
 def test_regime_is_validated():
-    from sim.engine import Simulator
-    from sim.trace import Trace, parse_cluster
+    from gearshift.sim.engine import Simulator
+    from gearshift.sim.trace import Trace, parse_cluster
 
     with pytest.raises(ValueError, match="regime"):
         Simulator(Trace("t", [], parse_cluster("1x1")), None, config=SimConfig(regime="bent"))

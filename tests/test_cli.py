@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import wait_for as _wait_for
 
+from gearshift.bus import auth
+from gearshift.bus.natsd import NatsServer
 from gearshift.cli import build_parser
 from gearshift.cluster import LocalCluster
-from services import auth
-from services.natsd import NatsServer
 
 GEARSHIFT = [sys.executable, "-m", "gearshift.cli"]
 

@@ -1,4 +1,4 @@
-"""Service config files (services/config.py): precedence flag > env > file >
+"""Service config files (bus/config.py, each entry point's own Struct): precedence flag > env > file >
 default on the services' real parsers, errors that name the field, and a
 bad value ending the real process with one line (exit 2, no traceback)."""
 
@@ -11,20 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from services import config
+from gearshift import config_check
+from gearshift.bus import config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "deploy" / "config"
 
 
 def resolve(module: str, argv: list[str], env: dict[str, str] | None = None):
-    ap, base = config.parser_of(module)
+    ap, base = config_check.entry_parser(module)
     return config.resolve(ap, base, argv, environ=env or {})
 
 
 def test_every_service_reads_its_options_through_the_helper():
-    for module, base in config.CONFIGS.items():
-        ap, got = config.parser_of(module)
+    for module, base in config_check.CONFIGS.items():
+        ap, got = config_check.entry_parser(module)
         assert got is base
         flags = {a.dest for a in ap._actions if a.option_strings}
         # every declared field is a real flag (a renamed flag would leave a dead field)
@@ -32,14 +33,14 @@ def test_every_service_reads_its_options_through_the_helper():
         assert "config" in flags
 
 
-@pytest.mark.parametrize("module", sorted(config.CONFIGS))
+@pytest.mark.parametrize("module", sorted(config_check.CONFIGS))
 def test_struct_defaults_match_the_parsers_defaults(module, monkeypatch):
     for var in ("GEARSHIFT_POLICY", "GEARSHIFT_POLICY_OPTIONS", "GEARSHIFT_WAIT_FOR_MODELS",
                 "GEARSHIFT_MAX_JOBS_PER_TENANT", "GEARSHIFT_NATS_URL"):
         monkeypatch.delenv(var, raising=False)
-    ap, base = config.parser_of(module)
+    ap, base = config_check.entry_parser(module)
     for name in base.__struct_fields__:
-        if module == "agent" and name in ("node", "workdir"):
+        if module == "gearshift-agent" and name in ("node", "workdir"):
             continue  # computed from the host at parse time
         default = base.__struct_defaults__[base.__struct_fields__.index(name)]
         # the default parse_args uses: the first action of the dest (argparse's
@@ -52,37 +53,37 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path):
     f.write_text("interval: 7.5\nnode_timeout: 20\nmax_retries: 5\n")
     env = {"GEARSHIFT_OPTIMIZER_NODE_TIMEOUT": "30", "GEARSHIFT_OPTIMIZER_MAX_RETRIES": "6"}
 
-    args, cfg = resolve("services.optimizer", ["--config", str(f), "--max-retries", "9"], env)
+    args, cfg = resolve("gearshift-optimizer", ["--config", str(f), "--max-retries", "9"], env)
     assert args.drain_timeout == 120.0       # default
     assert args.interval == 7.5              # file
     assert args.node_timeout == 30.0         # env beats file
     assert args.max_retries == 9             # flag beats env and file
-    assert cfg.max_retries == 9 and isinstance(cfg, config.OptimizerConfig)
+    assert cfg.max_retries == 9 and isinstance(cfg, config_check.CONFIGS["gearshift-optimizer"])
 
     # the file may come from the environment too; a flag still wins
-    args, _ = resolve("services.optimizer", ["--interval", "1"], {"GEARSHIFT_OPTIMIZER_CONFIG": str(f)})
+    args, _ = resolve("gearshift-optimizer", ["--interval", "1"], {"GEARSHIFT_OPTIMIZER_CONFIG": str(f)})
     assert (args.interval, args.node_timeout) == (1.0, 20.0)
 
 
 def test_file_values_use_the_flags_types_and_booleans(tmp_path):
     f = tmp_path / "agent.yaml"
     f.write_text("gpu_memory: 40GiB\nfake_gpus: 4\nnode: gpu-7\n")
-    args, _ = resolve("agent", ["--config", str(f)])
+    args, _ = resolve("gearshift-agent", ["--config", str(f)])
     assert (args.gpu_memory, args.fake_gpus, args.node) == (40 * 2**30, 4, "gpu-7")
-    args, _ = resolve("services.optimizer", [], {"GEARSHIFT_OPTIMIZER_WAIT_FOR_MODELS": "true"})
+    args, _ = resolve("gearshift-optimizer", [], {"GEARSHIFT_OPTIMIZER_WAIT_FOR_MODELS": "true"})
     assert args.wait_for_models is True
-    args, _ = resolve("services.optimizer", ["--wait-for-models"], {"GEARSHIFT_OPTIMIZER_WAIT_FOR_MODELS": "0"})
+    args, _ = resolve("gearshift-optimizer", ["--wait-for-models"], {"GEARSHIFT_OPTIMIZER_WAIT_FOR_MODELS": "0"})
     assert args.wait_for_models is True
 
 
 def test_older_variables_still_work_below_the_file(tmp_path, monkeypatch):
     # GEARSHIFT_POLICY is the parser's default (what loadtest.chaos and gearshift up set)
     monkeypatch.setenv("GEARSHIFT_POLICY", "las")
-    args, _ = resolve("services.optimizer", [])
+    args, _ = resolve("gearshift-optimizer", [])
     assert args.policy == "las"
     f = tmp_path / "o.yaml"
     f.write_text("policy: srtf\n")
-    args, _ = resolve("services.optimizer", ["--config", str(f)])
+    args, _ = resolve("gearshift-optimizer", ["--config", str(f)])
     assert args.policy == "srtf"
 
 
@@ -105,13 +106,13 @@ def test_bad_values_name_the_field_and_the_source(tmp_path, text, env, argv, exp
     f = tmp_path / "optimizer.yaml"
     f.write_text(text)
     with pytest.raises(config.ConfigError) as err:
-        resolve("services.optimizer", ["--config", str(f), *argv], env)
+        resolve("gearshift-optimizer", ["--config", str(f), *argv], env)
     assert str(err.value).startswith(expected.format(f=f)), str(err.value)
 
 
 def test_agent_node_must_be_a_subject_token(tmp_path):
     with pytest.raises(config.ConfigError, match=r"^agent\.node: Expected `str` matching"):
-        resolve("agent", [], {"GEARSHIFT_AGENT_NODE": "gpu.1"})
+        resolve("gearshift-agent", [], {"GEARSHIFT_AGENT_NODE": "gpu.1"})
 
 
 def test_a_flag_without_a_declared_field_is_still_configurable():
@@ -121,17 +122,17 @@ def test_a_flag_without_a_declared_field_is_still_configurable():
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--metrics-port", type=int, default=None)
     config.add_config_flag(ap, "optimizer")
-    args, cfg = config.resolve(ap, config.OptimizerConfig, [], {"GEARSHIFT_OPTIMIZER_METRICS_PORT": "9100"})
+    args, cfg = config.resolve(ap, config_check.CONFIGS["gearshift-optimizer"], [], {"GEARSHIFT_OPTIMIZER_METRICS_PORT": "9100"})
     assert args.metrics_port == 9100 and cfg.metrics_port == 9100
     with pytest.raises(config.ConfigError, match=r"optimizer\.metrics_port: invalid int value 'x'"):
-        config.resolve(ap, config.OptimizerConfig, [], {"GEARSHIFT_OPTIMIZER_METRICS_PORT": "x"})
+        config.resolve(ap, config_check.CONFIGS["gearshift-optimizer"], [], {"GEARSHIFT_OPTIMIZER_METRICS_PORT": "x"})
 
 
 def test_example_files_are_valid():
     files = sorted(EXAMPLES.glob("*.yaml"))
-    assert {f.stem for f in files} == {b.service for b in config.CONFIGS.values()}
+    assert {f.stem for f in files} == {b.service for b in config_check.CONFIGS.values()}
     for f in files:
-        cfg = config.check_file(f)
+        cfg = config_check.check_file(f)
         assert cfg.server and cfg.server.startswith("tls://"), f
 
 
@@ -144,13 +145,13 @@ def test_a_bad_field_ends_the_real_process_with_one_line(tmp_path):
     f = tmp_path / "optimizer.yaml"
     f.write_text("interval: -1\n")
     # the server is unreachable on purpose: the error must come before any connection attempt
-    r = _run("services.optimizer", "--config", str(f), "--server", "nats://127.0.0.1:1")
+    r = _run("gearshift.services.optimizer", "--config", str(f), "--server", "nats://127.0.0.1:1")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1] == \
         f"gearshift-optimizer: error: optimizer.interval: Expected `float` > 0.0 (from {f})"
 
-    r = _run("agent", "--fake-gpus", "2", env={"GEARSHIFT_AGENT_HEARTBEAT": "often"})
+    r = _run("gearshift.agent", "--fake-gpus", "2", env={"GEARSHIFT_AGENT_HEARTBEAT": "often"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "agent.heartbeat: invalid float value 'often' (from GEARSHIFT_AGENT_HEARTBEAT)" in r.stderr
 
@@ -158,7 +159,7 @@ def test_a_bad_field_ends_the_real_process_with_one_line(tmp_path):
 def test_check_command_validates_files(tmp_path):
     bad = tmp_path / "profiler.yaml"
     bad.write_text("steps: 0\n")
-    r = _run("services.config", str(EXAMPLES / "profiler.yaml"), str(bad))
+    r = _run("gearshift.config_check", str(EXAMPLES / "profiler.yaml"), str(bad))
     assert r.returncode == 1 and "Traceback" not in r.stderr + r.stdout
     assert f"{EXAMPLES / 'profiler.yaml'}: ok" in r.stdout
     assert f"error: profiler.steps: Expected `int` >= 1 (from {bad})" in r.stdout
@@ -174,7 +175,7 @@ def test_two_flags_sharing_a_destination():
     before = [a.default for a in ap._actions]
     for argv, env, want in (([], {}, None), (["--no-login"], {}, False), (["--login"], {}, True),
                             ([], {"GEARSHIFT_PERFMODEL_LOGIN": "yes"}, True)):
-        args, _ = config.resolve(ap, config.PerfmodelConfig, argv, env)
+        args, _ = config.resolve(ap, config_check.CONFIGS["gearshift-perfmodel"], argv, env)
         assert args.login is want, (argv, env)
     # the parser is left as it was: its defaults are back
     assert [a.default for a in ap._actions] == before
@@ -185,27 +186,27 @@ def test_dashboard_real_parser_login_pair_and_page_port(tmp_path):
     flag, environment and file, and the page's address checked."""
     f = tmp_path / "dashboard.yaml"
     f.write_text("host: 0.0.0.0\nport: 8080\nrequire_login: false\n")
-    args, cfg = resolve("services.dashboard", ["--config", str(f)])
-    assert isinstance(cfg, config.DashboardConfig)
+    args, cfg = resolve("gearshift-dashboard", ["--config", str(f)])
+    assert isinstance(cfg, config_check.CONFIGS["gearshift-dashboard"])
     assert (args.host, args.port, args.require_login) == ("0.0.0.0", 8080, False)  # file
-    args, _ = resolve("services.dashboard", ["--config", str(f)], {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "yes"})
+    args, _ = resolve("gearshift-dashboard", ["--config", str(f)], {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "yes"})
     assert args.require_login is True  # env beats file
-    args, _ = resolve("services.dashboard", ["--config", str(f), "--no-login"],
+    args, _ = resolve("gearshift-dashboard", ["--config", str(f), "--no-login"],
                       {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "yes"})
     assert args.require_login is False  # flag beats env
-    args, _ = resolve("services.dashboard", ["--require-login"], {"GEARSHIFT_DASHBOARD_PORT": "9000"})
+    args, _ = resolve("gearshift-dashboard", ["--require-login"], {"GEARSHIFT_DASHBOARD_PORT": "9000"})
     assert (args.require_login, args.port, args.host) == (True, 9000, "127.0.0.1")
-    args, _ = resolve("services.dashboard", [])
+    args, _ = resolve("gearshift-dashboard", [])
     assert args.require_login is None  # decided at start: on when the dashboard has credentials
     f.write_text("port: 70000\n")
     with pytest.raises(config.ConfigError, match=rf"^dashboard\.port: Expected `int` <= 65535 \(from {f}\)"):
-        resolve("services.dashboard", ["--config", str(f)])
+        resolve("gearshift-dashboard", ["--config", str(f)])
     with pytest.raises(config.ConfigError, match=r"^dashboard\.require_login: expected a boolean.*GEARSHIFT_DASHBOARD"):
-        resolve("services.dashboard", [], {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "maybe"})
+        resolve("gearshift-dashboard", [], {"GEARSHIFT_DASHBOARD_REQUIRE_LOGIN": "maybe"})
 
 
 def test_a_bad_dashboard_value_ends_the_real_process_with_one_line():
-    r = _run("services.dashboard", "--server", "nats://127.0.0.1:1", env={"GEARSHIFT_DASHBOARD_PORT": "http"})
+    r = _run("gearshift.services.dashboard", "--server", "nats://127.0.0.1:1", env={"GEARSHIFT_DASHBOARD_PORT": "http"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
         "python -m services.dashboard: error: dashboard.port: invalid int value 'http' (from GEARSHIFT_DASHBOARD_PORT)"]

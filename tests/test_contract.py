@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from bus_schema import contract, subjects as subj
-from bus_schema.messages import JobRef, NodeList, SubmitRequest
-from bus_schema.schema import bus_schema
-from services import auth
-from services.runtime import Endpoint, call, check_endpoint
+from gearshift.bus import auth
+from gearshift.bus.client import call
+from gearshift.bus.server import Endpoint, check_endpoint
+from gearshift.bus_schema import contract
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobRef, NodeList, SubmitRequest
+from gearshift.bus_schema.schema import bus_schema
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE_DIRS = ["services", "agent", "gearshift", "bus_schema", "loadtest", "examples", "policies", "sim", "perfmodel"]
+CODE_DIRS = ["services", "agent", "gearshift", "bus", "bus_schema", "loadtest", "examples", "policies", "sim", "perfmodel"]
 # 'gs.' then tokens; f-string holes become <var>
 _SUBJECT = re.compile(r"^gs\.[A-Za-z0-9_<>*.\-]+$")
 
@@ -135,7 +137,7 @@ def test_serve_refuses_an_endpoint_outside_the_table():
 
 
 async def test_call_takes_the_reply_type_from_the_table(nc):
-    from services.admission import start_admission
+    from gearshift.services.admission import start_admission
 
     _, svc = await start_admission(nc)
     try:

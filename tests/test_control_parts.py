@@ -6,14 +6,23 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bus_schema.messages import (
-    InvalidTransition, JobRecord, JobSpec, JobState, ModelSpec, NodePlacement, NodeReport, GpuReport, Plan,
-    RunReport, RunReportKind,
+from gearshift.bus.views import JobsView
+from gearshift.bus_schema.messages import (
+    GpuReport,
+    InvalidTransition,
+    JobRecord,
+    JobSpec,
+    JobState,
+    ModelSpec,
+    NodePlacement,
+    NodeReport,
+    Plan,
+    RunReport,
+    RunReportKind,
 )
-from policies.api import JobDecision
-from policies import Placement
-from services import capacity, lifecycle
-from services.views import JobsView
+from gearshift.policies import Placement
+from gearshift.policies.api import JobDecision
+from gearshift.services import capacity, lifecycle
 
 SPEC = JobSpec(name="a", model=ModelSpec(name="m", params=100, layers=4, hidden=64, seq_len=128),
                global_batch=8, steps=100, gpus=2, tenant="t1")
@@ -75,7 +84,7 @@ def test_allocate_running_job_is_a_gang_switch_and_back_to_queue_drains():
     assert new.generation == 2 and new.state == JobState.SCHEDULED
     assert [p.node for p in new.draining] == ["n0"] and new.switch.from_generation == 1
     assert lifecycle.allocate(new, r, d, [], ts=8.0) is None  # generation moved: skip
-    from bus_schema.messages import JobPreempted
+    from gearshift.bus_schema.messages import JobPreempted
     q = lifecycle.back_to_queue(r, 1, "preempted", JobPreempted, 9.0)
     assert q.state == JobState.PENDING and q.placement == [] and q.drain_generation == 1
 

@@ -102,8 +102,8 @@ def shoot(page, shots: Path, name: str) -> Path:
 
 def bus(cluster, coro_fn):
     """Run ``coro_fn(nc)`` with the admin identity."""
-    from services.auth import connect_options, load_creds
-    from services.runtime import connect
+    from gearshift.bus.auth import connect_options, load_creds
+    from gearshift.bus.client import connect
 
     async def go():
         nc = await connect(cluster.url, name="dash-test", retry_for=5,
@@ -119,9 +119,9 @@ def bus(cluster, coro_fn):
 
 
 def submit(cluster, body: dict) -> str:
-    from bus_schema import subjects as subj
-    from bus_schema.messages import SubmitReply
-    from services.runtime import call
+    from gearshift.bus.client import call
+    from gearshift.bus_schema import subjects as subj
+    from gearshift.bus_schema.messages import SubmitReply
 
     async def go(nc):
         return (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": body}).encode(), SubmitReply)).job_id
@@ -162,9 +162,9 @@ def test_submitted_job_appears_and_turns_running(page, cluster, job, shots):
 
 
 def test_switch_shows_on_the_timeline_with_its_phases(page, cluster, job, shots):
-    from bus_schema import subjects as subj
-    from bus_schema.messages import ReconfigureReply
-    from services.runtime import call
+    from gearshift.bus.client import call
+    from gearshift.bus_schema import subjects as subj
+    from gearshift.bus_schema.messages import ReconfigureReply
 
     async def pin(nc):
         req = {"job_id": job, "plan": PLAN_DP1, "reason": "browser test"}
@@ -213,7 +213,7 @@ def test_sign_in_with_a_wrong_key_is_refused_by_the_server(cluster):
     import urllib.request
 
     creds = json.loads((cluster.auth_root / "tenant-nlp.creds").read_text())
-    from services.auth import new_user_seed
+    from gearshift.bus.auth import new_user_seed
 
     creds["nkey_seed"] = new_user_seed()  # a well-formed key the server does not know
     req = urllib.request.Request(cluster.dashboard_url + "api/login", method="POST",

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from deploy_helpers import DEPLOY, ROOT, check_command
-from services import auth, config
-from services.natsd import nats_server_binary
+
+from gearshift import config_check as config
+from gearshift.bus import auth
+from gearshift.bus.natsd import nats_server_binary
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -147,7 +148,7 @@ def test_workloads_run_the_real_entry_points(tmp_path):
         # the pod's labels are what the selector matches
         sel = w["spec"]["selector"]["matchLabels"]
         assert sel.items() <= w["spec"]["template"]["metadata"]["labels"].items()
-        if module == "agent":
+        if module == "gearshift-agent":
             assert opts["node"] == SAMPLE_ENV["NODE_NAME"] and opts["address"] == SAMPLE_ENV["HOST_IP"]
     assert set(seen) == set(config.CONFIGS), seen
 
@@ -306,7 +307,7 @@ def test_scrape_config_matches_the_ports():
     ports = {}
     for w in workloads().values():
         c = w["spec"]["template"]["spec"]["containers"][0]
-        module = c["command"][2]
+        module = c["command"][0]
         ports[config.CONFIGS[module].service] = int(container_env(c)["GEARSHIFT_METRICS_PORT"])
     assert len(set(ports.values())) == len(ports), "one port per service (they share systemd hosts)"
     for group in jobs["gearshift-hosts"]["static_configs"]:
@@ -351,6 +352,8 @@ def test_dockerfile_copies_every_package():
     for src in copied:
         for part in src.split():
             assert (ROOT / part).exists(), part
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    assert {p.rstrip("*") for p in packages} <= copied
+    # every folder the wheel installs under gearshift.* (package-dir), and nothing the wheel leaves out
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert set(dirs.values()) <= copied
+    assert "loadtest" not in copied and "tests" not in copied
     assert "USER 10001" in text  # the manifests' runAsUser

@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from deploy_helpers import DEPLOY, check_command, example_for
-from services import config
-from services.natsd import nats_server_binary
+
+from gearshift import config_check as config
+from gearshift.bus.natsd import nats_server_binary
 
 UNITS = DEPLOY / "systemd"
 
@@ -55,7 +55,8 @@ def test_every_entry_point_and_nats_server_have_a_unit():
         assert unit["Install"]["WantedBy"] == ["multi-user.target"], name
         (start,) = unit["Service"]["ExecStart"]
         argv = shlex.split(start)
-        ran[name] = argv[2] if argv[1:2] == ["-m"] else Path(argv[0]).name
+        assert argv[1:2] != ["-m"], (name, "a unit names the console script, not python -m")
+        ran[name] = Path(argv[0]).name
     assert set(ran.values()) == set(config.CONFIGS) | {"nats-server"}, ran
 
 
@@ -66,7 +67,8 @@ def test_service_units_match_the_real_parsers(name):
     (start,) = svc["ExecStart"]
     instance = "gpu-17"
     argv = shlex.split(start.replace("%i", instance))
-    assert argv[0] == "/opt/gearshift/.venv/bin/python"
+    # units run the console scripts the wheel installs, never a module path
+    assert Path(argv[0]).parent == Path("/opt/gearshift/.venv/bin"), argv
     module, opts, cfg_path = check_command(argv)
 
     # the config file is the example of that service, and it is valid for it
@@ -74,16 +76,16 @@ def test_service_units_match_the_real_parsers(name):
     assert config.check_file(example_for(module), module)
 
     env = env_of(unit, instance)
-    role = f"agent-{instance}" if module == "agent" else config.CONFIGS[module].service
+    role = f"agent-{instance}" if module == "gearshift-agent" else config.CONFIGS[module].service
     assert env["GEARSHIFT_CREDS"] == f"/etc/gearshift/auth/{role}.creds"
     assert env["GEARSHIFT_TLS_CA"] == "/etc/gearshift/tls/ca.pem"
     assert not any(k in env for k in ("GEARSHIFT_PASSWORD", "GEARSHIFT_USER")), "no clear passwords in units"
     assert svc["Restart"] == ["always"]
-    if module == "agent":
+    if module == "gearshift-agent":
         assert opts["node"] == instance  # the instance name is the node
         assert svc["KillMode"] == ["control-group"]  # job processes die with their agent
         assert float(svc["TimeoutStopSec"][0]) > 60.0  # the agent's grace (deploy/config/agent.yaml) fits
-    elif module == "services.dashboard":
+    elif module == "gearshift-dashboard":
         # read-only: it creates no stream or bucket, so it needs no replica count
         assert "GEARSHIFT_REPLICAS" not in env
         # actions with the signed-in person's credentials (the dashboard's own identity may not act)

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import nats
 import pytest
-
 from deploy_helpers import DEPLOY
-from services import auth
-from services.natsd import NatsServer, nats_server_binary
+
+from gearshift.bus import auth
+from gearshift.bus.natsd import NatsServer, nats_server_binary
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 
@@ -104,7 +104,7 @@ async def test_tls_server_with_the_scripts_certs(tmp_path, certs, monkeypatch):
         url = f"tls://localhost:{server.port}"
         # the services' own connect path: the CA from GEARSHIFT_TLS_CA
         monkeypatch.setenv("GEARSHIFT_TLS_CA", str(certs / "ca.pem"))
-        from services.runtime import connect
+        from gearshift.bus.client import connect
 
         nc = await connect(url, name="tls-test", retry_for=3)
         assert await roundtrip(nc) == b"pong:ping"
@@ -168,7 +168,7 @@ def test_routes_verify_each_other_with_the_route_certificate(tmp_path, certs):
 
 def test_shipped_server_config_passes_the_config_test(tmp_path, certs):
     """deploy/nats-server.conf with its paths moved under tmp_path: TLS files
-    from the script, the accounts from services.auth, JetStream's store."""
+    from the script, the accounts from gearshift.bus.auth, JetStream's store."""
     etc = tmp_path / "etc"
     shutil.copytree(certs, etc / "tls")
     auth.write_auth_dir(etc / "auth", ["gpu-1"], ["nlp"])

@@ -144,7 +144,7 @@ def test_up_stops_everything_on_sigterm(tmp_path):
     time.sleep(0.5)
     assert ours() == []
     # the emulated workers carry the data dir only in their environment
-    left = subprocess.run(["pgrep", "-f", "agent.emulated_worker"], capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-f", "gearshift.agent.emulated_worker"], capture_output=True, text=True).stdout.split()
     assert not [p for p in left if pid_alive(int(p)) and str(data) in _environ(int(p))]
 
 

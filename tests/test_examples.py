@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from bus_schema import subjects as subj
-from bus_schema.messages import JobCompleted, JobFailed, JobRunning, JobSubmitted, JobSwitched
-from services import auth
-from services.jobstore import publish_event
-from services.natsd import NatsServer
-from services.runtime import connect, ensure_infra
+from gearshift.bus import auth
+from gearshift.bus.client import connect
+from gearshift.bus.infra import ensure_infra
+from gearshift.bus.kv import publish_event
+from gearshift.bus.natsd import NatsServer
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobCompleted, JobFailed, JobRunning, JobSubmitted, JobSwitched
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
-from bus_schema.messages import Plan
-from policies import Placement, check_decision, make_policy
-from policies.api import Decision, JobDecision
-from policies.queues import ShareConfig, fair_entitlement
-from policies.sharing import Shared
+from gearshift.bus_schema.messages import Plan
+from gearshift.policies import Placement, check_decision, make_policy
+from gearshift.policies.api import Decision, JobDecision
+from gearshift.policies.queues import ShareConfig, fair_entitlement
+from gearshift.policies.sharing import Shared
 from tests.policy_helpers import apply, job, nodes
 
 NO_QUOTAS = {"min_run_time": 600, "starvation_wait": None}  # tenants without queues: weight 1, no quota
@@ -124,7 +124,7 @@ def test_rounds_settle_without_moving_jobs_back_and_forth(name):
 
 # ---------------------------------------------------------------- mixed GPU types
 def typed_nodes():
-    from policies.api import NodeState
+    from gearshift.policies.api import NodeState
 
     return [NodeState("a", 8, 8, 64, 64, gpu_type="a100"), NodeState("v", 8, 8, 64, 64, gpu_type="v100")]
 
@@ -245,8 +245,8 @@ def test_a_start_made_room_for_moves_off_a_protected_jobs_gpus():
     """A type-aware inner policy put a job made room for by reclaim (m) on the GPUs of p,
     inside its minimum run time, and dropped p: m starts on the free node instead and p
     keeps its GPUs (seed 1 of loadtest.fairness, sia on the mixed cluster: p ran 6 s)."""
-    from policies.placement import Ledger
-    from policies.sharing import _clear_for
+    from gearshift.policies.placement import Ledger
+    from gearshift.policies.sharing import _clear_for
 
     ns = nodes(2)
     p = tj("p", 4, "a", running_on=(Placement("n0", 4, 8),), since=950.0)

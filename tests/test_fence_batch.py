@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from nats.js.errors import KeyNotFoundError
 
-from bus_schema import subjects as subj
-from services.fencing import Deposed, Fence
-from services.jobstore import kv_snapshot
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus_schema import subjects as subj
+from gearshift.services.fencing import Deposed, Fence
 
 
 async def test_a_batch_writes_and_deletes_all_its_keys_at_once(nc):
@@ -62,10 +62,10 @@ async def test_a_batch_of_compare_and_sets_is_all_or_nothing_and_fenced(nc):
 
 async def test_update_many_applies_every_change_even_from_stale_hints(nc):
     import msgspec
-
-    from bus_schema.messages import JobState
-    from services.jobstore import JobStore
     from test_outbox import record
+
+    from gearshift.bus_schema.messages import JobState
+    from gearshift.services.jobstore import JobStore
 
     store = await JobStore(nc).open()
     store.fence = Fence(nc, [subj.JOBS_BUCKET], "leader")

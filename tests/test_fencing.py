@@ -11,13 +11,14 @@ import time
 
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
-
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobRecord, JobState
-from services.admission import start_admission
-from services.fencing import Deposed, Fence
-from services.optimizer import PAUSE_ENV, Optimizer
 from test_optimizer import _state, register_nodes, submit, wait_for
+
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobRecord, JobState
+from gearshift.services.admission import start_admission
+from gearshift.services.fencing import Deposed, Fence
+from gearshift.services.optimizer import PAUSE_ENV, Optimizer
 
 
 async def test_fence_refuses_puts_and_cas_of_an_old_epoch(nc):
@@ -51,7 +52,7 @@ async def test_leader_paused_mid_round_is_deposed_and_its_writes_refused(nc, nat
     env = {**os.environ, "GEARSHIFT_NATS_URL": nats_url, PAUSE_ENV: str(pause), "GEARSHIFT_LOG_LEVEL": "INFO"}
     log_path = tmp_path / "leader.log"
     with open(log_path, "wb") as log:
-        old = subprocess.Popen([sys.executable, "-m", "services.optimizer", "--interval", "3600",
+        old = subprocess.Popen([sys.executable, "-m", "gearshift.services.optimizer", "--interval", "3600",
                                 "--lease-ttl", "2"], env=env, stderr=log)
     standby = None
     stop = asyncio.Event()
@@ -111,8 +112,9 @@ async def test_fence_on_a_replicated_bucket(tmp_path):
     on the same expected subject (``_epoch``) is in flight: concurrent fenced
     writes of one leader all land, a stale CAS is a key conflict, and only an
     epoch that really moved is a deposition."""
+    from gearshift.bus.client import connect
+    from gearshift.bus.infra import ensure_infra
     from loadtest.chaos import NatsFleet
-    from services.runtime import connect, ensure_infra
 
     fleet = NatsFleet(tmp_path, 3)
     fleet.start()

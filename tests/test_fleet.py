@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from bus_schema import subjects as subj
-from bus_schema.messages import JobList, JobState, ListRequest, SubmitReply
-import agent.heartbeat as heartbeat_module
+import gearshift.agent.heartbeat as heartbeat_module
+from gearshift.bus.client import call
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobList, JobState, ListRequest, SubmitReply
+from gearshift.services.admission import start_admission
+from gearshift.services.optimizer import Optimizer
 from loadtest.fleet import Fleet
-from services.admission import start_admission
-from services.optimizer import Optimizer
-from services.runtime import call
 from tests.wait import eventually
 
 MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}

@@ -26,20 +26,31 @@ from typing import Any, Callable
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    MAX_MESSAGE_BYTES, AgentReply, ErrorReply, JobList, JobRecord, JobSpec, ModelSpec, NodeList, Plan, SubmitReply,
+from gearshift.bus.client import ERROR_CODE_HEADER
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    MAX_MESSAGE_BYTES,
+    AgentReply,
+    ErrorReply,
+    JobList,
+    JobRecord,
+    JobSpec,
+    ModelSpec,
+    NodeList,
+    Plan,
+    SubmitReply,
 )
-from services.runtime import ERROR_CODE_HEADER
 
 BODYLESS = {"admission.nodes", "optimizer.round", "optimizer.explain"}  # take no body: every payload is fine
 SAMPLE = 40  # per endpoint in make test
 SLOW = int(os.environ.get("GEARSHIFT_FUZZ_CASES", "10000"))
 # Endpoints whose valid requests cost seconds (a perfmodel fit, a profiling
 # run that starts a process) get fewer cases: 10,000 fits would take hours.
-EXPENSIVE = {"perfmodel.fit", "agent.profile"}
+EXPENSIVE = {"gearshift.perfmodel.fit", "agent.profile"}
 
 
 def cases_for(name: str, cases: int) -> int:
@@ -161,7 +172,8 @@ class Bus:
         self.run(self._connect())
 
     async def _connect(self) -> None:
-        from services.runtime import connect, ensure_infra
+        from gearshift.bus.client import connect
+        from gearshift.bus.infra import ensure_infra
 
         self.nc = await connect(self.url, name="fuzz", retry_for=5)
         await ensure_infra(self.nc)
@@ -230,7 +242,7 @@ def report(name: str, counts: Counter) -> None:
 
 # ------------------------------------------------------------------ the services
 async def start_admission(nc: Any) -> Any:
-    from services.admission import start_admission as start
+    from gearshift.services.admission import start_admission as start
 
     return await start(nc, max_gpus=8, max_jobs_per_tenant=20)
 
@@ -249,7 +261,7 @@ def admission_cases(bus: Bus, cases: int) -> dict[str, Counter]:
 
         async def alive() -> None:
             await ping(bus.nc, "admission")
-            from services.runtime import call
+            from gearshift.bus.client import call
 
             await call(bus.nc, subj.ADMISSION_GET, {"job_id": known}, JobRecord)
 
@@ -275,17 +287,23 @@ def admission_cases(bus: Bus, cases: int) -> dict[str, Counter]:
 
 
 async def _seed_job(nc: Any) -> str:
-    from services.runtime import call
+    from gearshift.bus.client import call
 
     spec = msgspec.convert(SPEC, JobSpec)
-    from bus_schema.messages import SubmitRequest
+    from gearshift.bus_schema.messages import SubmitRequest
 
     return (await call(nc, subj.ADMISSION_SUBMIT, SubmitRequest(spec=spec, token="seed"), SubmitReply)).job_id
 
 
 def perfmodel_cases(bus: Bus, cases: int) -> dict[str, Counter]:
-    from services.perfmodel_service import (
-        PERFMODEL_CURVE, PERFMODEL_FIT, PERFMODEL_PREDICT, CurveReply, FitReply, PredictReply, start_perfmodel,
+    from gearshift.services.perfmodel_service import (
+        PERFMODEL_CURVE,
+        PERFMODEL_FIT,
+        PERFMODEL_PREDICT,
+        CurveReply,
+        FitReply,
+        PredictReply,
+        start_perfmodel,
     )
 
     _, svc = bus.run(start_perfmodel(bus.nc))
@@ -303,18 +321,18 @@ def perfmodel_cases(bus: Bus, cases: int) -> dict[str, Counter]:
             await ping(bus.nc, "perfmodel")
 
         return {
-            "perfmodel.fit": fuzz_endpoint(bus, PERFMODEL_FIT, fit, FitReply, guarded,
-                                           cases_for("perfmodel.fit", cases), alive),
-            "perfmodel.predict": fuzz_endpoint(bus, PERFMODEL_PREDICT, predict, PredictReply, guarded, cases, alive),
-            "perfmodel.curve": fuzz_endpoint(bus, PERFMODEL_CURVE, curve, CurveReply, guarded, cases, alive),
+            "gearshift.perfmodel.fit": fuzz_endpoint(bus, PERFMODEL_FIT, fit, FitReply, guarded,
+                                           cases_for("gearshift.perfmodel.fit", cases), alive),
+            "gearshift.perfmodel.predict": fuzz_endpoint(bus, PERFMODEL_PREDICT, predict, PredictReply, guarded, cases, alive),
+            "gearshift.perfmodel.curve": fuzz_endpoint(bus, PERFMODEL_CURVE, curve, CurveReply, guarded, cases, alive),
         }
     finally:
         bus.run(svc.stop())
 
 
 def optimizer_cases(bus: Bus, cases: int) -> dict[str, Counter]:
-    from bus_schema.messages import ExplainReply, RoundReply
-    from services.optimizer import OPTIMIZER_RECONFIGURE, Optimizer, ReconfigureReply
+    from gearshift.bus_schema.messages import ExplainReply, RoundReply
+    from gearshift.services.optimizer import OPTIMIZER_RECONFIGURE, Optimizer, ReconfigureReply
 
     async def start() -> tuple[Any, Any, asyncio.Event]:
         opt = await Optimizer(bus.nc, interval=3600, lease_ttl=2).open()
@@ -351,9 +369,9 @@ def optimizer_cases(bus: Bus, cases: int) -> dict[str, Counter]:
 
 
 def agent_cases(bus: Bus, cases: int, tmp_path: Any) -> dict[str, Counter]:
-    from agent.agent import Agent
-    from agent.probe import FakeProbe
-    from bus_schema.messages import ProfileResult
+    from gearshift.agent.agent import Agent
+    from gearshift.agent.probe import FakeProbe
+    from gearshift.bus_schema.messages import ProfileResult
 
     async def start() -> Any:
         return await Agent(bus.nc, "fz0", FakeProbe(2, 2**34, "Fake", node="fz0"), tmp_path / "agent",

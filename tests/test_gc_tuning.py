@@ -1,4 +1,4 @@
-"""Services collect garbage less often (services/runtime.py tune_gc): issue 11's submit tail."""
+"""Services collect garbage less often (bus/process.py tune_gc): issue 11's submit tail."""
 
 import os
 import subprocess
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = "import gc; from services.runtime import tune_gc; tune_gc(); print(gc.get_threshold()[0], gc.get_freeze_count() > 0)"
+PROBE = "import gc; from gearshift.bus.process import tune_gc; tune_gc(); print(gc.get_threshold()[0], gc.get_freeze_count() > 0)"
 
 
 def _run(value: str | None) -> subprocess.CompletedProcess:

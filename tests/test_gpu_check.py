@@ -11,7 +11,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent.probe import NvmlProbe
+from gearshift.agent.probe import NvmlProbe
 from loadtest.gpu_check import probe_contract, rank_env, uuid_hex
 from tests.nvml_fake import FakeGpu, ScriptedNvml
 

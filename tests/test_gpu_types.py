@@ -13,14 +13,15 @@ import time
 import numpy as np
 import pytest
 
-from bus_schema import codec, subjects as subj
-from bus_schema.gputypes import gpu_type_of, node_gpu_type
-from bus_schema.messages import GpuReport, JobSpec, JobState, ModelSpec, NodeReport, Plan, SubmitReply
-from bus_schema.validate import SpecError, check_spec
-from policies.api import AllocationError, Decision, JobDecision, JobView, NodeState, Placement, placement_type
-from policies.registry import make_policy
-from sim.engine import SimConfig, Simulator, simulate
-from sim.trace import ClusterSpec, NodeGroup, Trace, TraceJob, parse_cluster
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.gputypes import gpu_type_of, node_gpu_type
+from gearshift.bus_schema.messages import GpuReport, JobSpec, JobState, ModelSpec, NodeReport, Plan, SubmitReply
+from gearshift.bus_schema.validate import SpecError, check_spec
+from gearshift.policies.api import AllocationError, Decision, JobDecision, JobView, NodeState, Placement, placement_type
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import SimConfig, Simulator, simulate
+from gearshift.sim.trace import ClusterSpec, NodeGroup, Trace, TraceJob, parse_cluster
 
 GAIN = ModelSpec(name="gainer", params=100, layers=8, hidden=512, seq_len=128)
 FLAT = ModelSpec(name="flat", params=100, layers=8, hidden=512, seq_len=128)
@@ -54,8 +55,8 @@ def test_bad_accepted_types_name_the_field(types, field, words):
 
 
 async def test_admission_refuses_an_unknown_type_and_keeps_nothing(nc):
-    from services.admission import start_admission
-    from services.runtime import ServiceCallError, call
+    from gearshift.bus.client import ServiceCallError, call
+    from gearshift.services.admission import start_admission
 
     _, svc = await start_admission(nc)
     try:
@@ -94,11 +95,11 @@ def test_cluster_strings():
 
 # ---------------------------------------------------------------- agents -> node view
 async def test_fake_probe_type_reaches_the_optimizers_node_view(nc, nats_url, tmp_path):
-    from services.capacity import node_states
+    from gearshift.services.capacity import node_states
     from tests.test_agent import eventually, node_report
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "agent", "--server", nats_url, "--node", "v1", "--fake-gpus", "2",
+        sys.executable, "-m", "gearshift.agent", "--server", nats_url, "--node", "v1", "--fake-gpus", "2",
         "--gpu-name", "Tesla V100-SXM2-32GB", "--heartbeat", "0.2", "--workdir", str(tmp_path / "v1"),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     try:
@@ -115,7 +116,7 @@ async def test_fake_probe_type_reaches_the_optimizers_node_view(nc, nats_url, tm
 
 
 async def test_nvml_probe_names_give_the_node_type():
-    from agent.probe import NvmlProbe
+    from gearshift.agent.probe import NvmlProbe
     from tests.nvml_fake import FakeGpu, ScriptedNvml
 
     nv = ScriptedNvml([FakeGpu(uuid=f"GPU-{i}", name="NVIDIA A100-SXM4-80GB") for i in range(2)])
@@ -129,9 +130,9 @@ async def test_nvml_probe_names_give_the_node_type():
 
 
 async def test_optimizer_places_a_job_only_on_a_type_it_accepts(nc):
-    from services.admission import start_admission
-    from services.optimizer import Optimizer
-    from services.runtime import call
+    from gearshift.bus.client import call
+    from gearshift.services.admission import start_admission
+    from gearshift.services.optimizer import Optimizer
     from tests.test_optimizer import _state, wait_for
 
     kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
@@ -166,8 +167,8 @@ async def test_optimizer_places_a_job_only_on_a_type_it_accepts(nc):
 
 # ---------------------------------------------------------------- the model per type
 def test_perfmodel_types_change_speed_and_memory_feasibility():
-    import perfmodel
-    from policies.oracle import PerfModelOracle
+    from gearshift import perfmodel
+    from gearshift.policies.oracle import PerfModelOracle
 
     o = PerfModelOracle()
     gpt2 = JobView("g", JobSpec(name="g", model=ModelSpec(name="gpt2", params=1500, layers=48, hidden=1600,
@@ -238,8 +239,8 @@ def test_sim_refuses_a_job_no_accepted_type_can_hold():
 
 
 def test_truth_per_type_is_measured_not_the_belief():
-    from perfmodel.gputypes import compute_slowdown
-    from sim import gputruth
+    from gearshift.perfmodel.gputypes import compute_slowdown
+    from gearshift.sim import gputruth
 
     v100, src = gputruth.speed_factor("v100", "gpt2")
     assert src == "measured-ratio" and 0.55 < v100 < 0.75  # ElasticFlow A100 vs Gavel V100, ResNet-50

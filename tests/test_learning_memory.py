@@ -5,12 +5,13 @@ stays feasible."""
 
 from __future__ import annotations
 
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies.api import JobView, Placement
-from policies.learning import LearningOracle
-from policies.oracle import AnalyticOracle, PerfModelOracle
-from policies.registry import make_policy
 from policy_helpers import nodes
+
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies.api import JobView, Placement
+from gearshift.policies.learning import LearningOracle
+from gearshift.policies.oracle import AnalyticOracle, PerfModelOracle
+from gearshift.policies.registry import make_policy
 
 LLAMA30 = ModelSpec(name="llama30", params=32500.0, layers=60, hidden=6656, seq_len=2048, heads=52)
 SPEC = JobSpec(name="a", model=LLAMA30, global_batch=4, steps=10_000, gpus=1, cpus_per_gpu=8)
@@ -21,8 +22,8 @@ def _parts(plan: Plan) -> tuple[float, ...]:
     """The fitted model's accounting, asked directly: (weights + grads + optimizer,
     activations) per GPU; a plan that needs at least as much of each as one that ran
     out needs at least as much of both."""
-    import perfmodel
-    from perfmodel.memory import GIB, activation_bytes, model_state_bytes
+    from gearshift import perfmodel
+    from gearshift.perfmodel.memory import GIB, activation_bytes, model_state_bytes
 
     pa = perfmodel.PlanArray.from_plans([perfmodel.as_plan(plan, SPEC.global_batch)])
     shape = perfmodel.shape_from_spec(LLAMA30)
@@ -112,8 +113,8 @@ def test_a_success_where_nothing_ran_out_changes_no_answer():
 
 
 def test_beliefs_expose_their_own_memory_accounting():
-    from sim.perfmodel_bridge import find_predictor
-    from sim.truth import BeliefOracle
+    from gearshift.sim.perfmodel_bridge import find_predictor
+    from gearshift.sim.truth import BeliefOracle
 
     plans = [_off(1, 2, 2, 2), Plan(dp=1, ga=4, micro_batch=1)]
     fitted = BeliefOracle(8, find_predictor(8))

@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies.api import JobView, Placement
-from policies.learning import LearningOracle, plan_family
-from policies.registry import make_policy
-from sim.engine import SimConfig, simulate
-from sim.trace import Trace, TraceJob, parse_cluster
 from policy_helpers import nodes
+
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies.api import JobView, Placement
+from gearshift.policies.learning import LearningOracle, plan_family
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import SimConfig, simulate
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
 MODEL = ModelSpec(name="toy", params=100, layers=8, hidden=512, seq_len=128)
 

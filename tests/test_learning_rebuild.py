@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import zlib
 
-from bus_schema.messages import JobSpec, Plan
+from policy_helpers import model, nodes
+
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.policies.api import JobView, Placement, make_job_view
+from gearshift.policies.learning import LearningOracle
+from gearshift.policies.oracle import PerfModelOracle
+from gearshift.policies.registry import make_policy
 from loadtest.learning_rounds import FreshLearningOracle as Fresh
 from loadtest.optimality_gap import BATCH, MODELS
-from policies.api import JobView, Placement, make_job_view
-from policies.learning import LearningOracle
-from policies.oracle import PerfModelOracle
-from policies.registry import make_policy
-from policy_helpers import model, nodes
 
 
 class Counting(PerfModelOracle):

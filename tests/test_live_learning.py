@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import time
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobRecord, JobSpec, JobState, ModelSpec, NodePlacement, Plan, RunReport, RunReportKind
-from services.policy_bridge import is_oom, job_view, segment_gpu_s
-
 from test_optimizer import _state, cluster, job, submit, wait_for  # noqa: F401  (cluster is a fixture)
+
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    JobRecord,
+    JobSpec,
+    JobState,
+    ModelSpec,
+    NodePlacement,
+    Plan,
+    RunReport,
+    RunReportKind,
+)
+from gearshift.services.policy_bridge import is_oom, job_view, segment_gpu_s
 
 SPEC = JobSpec(name="x", model=ModelSpec(name="m", params=100, layers=4, hidden=64, seq_len=128), global_batch=8,
                steps=10, gpus=2)
@@ -67,7 +77,7 @@ async def test_optimizer_learns_speed_and_oom_from_reports_and_keeps_service(nc,
                   steps_done=51)
     again = await wait_for(lambda: _state(nc, a, JobState.SCHEDULED, generation=2))
     plan = rec.plan
-    from policies.api import Placement
+    from gearshift.policies.api import Placement
 
     pl = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
     assert abs(opt.models.oracle.observed(rec.spec, plan, pl) - rec.spec.global_batch / 2.0) < 1e-6
@@ -83,8 +93,8 @@ async def test_optimizer_learns_speed_and_oom_from_reports_and_keeps_service(nc,
 
 
 def test_first_progress_after_stepped_teaches_the_oracle_and_exit_refines():
-    from policies.api import Placement
-    from services.policy_bridge import ModelOracle
+    from gearshift.policies.api import Placement
+    from gearshift.services.policy_bridge import ModelOracle
 
     m = ModelOracle(None)
     rec = _rec(generation=3)
@@ -105,8 +115,8 @@ def test_first_progress_after_stepped_teaches_the_oracle_and_exit_refines():
 def test_what_ran_on_a_typed_node_teaches_that_type_only():
     """On a mixed cluster the optimizer's node view types each node; a step time measured
     on V100s is kept for V100 placements, not for untyped (or A100) ones."""
-    from policies.api import Placement
-    from services.policy_bridge import ModelOracle
+    from gearshift.policies.api import Placement
+    from gearshift.services.policy_bridge import ModelOracle
 
     m = ModelOracle(None)
     m.node_type = {"n0": "v100"}

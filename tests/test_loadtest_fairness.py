@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gearshift.policies.queues import ShareConfig, entitlement
+from gearshift.sim.engine import SimConfig
 from loadtest import fairness as f
-from policies.queues import ShareConfig, entitlement
-from sim.engine import SimConfig
 
 CFG = ShareConfig.from_dict(f.SHARING)
 
@@ -73,7 +73,7 @@ def test_share_windows_start_at_every_round_and_the_upper_side_is_reported():
 def test_mixed_cluster_is_skipped_with_a_clear_message_without_gpu_types():
     from types import SimpleNamespace
 
-    from sim.trace import parse_cluster
+    from gearshift.sim.trace import parse_cluster
 
     try:
         parse_cluster(f.MIXED)

@@ -13,13 +13,22 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus_schema.messages import (
-    GpuReport, JobRecord, JobReconfigured, JobScheduled, JobSpec, JobState, JobSwitched, ModelSpec, NodePlacement,
-    NodeReport, Plan,
+from gearshift.bus import observe
+from gearshift.bus_schema.messages import (
+    GpuReport,
+    JobReconfigured,
+    JobRecord,
+    JobScheduled,
+    JobSpec,
+    JobState,
+    JobSwitched,
+    ModelSpec,
+    NodePlacement,
+    NodeReport,
+    Plan,
 )
-from services import observe
-from services.dashboard_view import DashboardView
-from services.jobstore import JobStore, with_event
+from gearshift.services.dashboard_view import DashboardView
+from gearshift.services.jobstore import JobStore, with_event
 
 
 async def fetch(session: aiohttp.ClientSession, url: str) -> tuple[int, str]:
@@ -37,7 +46,7 @@ def spec(tenant: str = "nlp") -> JobSpec:
 
 
 async def test_two_processes_get_their_own_port_health_follows_the_connection(nc, nats_url, tmp_path, monkeypatch):
-    from services.runtime import connect
+    from gearshift.bus.client import connect
 
     monkeypatch.setenv("GEARSHIFT_OBSERVE_DIR", str(tmp_path))
     a = await observe.Observer("admission", "admission", nc).start()
@@ -86,7 +95,7 @@ def test_a_service_on_a_busy_port_exits_with_one_line_and_no_traceback(nats_url)
         taken.listen()
         env = {"GEARSHIFT_NATS_URL": nats_url, "GEARSHIFT_METRICS_PORT": str(taken.getsockname()[1]),
                "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)}
-        p = subprocess.run([sys.executable, "-m", "services.perfmodel_service"], env=env, capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "gearshift.services.perfmodel_service"], env=env, capture_output=True,
                            text=True, timeout=60)
     assert p.returncode == 4
     assert "cannot serve metrics" in p.stderr and "Traceback" not in p.stderr

@@ -17,15 +17,24 @@ import time
 
 import pytest
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    Allocation, ExplainReply, GpuReport, JobRecord, JobState, NodeReport, RoundReply, RunReport, RunReportKind,
+from gearshift.bus.client import call
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    Allocation,
+    ExplainReply,
+    GpuReport,
+    JobRecord,
+    JobState,
+    NodeReport,
+    RoundReply,
+    RunReport,
+    RunReportKind,
     SubmitReply,
 )
-from services.admission import start_admission
-from services.jobstore import kv_snapshot
-from services.optimizer import Optimizer
-from services.runtime import call
+from gearshift.services.admission import start_admission
+from gearshift.services.optimizer import Optimizer
 
 MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}
 
@@ -171,7 +180,7 @@ async def test_standby_takes_over_when_active_is_killed(nc, nats_url):
     _, svc = await start_admission(nc)
     await register_nodes(nc)
     env = {**os.environ, "GEARSHIFT_NATS_URL": nats_url}
-    active = subprocess.Popen([sys.executable, "-m", "services.optimizer", "--interval", "0.5"], env=env)
+    active = subprocess.Popen([sys.executable, "-m", "gearshift.services.optimizer", "--interval", "0.5"], env=env)
     try:
         lease_kv = await nc.jetstream().key_value(subj.LEASE_BUCKET)
 

@@ -7,21 +7,21 @@ import asyncio
 import json
 
 import pytest
-
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import ExplainReply, JobRecord, JobState, RoundReply
-from services.admission import start_admission
-from services.optimizer import Optimizer
-from services.runtime import ServiceCallError, call
-
 from test_optimizer import register_nodes, wait_for
+
+from gearshift.bus.client import ServiceCallError, call
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import ExplainReply, JobRecord, JobState, RoundReply
+from gearshift.services.admission import start_admission
+from gearshift.services.optimizer import Optimizer
 
 GPT2 = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
 
 
 async def submit(nc, name, gpus, **extra):
     spec = {"name": name, "model": GPT2, "global_batch": 16, "steps": 1000, "gpus": gpus, **extra}
-    from bus_schema.messages import SubmitReply
+    from gearshift.bus_schema.messages import SubmitReply
 
     return (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": spec}).encode(), SubmitReply)).job_id
 

@@ -8,11 +8,12 @@ import asyncio
 
 import msgspec
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import JobCompleted, JobRecord, JobSpec, JobState, JobSubmitted, ModelSpec
-from services.admission import start_admission
-from services.jobstore import JobStore, with_event
-from services.outbox import OutboxFlusher
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobCompleted, JobRecord, JobSpec, JobState, JobSubmitted, ModelSpec
+from gearshift.services.admission import start_admission
+from gearshift.services.jobstore import JobStore, with_event
+from gearshift.services.outbox import OutboxFlusher
 
 
 def record(job_id: str) -> JobRecord:

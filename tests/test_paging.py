@@ -7,11 +7,12 @@ import json
 
 import msgspec
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import MAX_MESSAGE_BYTES, JobList, JobState, ListRequest, SubmitReply
-from services.admission import start_admission
-from services.jobstore import JobStore
-from services.runtime import call
+from gearshift.bus.client import call
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import MAX_MESSAGE_BYTES, JobList, JobState, ListRequest, SubmitReply
+from gearshift.services.admission import start_admission
+from gearshift.services.jobstore import JobStore
 
 MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}
 

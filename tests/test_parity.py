@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sim.loaders import load_named
+from gearshift.sim.loaders import load_named
 
 
 def test_resampled_workload_is_seeded_and_keeps_arrivals():

@@ -4,10 +4,10 @@ import itertools
 
 import numpy as np
 
-from perfmodel.catalog import fitted_model_for, rubick_job
-from perfmodel.curve import balanced_placement, build_curve, curve
-from perfmodel.plans import Resources
-from perfmodel.predict import plan_throughput
+from gearshift.perfmodel.catalog import fitted_model_for, rubick_job
+from gearshift.perfmodel.curve import balanced_placement, build_curve, curve
+from gearshift.perfmodel.plans import Resources
+from gearshift.perfmodel.predict import plan_throughput
 
 TOL = 1.01
 

@@ -2,10 +2,10 @@
 
 import numpy as np
 
-from perfmodel.fit import Sample, fit, fit_joint
-from perfmodel.model import PARAM_NAMES, default_cluster, default_theta, model_terms, shape_consts
-from perfmodel.plans import ResourceArray, Resources, enumerate_plans
-from perfmodel.shapes import ModelShape
+from gearshift.perfmodel.fit import Sample, fit, fit_joint
+from gearshift.perfmodel.model import PARAM_NAMES, default_cluster, default_theta, model_terms, shape_consts
+from gearshift.perfmodel.plans import ResourceArray, Resources, enumerate_plans
+from gearshift.perfmodel.shapes import ModelShape
 
 SHAPE = ModelShape("synth", 1500.0, 24, 2048, 1024, 16)
 TRUE = default_theta() * np.array([1.3, 0.8, 1.1, 0.9, 1.5, 1.2, 0.7, 1.4, 0.9, 1.6, 20, 1.2, 0.8, 1.3, 1.1, 0.9, 1.2, 1.3, 100])

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from perfmodel.kernels import iteration_time_ms_numba
-from perfmodel.model import PerfParams, default_cluster, default_theta, iteration_time_ms, shape_consts
-from perfmodel.plans import PlanArray, ResourceArray, Resources, enumerate_plans
-from perfmodel.predict import best_plan, plan_throughput, predict
-from perfmodel.rubick import MODELS, load_placements, load_profile, rows_to_arrays, rubick_shape
+from gearshift.perfmodel.kernels import iteration_time_ms_numba
+from gearshift.perfmodel.model import PerfParams, default_cluster, default_theta, iteration_time_ms, shape_consts
+from gearshift.perfmodel.plans import PlanArray, ResourceArray, Resources, enumerate_plans
+from gearshift.perfmodel.predict import best_plan, plan_throughput, predict
+from gearshift.perfmodel.rubick import MODELS, load_placements, load_profile, rows_to_arrays, rubick_shape
 
 
 def _params(shape, seed=0):
@@ -86,7 +86,7 @@ def test_perf_params_round_trip_and_validation():
 
 
 def test_parallel_numba_kernel_matches_numpy_on_a_large_batch():
-    from perfmodel.kernels import PARALLEL_MIN
+    from gearshift.perfmodel.kernels import PARALLEL_MIN
 
     shape = rubick_shape("gpt2")
     p = _params(shape, 3)

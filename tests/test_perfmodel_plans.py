@@ -5,11 +5,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from perfmodel.memory import memory_feasible, memory_per_gpu_gb
-from perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
-from perfmodel.predict import plan_validity
-from perfmodel.rubick import MODELS, load_placements, load_profile, map_label, rubick_shape
-from perfmodel.shapes import ModelShape
+from gearshift.perfmodel.memory import memory_feasible, memory_per_gpu_gb
+from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
+from gearshift.perfmodel.predict import plan_validity
+from gearshift.perfmodel.rubick import MODELS, load_placements, load_profile, map_label, rubick_shape
+from gearshift.perfmodel.shapes import ModelShape
 
 TINY = ModelShape("tiny", 10.0, layers=4, hidden=128, seq_len=64, heads=2)
 

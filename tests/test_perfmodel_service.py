@@ -7,11 +7,12 @@ import json
 import msgspec
 import pytest
 
-from bus_schema import subjects as subj
-from perfmodel import Resources, enumerate_plans, fitted_model_for, predict, rubick_job
-from bus_schema import PERFMODEL_CURVE, PERFMODEL_FIT, PERFMODEL_PREDICT, CurveReply, FitReply, PredictReply
-from services.perfmodel_service import kv_key, start_perfmodel
-from services.runtime import ServiceCallError, call
+from gearshift.bus.client import ServiceCallError, call
+from gearshift.bus_schema import PERFMODEL_CURVE, PERFMODEL_FIT, PERFMODEL_PREDICT, CurveReply, FitReply, PredictReply
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.perfmodel import model_kv_key as kv_key
+from gearshift.perfmodel import Resources, enumerate_plans, fitted_model_for, predict, rubick_job
+from gearshift.services.perfmodel_service import start_perfmodel
 
 GPT2 = {"name": "gpt2", "params": 1557.686, "layers": 48, "hidden": 1600, "seq_len": 1024, "heads": 25}
 MYSTERY = {"name": "mystery", "params": 2000.0, "layers": 24, "hidden": 2048, "seq_len": 1024, "heads": 16}
@@ -25,9 +26,9 @@ async def perfmodel(nc):
 
 
 def test_messages_live_in_bus_schema():
-    import services.perfmodel_service as svc
-    from bus_schema import CurveRequest, FitRequest, PredictRequest, codec
-    from bus_schema.schema import SUBJECT_MAP, bus_schema
+    import gearshift.services.perfmodel_service as svc
+    from gearshift.bus_schema import CurveRequest, FitRequest, PredictRequest, codec
+    from gearshift.bus_schema.schema import SUBJECT_MAP, bus_schema
 
     assert svc.FitRequest is FitRequest and svc.PERFMODEL_FIT == PERFMODEL_FIT == "gs.perfmodel.fit"
     assert SUBJECT_MAP[PERFMODEL_PREDICT]["request"] == "PredictRequest"

@@ -3,11 +3,18 @@
 import numpy as np
 import pytest
 
-from perfmodel.artifact import artifact_iter_ms
-from perfmodel.catalog import fitted_model_for
-from perfmodel.model import iteration_time_ms, shape_consts
-from perfmodel.rubick import MODELS, family_of_label, load_placements, rows_to_arrays, rubick_shape
-from perfmodel.validate import ARTEFACT_CELLS, ODD_SHARE_ROW, TRAINING_ROWS, is_artefact_row, main, training_rows
+from gearshift.perfmodel.artifact import artifact_iter_ms
+from gearshift.perfmodel.catalog import fitted_model_for
+from gearshift.perfmodel.model import iteration_time_ms, shape_consts
+from gearshift.perfmodel.rubick import MODELS, family_of_label, load_placements, rows_to_arrays, rubick_shape
+from gearshift.perfmodel.validate import (
+    ARTEFACT_CELLS,
+    ODD_SHARE_ROW,
+    TRAINING_ROWS,
+    is_artefact_row,
+    main,
+    training_rows,
+)
 
 
 def test_artifact_model_reproduces_documented_predictions():
@@ -28,7 +35,7 @@ def test_training_designs_are_small_and_exist():
 def test_training_rows_follow_the_rule_not_the_measurements():
     import dataclasses
 
-    from perfmodel.rubick import load_profile
+    from gearshift.perfmodel.rubick import load_profile
 
     for m in MODELS:
         prof, rows = load_profile(m), load_placements(m)
@@ -75,7 +82,7 @@ def test_validate_cli_passes(capsys):
 def test_sim_predictor_hook():
     from types import SimpleNamespace
 
-    from perfmodel import sim_predictor
+    from gearshift.perfmodel import sim_predictor
 
     pred = sim_predictor(gpus_per_node=8)
     spec = SimpleNamespace(model=SimpleNamespace(name="gpt2", params=1557.7, layers=48, hidden=1600, seq_len=1024,

@@ -1,9 +1,9 @@
 import pytest
-
-from bus_schema.messages import Plan
-from policies import make_policy, policy_names
-from policies.api import AllocationError, Decision, JobDecision, Placement, check_decision
 from policy_helpers import job, nodes
+
+from gearshift.bus_schema.messages import Plan
+from gearshift.policies import make_policy, policy_names
+from gearshift.policies.api import AllocationError, Decision, JobDecision, Placement, check_decision
 
 
 def _jobs(*js):

@@ -1,9 +1,10 @@
 """Baselines on hand-made scenarios whose right answer is known."""
 
-from bus_schema.messages import Plan
-from policies import check_decision, make_policy
-from policies.api import Placement
 from policy_helpers import CurveOracle, job, nodes
+
+from gearshift.bus_schema.messages import Plan
+from gearshift.policies import check_decision, make_policy
+from gearshift.policies.api import Placement
 
 
 def run(name, ns, js, now=10_000.0, perf=None, **opts):
@@ -136,8 +137,8 @@ def test_gavel_round_is_at_least_four_restarts_on_one_gpu_type_too():
     its GPUs although the waiting job ran less."""
     from msgspec.structs import replace
 
-    from bus_schema.messages import ModelSpec
-    from perfmodel.restart import restart_seconds
+    from gearshift.bus_schema.messages import ModelSpec
+    from gearshift.perfmodel.restart import restart_seconds
 
     ns = nodes(1)
     big = job("big", 8, t=0, running_on=(Placement("n0", 8, 16),), since=0.0, attained=8 * 400.0)

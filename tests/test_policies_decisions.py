@@ -15,14 +15,14 @@ import random
 import zlib
 
 import pytest
-
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies import check_decision, make_policy
-from policies.api import JobView, NodeState, Placement, default_plan
-from policies.candidates import CandidateSpace, build_candidates
-from policies.plans import candidate_plans
-from policies.registry import policy_names
 from policy_helpers import apply
+
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies import check_decision, make_policy
+from gearshift.policies.api import JobView, NodeState, Placement, default_plan
+from gearshift.policies.candidates import CandidateSpace, build_candidates
+from gearshift.policies.plans import candidate_plans
+from gearshift.policies.registry import policy_names
 
 MODELS = [
     ModelSpec(name="small", params=60, layers=12, hidden=768, seq_len=128),

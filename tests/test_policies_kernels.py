@@ -5,11 +5,11 @@ import random
 import numpy as np
 import pytest
 
+from gearshift.policies.kernels import greedy_allocate
+from gearshift.policies.optimal import milp_optimum
+from gearshift.policies.rubick import Rubick
 from loadtest.optimality_gap import random_instance
 from loadtest.optimality_gap import run as optimality_run
-from policies.kernels import greedy_allocate
-from policies.optimal import milp_optimum
-from policies.rubick import Rubick
 
 
 def random_problem(rng: random.Random, J: int, N: int, G: int = 8, C: int = 32):

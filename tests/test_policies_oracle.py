@@ -2,10 +2,10 @@
 
 import pytest
 
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies import check_decision, make_policy
-from policies.api import JobView, NodeState, Placement
-from policies.oracle import AnalyticOracle, PerfModelOracle
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies import check_decision, make_policy
+from gearshift.policies.api import JobView, NodeState, Placement
+from gearshift.policies.oracle import AnalyticOracle, PerfModelOracle
 
 perfmodel = pytest.importorskip("perfmodel")
 

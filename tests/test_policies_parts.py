@@ -1,9 +1,10 @@
 """Parts: placement ledger and orderings."""
 
-from policies.api import NodeState, Placement
-from policies.ordering import TiresiasQueues, las_key, srtf_key
-from policies.placement import Ledger
 from policy_helpers import job, nodes
+
+from gearshift.policies.api import NodeState, Placement
+from gearshift.policies.ordering import TiresiasQueues, las_key, srtf_key
+from gearshift.policies.placement import Ledger
 
 
 def test_ledger_best_fit_keeps_large_blocks_whole():

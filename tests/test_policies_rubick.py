@@ -4,12 +4,12 @@ shrinking, plan choice, explanations."""
 import random
 
 import msgspec
-
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies import check_decision, make_policy
-from policies.api import JobView, Placement
-from policies.oracle import AnalyticOracle
 from policy_helpers import CurveOracle, apply, job, nodes
+
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies import check_decision, make_policy
+from gearshift.policies.api import JobView, Placement
+from gearshift.policies.oracle import AnalyticOracle
 
 LIN = {1: 1, 2: 2, 4: 4, 8: 8, 16: 16}
 FLAT4 = {1: 1, 2: 2, 4: 4, 8: 4.2, 16: 4.3}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
-from policies import Placement, check_decision, make_policy
-from policies.backfill import EasyFifo
-from policies.queues import FairShare, QuotaBook, ShareConfig, ShareConfigError
+from gearshift.policies import Placement, check_decision, make_policy
+from gearshift.policies.backfill import EasyFifo
+from gearshift.policies.queues import FairShare, QuotaBook, ShareConfig, ShareConfigError
 from tests.policy_helpers import job, nodes
 
 COHORT = {"queues": {"a": {"quota": 8, "weight": 1, "cohort": "c"}, "b": {"quota": 8, "weight": 1, "cohort": "c"}},
@@ -188,9 +188,9 @@ def test_every_policy_with_sharing_emits_valid_decisions_and_keeps_quotas(name):
     import random
     import zlib
 
-    from policies.queues import QuotaBook
-    from tests.test_policies_decisions import _instance
+    from gearshift.policies.queues import QuotaBook
     from tests.policy_helpers import apply
+    from tests.test_policies_decisions import _instance
 
     cfg = {"queues": {"a": {"quota": 8, "weight": 2, "cohort": "c"}, "b": {"quota": 8, "cohort": "c", "lend_limit": 4},
                       "c": {"quota": 4, "cohort": "c", "borrow_limit": 4}}, "min_run_time": 600, "starvation_wait": 1500}
@@ -244,9 +244,9 @@ def test_growth_past_requests_yields_to_the_tenants_own_waiting_job_at_the_borro
     would borrow 4: past what b lends, but only because of a1's growth. It is shown to the
     inner policy (which starts it on n2 and keeps a1's growth), and a1 goes back to its
     request rather than a2 waiting for it."""
-    from bus_schema.messages import Plan
-    from policies.api import Decision, JobDecision
-    from policies.sharing import Shared
+    from gearshift.bus_schema.messages import Plan
+    from gearshift.policies.api import Decision, JobDecision
+    from gearshift.policies.sharing import Shared
 
     def tj(jid, gpus, tenant, **kw):
         j = job(jid, gpus, **kw)

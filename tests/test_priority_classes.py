@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from msgspec.structs import replace
 
-from policies import Placement, check_decision, make_policy
+from gearshift.policies import Placement, check_decision, make_policy
 from tests.policy_helpers import CurveOracle, job, nodes
 
 PREEMPTIVE = ["las", "srtf", "tiresias", "rubick", "sia", "gavel"]
@@ -53,8 +53,8 @@ def test_a_job_inside_its_minimum_run_time_is_not_taken_for_a_higher_class(name)
 
 
 def test_one_class_leaves_every_decision_as_the_policy_made_it():
-    from policies.classes import enforce
-    from policies.api import Decision
+    from gearshift.policies.api import Decision
+    from gearshift.policies.classes import enforce
 
     jobs = [cj("a", 8, 2, t=0.0), cj("b", 8, 2, t=1.0)]
     d = Decision(waiting={"a": "x", "b": "y"})
@@ -65,9 +65,9 @@ def test_repairs_place_a_job_on_one_gpu_type_it_accepts():
     """On a mixed cluster the sharing and class repairs keep a job on one accepted type."""
     from dataclasses import dataclass
 
-    from policies import typed_place
-    from policies.api import NodeState, default_plan
-    from policies.placement import Ledger
+    from gearshift.policies import typed_place
+    from gearshift.policies.api import NodeState, default_plan
+    from gearshift.policies.placement import Ledger
 
     @dataclass(slots=True)
     class TypedNode(NodeState):  # NodeState with its GPU type (field of its own once types are merged)

@@ -12,14 +12,21 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from agent import launch
-from agent.probe import FakeProbe, NvmlProbe, cuda_visible_devices
-from bus_schema.messages import GpuProcess
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    Allocation, GpuHealth, GpuReport, JobState, NodePlacement, NodeReport, Plan,
+from gearshift.agent import launch
+from gearshift.agent.probe import FakeProbe, NvmlProbe, cuda_visible_devices
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    Allocation,
+    GpuHealth,
+    GpuProcess,
+    GpuReport,
+    JobState,
+    NodePlacement,
+    NodeReport,
+    Plan,
 )
-from tests.nvml_fake import GiB, FakeGpu, ScriptedNvml
+from tests.nvml_fake import FakeGpu, GiB, ScriptedNvml
 
 U = [f"GPU-{c * 8}-1111-2222-3333-444444444444" for c in "abcd"]
 
@@ -250,8 +257,8 @@ async def test_an_inherited_cuda_visible_devices_restricts_the_gpus(visible, wan
 async def test_unhealthy_gpu_gets_no_work_from_the_optimizer(nc):
     """Probe report -> gs_nodes -> the real optimizer: a job that fits only
     with the lost GPU waits; a smaller one lands on healthy GPUs only."""
-    from services.admission import start_admission
-    from services.optimizer import Optimizer
+    from gearshift.services.admission import start_admission
+    from gearshift.services.optimizer import Optimizer
     from tests.test_optimizer import _state, job, submit, wait_for
 
     nv = ScriptedNvml(gpus(4))

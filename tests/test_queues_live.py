@@ -9,14 +9,13 @@ import asyncio
 import json
 
 import pytest
-
-from bus_schema import subjects as subj
-from bus_schema.messages import JobRecord, JobState, QueueList, RoundReply, SubmitReply
-from services.admission import start_admission
-from services.optimizer import Optimizer
-from services.runtime import ServiceCallError, call
-
 from test_optimizer import MODEL, register_nodes, wait_for
+
+from gearshift.bus.client import ServiceCallError, call
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import JobRecord, JobState, QueueList, RoundReply, SubmitReply
+from gearshift.services.admission import start_admission
+from gearshift.services.optimizer import Optimizer
 
 SHARING = {"queues": {"a": {"quota": 4, "weight": 2, "cohort": "c"}, "b": {"quota": 4, "cohort": "c", "lend_limit": 0}},
            "min_run_time": 0}

@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from agent import reference
-from agent.reference.model import stage_blocks, tp_dim
-from agent.reference.parallel import Layout
-from agent.warm import WarmPool, warm_key
+from gearshift.agent import reference
+from gearshift.agent.reference.model import stage_blocks, tp_dim
+from gearshift.agent.reference.parallel import Layout
+from gearshift.agent.warm import WarmPool, warm_key
 
 needs_torch = pytest.mark.skipif(not reference.have_torch(), reason="torch not installed")
 ARGS = ("--ckpt-every", "1000", "--hidden", "32", "--layers", "3", "--dataset", "1024")
@@ -29,7 +29,7 @@ def test_layout_puts_tp_innermost_then_dp_then_pp():
 
 
 def test_warm_key_only_for_python_m_without_import_variables():
-    assert warm_key([sys.executable, "-m", "agent.reference.train", "--x"], {}) == (sys.executable, "agent.reference.train")
+    assert warm_key([sys.executable, "-m", "gearshift.agent.reference.train", "--x"], {}) == (sys.executable, "gearshift.agent.reference.train")
     assert warm_key([sys.executable, "train.py"], {}) is None
     assert warm_key(["python", "-m", "m"], {}) is None  # not an absolute interpreter path
     assert warm_key([sys.executable, "-m", "m"], {"PYTHONPATH": "/elsewhere"}) is None
@@ -78,16 +78,16 @@ async def test_warm_worker_runs_a_rank_and_modules_without_heavy_imports_are_not
 
     log = Log()
     status = tmp_path / "warm.json"
-    pool = WarmPool(1, spawn=spawn, log=log, prewarm=["agent.reference.train", "agent.emulated_worker"],
+    pool = WarmPool(1, spawn=spawn, log=log, prewarm=["gearshift.agent.reference.train", "gearshift.agent.emulated_worker"],
                     status_file=status)
     await pool.refill()
-    assert json.loads(status.read_text())["ready"] == {"agent.reference.train": 1}
+    assert json.loads(status.read_text())["ready"] == {"gearshift.agent.reference.train": 1}
     cmd = reference.command(*ARGS)
-    emulated = [sys.executable, "-m", "agent.emulated_worker"]
-    assert pool.take(emulated, {}) is None and (sys.executable, "agent.emulated_worker") in pool.refused
+    emulated = [sys.executable, "-m", "gearshift.agent.emulated_worker"]
+    assert pool.take(emulated, {}) is None and (sys.executable, "gearshift.agent.emulated_worker") in pool.refused
     proc = pool.take(cmd, {})
     assert proc is not None and pool.take(cmd, {}) is None  # one per slot
-    assert json.loads(status.read_text())["ready"] == {"agent.reference.train": 0}
+    assert json.loads(status.read_text())["ready"] == {"gearshift.agent.reference.train": 0}
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731",
            "GEARSHIFT_PLAN": json.dumps({"dp": 1}), "GEARSHIFT_STEPS": "3", "GEARSHIFT_GLOBAL_BATCH": "32",
            "GEARSHIFT_CKPT_DIR": str(tmp_path / "ck"), "GEARSHIFT_JOB_ID": "warm"}
@@ -100,7 +100,7 @@ async def test_warm_worker_runs_a_rank_and_modules_without_heavy_imports_are_not
 
 
 def test_pipeline_makespan_replays_the_gpipe_schedule():
-    from agent.reference.schedule import pipeline_makespan
+    from gearshift.agent.reference.schedule import pipeline_makespan
 
     # equal stages: (m + pp - 1) * (f + b), the textbook GPipe step
     assert pipeline_makespan([[1, 1], [1, 1]], [[2, 2], [2, 2]], [0, 0]) == 9
@@ -109,8 +109,8 @@ def test_pipeline_makespan_replays_the_gpipe_schedule():
 
 
 def test_profiler_includes_tp_and_pp_where_the_model_and_node_allow_them():
-    from bus_schema.messages import Plan
-    from services.profiler import MAX_PLANS, profiling_plans
+    from gearshift.bus_schema.messages import Plan
+    from gearshift.services.profiler import MAX_PLANS, profiling_plans
 
     got = profiling_plans(64, 2, heads=4, layers=3)
     assert len(got) <= MAX_PLANS and Plan(tp=2) in got and Plan(pp=2) in got and Plan(pp=2, ga=4) in got

@@ -15,13 +15,13 @@ import zlib
 
 import msgspec
 
-from bus_schema.messages import JobRecord, JobSpec, JobState, NodePlacement, Plan
+from gearshift.bus_schema.messages import JobRecord, JobSpec, JobState, NodePlacement, Plan
+from gearshift.policies.api import JobView, NodeState
+from gearshift.policies.learning import LearningOracle
+from gearshift.policies.oracle import PerfModelOracle
+from gearshift.policies.rubick import Rubick
+from gearshift.services.policy_bridge import JobViews, PolicyStep, job_view
 from loadtest.optimality_gap import BATCH, MODELS
-from policies.api import JobView, NodeState
-from policies.learning import LearningOracle
-from policies.oracle import PerfModelOracle
-from policies.rubick import Rubick
-from services.policy_bridge import JobViews, PolicyStep, job_view
 
 
 def _spec(rng: random.Random, i: int) -> JobSpec:
@@ -150,7 +150,7 @@ def test_policy_step_hands_over_live_jobs_on_live_nodes_with_their_progress():
 
 
 def _progress():
-    from bus_schema.messages import JobProgress
+    from gearshift.bus_schema.messages import JobProgress
 
     return JobProgress(job_id="a", generation=1, node="n0", steps_done=0, ts=0.0)
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bus_schema.messages import Plan, RunReport, RunReportKind
-from loadtest.scale import Run, growth_row, parse
-from services.alloc_writer import emulated_step_time
-from services.policy_bridge import PROGRESS_EVERY_S, ModelOracle
 from test_live_learning import SPEC, _rec
+
+from gearshift.bus_schema.messages import Plan, RunReport, RunReportKind
+from gearshift.services.alloc_writer import emulated_step_time
+from gearshift.services.policy_bridge import PROGRESS_EVERY_S, ModelOracle
+from loadtest.scale import Run, growth_row, parse
 
 
 def test_one_configuration_runs_equally_fast_in_every_job():

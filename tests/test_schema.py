@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus_schema import codec
-from bus_schema.messages import EVENT_TYPES, JobRecord, JobSpec, JobSubmitted, event_kind
-from bus_schema.schema import bus_schema
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import EVENT_TYPES, JobRecord, JobSpec, JobSubmitted, event_kind
+from gearshift.bus_schema.schema import bus_schema
 
 SNAPSHOT = Path(__file__).parent.parent / "schema" / "bus.json"
 

@@ -26,11 +26,11 @@ import time
 
 import pytest
 
-from bus_schema.messages import JobSpec, ModelSpec
+from gearshift.bus_schema.messages import JobSpec, ModelSpec
 from gearshift.cluster import LocalCluster
-from policies.registry import make_policy
-from sim.engine import SimConfig, simulate
-from sim.trace import ClusterSpec, Trace, TraceJob
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import SimConfig, simulate
+from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 
 SHARING = {"queues": {"a": {"quota": 4, "cohort": "c"}, "b": {"quota": 4, "cohort": "c"}}, "min_run_time": 0}
 GPT2 = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}

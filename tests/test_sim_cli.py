@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sim.cli import main, ratios
+from gearshift.sim.cli import main, ratios
 
 
 def test_json_csv_and_plots(tmp_path, capsys):
@@ -62,7 +62,7 @@ def test_ratios_are_best_baseline_over_policy():
 
 
 def test_python_dash_m_works():
-    out = subprocess.run([sys.executable, "-m", "sim.cli", "--trace", "tiresias-60", "--jobs", "5", "--perfmodel", "off",
+    out = subprocess.run([sys.executable, "-m", "gearshift.sim.cli", "--trace", "tiresias-60", "--jobs", "5", "--perfmodel", "off",
                           "-o", "json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["results"][0]["jobs"] == 5
@@ -90,7 +90,7 @@ def test_evaluation_page_rebuilds_from_saved_runs(tmp_path):
     import json
     from pathlib import Path
 
-    from sim.evaluation import main as evaluation
+    from gearshift.sim.evaluation import main as evaluation
 
     runs = Path(__file__).resolve().parent.parent / "docs" / "evaluation-runs"
     out = tmp_path / "evaluation.md"

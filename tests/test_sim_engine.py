@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies.api import AllocationError, Decision, JobDecision, Placement
-from policies.registry import make_policy
-from sim.engine import InvariantError, SimConfig, Simulator, simulate
-from sim.metrics import per_job_csv_text, summarize
-from sim.trace import Trace, TraceJob, parse_cluster
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies.api import AllocationError, Decision, JobDecision, Placement
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import InvariantError, SimConfig, Simulator, simulate
+from gearshift.sim.metrics import per_job_csv_text, summarize
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
 MODEL = ModelSpec(name="toy", params=10.0, layers=2, hidden=64, seq_len=16)
 
@@ -192,7 +192,7 @@ def test_reconfiguring_every_round_pays_restart_cost_and_never_progresses():
 
 
 def test_same_seed_same_per_job_csv_and_seed_matters_where_unmeasured():
-    from sim.loaders import load_named
+    from gearshift.sim.loaders import load_named
 
     t = load_named("rubick-mt").head(80)
 

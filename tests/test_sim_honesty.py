@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import math
 
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from policies.api import Placement
-from policies.placement import Ledger
-from policies.plans import candidate_plans
-from policies.registry import make_policy
-from sim.cli import ratios
-from sim.trace import TraceJob
-from sim.truth import GroundTruth
 from policy_helpers import job, nodes
+
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.policies.api import Placement
+from gearshift.policies.placement import Ledger
+from gearshift.policies.plans import candidate_plans
+from gearshift.policies.registry import make_policy
+from gearshift.sim.cli import ratios
+from gearshift.sim.trace import TraceJob
+from gearshift.sim.truth import GroundTruth
 
 GPT2 = ModelSpec(name="gpt2", params=1500, layers=48, hidden=1600, seq_len=1024)
 

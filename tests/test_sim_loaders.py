@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from bus_schema.messages import Plan
-from policies.api import Placement
-from sim.loaders import load_named, load_trace_file, trace_names
-from sim.rubick_catalog import placement_key, plan_from_rubick, rubick_family
-from sim.synthetic import parse_options, synthetic_trace
-from sim.truth import GroundTruth, packed
+from gearshift.bus_schema.messages import Plan
+from gearshift.policies.api import Placement
+from gearshift.sim.loaders import load_named, load_trace_file, trace_names
+from gearshift.sim.rubick_catalog import placement_key, plan_from_rubick, rubick_family
+from gearshift.sim.synthetic import parse_options, synthetic_trace
+from gearshift.sim.truth import GroundTruth, packed
 
 
 def test_rubick_rows_map_to_jobspecs():

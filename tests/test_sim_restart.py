@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from bus_schema.messages import JobSpec, ModelSpec, Plan
-from perfmodel.restart import MEASURED, RestartCostModel, restart_seconds
-from policies.registry import make_policy
-from sim.engine import SimConfig, simulate
-from sim.trace import Trace, TraceJob, parse_cluster
+from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.perfmodel.restart import MEASURED, RestartCostModel, restart_seconds
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import SimConfig, simulate
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
 
 def spec(params_m: float, step_time: float = 1.0) -> JobSpec:
@@ -40,7 +40,7 @@ def test_simulator_charges_each_job_its_own_restart_cost():
 
 def test_cli_defaults_to_the_measured_model_and_still_takes_seconds():
     def run(*extra):
-        out = subprocess.run([sys.executable, "-m", "sim.cli", "--trace", "tiresias-60", "--policies", "fifo",
+        out = subprocess.run([sys.executable, "-m", "gearshift.sim.cli", "--trace", "tiresias-60", "--policies", "fifo",
                               "--cluster", "4x4", "-o", "json", *extra], capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)["config"]
@@ -48,6 +48,6 @@ def test_cli_defaults_to_the_measured_model_and_still_takes_seconds():
     cfg = run()
     assert cfg["restart_cost"] == "measured" and cfg["restart_cost_charged_s"] > 0
     assert run("--restart-cost", "30")["restart_cost_charged_s"] == 30
-    bad = subprocess.run([sys.executable, "-m", "sim.cli", "--trace", "tiresias-60", "--restart-cost", "soon"],
+    bad = subprocess.run([sys.executable, "-m", "gearshift.sim.cli", "--trace", "tiresias-60", "--restart-cost", "soon"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "neither a number" in bad.stderr

@@ -13,17 +13,28 @@ import sys
 
 import pytest
 
-from agent.agent import Agent
-from agent.probe import FakeProbe
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import (
-    Allocation, Event, GpuReport, JobRecord, JobRequeued, JobState, JobSwitched, NodeReport, ReconfigureReply,
-    RunReport, RunReportKind, SubmitReply,
+from gearshift.agent.agent import Agent
+from gearshift.agent.probe import FakeProbe
+from gearshift.bus.client import call
+from gearshift.bus.kv import kv_snapshot
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import (
+    Allocation,
+    Event,
+    GpuReport,
+    JobRecord,
+    JobRequeued,
+    JobState,
+    JobSwitched,
+    NodeReport,
+    ReconfigureReply,
+    RunReport,
+    RunReportKind,
+    SubmitReply,
 )
-from services.admission import start_admission
-from services.jobstore import kv_snapshot
-from services.optimizer import OPTIMIZER_RECONFIGURE, Optimizer
-from services.runtime import call
+from gearshift.services.admission import start_admission
+from gearshift.services.optimizer import OPTIMIZER_RECONFIGURE, Optimizer
 from tests.wait import eventually as _eventually
 
 MODEL = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
@@ -215,10 +226,10 @@ async def test_crash_is_retried_from_the_last_checkpoint_then_fails_after_the_li
     assert failed.failures == 1 and "code 3" in failed.reason and "after 1 retries" in failed.reason
 
 
-@pytest.mark.skipif(not __import__("agent.reference", fromlist=["x"]).have_torch(), reason="torch not installed")
+@pytest.mark.skipif(not __import__("gearshift.agent.reference", fromlist=["x"]).have_torch(), reason="torch not installed")
 @pytest.mark.timeout(300)  # three torch process starts: ~20 s idle, far more on a loaded machine
 async def test_torch_reference_job_switches_dp_degree_and_keeps_its_trajectory(nc, stack, tmp_path):
-    from agent import reference
+    from gearshift.agent import reference
 
     opt, agent, rec = stack
     await agent("a", gpus=2)
@@ -249,7 +260,7 @@ async def test_lost_agent_requeues_its_job_which_resumes_elsewhere_from_the_chec
     try:
         for node in ("a", "b"):
             procs[node] = subprocess.Popen(
-                [sys.executable, "-m", "agent", "--node", node, "--fake-gpus", "2", "--workdir",
+                [sys.executable, "-m", "gearshift.agent", "--node", node, "--fake-gpus", "2", "--workdir",
                  str(tmp_path / node), "--ckpt-root", str(tmp_path / "ckpt"), "--heartbeat", "0.2"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         nodes_kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
@@ -307,8 +318,9 @@ def _manifest_step(tmp_path, job) -> int:
 
 async def test_job_of_an_unprofiled_model_waits_for_the_profiler_then_runs(nc, tmp_path):
     """Optimizer with --wait-for-models, the profiler and perfmodel services, one agent."""
-    from services.perfmodel_service import kv_key, start_perfmodel
-    from services.profiler import Profiler
+    from gearshift.bus_schema.perfmodel import model_kv_key as kv_key
+    from gearshift.services.perfmodel_service import start_perfmodel
+    from gearshift.services.profiler import Profiler
 
     _, svc = await start_admission(nc)
     _, pm_svc = await start_perfmodel(nc)

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from bus_schema import codec, subjects as subj
-from bus_schema.messages import GpuReport, NodeReport
-from services.views import NodesView
+from gearshift.bus.views import NodesView
+from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import GpuReport, NodeReport
 
 
 def report(node: str, ts: float) -> bytes:
@@ -39,7 +40,7 @@ async def test_liveness_uses_the_servers_clock_not_the_agents(nc):
 
 
 async def test_the_fast_reply_parser_agrees_with_nats_py(nc):
-    from services.views import _seq_and_ts
+    from gearshift.bus.views import _seq_and_ts
 
     kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
     for i in range(3):

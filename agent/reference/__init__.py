@@ -41,7 +41,7 @@ def have_torch() -> bool:
 
 
 def command(*extra: str, python: str | None = None) -> list[str]:
-    return [python or sys.executable, "-m", "agent.reference.train", *extra]
+    return [python or sys.executable, "-m", "gearshift.agent.reference.train", *extra]
 
 
 def job_spec(name: str, *, steps: int, global_batch: int = 64, gpus: int = 1, plan: dict | None = None,

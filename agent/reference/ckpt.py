@@ -34,7 +34,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from .model import local_slice, tp_dim
+from gearshift.agent.reference.model import local_slice, tp_dim
 
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 

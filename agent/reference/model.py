@@ -58,7 +58,7 @@ def local_slice(full, name: str, tp: int, tp_rank: int):
 
 def build_local(args: Any, torch: Any, layout: Any, comm: Any):
     """This rank's part of the model, parameters uninitialised (``load`` fills them)."""
-    from .parallel import tp_ops
+    from gearshift.agent.reference.parallel import tp_ops
 
     nn = torch.nn
     F = torch.nn.functional

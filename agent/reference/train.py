@@ -50,7 +50,7 @@ import shutil
 import sys
 import time
 
-from agent.worker import (
+from gearshift.agent.worker import (
     EXIT_CHECKPOINTED,
     EXIT_DONE,
     EXIT_TEMPFAIL,
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     marks["import"] = time.time()
 
-    from .parallel import Comm, Layout
+    from gearshift.agent.reference.parallel import Comm, Layout
 
     torch.set_num_threads(args.threads)
     torch.set_default_dtype(getattr(torch, args.dtype))
@@ -175,10 +175,10 @@ class Trainer:
     """One rank's training loop: restore, step, checkpoint, report."""
 
     def __init__(self, args, env, stop, torch, dist, comm, device, steps, B, ga, mb):
-        from . import ckpt
-        from .data import dataset
-        from .model import build_local, full_init
-        from .zero import FlatOptimizer
+        from gearshift.agent.reference import ckpt
+        from gearshift.agent.reference.data import dataset
+        from gearshift.agent.reference.model import build_local, full_init
+        from gearshift.agent.reference.zero import FlatOptimizer
 
         self.args, self.env, self.stop, self.torch, self.dist = args, env, stop, torch, dist
         self.comm, self.lay, self.device = comm, comm.layout, device
@@ -216,7 +216,7 @@ class Trainer:
                 f"ga{self.ga} mb{self.mb} gc{int(self.env.grad_ckpt)}")
 
     def checkpoint(self, done: bool = False) -> None:
-        from . import ckpt
+        from gearshift.agent.reference import ckpt
 
         t0 = time.time()
         tmp = self.writer.shared_stage(self.step, f"g{self.env.generation}")
@@ -243,8 +243,8 @@ class Trainer:
             self.stop.wait(self.args.hold_timeout)
 
     def run(self, marks: dict | None = None) -> int:
-        from .data import micro_batches
-        from .schedule import train_step
+        from gearshift.agent.reference.data import micro_batches
+        from gearshift.agent.reference.schedule import train_step
 
         torch, dist, env, lay, args = self.torch, self.dist, self.env, self.lay, self.args
         if self.done:
@@ -347,7 +347,7 @@ class Trainer:
     def replayed_ms(self, traces: list[dict]) -> float:
         """The pipeline's step time from every stage's measured busy times
         (collective: every rank takes part), quantile over the steps."""
-        from .schedule import pipeline_makespan
+        from gearshift.agent.reference.schedule import pipeline_makespan
 
         lay = self.lay
         every: list = [None] * lay.world

@@ -27,8 +27,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 from nats.js.api import DeliverPolicy
 
-from bus_schema import codec
-from bus_schema.messages import JobRecord, NodeReport
+from gearshift.bus_schema import codec
+from gearshift.bus_schema.messages import JobRecord, NodeReport
 
 T = TypeVar("T")
 

@@ -285,7 +285,7 @@ class Observer:
         self._announce()
 
     def _announce(self) -> None:
-        from .runtime import get_logger
+        from gearshift.bus.log import get_logger
 
         get_logger(process=self.name).info("metrics serving", metrics=self.url + "/metrics",
                                            healthz=self.url + "/healthz", readyz=self.url + "/readyz", **self.extra)

@@ -1,6 +1,6 @@
-"""One YAML config file per service, with environment and flags on top.
+"""One YAML config file per process, with environment and flags on top.
 
-Each service (and the agent) keeps its ``argparse`` parser; ``parse_args``
+Each entry point (a service, the agent) owns its config ``Struct``; ``parse_args``
 adds ``--config PATH`` to it and fills every option from, in order of
 precedence:
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ClassVar
 
@@ -45,85 +46,6 @@ class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     service: ClassVar[str] = ""
     server: str | None = None  # NATS URL(s), comma-separated; default $GEARSHIFT_NATS_URL
 
-
-class AdmissionConfig(ServiceConfig):
-    service: ClassVar[str] = "admission"
-    max_gpus: PosInt | None = None
-    max_jobs_per_tenant: PosInt = 1000
-
-
-class OptimizerConfig(ServiceConfig):
-    service: ClassVar[str] = "optimizer"
-    policy: Annotated[str, Meta(min_length=1)] = "fifo"
-    policy_options: str | None = None  # JSON object of policy keyword arguments
-    interval: Positive = 5.0
-    node_timeout: Positive = 10.0
-    max_retries: NonNegInt = 3
-    drain_timeout: Positive = 120.0
-    wait_for_models: bool = False
-    lease_ttl: Positive = 6.0  # seconds a silent leader keeps the lease
-    archive_after: NonNegative = 30.0  # seconds a finished job stays in gs_jobs before the history store
-
-    def __post_init__(self) -> None:
-        if self.policy_options:
-            try:
-                opts = msgspec.json.decode(self.policy_options)
-            except msgspec.DecodeError:
-                raise ValueError("policy_options: not valid JSON") from None
-            if not isinstance(opts, dict):
-                raise ValueError("policy_options: expected a JSON object")
-        else:
-            opts = {}
-        from policies.registry import make_policy, policy_names  # pure core; only the optimizer's config
-
-        if self.policy not in policy_names():
-            raise ValueError(f"policy: unknown policy {self.policy!r}; known: {', '.join(policy_names())}")
-        try:
-            make_policy(self.policy, **opts)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"policy_options: {exc}") from None
-
-
-class PerfmodelConfig(ServiceConfig):
-    service: ClassVar[str] = "perfmodel"
-
-
-class ProfilerConfig(ServiceConfig):
-    service: ClassVar[str] = "profiler"
-    steps: PosInt = 10
-    max_dp: PosInt | None = None
-
-
-class AgentConfig(ServiceConfig):
-    service: ClassVar[str] = "agent"
-    node: NodeName | None = None  # default: the host name
-    fake_gpus: NonNegInt | None = None
-    gpu_memory: PosInt = 80 * 2**30
-    gpu_name: str = "Fake GPU"
-    cpus: PosInt | None = None
-    workdir: str | None = None
-    ckpt_root: str | None = None
-    heartbeat: Positive = 1.0
-    grace: NonNegative = 10.0
-    address: str = "127.0.0.1"
-
-
-class DashboardConfig(ServiceConfig):
-    service: ClassVar[str] = "dashboard"
-    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"  # 0.0.0.0 in a pod
-    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # the page; 0: any free port (logged and announced)
-    require_login: bool | None = None  # None: on when the dashboard has credentials
-
-
-#: module run by ``python -m`` -> its config type
-CONFIGS: dict[str, type[ServiceConfig]] = {
-    "services.admission": AdmissionConfig,
-    "services.optimizer": OptimizerConfig,
-    "services.perfmodel_service": PerfmodelConfig,
-    "services.profiler": ProfilerConfig,
-    "services.dashboard": DashboardConfig,
-    "agent": AgentConfig,
-}
 
 _SKIP = {"help", "config"}
 
@@ -317,17 +239,10 @@ def parse_args(ap: argparse.ArgumentParser, base: type[ServiceConfig],
     return args
 
 
-#: ``python -m MODULE`` -> the module whose ``main`` builds its parser
-_MAINS = {"agent": "agent.main"}
-
-
-def parser_of(module: str) -> tuple[argparse.ArgumentParser, type[ServiceConfig]]:
-    """The real argument parser of ``python -m MODULE`` (a key of CONFIGS),
-    built by its own ``main`` and stopped before it parses or runs anything."""
-    import importlib
-
+def parser_of(main: Callable[[list[str]], Any], name: str = "main") -> tuple[argparse.ArgumentParser, type[ServiceConfig]]:
+    """The real argument parser of an entry point, built by its own ``main``
+    and stopped before it parses or runs anything."""
     global _capturing
-    main = importlib.import_module(_MAINS.get(module, module)).main
     _capturing = True
     try:
         main([])
@@ -335,42 +250,4 @@ def parser_of(module: str) -> tuple[argparse.ArgumentParser, type[ServiceConfig]
         return got.ap, got.base
     finally:
         _capturing = False
-    raise RuntimeError(f"{module}.main does not read its options through services.config.parse_args")
-
-
-def check_file(path: str | os.PathLike, module: str | None = None) -> ServiceConfig:
-    """Validate one config file; the service comes from ``module`` or the file's name."""
-    p = Path(path)
-    if module is None:
-        by_service = {c.service: m for m, c in CONFIGS.items()}
-        module = by_service.get(p.stem)
-        if module is None:
-            raise ConfigError(f"{p}: name it after its service ({', '.join(sorted(by_service))}.yaml) or pass --service")
-    ap, base = parser_of(module)
-    raw = _file_values(p, base.service, _options(ap))
-    return validate(raw, effective_type(ap, base), {k: str(p) for k in raw}, base.service)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m services.config FILE...``: validate config files offline."""
-    ap = argparse.ArgumentParser(prog="python -m services.config", description=main.__doc__)
-    ap.add_argument("files", nargs="+", metavar="FILE", help="YAML files named <service>.yaml")
-    ap.add_argument("--service", choices=sorted(CONFIGS), default=None,
-                    help="the module the files configure (default: from each file's name)")
-    args = ap.parse_args(argv)
-    bad = 0
-    for f in args.files:
-        try:
-            check_file(f, args.service)
-            print(f"{f}: ok")
-        except ConfigError as exc:
-            print(f"error: {exc}")
-            bad += 1
-    return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    # run the imported module's main: the services' mains import services.config, not __main__
-    from services.config import main as _main
-
-    raise SystemExit(_main())
+    raise RuntimeError(f"{name} does not read its options through gearshift.bus.config.parse_args")

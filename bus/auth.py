@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus_schema import contract, subjects as subj
+from gearshift.bus_schema import contract
+from gearshift.bus_schema import subjects as subj
 
 ACCOUNT = "GEARSHIFT"
 SERVICE_ROLES = ("admission", "optimizer", "perfmodel", "profiler")

@@ -1,0 +1,61 @@
+"""Provisioning: the streams and KV buckets, created or updated (idempotent)."""
+
+from __future__ import annotations
+
+import os
+
+from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
+
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import MAX_MESSAGE_BYTES
+
+STREAMS = {
+    subj.EVENTS_STREAM: dict(subjects=[subj.EVENTS_SUBJECTS], duplicate_window=3600.0),
+    subj.REPORTS_STREAM: dict(subjects=[subj.REPORTS_SUBJECTS], duplicate_window=3600.0),
+}
+BUCKETS = {
+    subj.JOBS_BUCKET: dict(history=5),
+    subj.NODES_BUCKET: dict(history=1),
+    subj.ALLOC_BUCKET: dict(history=5),
+    subj.MODELS_BUCKET: dict(history=5),
+    subj.LEASE_BUCKET: dict(history=1),
+    subj.HISTORY_BUCKET: dict(history=1, ttl=subj.HISTORY_RETENTION_S),
+    subj.NODE_MODES_BUCKET: dict(history=1),
+    subj.QUEUES_BUCKET: dict(history=5),
+}
+
+
+def default_replicas() -> int:
+    """Stream and bucket replicas: 1, or 3 on a NATS cluster (``GEARSHIFT_REPLICAS``)."""
+    return int(os.environ.get("GEARSHIFT_REPLICAS") or 1)
+
+
+async def ensure_infra(nc: NATS, replicas: int | None = None) -> None:
+    """Create or update the streams and buckets; safe to call from every service."""
+    replicas = replicas or default_replicas()
+    js = nc.jetstream()
+    for name, cfg in STREAMS.items():
+        config = StreamConfig(
+            name=name,
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=replicas,
+            max_msg_size=MAX_MESSAGE_BYTES,
+            **cfg,
+        )
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            await js.update_stream(config)
+    for bucket, cfg in BUCKETS.items():
+        try:
+            await js.key_value(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            try:
+                await js.create_key_value(
+                    KeyValueConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas, **cfg)
+                )
+            except BadRequestError:
+                pass  # another service created it first
