@@ -9,9 +9,9 @@ Public API (for the policies, the simulator and the perfmodel service)
 Shapes and plans
   ModelShape(name, params_m, layers, hidden, seq_len, heads=0, grad_bytes=2)
       .key -> str                        stable cache key
-  Plan(dp, tp, pp, zero, offload, ga, micro_batch, grad_ckpt)   (bus Plan fields)
+  ConcretePlan(dp, tp, pp, zero, offload, ga, micro_batch, grad_ckpt)   (the bus Plan's fields, micro_batch concrete)
       .family -> "ga"|"gc"|"zero-dp"|"zero-offload"|"3D"
-  as_plan(obj) -> Plan                   from any object/dict with the Plan fields
+  as_plan(obj) -> ConcretePlan                   from any object/dict with the Plan fields
   PlanArray.from_plans(iterable)         column store; .plan(i), .take(idx), .to_plans()
   Resources(gpus_per_node: tuple[int,...], cpu_threads_per_gpu=4.0)
       Resources.from_placement("8888"), Resources.uniform(n_nodes, gpus_per_node)
@@ -38,7 +38,7 @@ Prediction (vectorised; numba kernel, numpy reference via engine="numpy")
       plans: PlanArray or plan-likes; resources: one Resources, a list, or a ResourceArray
   plan_throughput(params, shape, global_batch, plan, resources) -> float
       a *given* plan on a *given* offer (guarantees: requested plan on requested GPUs)
-  best_plan(params, shape, global_batch, resources) -> (Plan | None, throughput)
+  best_plan(params, shape, global_batch, resources) -> (ConcretePlan | None, throughput)
 
 Sensitivity curves (cached per model key + params + batch + grid)
   curve(params, shape, global_batch, max_gpus=64, gpus_per_node=8, max_nodes=8,
@@ -69,21 +69,21 @@ from gearshift.perfmodel.catalog import (
     shipped_cluster,
     sim_predictor,
 )
-from gearshift.perfmodel.curve import Allocation, SensitivityCurve, clear_curve_cache, curve
+from gearshift.perfmodel.curve import CurveAllocation, SensitivityCurve, clear_curve_cache, curve
 from gearshift.perfmodel.fit import Sample, fit, fit_joint
 from gearshift.perfmodel.gputypes import REFERENCE as REFERENCE_GPU
 from gearshift.perfmodel.gputypes import SPECS as GPU_SPECS
 from gearshift.perfmodel.gputypes import params_for_type
 from gearshift.perfmodel.memory import memory_feasible, memory_parts_gb, memory_per_gpu_gb
 from gearshift.perfmodel.model import CLUSTER_NAMES, PARAM_NAMES, PerfParams
-from gearshift.perfmodel.plans import FAMILIES, Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
+from gearshift.perfmodel.plans import FAMILIES, ConcretePlan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
 from gearshift.perfmodel.predict import Prediction, best_plan, plan_throughput, predict
 from gearshift.perfmodel.rubick import MODELS as RUBICK_MODELS
 from gearshift.perfmodel.rubick import rubick_global_batch, rubick_shape
 from gearshift.perfmodel.shapes import ModelShape
 
 __all__ = [
-    "Allocation", "CLUSTER_NAMES", "GPU_SPECS", "REFERENCE_GPU", "params_for_type", "FAMILIES", "ModelShape", "PARAM_NAMES", "PerfParams", "Plan", "PlanArray",
+    "CurveAllocation", "CLUSTER_NAMES", "GPU_SPECS", "REFERENCE_GPU", "params_for_type", "FAMILIES", "ModelShape", "PARAM_NAMES", "PerfParams", "ConcretePlan", "PlanArray",
     "Prediction", "RUBICK_MODELS", "ResourceArray", "Resources", "Sample", "SensitivityCurve", "as_plan",
     "best_plan", "clear_curve_cache", "curve", "enumerate_plans", "fit", "fit_joint", "fitted_model_for",
     "memory_feasible", "memory_parts_gb", "memory_per_gpu_gb", "plan_throughput", "predict", "rubick_global_batch", "rubick_job",

@@ -30,7 +30,7 @@ import numpy as np
 from gearshift.perfmodel.kernels import iteration_time_ms_numba
 from gearshift.perfmodel.memory import memory_per_gpu_gb
 from gearshift.perfmodel.model import PerfParams, shape_consts
-from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, enumerate_plans
+from gearshift.perfmodel.plans import ConcretePlan, PlanArray, ResourceArray, Resources, enumerate_plans
 from gearshift.perfmodel.predict import plan_validity
 from gearshift.perfmodel.shapes import ModelShape
 
@@ -49,12 +49,15 @@ def balanced_placement(g: int, n: int, gpus_per_node: int) -> tuple[int, ...] | 
 
 
 @dataclass(frozen=True)
-class Allocation:
+class CurveAllocation:
+    """The smallest allocation on a sensitivity curve that reaches a level, with its
+    best plan (the bus ``Allocation`` is an allocation the optimizer wrote)."""
+
     gpus: int
     nodes: int
     threads: float
     throughput: float
-    plan: Plan | None
+    plan: ConcretePlan | None
 
 
 class SensitivityCurve:
@@ -136,12 +139,12 @@ class SensitivityCurve:
         g = min(max(int(gpus), 0), self.max_gpus)
         return float(self.tput[g, self._n(max(g, 1), nodes), self.threads_index(threads)])
 
-    def allocation_at(self, g: int, n: int, ci: int) -> Allocation:
+    def allocation_at(self, g: int, n: int, ci: int) -> CurveAllocation:
         pi = int(self.plan_idx[g, n, ci])
-        return Allocation(int(g), int(n), float(self.threads[ci]), float(self.tput[g, n, ci]),
+        return CurveAllocation(int(g), int(n), float(self.threads[ci]), float(self.tput[g, n, ci]),
                           self.plans.plan(pi) if pi >= 0 else None)
 
-    def knee(self, gpus: int, nodes: int | None = None, threads: float = 4.0) -> Allocation | None:
+    def knee(self, gpus: int, nodes: int | None = None, threads: float = 4.0) -> CurveAllocation | None:
         """Smallest allocation reaching (within 1%) the envelope level at this offer."""
         g = min(max(int(gpus), 1), self.max_gpus)
         n, ci = self._n(g, nodes), self.threads_index(threads)
@@ -149,7 +152,7 @@ class SensitivityCurve:
             return None
         return self.allocation_at(int(self.knee_g[g, n, ci]), int(self.knee_n[g, n, ci]), int(self.knee_ci[g, n, ci]))
 
-    def best_plan(self, gpus: int, nodes: int | None = None, threads: float = 4.0) -> Plan | None:
+    def best_plan(self, gpus: int, nodes: int | None = None, threads: float = 4.0) -> ConcretePlan | None:
         """Best plan on exactly this offer."""
         g = min(max(int(gpus), 1), self.max_gpus)
         pi = int(self.plan_idx[g, self._n(g, nodes), self.threads_index(threads)])

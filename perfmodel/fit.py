@@ -30,7 +30,7 @@ from gearshift.perfmodel.model import (
     model_terms,
     shape_consts,
 )
-from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, as_plan
+from gearshift.perfmodel.plans import ConcretePlan, PlanArray, ResourceArray, Resources, as_plan
 from gearshift.perfmodel.shapes import ModelShape
 
 # Weight of the profiled components relative to iteration time.  Low: the
@@ -47,7 +47,7 @@ C_OFF_PER_MPARAM = 0.1
 
 @dataclass(frozen=True)
 class Sample:
-    plan: Plan
+    plan: ConcretePlan
     resources: Resources
     global_batch: int
     iter_ms: float
@@ -68,9 +68,9 @@ class _Block:
         plans = [as_plan(s.plan) for s in samples]
         for s, p in zip(samples, plans):
             if p.global_batch != int(s.global_batch):
-                raise ValueError(f"sample plan {p.label} does not make global batch {s.global_batch}")
-            if p.n_gpus != s.resources.n_gpus:
-                raise ValueError(f"sample plan {p.label} needs {p.n_gpus} GPUs, resources have {s.resources.n_gpus}")
+                raise ValueError(f"sample plan {p.summary} does not make global batch {s.global_batch}")
+            if p.gpus != s.resources.n_gpus:
+                raise ValueError(f"sample plan {p.summary} needs {p.gpus} GPUs, resources have {s.resources.n_gpus}")
             if not (float(s.iter_ms) > 0):
                 raise ValueError("sample iter_ms must be > 0")
         self.plans = PlanArray.from_plans(plans)

@@ -1,6 +1,6 @@
 """Execution plans and resource offers, as single objects and as column arrays.
 
-A plan has the same fields as the bus `Plan` (dp, tp, pp, zero, offload, ga,
+A ConcretePlan has the same fields as the bus `Plan` (dp, tp, pp, zero, offload, ga,
 micro_batch, grad_ckpt).  The global batch is fixed per job (as in Rubick), so
 for a plan on `dp` replicas: dp * ga * micro_batch == global_batch.
 
@@ -19,7 +19,11 @@ FAMILIES = ("ga", "gc", "zero-dp", "zero-offload", "3D")
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
+class ConcretePlan:
+    """A plan with every field concrete (the micro-batch resolved), as the model
+    computes on it; the bus form, where the micro-batch may be left to the batch, is
+    ``gearshift.bus_schema.messages.Plan`` (``as_plan`` converts)."""
+
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -30,7 +34,7 @@ class Plan:
     grad_ckpt: bool = False
 
     @property
-    def n_gpus(self) -> int:
+    def gpus(self) -> int:
         return self.dp * self.tp * self.pp
 
     @property
@@ -42,8 +46,8 @@ class Plan:
         return plan_family(self.tp, self.pp, self.zero, self.offload, self.grad_ckpt)
 
     @property
-    def label(self) -> str:
-        """Short human label, e.g. 'zero-dp dp8 ga2 mb1' or '3D pp2 tp4 dp8 mb1'."""
+    def summary(self) -> str:
+        """Short human description, e.g. 'zero-dp dp8 ga2 mb1' or '3D pp2 tp4 dp8 mb1'."""
         if self.tp > 1 or self.pp > 1:
             s = f"3D pp{self.pp} tp{self.tp} dp{self.dp}"
         else:
@@ -81,17 +85,17 @@ def plan_family(tp: int, pp: int, zero: int, offload: bool, grad_ckpt: bool) -> 
     return "gc" if grad_ckpt else "ga"
 
 
-def as_plan(obj: Any, global_batch: int | None = None) -> Plan:
-    """Convert any object (bus Plan struct, dict, Plan) with plan fields to a Plan.
+def as_plan(obj: Any, global_batch: int | None = None) -> ConcretePlan:
+    """Convert any object (bus Plan struct, dict, ConcretePlan) with plan fields to a ConcretePlan.
     A missing/None micro_batch is derived from `global_batch` (dp*ga*mb = batch)."""
-    if isinstance(obj, Plan):
+    if isinstance(obj, ConcretePlan):
         return obj
     get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
     dp, ga = int(get("dp", 1) or 1), int(get("ga", 1) or 1)
     mb = get("micro_batch", None)
     if mb is None:
         mb = max(1, int(global_batch) // (dp * ga)) if global_batch else 1
-    return Plan(
+    return ConcretePlan(
         dp=dp, tp=int(get("tp", 1) or 1), pp=int(get("pp", 1) or 1),
         zero=int(get("zero", 0) or 0), offload=bool(get("offload", False)),
         ga=ga, micro_batch=int(mb), grad_ckpt=bool(get("grad_ckpt", False)),
@@ -133,14 +137,14 @@ class PlanArray:
     def empty(cls) -> "PlanArray":
         return cls(*[[] for _ in _PLAN_COLS])
 
-    def plan(self, i: int) -> Plan:
-        return Plan(
+    def plan(self, i: int) -> ConcretePlan:
+        return ConcretePlan(
             dp=int(self.dp[i]), tp=int(self.tp[i]), pp=int(self.pp[i]),
             zero=int(self.zero[i]), offload=bool(self.offload[i]), ga=int(self.ga[i]),
             micro_batch=int(self.micro_batch[i]), grad_ckpt=bool(self.grad_ckpt[i]),
         )
 
-    def to_plans(self) -> list[Plan]:
+    def to_plans(self) -> list[ConcretePlan]:
         return [self.plan(i) for i in range(len(self))]
 
     def take(self, idx) -> "PlanArray":

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from gearshift.perfmodel.memory import memory_feasible
-from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, divisors, plan_family
+from gearshift.perfmodel.plans import ConcretePlan, PlanArray, ResourceArray, Resources, divisors, plan_family
 from gearshift.perfmodel.shapes import ModelShape
 
 DATA_DIR = Path(__file__).parent / "data" / "rubick"
@@ -87,7 +87,7 @@ class Row:
     source: str  # "placement" or "profile"
     label: str  # the artifact's exec_plan label (or profile zero_type)
     placement: str
-    plan: Plan
+    plan: ConcretePlan
     resources: Resources
     global_batch: int
     iter_ms: float
@@ -111,7 +111,7 @@ class Row:
 
 
 def map_label(shape: ModelShape, label: str, placement: str, global_batch: int,
-              threads: float = 4.0, gpu_mem_gb: float = 80.0) -> tuple[Plan, Resources, bool]:
+              threads: float = 4.0, gpu_mem_gb: float = 80.0) -> tuple[ConcretePlan, Resources, bool]:
     """Map an artifact (exec_plan, placement) onto the cheapest memory-feasible
     gearshift plan (fewest micro-steps).  Returns (plan, resources, feasible)."""
     res = Resources.from_placement(placement, threads)
@@ -130,7 +130,7 @@ def map_label(shape: ModelShape, label: str, placement: str, global_batch: int,
     if global_batch % dp:
         raise ValueError(f"global batch {global_batch} not divisible by dp={dp} ({label}@{placement})")
     local = global_batch // dp
-    cands = [Plan(dp, tp, pp, zero, off, ga, local // ga, gc) for ga in divisors(local)]
+    cands = [ConcretePlan(dp, tp, pp, zero, off, ga, local // ga, gc) for ga in divisors(local)]
     ok = memory_feasible(shape, PlanArray.from_plans(cands), gpu_mem_gb)
     for p, f in zip(cands, ok):
         if f:

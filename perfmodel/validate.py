@@ -26,7 +26,7 @@ from gearshift.perfmodel.artifact import artifact_iter_ms, history_params
 from gearshift.perfmodel.fit import fit_joint
 from gearshift.perfmodel.memory import memory_feasible
 from gearshift.perfmodel.model import CLUSTER_NAMES, PARAM_NAMES, iteration_time_ms, shape_consts
-from gearshift.perfmodel.plans import Plan, PlanArray, Resources, divisors
+from gearshift.perfmodel.plans import ConcretePlan, PlanArray, Resources, divisors
 from gearshift.perfmodel.rubick import (
     DATA_DIR,
     GLOBAL_BATCH,
@@ -223,7 +223,7 @@ def _feasibility_report(data_dir) -> dict:
                 off = fam.startswith("zero-offload")
                 gc = fam == "gc" or fam.endswith("+gc")
                 cands = PlanArray.from_plans(
-                    [Plan(N, 1, 1, zero, off, ga, atom // ga, gc) for ga in divisors(atom)])
+                    [ConcretePlan(N, 1, 1, zero, off, ga, atom // ga, gc) for ga in divisors(atom)])
                 mine = bool(memory_feasible(shape, cands).any())
                 theirs = 0 < atom <= tab
                 compared += 1

@@ -154,7 +154,7 @@ class PerfmodelService:
             ok = plan_validity(shape, req.global_batch, PlanArray.from_plans([plan]), ResourceArray.broadcast(res, 1))
             if not ok[0]:
                 raise bad_request(
-                    f"sample {i}: plan {plan.label} is not valid for global batch {req.global_batch} "
+                    f"sample {i}: plan {plan.summary} is not valid for global batch {req.global_batch} "
                     f"on {res.n_gpus} GPUs {list(res.gpus_per_node)}", f"samples[{i}].plan")
             nan = float("nan")
             samples.append(Sample(plan, res, req.global_batch, s.iter_ms, s.fwd_ms or nan, s.tcc_ms or nan, s.opt_ms or nan))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from gearshift.perfmodel.memory import memory_feasible, memory_per_gpu_gb
-from gearshift.perfmodel.plans import Plan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
+from gearshift.perfmodel.plans import ConcretePlan, PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
 from gearshift.perfmodel.predict import plan_validity
 from gearshift.perfmodel.rubick import MODELS, load_placements, load_profile, map_label, rubick_shape
 from gearshift.perfmodel.shapes import ModelShape
@@ -48,8 +48,8 @@ def test_plan_array_round_trip_from_foreign_objects():
     objs = [SimpleNamespace(dp=2, tp=2, pp=1, zero=0, offload=False, ga=2, micro_batch=1, grad_ckpt=True),
             {"dp": 4, "zero": 2, "offload": True, "micro_batch": 2}]
     pa = PlanArray.from_plans(objs)
-    assert pa.plan(0) == Plan(2, 2, 1, 0, False, 2, 1, True)
-    assert pa.plan(1) == Plan(dp=4, zero=2, offload=True, micro_batch=2)
+    assert pa.plan(0) == ConcretePlan(2, 2, 1, 0, False, 2, 1, True)
+    assert pa.plan(1) == ConcretePlan(dp=4, zero=2, offload=True, micro_batch=2)
     assert as_plan(pa.plan(1)).family == "zero-offload"
     assert PlanArray.concat([pa, pa.take([1])]).to_plans()[-1] == pa.plan(1)
 
@@ -76,7 +76,7 @@ def test_every_measured_row_is_feasible():
 
 def test_memory_edge_cases():
     llama = rubick_shape("llama7")
-    one = lambda **kw: PlanArray.from_plans([Plan(**kw)])  # noqa: E731
+    one = lambda **kw: PlanArray.from_plans([ConcretePlan(**kw)])  # noqa: E731
     # Plain DP of a 6.7B model on one 80 GB GPU cannot hold 16 bytes/param.
     assert not memory_feasible(llama, one(dp=1, ga=8, micro_batch=1))[0]
     # ZeRO-Offload keeps only fp16 weights + a grad bucket: fits with mb 1.
@@ -99,11 +99,11 @@ def test_memory_edge_cases():
 def test_plan_validity_rejects_bad_plans():
     shape = rubick_shape("gpt2")
     pa = PlanArray.from_plans([
-        Plan(dp=8, micro_batch=2),              # ok: 8 GPUs, batch 16
-        Plan(dp=4, micro_batch=2),              # wrong GPU count
-        Plan(dp=8, micro_batch=1),              # wrong batch
-        Plan(dp=8, micro_batch=2, offload=True),  # offload without ZeRO
-        Plan(dp=1, tp=16, micro_batch=16),      # TP wider than a node
+        ConcretePlan(dp=8, micro_batch=2),              # ok: 8 GPUs, batch 16
+        ConcretePlan(dp=4, micro_batch=2),              # wrong GPU count
+        ConcretePlan(dp=8, micro_batch=1),              # wrong batch
+        ConcretePlan(dp=8, micro_batch=2, offload=True),  # offload without ZeRO
+        ConcretePlan(dp=1, tp=16, micro_batch=16),      # TP wider than a node
     ])
     ra = ResourceArray.from_resources([Resources((8,))] * 4 + [Resources((8, 8))])
     assert plan_validity(shape, 16, pa, ra).tolist() == [True, False, False, False, False]
