@@ -32,7 +32,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gearshift import views
+from gearshift import render
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import JobRecord, JobState
 from gearshift.spec_file import SpecFileError, load_spec
@@ -105,14 +105,14 @@ async def cmd_get(args: argparse.Namespace) -> int:
             if args.output == "json":
                 _print_json(jobs[0] if args.name else jobs)
             else:
-                print(views.table(views.job_rows(jobs), views.JOB_HEADERS))
+                print(render.table(render.job_rows(jobs), render.JOB_HEADERS))
             return 0
         if args.what in ("queues", "queue"):
             queues = await c.queues()
             if args.output == "json":
                 _print_json(queues)
             else:
-                print(views.table(queue_rows(queues), QUEUE_HEADERS))
+                print(render.table(queue_rows(queues), QUEUE_HEADERS))
             return 0
         nodes = (await c.nodes()).nodes
         if args.name:
@@ -123,7 +123,7 @@ async def cmd_get(args: argparse.Namespace) -> int:
             _print_json(nodes[0] if args.name else nodes)
         else:
             modes = await _modes(c)
-            print(views.table(views.node_rows(nodes, modes), views.NODE_HEADERS))
+            print(render.table(render.node_rows(nodes, modes), render.NODE_HEADERS))
         return 0
 
     return await _with_client(args, go)
@@ -148,7 +148,7 @@ async def _watch_jobs(c: Client, args: argparse.Namespace, states: list[str] | N
         jobs = await c.jobs(tenant=args.tenant, states=states, limit=args.limit)
         changed = []
         for j in jobs:
-            key = (j.state, views.steps_done(j), j.generation, j.plan, j.reason)
+            key = (j.state, render.steps_done(j), j.generation, j.plan, j.reason)
             if seen.get(j.job_id) != key:
                 seen[j.job_id] = key
                 changed.append(j)
@@ -156,10 +156,10 @@ async def _watch_jobs(c: Client, args: argparse.Namespace, states: list[str] | N
             for j in changed:
                 print(json.dumps(codec.to_builtins(j)), flush=True)
         elif first:
-            print(views.table(views.job_rows(changed), views.JOB_HEADERS), flush=True)
+            print(render.table(render.job_rows(changed), render.JOB_HEADERS), flush=True)
         elif changed:
             # keep the columns of a fixed-width header: each line padded like the table
-            print(views.table(views.job_rows(changed), views.JOB_HEADERS).split("\n", 1)[1], flush=True)
+            print(render.table(render.job_rows(changed), render.JOB_HEADERS).split("\n", 1)[1], flush=True)
         first = False
         await asyncio.sleep(args.interval)
     return 0
@@ -186,7 +186,7 @@ async def cmd_set(args: argparse.Namespace) -> int:
         if "quota" not in queue:
             print(f"error: queue {args.tenant} is new: give --quota", file=sys.stderr)
             return 2
-        print(views.table(queue_rows(await c.set_queue(queue)), QUEUE_HEADERS))
+        print(render.table(queue_rows(await c.set_queue(queue)), QUEUE_HEADERS))
         return 0
 
     return await _with_client(args, go)
@@ -223,8 +223,8 @@ def describe_text(j: JobRecord) -> str:
         f"batch {j.spec.global_batch}, {j.spec.steps} steps",
         f"Allocation: generation {j.generation}, plan {j.plan.label() if j.plan else '-'}, "
         + (", ".join(f"{p.node} GPUs {p.gpus} CPUs {p.cpus}" for p in j.placement) or "none"),
-        f"Progress:   {views.steps_done(j)}/{j.spec.steps} steps, speed {views.speed(j)}, run time "
-        f"{views.run_time(j)}, restarts {j.restarts}, last checkpoint at step {j.checkpoint_step}",
+        f"Progress:   {render.steps_done(j)}/{j.spec.steps} steps, speed {render.speed(j)}, run time "
+        f"{render.run_time(j)}, restarts {j.restarts}, last checkpoint at step {j.checkpoint_step}",
     ]
     if j.pinned is not None:
         lines.append(f"Pinned:     {j.pinned.plan.label()}"

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from gearshift import views
+from gearshift import render
 from gearshift.bus.client import ServiceCallError
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import ExplainEntry, JobState, NodeShare, Plan
@@ -197,7 +197,7 @@ async def cmd_explain(args: argparse.Namespace) -> int:
             print(json.dumps(codec.to_builtins(msgspec.structs.replace(rep, jobs=entries)), indent=2))
             return 0
         print(f"policy {rep.policy}, round {rep.round}")
-        print(views.table([[e.job_id, e.state, e.reason] for e in entries], ["JOB", "DECISION", "REASON"]))
+        print(render.table([[e.job_id, e.state, e.reason] for e in entries], ["JOB", "DECISION", "REASON"]))
         return 0
 
     return await _connected(args, go)
@@ -229,7 +229,7 @@ async def cmd_node_mode(args: argparse.Namespace) -> int:
         while entry.jobs and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
             entry = next((e for e in (await c.node_modes(args.node)).nodes if e.node == args.node), entry)
-        label = views._mode_label(entry)
+        label = render._mode_label(entry)
         jobs = f"; jobs still there: {', '.join(entry.jobs)}" if entry.jobs else "; no job on it"
         print(f"{args.node} {label}{jobs}")
         return 0
@@ -276,10 +276,10 @@ async def cmd_top(args: argparse.Namespace) -> int:
             used = sum(len(p.gpus) for j in running for p in j.placement)
             out = [f"gearshift top  {time.strftime('%H:%M:%S')}  nodes {len(nodes)}  GPUs {used}/{gpus} allocated  "
                    f"running {sum(1 for j in running if j.state == JobState.RUNNING)}  pending {len(pending)}", "",
-                   views.table(views.node_rows(nodes, modes), views.NODE_HEADERS), "",
-                   views.table(views.job_rows(sorted(running, key=lambda j: -j.spec.gpus)), views.JOB_HEADERS)]
+                   render.table(render.node_rows(nodes, modes), render.NODE_HEADERS), "",
+                   render.table(render.job_rows(sorted(running, key=lambda j: -j.spec.gpus)), render.JOB_HEADERS)]
             if pending:
-                out += ["", views.table([[j.job_id, j.spec.tenant, str(j.spec.gpus), j.reason[:80]] for j in pending[:20]],
+                out += ["", render.table([[j.job_id, j.spec.tenant, str(j.spec.gpus), j.reason[:80]] for j in pending[:20]],
                                         ["PENDING", "TENANT", "GPUS", "REASON"])]
             if tty and not args.once:
                 sys.stdout.write("\x1b[H\x1b[2J")

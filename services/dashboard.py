@@ -3,7 +3,7 @@
 A small aiohttp service that reads the bus and serves one plain HTML/JS
 page (no build step): KV watches on ``gs_jobs`` and ``gs_nodes``, live
 progress on ``gs.job.*.progress`` and the recent ``GS_EVENTS``, kept in a
-``DashboardView``. The page gets the view as JSON (``/api/state``) and follows
+``DashboardState``. The page gets the view as JSON (``/api/state``) and follows
 changes and events over server-sent events (``/api/stream``).
 
 Actions act *as the person at the page*: they sign in with their gearshift
@@ -40,7 +40,7 @@ from gearshift.bus.process import run_service
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobProgress, JobRecord, NodeReport
-from gearshift.services.dashboard_view import EVENTS, DashboardView
+from gearshift.services.dashboard_state import EVENTS, DashboardState
 
 
 class DashboardConfig(ServiceConfig):
@@ -85,7 +85,7 @@ class Dashboard:
         self.nc = nc
         self.url = url
         self.require_login = require_login
-        self.view = DashboardView()
+        self.view = DashboardState()
         self.sessions: dict[str, Session] = {}
         self.clients: set[asyncio.Queue] = set()
         self._tasks: list[asyncio.Task] = []

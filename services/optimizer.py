@@ -93,7 +93,7 @@ from gearshift.services.fencing import Deposed
 from gearshift.services.jobstore import JobStore
 from gearshift.services.leadership import Leadership
 from gearshift.services.liveness import NodeLiveness
-from gearshift.services.policy_bridge import ModelOracle, PolicyStep
+from gearshift.services.policy_bridge import LiveModels, PolicyStep
 from gearshift.services.queues import QueueStore
 from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
 from gearshift.services.report_consumer import ReportApplier, consume_reports
@@ -191,7 +191,7 @@ class Optimizer:
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
-        self.models = ModelOracle(self.models_kv)
+        self.models = LiveModels(self.models_kv)
         self.policy_step = PolicyStep(self.policy, self.models, wait_for_models=self.wait_for_models)
         self.queues = None
         if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins

@@ -71,10 +71,10 @@ class PolicyStep:
     """A round's call of its policy: the views it hands it (``JobViews``, with the
     steps agents publish between exits, ``gs.job.<id>.progress``: in memory, newest
     generation only, as the simulator knows them; the record learns them at exits and
-    checkpoints), the oracle (``ModelOracle``), tenant queues' settings for a sharing
+    checkpoints), the oracle (``LiveModels``), tenant queues' settings for a sharing
     policy, and its decision, with operators' pins, checked."""
 
-    def __init__(self, policy: Any, models: "ModelOracle", *, wait_for_models: bool = False):
+    def __init__(self, policy: Any, models: "LiveModels", *, wait_for_models: bool = False):
         self.policy = policy
         self.models = models
         self.wait_for_models = wait_for_models
@@ -145,8 +145,10 @@ def segment_gpu_s(rec: JobRecord, ts: float) -> float:
 PROGRESS_EVERY_S = 30.0  # a job's progress teaches the oracle at most this often
 
 
-class ModelOracle:
-    """A ``PerfModelOracle`` whose parameters follow ``gs_models``.
+class LiveModels:
+    """The fitted models as ``gs_models`` holds them, and the oracle policies get
+    over them (``self.oracle``: a ``LearningOracle`` over a ``PerfModelOracle`` whose
+    parameters follow ``gs_models``). Not an oracle itself.
 
     Falls back to perfmodel's own parameters (the shipped Rubick fits, or the
     nearest one scaled) for models that were never profiled.

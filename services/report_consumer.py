@@ -116,7 +116,7 @@ class ReportApplier:
         self.store = store
         self.writer = writer
         self.hint = hint
-        self.models = models  # services.policy_bridge.ModelOracle: what ran teaches it
+        self.models = models  # services.policy_bridge.LiveModels: what ran teaches it
         self.max_retries = max_retries
         self.parallel = parallel
 

@@ -94,9 +94,9 @@ async def test_optimizer_learns_speed_and_oom_from_reports_and_keeps_service(nc,
 
 def test_first_progress_after_stepped_teaches_the_oracle_and_exit_refines():
     from gearshift.policies.api import Placement
-    from gearshift.services.policy_bridge import ModelOracle
+    from gearshift.services.policy_bridge import LiveModels
 
-    m = ModelOracle(None)
+    m = LiveModels(None)
     rec = _rec(generation=3)
     stepped = RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.STEPPED, ts=100.0, start_step=9)
     assert not m.observe_report(rec, stepped)  # a mark, nothing learned yet
@@ -116,9 +116,9 @@ def test_what_ran_on_a_typed_node_teaches_that_type_only():
     """On a mixed cluster the optimizer's node view types each node; a step time measured
     on V100s is kept for V100 placements, not for untyped (or A100) ones."""
     from gearshift.policies.api import Placement
-    from gearshift.services.policy_bridge import ModelOracle
+    from gearshift.services.policy_bridge import LiveModels
 
-    m = ModelOracle(None)
+    m = LiveModels(None)
     m.node_type = {"n0": "v100"}
     rec = _rec(generation=3)
     m.observe_report(rec, RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.STEPPED, ts=100.0,

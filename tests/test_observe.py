@@ -27,7 +27,7 @@ from gearshift.bus_schema.messages import (
     NodeReport,
     Plan,
 )
-from gearshift.services.dashboard_view import DashboardView
+from gearshift.services.dashboard_state import DashboardState
 from gearshift.services.jobstore import JobStore, with_event
 
 
@@ -184,7 +184,7 @@ def test_reason_labels_stay_bounded():
 
 
 def test_dashboard_view_places_jobs_on_gpus_and_times_switches():
-    v = DashboardView()
+    v = DashboardState()
     v.put_node(NodeReport(node="n0", ts=1.0, cpus=8, gpus=[GpuReport(index=i, uuid=f"u{i}") for i in range(4)]), "n0")
     plan = Plan(dp=2, tp=1, pp=1)
     run = JobRecord(job_id="a1", spec=spec(), state=JobState.RUNNING, plan=plan, generation=2, started_at=10.0,

@@ -10,7 +10,7 @@ from test_live_learning import SPEC, _rec
 
 from gearshift.bus_schema.messages import Plan, RunReport, RunReportKind
 from gearshift.services.alloc_writer import emulated_step_time
-from gearshift.services.policy_bridge import PROGRESS_EVERY_S, ModelOracle
+from gearshift.services.policy_bridge import PROGRESS_EVERY_S, LiveModels
 from loadtest.scale import Run, growth_row, parse
 
 
@@ -37,7 +37,7 @@ def test_growth_has_one_row_per_size():
 
 
 def test_progress_teaches_the_oracle_at_most_every_30s_per_job():
-    m = ModelOracle(None)
+    m = LiveModels(None)
     rec = _rec(generation=3)
     m.observe_report(rec, RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.STEPPED, ts=100.0,
                                     start_step=9))

@@ -1,6 +1,6 @@
 """What the dashboard shows, built from what it watches on the bus (pure: no NATS).
 
-``DashboardView`` is a materialised view: job records (KV ``gs_jobs``),
+``DashboardState`` is the dashboard's state, folded from job records (KV ``gs_jobs``),
 node reports (KV ``gs_nodes``), live progress (``gs.job.*.progress``) and the
 recent events (``GS_EVENTS``). ``snapshot()`` turns it into the JSON the page
 renders. Lists are bounded: the page gets at most ``PAGE`` jobs per list and
@@ -35,7 +35,7 @@ def _plan(plan: Any) -> str:
     return plan.label() if plan is not None else "-"
 
 
-class DashboardView:
+class DashboardState:
     def __init__(self) -> None:
         self.jobs: dict[str, JobRecord] = {}
         self.nodes: dict[str, NodeReport] = {}
