@@ -403,6 +403,87 @@ class MidSwitchKiller:
             await asyncio.sleep(3)
 
 
+async def read_events(nc: Any) -> list[tuple[str, Any]]:
+    """Every job event in GS_EVENTS, in stream order."""
+    from nats.js.api import DeliverPolicy
+
+    js = nc.jetstream()
+    info = await js.stream_info(subj.EVENTS_STREAM)
+    out: list[tuple[str, Any]] = []
+    if info.state.messages == 0:
+        return out
+    sub = await js.subscribe("gs.evt.job.>", ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
+    try:
+        last = info.state.last_seq
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            out.append((msg.subject, codec.decode_event(msg.data)))
+            if msg.metadata.sequence.stream >= last or msg.metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
+
+def describe_unended(job_id: str, rec: JobRecord | None, evs: list[Any]) -> dict[str, Any]:
+    """What a job that never ended looked like: stuck (a record in a live
+    state, and why) or lost (no record)."""
+    if rec is None:
+        return {"job_id": job_id, "record": None}
+    return {"job_id": job_id, "state": rec.state.value, "generation": rec.generation, "reason": rec.reason,
+            "placement": [f"{p.node}:{list(p.gpus)}" for p in rec.placement],
+            "draining": [f"{p.node}:{list(p.gpus)}" for p in rec.draining], "steps_done": rec.steps_done,
+            "outbox": len(rec.outbox), "last_events": [e.__struct_config__.tag for e in
+                                                       sorted(evs, key=lambda e: e.seq)[-5:]]}
+
+def audit(run: "ChaosRun", recs: dict[str, JobRecord], events: list[tuple[str, Any]]) -> dict[str, Any]:
+    """What the run left: lost jobs, duplicate or missing events, records that disagree with their events."""
+    by_job: dict[str, list[Any]] = defaultdict(list)
+    for _, ev in events:
+        by_job[ev.job_id].append(ev)
+    lost = sorted(j for j in run.acked if j not in recs or recs[j].state not in TERMINAL_STATES)
+    duplicates = gaps = mismatches = multi_terminal = 0
+    problems: list[str] = []
+    for job_id in run.acked:
+        evs = by_job.get(job_id, [])
+        seqs = Counter(e.seq for e in evs)
+        dup = sum(n - 1 for n in seqs.values() if n > 1)
+        duplicates += dup
+        want = set(range(1, max(seqs, default=0) + 1))
+        gap = len(want - set(seqs))
+        gaps += gap
+        if dup or gap:
+            problems.append(f"{job_id}: events seq {sorted(seqs.elements())}")
+        terminal = [e for e in evs if e.__struct_config__.tag in TERMINAL_KINDS]
+        if len(terminal) != 1:
+            multi_terminal += 1
+            problems.append(f"{job_id}: {len(terminal)} terminal events")
+        rec = recs.get(job_id)
+        if rec is None or not evs:
+            continue
+        ordered = sorted(evs, key=lambda e: e.seq)
+        state = EVENT_STATE.get(ordered[-1].__struct_config__.tag)
+        gen = max(e.generation for e in ordered)
+        if (state != rec.state.value or gen != rec.generation or ordered[-1].seq != rec.event_seq
+                or rec.outbox):
+            mismatches += 1
+            problems.append(f"{job_id}: record {rec.state.value} g{rec.generation} seq{rec.event_seq} "
+                            f"outbox{len(rec.outbox)} vs events {state} g{gen} seq{ordered[-1].seq}")
+    states = Counter(r.state.value for r in recs.values())
+    return dict(
+        jobs=len(run.acked), submit_failed=len(run.submit_failed), completed=states.get("completed", 0),
+        cancelled=states.get("cancelled", 0), failed=states.get("failed", 0), lost_jobs=len(lost),
+        lost=lost[:20], lost_detail=[describe_unended(j, recs.get(j), by_job.get(j, [])) for j in lost[:10]],
+        duplicate_events=duplicates, event_gaps=gaps, kv_event_mismatches=mismatches,
+        jobs_without_exactly_one_terminal_event=multi_terminal,
+        two_generations_at_once=len({o["job_id"] for o in run.sampler.overlaps}),
+        same_generation_twice_on_a_node=len({o["job_id"] for o in run.sampler.doubles}),
+        overlap_examples=run.sampler.overlaps[:5], double_examples=run.sampler.doubles[:5],
+        problems=problems[:20], events=len(events), sampler_samples=run.sampler.samples,
+        reconfigurations=sum(1 for _, e in events if e.__struct_config__.tag == "job.reconfigured"),
+        restarts_of_jobs=sum(r.restarts for r in recs.values()),
+    )
+
+
 class ChaosRun:
     def __init__(self, sc: Scenario, root: Path, verbose: bool = False):
         self.sc = sc
@@ -624,85 +705,6 @@ class ChaosRun:
             await asyncio.sleep(2)
         return recs
 
-    async def read_events(self, nc: Any) -> list[tuple[str, Any]]:
-        from nats.js.api import DeliverPolicy
-
-        js = nc.jetstream()
-        info = await js.stream_info(subj.EVENTS_STREAM)
-        out: list[tuple[str, Any]] = []
-        if info.state.messages == 0:
-            return out
-        sub = await js.subscribe("gs.evt.job.>", ordered_consumer=True, deliver_policy=DeliverPolicy.ALL)
-        try:
-            last = info.state.last_seq
-            while True:
-                msg = await sub.next_msg(timeout=10)
-                out.append((msg.subject, codec.decode_event(msg.data)))
-                if msg.metadata.sequence.stream >= last or msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return out
-
-    @staticmethod
-    def _describe(job_id: str, rec: JobRecord | None, evs: list[Any]) -> dict[str, Any]:
-        """What a job that never ended looked like: stuck (a record in a live
-        state, and why) or lost (no record)."""
-        if rec is None:
-            return {"job_id": job_id, "record": None}
-        return {"job_id": job_id, "state": rec.state.value, "generation": rec.generation, "reason": rec.reason,
-                "placement": [f"{p.node}:{list(p.gpus)}" for p in rec.placement],
-                "draining": [f"{p.node}:{list(p.gpus)}" for p in rec.draining], "steps_done": rec.steps_done,
-                "outbox": len(rec.outbox), "last_events": [e.__struct_config__.tag for e in
-                                                           sorted(evs, key=lambda e: e.seq)[-5:]]}
-
-    def check(self, recs: dict[str, JobRecord], events: list[tuple[str, Any]]) -> dict[str, Any]:
-        by_job: dict[str, list[Any]] = defaultdict(list)
-        for _, ev in events:
-            by_job[ev.job_id].append(ev)
-        lost = sorted(j for j in self.acked if j not in recs or recs[j].state not in TERMINAL_STATES)
-        duplicates = gaps = mismatches = multi_terminal = 0
-        problems: list[str] = []
-        for job_id in self.acked:
-            evs = by_job.get(job_id, [])
-            seqs = Counter(e.seq for e in evs)
-            dup = sum(n - 1 for n in seqs.values() if n > 1)
-            duplicates += dup
-            want = set(range(1, max(seqs, default=0) + 1))
-            gap = len(want - set(seqs))
-            gaps += gap
-            if dup or gap:
-                problems.append(f"{job_id}: events seq {sorted(seqs.elements())}")
-            terminal = [e for e in evs if e.__struct_config__.tag in TERMINAL_KINDS]
-            if len(terminal) != 1:
-                multi_terminal += 1
-                problems.append(f"{job_id}: {len(terminal)} terminal events")
-            rec = recs.get(job_id)
-            if rec is None or not evs:
-                continue
-            ordered = sorted(evs, key=lambda e: e.seq)
-            state = EVENT_STATE.get(ordered[-1].__struct_config__.tag)
-            gen = max(e.generation for e in ordered)
-            if (state != rec.state.value or gen != rec.generation or ordered[-1].seq != rec.event_seq
-                    or rec.outbox):
-                mismatches += 1
-                problems.append(f"{job_id}: record {rec.state.value} g{rec.generation} seq{rec.event_seq} "
-                                f"outbox{len(rec.outbox)} vs events {state} g{gen} seq{ordered[-1].seq}")
-        states = Counter(r.state.value for r in recs.values())
-        return dict(
-            jobs=len(self.acked), submit_failed=len(self.submit_failed), completed=states.get("completed", 0),
-            cancelled=states.get("cancelled", 0), failed=states.get("failed", 0), lost_jobs=len(lost),
-            lost=lost[:20], lost_detail=[self._describe(j, recs.get(j), by_job.get(j, [])) for j in lost[:10]],
-            duplicate_events=duplicates, event_gaps=gaps, kv_event_mismatches=mismatches,
-            jobs_without_exactly_one_terminal_event=multi_terminal,
-            two_generations_at_once=len({o["job_id"] for o in self.sampler.overlaps}),
-            same_generation_twice_on_a_node=len({o["job_id"] for o in self.sampler.doubles}),
-            overlap_examples=self.sampler.overlaps[:5], double_examples=self.sampler.doubles[:5],
-            problems=problems[:20], events=len(events), sampler_samples=self.sampler.samples,
-            reconfigurations=sum(1 for _, e in events if e.__struct_config__.tag == "job.reconfigured"),
-            restarts_of_jobs=sum(r.restarts for r in recs.values()),
-        )
-
     def drains_timed_out(self) -> int:
         """Drains the optimizer ended at ``--drain-timeout`` instead of on reports."""
         n = 0
@@ -733,7 +735,7 @@ class ChaosRun:
             self.done = True
             tasks[2].cancel()
             await asyncio.gather(tasks[2], return_exceptions=True)
-            events = await self.read_events(nc)
+            events = await read_events(nc)
         finally:
             self.done = True
             self.sampler.stop_flag.set()
@@ -746,7 +748,7 @@ class ChaosRun:
             for name in [n for n in self.services if n.startswith("node")] + list(SERVICE_KINDS):
                 self.services[name].stop()
             self.fleet.stop_all()
-        result = self.check(recs, events)
+        result = audit(self, recs, events)
         result["drains_settled_by_timeout"] = self.drains_timed_out()
         faults = dict(self.outcome.faults)
         result.update(
