@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade pip 'setuptools>=68' wheel
 	# torch (CPU build, ~190 MB, ~1.5 min): the reference workload of the demo, switch_check and profile_accuracy
 	$(BIN)/python -m pip install -q -e '.[dev,plots,torch]'
 	touch $(STAMP)
