@@ -44,6 +44,7 @@ from pathlib import Path
 
 import msgspec
 
+from gearshift.bus.clock import ManualClock
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
@@ -106,18 +107,10 @@ def run_sim(trace: Trace, cfg: SimConfig, predictor, truth_predictor, policy_opt
 
 
 # ------------------------------------------------------------------ live side
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 class Driver:
     """The emulated agents and the virtual clock around a real optimizer."""
 
-    def __init__(self, trace: Trace, cfg: SimConfig, truth, nc, opt, clock: Clock, restart_cost: float):
+    def __init__(self, trace: Trace, cfg: SimConfig, truth, nc, opt, clock: ManualClock, restart_cost: float):
         self.trace, self.cfg, self.truth, self.nc, self.opt, self.clock = trace, cfg, truth, nc, opt, clock
         self.restart = restart_cost
         self.by_name = {j.job_id: j for j in trace.jobs}
@@ -132,7 +125,7 @@ class Driver:
         kv = await self.nc.jetstream().key_value(subj.NODES_BUCKET)
         c = self.trace.cluster
         for i in range(c.nodes):
-            rep = NodeReport(node=f"n{i}", ts=self.clock(), cpus=c.cpus_per_node,
+            rep = NodeReport(node=f"n{i}", ts=self.clock.now(), cpus=c.cpus_per_node,
                              gpus=[GpuReport(index=g, uuid=f"GPU-{i}-{g}") for g in range(c.gpus_per_node)])
             await kv.put(f"n{i}", codec.encode(rep))
 
@@ -145,7 +138,7 @@ class Driver:
         self.names[rep.job_id] = j.job_id
 
     async def report(self, job_id: str, gen: int, node: str, kind: RunReportKind, **kw) -> None:
-        r = RunReport(job_id=job_id, generation=gen, node=node, kind=kind, ts=self.clock(), **kw)
+        r = RunReport(job_id=job_id, generation=gen, node=node, kind=kind, ts=self.clock.now(), **kw)
         await self.nc.jetstream().publish(subj.run_report(node, job_id), codec.encode(r),
                                           headers={"Nats-Msg-Id": f"{node}:{job_id}:{gen}:{kind.value}"})
         # Applied in order, now, by the optimizer's own report handler (what its
@@ -165,7 +158,7 @@ class Driver:
 
     async def after_round(self, records: dict[str, JobRecord]) -> None:
         """The agents act on the optimizer's new allocations."""
-        t = self.clock()
+        t = self.clock.now()
         self.sent = 0
         for jid, rec in records.items():
             st = self.run.get(jid)
@@ -203,7 +196,7 @@ class Driver:
         """Rank 0's progress line (``gs.job.<id>.progress``), as agents publish it."""
         from gearshift.bus_schema.messages import JobProgress
 
-        t = self.clock()
+        t = self.clock.now()
         want = {}
         for jid, st in self.run.items():
             steps = int(self._progress(st, t))
@@ -252,28 +245,17 @@ class Driver:
 
 async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, grid: list[float], data_dir: Path,
                    verbose: bool = False):
-    import gearshift.services.admission as adm_mod
-    import gearshift.services.optimizer as opt_mod
     from gearshift.bus.client import connect
     from gearshift.bus.infra import ensure_infra
     from gearshift.bus.natsd import NatsServer
     from gearshift.services.admission import start_admission
     from gearshift.services.optimizer import Optimizer
 
-    clock = Clock()
-    # The injected clock, in every service module that reads the time: the optimizer's
-    # split-out writers stamp last_switch_at / created_at with it (a wall-clock stamp
-    # there made the live policy see a job switched in the future, pinned forever).
-    import importlib
-
-    import gearshift.bus.clock as rt_mod
-
-    for name in ("gearshift.services.admission", "gearshift.services.optimizer", "gearshift.services.record_writer", "gearshift.services.alloc_writer",
-                 "gearshift.services.node_modes", "gearshift.services.lifecycle", "gearshift.services.policy_bridge"):
-        mod = importlib.import_module(name)
-        if getattr(mod, "now", None) is rt_mod.now:
-            mod.now = clock
-    opt_mod.now = adm_mod.now = clock
+    # The virtual clock, injected into admission and the optimizer, which hand it to
+    # every part that stamps a time (records, allocations, events, the policy's now):
+    # a wall-clock stamp there made the live policy see a job switched in the future,
+    # pinned forever.
+    clock = ManualClock()
     if verbose:
         import signal
 
@@ -289,9 +271,9 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
     inputs: dict[float, dict] = {}
     try:
         await ensure_infra(nc)
-        _, svc = await start_admission(nc)
+        _, svc = await start_admission(nc, clock=clock)
         opt = await Optimizer(nc, policy="rubick", interval=1e9, policy_options=policy_options,
-                              max_retries=10_000, node_timeout=1e12).open()
+                              max_retries=10_000, node_timeout=1e12, clock=clock).open()
         # what Optimizer._lead does on taking the lease: fence the buckets it writes
         # (every allocation write carries the epoch), then subscribe to progress
         await opt.leadership.fence.take()  # what leading does: its writes carry the epoch

@@ -25,7 +25,7 @@ import msgspec
 
 from gearshift.bus import observe
 from gearshift.bus.client import connect
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.config import PosInt, ServiceConfig, parse_args
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.log import get_logger
@@ -81,8 +81,10 @@ def job_id_for(tenant: str, token: str | None) -> str:
 
 
 class Admission:
-    def __init__(self, nc: Any, *, max_gpus: int | None = None, max_jobs_per_tenant: int = 10_000):
+    def __init__(self, nc: Any, *, max_gpus: int | None = None, max_jobs_per_tenant: int = 10_000,
+                 clock: Clock = SYSTEM):
         self.nc = nc
+        self.clock = clock  # stamps submitted_at / finished_at
         self.store = JobStore(nc)
         self.max_gpus = max_gpus
         self.max_jobs_per_tenant = max_jobs_per_tenant
@@ -187,7 +189,7 @@ class Admission:
         mine = self._created.setdefault(spec.tenant, set())
         fresh = job_id not in mine
         mine.add(job_id)
-        ts = now()
+        ts = self.clock.now()
         rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted")
         rec = with_event(
             rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
@@ -221,7 +223,7 @@ class Admission:
         conflict: list[str] = []
 
         def change(rec: JobRecord) -> JobRecord | None:
-            ts = now()
+            ts = self.clock.now()
             if rec.terminal:
                 conflict.append(f"job {rec.job_id} is already {rec.state.value}")
                 return None

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from gearshift.bus.alloc_watch import node_key
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.views import KvView
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
@@ -36,11 +36,12 @@ def emulated_step_time(rec: JobRecord, plan: Plan) -> float:
     return base * rec.spec.gpus / max(1, plan.gpus)
 
 
-def allocation_for(rec: JobRecord) -> Allocation:
+def allocation_for(rec: JobRecord, clock: Clock = SYSTEM) -> Allocation:
+    """The allocation ``rec`` implies, stamped ``created_at`` by ``clock``."""
     assert rec.plan is not None
     return Allocation(
         job_id=rec.job_id, generation=rec.generation, plan=rec.plan, placement=rec.placement, reason=rec.reason,
-        created_at=now(), command=rec.spec.command, env=rec.spec.env,
+        created_at=clock.now(), command=rec.spec.command, env=rec.spec.env,
         step_time=emulated_step_time(rec, rec.plan), steps=rec.spec.steps, global_batch=rec.spec.global_batch,
     )
 
@@ -93,15 +94,16 @@ async def bounded(coros: Iterable[Awaitable[Any]], limit: int = DEFAULT_PARALLEL
 
 
 class AllocWriter:
-    def __init__(self, fence: Fence, view: AllocView, *, parallel: int = DEFAULT_PARALLEL):
+    def __init__(self, fence: Fence, view: AllocView, *, parallel: int = DEFAULT_PARALLEL, clock: Clock = SYSTEM):
         self.fence = fence
+        self.clock = clock
         self.view = view
         self.parallel = parallel
         self.bucket = subj.ALLOC_BUCKET
 
     def _put_writes(self, rec: JobRecord) -> list[tuple[str, bytes | None]]:
         """The job key, its node copies, and deletes of copies on nodes it left."""
-        data = codec.encode(allocation_for(rec))
+        data = codec.encode(allocation_for(rec, self.clock))
         keep = {node_key(p.node, rec.job_id) for p in rec.placement}
         stale = self.view.copies.get(subj.token(rec.job_id), set()) - keep
         return [(rec.job_id, data), *((k, data) for k in sorted(keep)), *((k, None) for k in sorted(stale))]

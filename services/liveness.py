@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.kv import publish_event
 from gearshift.bus.log import get_logger
 from gearshift.bus_schema import subjects as subj
@@ -18,8 +18,9 @@ log = get_logger(service="optimizer")
 
 
 class NodeLiveness:
-    def __init__(self, js: Any, node_timeout: float):
+    def __init__(self, js: Any, node_timeout: float, clock: Clock = SYSTEM):
         self.js = js
+        self.clock = clock  # stamps the node.lost event only; who is alive is the server's clock's call
         self.node_timeout = node_timeout
         self.lost: set[str] = set()
 
@@ -37,7 +38,7 @@ class NodeLiveness:
             if n.node not in self.lost and self.grace_over(leader_since):
                 self.lost.add(n.node)
                 await publish_event(
-                    self.js, NodeLost(ts=now(), node=n.node, reason=f"no heartbeat for {age:.0f}s"),
+                    self.js, NodeLost(ts=self.clock.now(), node=n.node, reason=f"no heartbeat for {age:.0f}s"),
                     f"node:{n.node}:lost:{n.ts:.3f}", subj.node_event(n.node, "node.lost"),
                 )
                 log.warning("node lost", node=n.node, silent_s=round(age, 1))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.kv import kv_snapshot
 from gearshift.bus.server import RequestError
 from gearshift.bus_schema import codec
@@ -65,8 +65,8 @@ def to_move(records: Iterable[JobRecord], modes: dict[str, NodeModeEntry]) -> li
     return out
 
 
-async def set_mode(kv: Any, req: NodeModeRequest, known_nodes: set[str]) -> None:
-    """Apply one request (validated: the node must have reported)."""
+async def set_mode(kv: Any, req: NodeModeRequest, known_nodes: set[str], clock: Clock = SYSTEM) -> None:
+    """Apply one request (validated: the node must have reported); ``since`` is ``clock``'s."""
     if req.mode is None:
         return
     if req.node is None:
@@ -79,7 +79,7 @@ async def set_mode(kv: Any, req: NodeModeRequest, known_nodes: set[str]) -> None
         except Exception:  # not cordoned: nothing to undo
             pass
         return
-    await kv.put(req.node, codec.encode(NodeModeEntry(node=req.node, mode=req.mode, reason=req.reason, since=now())))
+    await kv.put(req.node, codec.encode(NodeModeEntry(node=req.node, mode=req.mode, reason=req.reason, since=clock.now())))
 
 
 def reply(modes: dict[str, NodeModeEntry], records: Iterable[JobRecord], node: str | None = None) -> NodeModeReply:

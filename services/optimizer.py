@@ -60,7 +60,7 @@ from msgspec import Meta
 
 from gearshift.bus import observe
 from gearshift.bus.client import connect
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.config import NonNegative, NonNegInt, Positive, ServiceConfig, parse_args
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.kv import publish_event
@@ -156,8 +156,9 @@ class Optimizer:
         wait_for_models: bool = False,
         write_parallel: int = 32,
         archive_after: float = 30.0,
+        clock: Clock = SYSTEM,  # what stamps times: records, allocations, events, the policy's now
     ):
-        self.nc = nc
+        self.nc, self.clock = nc, clock
         self.js = nc.jetstream()
         self.policy = make_policy(policy, **(policy_options or {}))
         self.interval = interval
@@ -174,7 +175,7 @@ class Optimizer:
         self.round_no = 0
         self.last_explain: list[ExplainEntry] = []
         self.kick = asyncio.Event()
-        self.liveness = NodeLiveness(self.js, node_timeout)
+        self.liveness = NodeLiveness(self.js, node_timeout, clock)
         self.lost_nodes = self.liveness.lost  # nodes this leader called lost
         self._round_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task] = []
@@ -192,7 +193,7 @@ class Optimizer:
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
         self.models = LiveModels(self.models_kv)
-        self.policy_step = PolicyStep(self.policy, self.models, wait_for_models=self.wait_for_models)
+        self.policy_step = PolicyStep(self.policy, self.models, wait_for_models=self.wait_for_models, clock=self.clock)
         self.queues = None
         if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
             self.queues = self.policy_step.queues = await QueueStore(self.nc).open()
@@ -208,11 +209,12 @@ class Optimizer:
             buckets=[subj.JOBS_BUCKET, subj.ALLOC_BUCKET],
         )
         self.lease = self.leadership.lease
-        self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel)
+        self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel, clock=self.clock)
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
-                                    drain_timeout=self.drain_timeout, archive_after=self.archive_after)
+                                    drain_timeout=self.drain_timeout, archive_after=self.archive_after, clock=self.clock)
         self.report_applier = ReportApplier(self.store, self.writer, self.records.hint, self.models,
-                                            max_retries=lambda: self.max_retries, parallel=self.write_parallel)
+                                            max_retries=lambda: self.max_retries, parallel=self.write_parallel,
+                                            clock=self.clock)
         return self
 
     async def _load_sharing_memory(self) -> None:
@@ -424,7 +426,7 @@ class Optimizer:
         observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
         if changes:
             ev = RoundCompleted(
-                ts=now(), round=self.round_no, policy=self.policy.name, pending=pending,
+                ts=self.clock.now(), round=self.round_no, policy=self.policy.name, pending=pending,
                 running=len(decision.allocations), changes=changes, duration_ms=ms,
             )
             await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}", subj.round_event(ev.__struct_config__.tag))
@@ -434,7 +436,7 @@ class Optimizer:
         """Cordon / drain / uncordon a node (applied by the next round, kicked now)."""
         if req.mode is not None:
             known = {n.node for n in await self.live_nodes()}
-            await node_modes.set_mode(self.modes_kv, req, known)
+            await node_modes.set_mode(self.modes_kv, req, known, self.clock)
             log.info("node mode", node=req.node, mode=req.mode.value, reason=req.reason)
             await self.round()  # applied before the reply: the jobs it moves are in it
         return node_modes.reply(await node_modes.read_modes(self.modes_kv), self.records_seen.values(), req.node)
@@ -449,10 +451,6 @@ class Optimizer:
             raise RequestError("503", "this optimizer is no longer the leader; retry", "job_id") from None
         self.kick.set()
         return reply
-
-    # kept for callers of the old names
-    def allocation_for(self, rec: JobRecord):
-        return allocation_for(rec)
 
 
 def _pause_requested() -> bool:

@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any
 
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
 from gearshift.bus_schema.messages import JobRecord, JobState
@@ -74,8 +74,9 @@ class PolicyStep:
     checkpoints), the oracle (``LiveModels``), tenant queues' settings for a sharing
     policy, and its decision, with operators' pins, checked."""
 
-    def __init__(self, policy: Any, models: "LiveModels", *, wait_for_models: bool = False):
+    def __init__(self, policy: Any, models: "LiveModels", *, wait_for_models: bool = False, clock: Clock = SYSTEM):
         self.policy = policy
+        self.clock = clock  # the round's ``now``, the time the policy plans at
         self.models = models
         self.wait_for_models = wait_for_models
         self.queues: Any = None  # services.queues.QueueStore for a sharing policy
@@ -107,7 +108,7 @@ class PolicyStep:
                      ) -> tuple[Decision, list[JobView], float]:
         """The policy's decision for the live records on ``node_states``; its views; seconds it took."""
         unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
-        t = now()
+        t = self.clock.now()
         views = self.views(records, alive, t, unmodelled)
         await self.models.refresh([records[v.job_id] for v in views])
         if self.queues is not None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.log import get_logger
 from gearshift.bus.views import JobsView
 from gearshift.bus_schema.messages import (
@@ -37,8 +37,9 @@ REASON_WRITES_PER_ROUND = 64  # waiting reasons rewritten into records per round
 
 class RecordWriter:
     def __init__(self, store: JobStore, allocs: AllocWriter, jobs: JobsView, *, parallel: int,
-                 drain_timeout: float, archive_after: float):
+                 drain_timeout: float, archive_after: float, clock: Clock = SYSTEM):
         self.store = store
+        self.clock = clock  # what stamps the records' times (allocated, queued, drained, archived)
         self.writer = allocs
         self.jobs = jobs
         self.parallel = parallel
@@ -50,7 +51,7 @@ class RecordWriter:
         """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
         seconds after they ended (nothing draining; events left in the outbox
         are published on the way)."""
-        cutoff = now() - self.archive_after
+        cutoff = self.clock.now() - self.archive_after
         done = [r for r in self.jobs.finished.values()
                 if (r.finished_at or 0) <= cutoff and not r.draining][:most]
         await bounded([self.store.archive(r) for r in done], self.parallel)
@@ -110,7 +111,7 @@ class RecordWriter:
         """New plans and placements: the records in atomic batches, then the
         allocations they imply (the old generation's withdrawn while it drains),
         then their events -- ``job.scheduled`` once its allocation exists."""
-        ts = now()
+        ts = self.clock.now()
         got = await self.store.update_many(
             [(rec.job_id, lambda r, rec=rec, d=d, pl=pl: lifecycle.allocate(r, rec, d, pl, ts), self.hint(rec.job_id))
              for rec, d, pl in todo], parallel=self.parallel, publish=False)
@@ -127,7 +128,7 @@ class RecordWriter:
     async def queue_many(self, records: dict[str, JobRecord], todo: list[tuple[JobRecord, str, type]]) -> int:
         """``back_to_queue`` for many jobs: records in atomic batches, then their
         allocations withdrawn, then their events."""
-        ts = now()
+        ts = self.clock.now()
         got = await self.store.update_many(
             [(rec.job_id, lambda r, rec=rec, why=why, ev=ev: lifecycle.back_to_queue(r, rec.generation, why, ev, ts),
               self.hint(rec.job_id)) for rec, why, ev in todo], parallel=self.parallel, publish=False)
@@ -142,7 +143,7 @@ class RecordWriter:
         self, rec: JobRecord, why: str, event: type, alive: set[str] | None = None, with_checkpoint: bool = False
     ) -> JobRecord | None:
         """PENDING again, its old ranks draining; the allocation is withdrawn."""
-        ts = now()
+        ts = self.clock.now()
         new = await self.store.update(rec.job_id, lambda r: lifecycle.back_to_queue(
             r, rec.generation, why, event, ts, alive, with_checkpoint), hint=self.hint(rec.job_id))
         if new is not None:
@@ -154,7 +155,7 @@ class RecordWriter:
     async def settle_drains(self, records: dict[str, JobRecord], alive: set[str]) -> int:
         """End drains that cannot finish: nodes that are gone, or a drain older
         than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
-        t = now()
+        t = self.clock.now()
         updates = []
         for rec in records.values():
             if not rec.draining:
@@ -167,7 +168,7 @@ class RecordWriter:
 
     async def settle_cancels(self, records: dict[str, JobRecord], alive: set[str]) -> int:
         """End cancels that no report will end (``lifecycle.cancel_unreported``)."""
-        t = now()
+        t = self.clock.now()
         since = {j: self._cancelling_since.get(j, t) for j, r in records.items() if r.state == JobState.CANCELLING}
         self._cancelling_since = since
         updates = []
@@ -175,7 +176,7 @@ class RecordWriter:
             rec = records[job_id]
             if lifecycle.cancel_unreported(rec, alive, t - first, self.drain_timeout, t) is not None:
                 updates.append((job_id, self.store.update(job_id, lambda r, w=t - first: lifecycle.cancel_unreported(
-                    r, alive, w, self.drain_timeout, now()))))
+                    r, alive, w, self.drain_timeout, self.clock.now()))))
         return await self.changed(records, updates)
 
     async def settle(self, job_id: str, gone: list[str], timed_out: bool) -> JobRecord | None:
@@ -185,7 +186,7 @@ class RecordWriter:
             nonlocal released
             if not r.draining:
                 return None
-            new, released, _ = lifecycle.drained(r, gone, None, now())
+            new, released, _ = lifecycle.drained(r, gone, None, self.clock.now())
             return new
 
         new = await self.store.update(job_id, change)

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from gearshift.bus.clock import now
+from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.log import get_logger
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
@@ -112,8 +112,9 @@ class ReportApplier:
     then the allocations they release or end, then their events."""
 
     def __init__(self, store: JobStore, writer: AllocWriter, hint: Callable[[str], Any], models: Any, *,
-                 max_retries: Callable[[], int], parallel: int):
+                 max_retries: Callable[[], int], parallel: int, clock: Clock = SYSTEM):
         self.store = store
+        self.clock = clock  # what stamps the changes reports make
         self.writer = writer
         self.hint = hint
         self.models = models  # services.policy_bridge.LiveModels: what ran teaches it
@@ -135,7 +136,7 @@ class ReportApplier:
                 for r in mine:
                     if not lifecycle.drains(cur, r):
                         self.models.observe_report(cur, r)  # what ran teaches the oracle (policies.learning)
-                    out = lifecycle.apply_report(cur, r, max_retries=retries, now=now())
+                    out = lifecycle.apply_report(cur, r, max_retries=retries, now=self.clock.now())
                     outs.append(out)
                     if out.new is not None:
                         cur = out.new

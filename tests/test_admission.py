@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gearshift.bus.client import ServiceCallError, call
+from gearshift.bus.clock import ManualClock
 from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
@@ -47,6 +48,22 @@ async def submit(nc, body) -> SubmitReply:
 async def jobs_state(nc) -> dict:
     kv = await nc.jetstream().key_value(subj.JOBS_BUCKET)
     return await kv_snapshot(kv)
+
+
+async def test_admission_stamps_the_clock_it_is_given(nc):
+    clock = ManualClock(5000.0)
+    adm, svc = await start_admission(nc, max_gpus=64, clock=clock)
+    try:
+        reply = await submit(nc, {"spec": spec()})
+        await adm.outbox.idle()
+        rec = await call(nc, subj.ADMISSION_GET, {"job_id": reply.job_id}, JobRecord)
+        assert rec.submitted_at == 5000.0
+        clock.advance(7.0)
+        cancelled = await call(nc, subj.ADMISSION_CANCEL, {"job_id": reply.job_id}, JobRecord)
+        assert cancelled.state == JobState.CANCELLED and cancelled.finished_at == 5007.0
+    finally:
+        await svc.stop()
+        await adm.close()
 
 
 async def test_submit_get_list_and_event(nc, admission):

@@ -97,6 +97,7 @@ async def agents(nc, tmp_path):
         probe = FakeProbe(gpus, 16 * 2**30, "Fake H100", node=node)
         kw.setdefault("ckpt_root", tmp_path / "ckpt")  # shared, as on a cluster's shared storage
         agent = Agent(nc, node, probe, tmp_path / "work" / node, cpus=8, **kw)
+        count_passes(agent)
         await agent.start()
         started.append(agent)
         return agent
@@ -107,6 +108,34 @@ async def agents(nc, tmp_path):
             await asyncio.wait_for(a.stop(), 20)
         except (asyncio.TimeoutError, Exception):
             pass
+
+
+def count_passes(agent: Agent) -> None:
+    """Count the watch entries ``agent`` applies (``entries``) and, at the end of
+    each reconcile pass, how many it had applied when the pass began
+    (``acted_on``): a "nothing happened" check waits for a pass that saw its put."""
+    agent.entries, agent.acted_on = 0, 0
+    apply_entry, reconcile_once = agent._apply_entry, agent._reconcile_once
+
+    def counted_apply(*args):
+        agent.entries += 1
+        return apply_entry(*args)
+
+    async def counted_pass():
+        seen = agent.entries  # read before the pass's first await: entries it acts on
+        await reconcile_once()
+        agent.acted_on = max(agent.acted_on, seen)
+
+    agent._apply_entry, agent._reconcile_once = counted_apply, counted_pass
+
+
+async def put_and_settle(nc, a: Allocation, *agents: Agent) -> None:
+    """``put``, then wait until each agent applied it and finished a reconcile pass that saw it."""
+    before = [ag.entries for ag in agents]
+    await put(nc, a)
+    for ag, n in zip(agents, before):
+        seen = await eventually(lambda ag=ag, n=n: ag.entries > n and ag.entries)
+        await eventually(lambda ag=ag, seen=seen: ag.acted_on >= seen)
 
 
 def alloc(job: str, gen: int, placement: list[tuple[str, list[int]]], command=None, **kw) -> Allocation:
@@ -171,7 +200,7 @@ async def test_allocation_launches_every_rank_with_the_contract_environment(nc, 
     out = tmp_path / "out"
     out.mkdir()
     a1 = await agents("n1")
-    await agents("n2")
+    a2 = await agents("n2")
     job = alloc(
         "envjob", 1, [("n1", [2]), ("n2", [1, 3])], [PY, "-c", DUMP_ENV],
         env={"OUT_DIR": str(out), "FOO": "bar", "RANK": "99"}, steps=7, global_batch=32, plan=Plan(dp=3, ga=2),
@@ -201,10 +230,9 @@ async def test_allocation_launches_every_rank_with_the_contract_environment(nc, 
         assert e["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID" and e["FOO"] == "bar"
         assert e["GEARSHIFT_CKPT_DIR"] == str(tmp_path / "ckpt" / "envjob")
         assert e["GEARSHIFT_PROGRESS_FILE"].endswith(f"g1/progress-{r}.json")
-    # an allocation that ran to its end is not started again
-    await put(nc, job)
-    await asyncio.sleep(0.3)
-    assert len(reports.find("envjob", STARTED, 1)) == 2 and a1.runs == {}
+    # an allocation that ran to its end is not started again: not by a pass that saw it again
+    await put_and_settle(nc, job, a1, a2)
+    assert len(reports.find("envjob", STARTED, 1)) == 2 and a1.runs == {} and a2.runs == {}
 
 
 # ------------------------------------------------------------------ stopping
@@ -256,7 +284,7 @@ async def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period(n
 async def test_stop_command_stops_and_fences_its_generation(nc, agents, reports, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    await agents("n1")
+    agent = await agents("n1")
     job = alloc("cmd", 2, [("n1", [0])], [PY, "-c", SLEEPER], env={"OUT_DIR": str(out)})
     await put(nc, job)
     await reports.wait("cmd", STARTED, 2)
@@ -268,9 +296,8 @@ async def test_stop_command_stops_and_fences_its_generation(nc, agents, reports,
     ex = await reports.wait("cmd", EXITED, 2)
     assert ex.stopped and ex.exit_code == 143 and ex.message == "cancel"
     # the allocation is still in KV, but the stopped generation never comes back
-    await put(nc, job)
-    await asyncio.sleep(0.3)
-    assert len(reports.find("cmd", STARTED, 2)) == 1
+    await put_and_settle(nc, job, agent)
+    assert len(reports.find("cmd", STARTED, 2)) == 1 and "cmd" not in agent.runs
 
 
 async def test_one_failing_rank_ends_the_others_and_reports_its_code(nc, agents, reports, tmp_path):
@@ -299,10 +326,9 @@ async def test_stale_generation_is_ignored_and_a_newer_one_replaces_the_old(nc, 
     await reports.wait("gens", STARTED, 2)
     await eventually(lambda: (out / "pid-2").exists())
 
-    await put(nc, alloc("gens", 1, [("n1", [0])], cmd, env={"OUT_DIR": str(out)}))
-    await asyncio.sleep(0.3)  # room for a wrong reaction
+    await put_and_settle(nc, alloc("gens", 1, [("n1", [0])], cmd, env={"OUT_DIR": str(out)}), agent)
     assert not reports.find("gens", STARTED, 1) and not reports.find("gens", EXITED, 2)
-    assert agent.runs["gens"].generation == 2
+    assert agent.runs["gens"].generation == 2 and not agent.runs["gens"].stopping  # the pass that saw it left it be
 
     await put(nc, alloc("gens", 3, [("n1", [1])], cmd, env={"OUT_DIR": str(out)}))
     await reports.wait("gens", STARTED, 3)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import asyncio
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from gearshift.agent import core, launch
 from gearshift.agent.emulated_runner import CheckpointStore, EmulatedRunner
 from gearshift.bus_schema.messages import Allocation, NodePlacement, Plan
+from tests.wait import eventually
 
 
 def alloc(job: str, gen: int, nodes=("n0",), steps=10, step_time=0.01) -> Allocation:
@@ -82,7 +82,7 @@ async def test_emulated_ranks_keep_the_worker_contract():
     run = FakeRun(alloc("j", 1, steps=1000, step_time=0.01))
     r0 = await runner.start_rank(run, spec(0), {})
     r1 = await runner.start_rank(FakeRun(run.alloc), spec(1), {})
-    await asyncio.sleep(0.1)
+    await eventually(lambda: runner.progress(run)["step"] >= 1)  # it made steps
     runner.signal(r0, signal.SIGTERM)  # checkpoint at the step reached and leave
     assert await r0.wait() == 143
     step = store.latest(run.ckpt_dir)["step"]
@@ -103,7 +103,7 @@ async def test_a_killed_rank_keeps_only_its_periodic_checkpoints():
     runner = EmulatedRunner(store)
     run = FakeRun(alloc("k", 1, steps=10_000, step_time=0.01))
     r0 = await runner.start_rank(run, spec(0), {})
-    await asyncio.sleep(0.05)
+    await eventually(lambda: runner.progress(run)["step"] >= 1)  # steps made, but well within one interval
     runner.signal(r0, signal.SIGKILL)
     assert launch.exit_status(await r0.wait()) == 137
     assert store.latest(run.ckpt_dir) is None  # less than one checkpoint interval: nothing saved

@@ -19,7 +19,15 @@ import pytest
 from gearshift.bus.client import call
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
-from gearshift.bus_schema.messages import JobRecord, JobState, ReconfigureReply, RunReport, RunReportKind, SubmitReply
+from gearshift.bus_schema.messages import (
+    JobRecord,
+    JobState,
+    ReconfigureReply,
+    RoundReply,
+    RunReport,
+    RunReportKind,
+    SubmitReply,
+)
 from gearshift.services.admission import start_admission
 from gearshift.services.optimizer import Optimizer
 from tests.wait import eventually as _eventually
@@ -174,7 +182,8 @@ async def test_a_cancel_whose_process_died_with_its_agent_ends_when_the_agent_is
 
     await eventually(withdrawn, timeout=20)
     agent.kill()
-    await asyncio.sleep(1.0)
+    for _ in range(2):  # rounds after the kill (run and waited for here) do not end it
+        await call(nc, subj.OPTIMIZER_ROUND, None, RoundReply)
     assert (await get(nc, job)).state == JobState.CANCELLING  # nobody else can end it
     agent.start()
     done = await eventually(lambda: _state(nc, job, JobState.CANCELLED, rec.generation), timeout=60)

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +60,17 @@ def job(c, job_id):
 
 def submit(c, **over):
     return run(c.url, "submit", "-", creds=admin(c), stdin=json.dumps({**SPEC, **over})).stdout.strip()
+
+
+def round_no(c) -> int:
+    return json.loads(run(c.url, "explain", "-o", "json", creds=admin(c)).stdout)["round"]
+
+
+def a_round_later(c) -> None:
+    """Until a whole optimizer round that began after this call has completed:
+    round r+2 under way (explain's number counts rounds begun, one at a time)."""
+    r = round_no(c)
+    wait_for(lambda: round_no(c) >= r + 2)
 
 
 # ------------------------------------------------------------------ no server needed
@@ -225,14 +235,14 @@ def test_drain_moves_jobs_and_cordon_keeps_new_ones_away(up):
     assert any(line.startswith(here) and "drained" in line for line in nodes.splitlines())
     # the drained node takes nothing: a second job waits, and runs there once uncordoned
     second = submit(up, name="waits")
-    time.sleep(3)
+    a_round_later(up)  # a round that saw it left it waiting
     assert job(up, second)["state"] == "pending"
     assert f"{here} active" in run(up.url, "uncordon", here, creds=admin(up)).stdout
     placed = wait_for(lambda: (j := job(up, second))["state"] == "running" and j)
     assert placed["placement"][0]["node"] == here
     # cordon: the running job stays
     assert f"{here} cordoned" in run(up.url, "cordon", here, creds=admin(up)).stdout
-    time.sleep(2)
+    a_round_later(up)  # the cordon's own round ran before its reply; and one more
     assert job(up, second)["placement"][0]["node"] == here and job(up, second)["state"] == "running"
     run(up.url, "uncordon", here, creds=admin(up))
     p = run(up.url, "drain", "nosuchnode", creds=admin(up), check=False)

@@ -1,14 +1,17 @@
 """The optimizer's parts without NATS: lifecycle (with the state machine),
-capacity and GPU assignment, the materialised jobs view's bookkeeping."""
+capacity and GPU assignment, the materialised jobs view's bookkeeping, and the
+record writer's times, which come from the clock it is given."""
 
 from __future__ import annotations
 
 import msgspec
 import pytest
 
+from gearshift.bus.clock import ManualClock
 from gearshift.bus.views import JobsView
 from gearshift.bus_schema.messages import (
     GpuReport,
+    JobPreempted,
     InvalidTransition,
     JobRecord,
     JobSpec,
@@ -23,6 +26,8 @@ from gearshift.bus_schema.messages import (
 from gearshift.policies import Placement
 from gearshift.policies.api import JobDecision
 from gearshift.services import capacity, lifecycle
+from gearshift.services.alloc_writer import allocation_for
+from gearshift.services.record_writer import RecordWriter
 
 SPEC = JobSpec(name="a", model=ModelSpec(name="m", params=100, layers=4, hidden=64, seq_len=128),
                global_batch=8, steps=100, gpus=2, tenant="t1")
@@ -142,3 +147,62 @@ def test_a_cancel_no_agent_will_report_on_ends_when_its_nodes_are_lost_or_after_
     late = lifecycle.cancel_unreported(r, {"n0", "n1"}, waiting_s=31.0, timeout=30.0, ts=9.0)
     assert late.state == JobState.CANCELLED and "within 30 s" in late.reason
     assert lifecycle.cancel_unreported(rec(JobState.RUNNING), set(), waiting_s=99.0, timeout=30.0, ts=9.0) is None
+
+
+class FakeStore:
+    """``JobStore``'s compare-and-set over a dict: ``update`` applies the change."""
+
+    def __init__(self, *records: JobRecord):
+        self.records = {r.job_id: r for r in records}
+        self.archived: list[str] = []
+
+    async def update(self, job_id, change, hint=None):
+        new = change(self.records[job_id])
+        if new is not None:
+            self.records[job_id] = new
+        return new
+
+    async def archive(self, r: JobRecord) -> None:
+        self.archived.append(r.job_id)
+
+
+class FakeAllocs:
+    def __init__(self):
+        self.puts: list[str] = []
+        self.deletes: list[str] = []
+
+    async def put(self, r: JobRecord) -> None:
+        self.puts.append(r.job_id)
+
+    async def delete(self, job_id: str) -> None:
+        self.deletes.append(job_id)
+
+
+def writer(store, clock, finished=()):
+    jobs = type("Jobs", (), {"entries": {}, "finished": {r.job_id: r for r in finished}})()
+    return RecordWriter(store, FakeAllocs(), jobs, parallel=4, drain_timeout=120.0, archive_after=30.0, clock=clock)
+
+
+def test_allocations_are_stamped_by_the_clock_given():
+    assert allocation_for(rec(), ManualClock(1234.5)).created_at == 1234.5
+
+
+async def test_record_writer_stamps_its_clock_and_times_out_drains_and_archives_by_it():
+    clock = ManualClock(1000.0)
+    store = FakeStore(rec(JobState.RUNNING, nodes=("n0", "n1"), drain_started=None))
+    w = writer(store, clock)
+    # preempted: its ranks drain, stamped with the manual time (not the wall clock)
+    got = await w.back_to_queue(store.records["j1"], "preempted by policy", JobPreempted)
+    assert got.state == JobState.PENDING and got.drain_started == 1000.0 and got.outbox[-1].ts == 1000.0
+    clock.advance(120.0)  # exactly the drain timeout: not over it, the live nodes may still report
+    assert await w.settle_drains({"j1": got}, {"n0", "n1"}) == 0
+    clock.advance(0.5)  # past it: settled without reports, no sleep needed
+    records = {"j1": got}
+    assert await w.settle_drains(records, {"n0", "n1"}) == 1 and records["j1"].draining == []
+    # archived archive_after (30 s) after it ended, by the same clock
+    done = msgspec.structs.replace(rec(JobState.COMPLETED), finished_at=clock.now())
+    w = writer(store, clock, finished=[done])
+    clock.advance(29.0)
+    assert await w.archive() == 0 and store.archived == []
+    clock.advance(1.0)
+    assert await w.archive() == 1 and store.archived == ["j1"]

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from cli_helpers import wait_for
@@ -141,8 +140,7 @@ def test_up_stops_everything_on_sigterm(tmp_path):
     assert len(ours()) >= 4  # server, agents (+ their workers), services
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
-    time.sleep(0.5)
-    assert ours() == []
+    wait_for(lambda: ours() == [], timeout=10)  # every process carrying the data dir has exited
     # the emulated workers carry the data dir only in their environment
     left = subprocess.run(["pgrep", "-f", "gearshift.agent.emulated_worker"], capture_output=True, text=True).stdout.split()
     assert not [p for p in left if pid_alive(int(p)) and str(data) in _environ(int(p))]

@@ -68,17 +68,3 @@ def test_share_windows_start_at_every_round_and_the_upper_side_is_reported():
     assert share["worst"]["tenant"] == "research" and share["most"]["tenant"] == "product"
     assert share["most_taken"]["taken"] > 0
     assert share["windows"] > 2 * 8  # windows start and end at every round, not hourly from the first
-
-
-def test_mixed_cluster_is_skipped_with_a_clear_message_without_gpu_types():
-    from types import SimpleNamespace
-
-    from gearshift.sim.trace import parse_cluster
-
-    try:
-        parse_cluster(f.MIXED)
-    except ValueError:
-        got = f.mixed_check(SimpleNamespace(scale=0.1, seed=0), SimConfig(), f.SHARING)
-        assert got["pass"] is None and got["skipped"] == "mixed cluster: needs --cluster support"
-    else:
-        pytest.skip("the simulator has GPU types: the mixed scenario runs in loadtest.fairness")

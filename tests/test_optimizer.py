@@ -194,7 +194,9 @@ async def test_standby_takes_over_when_active_is_killed(nc, nats_url):
         standby = await Optimizer(nc, interval=0.5).open()  # default ttl 6 s
         stop = asyncio.Event()
         task = asyncio.create_task(standby.run(stop))
-        await asyncio.sleep(1.0)
+        # it tried for the lease and found it held (and renewed since): it stays a standby
+        seen = await wait_for(lambda: asyncio.sleep(0, standby.lease._seen), timeout=15)
+        await wait_for(lambda: asyncio.sleep(0, standby.lease._seen[0] > seen[0]), timeout=15)
         assert not standby.is_leader
         await register_nodes(nc)
         a = await submit(nc, "a", 2)

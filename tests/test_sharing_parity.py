@@ -72,6 +72,18 @@ def cli(url, *args):
     return p.stdout
 
 
+def round_no(url) -> int:
+    return json.loads(cli(url, "explain", "-o", "json"))["round"]
+
+
+def a_round_later(url, timeout=60.0) -> None:
+    """Until a whole optimizer round begun after this call has completed (round r+2 under way)."""
+    r, deadline = round_no(url), time.monotonic() + timeout
+    while round_no(url) < r + 2:
+        assert time.monotonic() < deadline, f"no round after {r}"
+        time.sleep(0.3)
+
+
 def wait_settled(url, submitted: set[str], timeout=60.0) -> dict:
     """Every submitted job is RUNNING, or PENDING after a round saw it, and nothing drains."""
     deadline = time.monotonic() + timeout
@@ -96,7 +108,7 @@ def live(tmp_path, policy_name: str = "fifo") -> list[tuple[frozenset, tuple]]:
             path.write_text(json.dumps(spec(name, tenant, prio)))
             cli(c.url, "submit", str(path))
             submitted.add(name)
-            time.sleep(1.5)  # at least one round sees it
+            a_round_later(c.url)  # at least one round sees it
             jobs = wait_settled(c.url, submitted)
             names = {j["job_id"]: n for n, j in jobs.items()}
             events = json.loads(cli(c.url, "events", "-o", "json"))

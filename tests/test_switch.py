@@ -202,7 +202,8 @@ async def test_draining_gpus_are_not_given_to_another_job(nc, stack, tmp_path):
     await pin(nc, slow, {"dp": 2}, [(dst, 2)])  # moves: its old node drains for 2 s
     await eventually(lambda: state(nc, slow, JobState.SCHEDULED, gen=r.generation + 1), timeout=5)
     other = await submit(nc, "other", gpus=2, steps=20, step_time=0.02)
-    await asyncio.sleep(1.0)  # a few rounds while the old ranks still checkpoint
+    seen = opt.round_no  # round seen+2 begun: round seen+1, begun after the submit, has completed
+    await eventually(lambda: asyncio.sleep(0, opt.round_no >= seen + 2))  # while the old ranks still checkpoint
     assert (await get(nc, other)).state == JobState.PENDING
     o = await eventually(lambda: state(nc, other, JobState.SCHEDULED, JobState.RUNNING, JobState.COMPLETED))
     exited = rec.report(RunReportKind.EXITED, r.generation, src)[0]
