@@ -103,8 +103,7 @@ class Option:
     """One field of a config Struct, as a flag."""
 
     name: str
-    kind: type  # bool, int, float or str
-    optional: bool  # ``X | None``
+    kind: type  # bool, int, float or str (the X of ``X | None``)
     default: Any
     help: str
     extra: Mapping[str, Any]
@@ -161,27 +160,27 @@ class Option:
 
 
 def _option(cls: type, field: mi.Field) -> Option:
-    t, help, extra, optional = field.type, "", {}, False
-    while True:
+    t, doc, extra = field.type, "", {}
+    while True:  # Annotated metadata and ``| None`` around the flag's type
         if isinstance(t, mi.Metadata):
-            help = help or (t.extra_json_schema or {}).get("description", "")
+            doc = doc or (t.extra_json_schema or {}).get("description", "")
             extra = {**(t.extra or {}), **extra}
             t = t.type
         elif isinstance(t, mi.UnionType) and any(isinstance(u, mi.NoneType) for u in t.types):
             rest = [u for u in t.types if not isinstance(u, mi.NoneType)]
             if len(rest) != 1:
                 break
-            t, optional = rest[0], True
+            t = rest[0]
         else:
             break
     kind = _KINDS.get(type(t))
     if kind is None:
         raise TypeError(f"{cls.__name__}.{field.name}: a flag is a bool, int, float or str (or one | None), not {t}")
-    if not help:
+    if not doc:
         raise TypeError(f"{cls.__name__}.{field.name}: no help; declare it Annotated[..., option('...')]")
     if field.required or field.default_factory is not msgspec.NODEFAULT:
         raise TypeError(f"{cls.__name__}.{field.name}: a config field needs a plain default")
-    return Option(field.name, kind, optional, field.default, help, extra)
+    return Option(field.name, kind, field.default, doc, extra)
 
 
 @functools.cache
