@@ -44,7 +44,8 @@ class AgentConfig(ServiceConfig):
     service: ClassVar[str] = "agent"
     node: Annotated[NodeName | None, option("node name (default: the host name)")] = None
     fake_gpus: Annotated[NonNegInt | None, option("emulate N GPUs instead of NVML", metavar="N")] = None
-    gpu_memory: Annotated[PosInt, option("memory per fake GPU, e.g. 24GiB", parse=_bytes, show=_bytes_text)] = 80 * 2**30
+    gpu_memory: Annotated[PosInt, option(
+        "memory per fake GPU, e.g. 24GiB", parse=_bytes, show=_bytes_text)] = 80 * 2**30
     gpu_name: Annotated[str, option(
         "name of the fake GPUs, as NVML would say it; its type (e.g. 'NVIDIA A100-SXM4-80GB' "
         "-> a100) is the node's GPU type")] = "Fake GPU"

@@ -217,6 +217,25 @@ def test_bad_values_name_the_field_and_the_source(tmp_path, text, env, argv, exp
     assert str(err.value).startswith(expected.format(f=f)), str(err.value)
 
 
+def test_agent_memory_units_and_host_defaults(monkeypatch):
+    _, cfg = resolve("gearshift-agent", ["--gpu-memory", "24GiB"])
+    assert cfg.gpu_memory == 24 * 2**30
+    _, cfg = resolve("gearshift-agent", [], {"GEARSHIFT_AGENT_GPU_MEMORY": "512MiB"})
+    assert cfg.gpu_memory == 512 * 2**20
+    with pytest.raises(config.ConfigError, match=r"^agent\.gpu_memory: invalid bytes value 'lots' \(from GEARSHIFT_AGENT_GPU"):
+        resolve("gearshift-agent", [], {"GEARSHIFT_AGENT_GPU_MEMORY": "lots"})
+    # the node name and the work directory come from the host when nobody sets them
+    from gearshift.agent import main as agent_main
+
+    for var in ("GEARSHIFT_AGENT_NODE", "GEARSHIFT_AGENT_WORKDIR", "GEARSHIFT_AGENT_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(agent_main.socket, "gethostname", lambda: "gpu_7.example.org")
+    cfg = agent_main.parse_args([])
+    assert cfg.node == "gpu-7" and Path(cfg.workdir).name == "gearshift-agent-gpu-7"
+    cfg = agent_main.parse_args(["--node", "n1", "--workdir", "/w"])
+    assert (cfg.node, cfg.workdir) == ("n1", "/w")
+
+
 def test_agent_node_must_be_a_subject_token(tmp_path):
     with pytest.raises(config.ConfigError, match=r"^agent\.node: Expected `str` matching"):
         resolve("gearshift-agent", [], {"GEARSHIFT_AGENT_NODE": "gpu.1"})
