@@ -1,34 +1,24 @@
-"""``python -m agent``: the node agent's command line -- options (and
-``--config`` / ``GEARSHIFT_AGENT_*`` through ``services.config``), the GPU
+"""``gearshift-agent``: the node agent's command line -- options (and
+``--config`` / ``GEARSHIFT_AGENT_*`` through ``bus.config``), the GPU
 probe (NVML, or ``--fake-gpus``), the connection, the metrics endpoint."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
+import tempfile
 from pathlib import Path
-from typing import ClassVar
+from typing import Annotated, ClassVar
+
+import msgspec
 
 from gearshift.agent.agent import DEFAULT_GRACE_S, Agent
 from gearshift.agent.probe import GpuProbe
 from gearshift.bus import observe
-from gearshift.bus.config import NodeName, NonNegative, NonNegInt, PosInt, Positive, ServiceConfig
-from gearshift.bus.config import parse_args as parse_config
+from gearshift.bus.config import NodeName, NonNegative, NonNegInt, PosInt, Positive, ServiceConfig, load, option
 from gearshift.bus.log import get_logger
 from gearshift.bus_schema import subjects as subj
-
-
-class AgentConfig(ServiceConfig):
-    service: ClassVar[str] = "agent"
-    node: NodeName | None = None  # default: the host name
-    fake_gpus: NonNegInt | None = None
-    gpu_memory: PosInt = 80 * 2**30
-    gpu_name: str = "Fake GPU"
-    cpus: PosInt | None = None
-    workdir: str | None = None
-    ckpt_root: str | None = None
-    heartbeat: Positive = 1.0
-    grace: NonNegative = 10.0
-    address: str = "127.0.0.1"
 
 
 def _bytes(text: str) -> int:
@@ -40,31 +30,41 @@ def _bytes(text: str) -> int:
     return int(t)
 
 
-def parse_args(argv: list[str] | None):
-    import argparse
-    import socket
-    import tempfile
+def _bytes_text(n: int) -> str:
+    """Bytes as ``--gpu-memory`` takes them: ``80GiB``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
-    p = argparse.ArgumentParser(prog="python -m agent", description="gearshift node agent")
-    p.add_argument("--server", default=None, help="NATS URL (default: $GEARSHIFT_NATS_URL or nats://127.0.0.1:4222)")
-    p.add_argument("--node", default=socket.gethostname().split(".")[0].replace("_", "-"), help="node name")
-    p.add_argument("--fake-gpus", type=int, default=None, metavar="N", help="emulate N GPUs instead of NVML")
-    p.add_argument("--gpu-memory", type=_bytes, default=80 * 2**30, help="memory per fake GPU (e.g. 80GiB)")
-    p.add_argument("--gpu-name", default="Fake GPU",
-                   help="name of the fake GPUs, as NVML would say it; its type (e.g. 'NVIDIA A100-SXM4-80GB' "
-                        "-> a100) is the node's GPU type")
-    p.add_argument("--cpus", type=int, default=None, help="CPUs to offer (default: all)")
-    p.add_argument("--workdir", default=None, help="run and checkpoint directory")
-    p.add_argument("--ckpt-root", default=None, help="checkpoint root shared by all nodes (default: WORKDIR/ckpt)")
-    p.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="seconds from SIGTERM to SIGKILL")
-    p.add_argument("--address", default="127.0.0.1", help="address other nodes use to reach this one")
 
-    args = parse_config(p, AgentConfig, argv)  # --config FILE, GEARSHIFT_AGENT_<FIELD>
-    args.node = subj.token(args.node) if args.node else "node"
-    if args.workdir is None:
-        args.workdir = str(Path(tempfile.gettempdir()) / f"gearshift-agent-{args.node}")
-    return args
+class AgentConfig(ServiceConfig):
+    """gearshift node agent"""
+
+    service: ClassVar[str] = "agent"
+    node: Annotated[NodeName | None, option("node name (default: the host name)")] = None
+    fake_gpus: Annotated[NonNegInt | None, option("emulate N GPUs instead of NVML", metavar="N")] = None
+    gpu_memory: Annotated[PosInt, option(
+        "memory per fake GPU, e.g. 24GiB", parse=_bytes, show=_bytes_text)] = 80 * 2**30
+    gpu_name: Annotated[str, option(
+        "name of the fake GPUs, as NVML would say it; its type (e.g. 'NVIDIA A100-SXM4-80GB' "
+        "-> a100) is the node's GPU type")] = "Fake GPU"
+    cpus: Annotated[PosInt | None, option("CPUs to offer (default: all)")] = None
+    workdir: Annotated[str | None, option(
+        "run and checkpoint directory (default: $TMPDIR/gearshift-agent-NODE)")] = None
+    ckpt_root: Annotated[str | None, option("checkpoint root shared by all nodes (default: WORKDIR/ckpt)")] = None
+    heartbeat: Annotated[Positive, option("seconds between heartbeats")] = 1.0
+    grace: Annotated[NonNegative, option("seconds from SIGTERM to SIGKILL")] = DEFAULT_GRACE_S
+    address: Annotated[str, option("address other nodes use to reach this one")] = "127.0.0.1"
+
+
+def parse_args(argv: list[str] | None) -> AgentConfig:
+    """The agent's options, the node name and the work directory filled in from the host."""
+    cfg = load(AgentConfig, argv)  # flags, GEARSHIFT_AGENT_<FIELD>, --config FILE
+    node = cfg.node or re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0].replace("_", "-"))[:128]
+    node = subj.token(node) if node else "node"
+    workdir = cfg.workdir or str(Path(tempfile.gettempdir()) / f"gearshift-agent-{node}")
+    return msgspec.structs.replace(cfg, node=node, workdir=workdir)
 
 
 async def run_agent(args, stop: asyncio.Event) -> int:

@@ -1,38 +1,70 @@
-"""One YAML config file per process, with environment and flags on top.
+"""One config Struct per process: its flags, environment and YAML file.
 
-Each entry point (a service, the agent) owns its config ``Struct``; ``parse_args``
-adds ``--config PATH`` to it and fills every option from, in order of
-precedence:
+Each entry point (a service, the agent) owns its config ``Struct``, and the
+Struct is the only place an option is declared: its name, type, constraints,
+documentation and default. ``build_parser`` makes the command line from it
+(one ``--field-name`` per field) and ``load`` fills every field from, in order
+of precedence:
 
 1. the flag on the command line;
 2. the environment: ``GEARSHIFT_<SERVICE>_<FIELD>`` (``GEARSHIFT_OPTIMIZER_INTERVAL=2``);
 3. the file (``--config`` or ``GEARSHIFT_<SERVICE>_CONFIG``): a YAML mapping of
    field names (the flags' names with ``_``: ``node_timeout: 10``);
-4. the parser's default (which still honours the older variables such as
-   ``GEARSHIFT_POLICY``).
+4. an older variable the field names with ``option(env=...)``, kept for the
+   scripts and tools that set it: ``GEARSHIFT_NATS_URL`` (every ``server``),
+   ``GEARSHIFT_POLICY``, ``GEARSHIFT_POLICY_OPTIONS``,
+   ``GEARSHIFT_WAIT_FOR_MODELS`` (optimizer), ``GEARSHIFT_MAX_JOBS_PER_TENANT``
+   (admission); an empty one counts as unset;
+5. the Struct's default.
 
-The merged values are validated by the service's ``msgspec.Struct`` below:
-an error names the field and where the bad value came from
+A field is documented by ``option(help, ...)`` in its ``Annotated`` type
+(``msgspec.Meta(description=...)``, so the JSON Schema carries it too)::
+
+    interval: Annotated[Positive, option("seconds between timer rounds")] = 5.0
+
+gives ``--interval INTERVAL  seconds between timer rounds (default: 5.0)``;
+the flag's type comes from the annotation (``int``, ``float``, ``str``, or
+``option(parse=...)`` for text like ``80GiB``), ``X | None`` is optional, and a
+``bool`` becomes a pair ``--x`` / ``--no-x`` (``option(negative=...)`` renames
+the second). The parser itself holds no defaults (every flag's is
+``argparse.SUPPRESS``), so the flags the command line gave are exactly the
+parsed ones, and a default is written once, in the Struct.
+
+The merged values are validated by the Struct: an error names the field and
+where the bad value came from
 (``optimizer.interval: Expected `float` > 0.0 (from GEARSHIFT_OPTIMIZER_INTERVAL)``)
 and the process exits 2 with that one line, before it connects anywhere.
-
-A flag a service has but its Struct does not declare (added later) is still
-accepted in the file and the environment, typed from the flag; the Struct is
-where constraints live.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import msgspec
+import msgspec.inspect as mi
 import yaml
 from msgspec import Meta
+
+
+def option(help: str, *, env: str | None = None, parse: Callable[[str], Any] | None = None,
+           show: Callable[[Any], str] | None = None, metavar: str | None = None,
+           negative: str | None = None, negative_help: str | None = None) -> Meta:
+    """A config field's documentation and the look of its flag, for its ``Annotated`` type.
+
+    ``env``: an older variable honoured below the file; ``parse``: text -> value
+    (flag, environment, a string in the file); ``show``: the default as ``--help``
+    writes it; ``negative`` / ``negative_help``: a bool's second flag (``--no-<name>``)."""
+    extra = {"env": env, "parse": parse, "show": show, "metavar": metavar,
+             "negative": negative, "negative_help": negative_help}
+    return Meta(description=help, extra={k: v for k, v in extra.items() if v is not None} or None)
+
 
 NonNegative = Annotated[float, Meta(ge=0)]
 Positive = Annotated[float, Meta(gt=0)]
@@ -42,12 +74,16 @@ NodeName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]+$", max_length=128)]
 
 
 class ServiceConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    #: ``GEARSHIFT_<ENV_NAME>_<FIELD>``; also the prefix of error messages
+    """The options every entry point has; a subclass's docstring is its ``--help`` description."""
+
+    #: ``GEARSHIFT_<SERVICE>_<FIELD>``, the prefix of error messages, and the program ``gearshift-<service>``
     service: ClassVar[str] = ""
-    server: str | None = None  # NATS URL(s), comma-separated; default $GEARSHIFT_NATS_URL
+    server: Annotated[str | None, option(
+        "NATS URL(s), comma-separated (default: $GEARSHIFT_NATS_URL, else the local server)",
+        env="GEARSHIFT_NATS_URL")] = None
 
 
-_SKIP = {"help", "config"}
+C = TypeVar("C", bound=ServiceConfig)
 
 
 class ConfigError(ValueError):
@@ -58,63 +94,131 @@ def env_name(service: str, field: str) -> str:
     return f"GEARSHIFT_{service.upper()}_{field.upper()}"
 
 
-def _options(ap: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """dest -> its first action (whose default the parser uses when flags share a dest)."""
-    out: dict[str, argparse.Action] = {}
-    for a in ap._actions:
-        if a.dest not in _SKIP and a.option_strings:
-            out.setdefault(a.dest, a)
-    return out
+_KINDS: dict[type, type] = {mi.BoolType: bool, mi.IntType: int, mi.FloatType: float, mi.StrType: str}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
-def _is_switch(action: argparse.Action) -> bool:
-    return isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+@dataclass(frozen=True)
+class Option:
+    """One field of a config Struct, as a flag."""
+
+    name: str
+    kind: type  # bool, int, float or str (the X of ``X | None``)
+    default: Any
+    help: str
+    extra: Mapping[str, Any]
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def negative(self) -> str:
+        return self.extra.get("negative") or "--no-" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str | None:
+        return self.extra.get("env")
+
+    @property
+    def parse(self) -> Callable[[str], Any]:
+        return self.extra.get("parse") or self.kind
+
+    @property
+    def converts_text(self) -> bool:
+        """A string for it (in the file) is text to parse, not the value."""
+        return self.kind in (int, float) or "parse" in self.extra
+
+    def help_text(self) -> str:
+        """The help, with the default (and the older variable) unless it says its default itself."""
+        text, d = self.help, self.default
+        if "show" in self.extra:
+            shown = self.extra["show"](d)
+        elif d is None or isinstance(d, bool):
+            shown = {None: None, False: "off", True: "on"}[d]
+        else:
+            shown = str(d)
+        if self.env:
+            shown = f"${self.env}" + (f", else {shown}" if shown else "")
+        if shown and "(default" not in text:
+            text += f" (default: {shown})"
+        return text.replace("%", "%%")
+
+    def from_text(self, text: str, service: str, source: str) -> Any:
+        """A value written as text (the environment, or a string in the file)."""
+        field = f"{service}.{self.name}"
+        if self.kind is bool:
+            low = text.strip().lower()
+            if low in _TRUE or low in _FALSE:
+                return low in _TRUE
+            raise ConfigError(f"{field}: expected a boolean (true/false), got {text!r} (from {source})")
+        try:
+            return self.parse(text)
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            kind = getattr(self.parse, "__name__", "value").lstrip("_")
+            raise ConfigError(f"{field}: invalid {kind} value {text!r} (from {source})") from None
 
 
-def _flag_type(action: argparse.Action) -> Any:
-    t = bool if _is_switch(action) else action.type if action.type in (int, float) else str
-    return t | None if action.default is None else t
+def _option(cls: type, field: mi.Field) -> Option:
+    t, doc, extra = field.type, "", {}
+    while True:  # Annotated metadata and ``| None`` around the flag's type
+        if isinstance(t, mi.Metadata):
+            doc = doc or (t.extra_json_schema or {}).get("description", "")
+            extra = {**(t.extra or {}), **extra}
+            t = t.type
+        elif isinstance(t, mi.UnionType) and any(isinstance(u, mi.NoneType) for u in t.types):
+            rest = [u for u in t.types if not isinstance(u, mi.NoneType)]
+            if len(rest) != 1:
+                break
+            t = rest[0]
+        else:
+            break
+    kind = _KINDS.get(type(t))
+    if kind is None:
+        raise TypeError(f"{cls.__name__}.{field.name}: a flag is a bool, int, float or str (or one | None), not {t}")
+    if not doc:
+        raise TypeError(f"{cls.__name__}.{field.name}: no help; declare it Annotated[..., option('...')]")
+    if field.required or field.default_factory is not msgspec.NODEFAULT:
+        raise TypeError(f"{cls.__name__}.{field.name}: a config field needs a plain default")
+    return Option(field.name, kind, field.default, doc, extra)
 
 
-def effective_type(ap: argparse.ArgumentParser, base: type[ServiceConfig]) -> type[ServiceConfig]:
-    """``base`` plus a plain field for every flag it does not declare."""
-    known = set(base.__struct_fields__)
-    extra = [(dest, _flag_type(a), a.default) for dest, a in _options(ap).items() if dest not in known]
-    if not extra:
-        return base
-    return msgspec.defstruct(base.__name__, extra, bases=(base,), kw_only=True, forbid_unknown_fields=True)
+@functools.cache
+def options(cfg_type: type[ServiceConfig]) -> tuple[Option, ...]:
+    """The fields of ``cfg_type`` as flags, in declaration order (the base's ``server`` after a subclass's own)."""
+    info = mi.type_info(cfg_type)
+    assert isinstance(info, mi.StructType)
+    return tuple(_option(cfg_type, f) for f in info.fields)
 
 
-def _explicit_flags(ap: argparse.ArgumentParser, argv: list[str] | None) -> dict[str, Any]:
-    """The options given on the command line (a parse with every default suppressed)."""
-    opts = _options(ap)
-    actions = [a for a in ap._actions if a.dest in opts]  # two flags may share a dest (--x / --no-x)
-    saved = [a.default for a in actions]
-    try:
-        for a in actions:
-            a.default = argparse.SUPPRESS
-        ns, _ = ap.parse_known_args(argv)
-    finally:
-        for a, default in zip(actions, saved):
-            a.default = default
-    return {k: v for k, v in vars(ns).items() if k in opts}
+def _description(cfg_type: type) -> str | None:
+    doc = cfg_type.__dict__.get("__doc__")
+    return doc.strip().split("\n\n")[0].replace("\n", " ") if doc else None
 
 
-def _from_text(action: argparse.Action, text: str, field: str, source: str) -> Any:
-    """A value written as text (environment, or a string in the file for a typed flag)."""
-    if _is_switch(action):
-        low = text.strip().lower()
-        if low in ("1", "true", "yes", "on"):
-            return True
-        if low in ("0", "false", "no", "off", ""):
-            return False
-        raise ConfigError(f"{field}: expected a boolean (true/false), got {text!r} (from {source})")
-    conv = action.type or str
-    try:
-        return conv(text)
-    except (TypeError, ValueError, argparse.ArgumentTypeError):
-        kind = getattr(conv, "__name__", "value")
-        raise ConfigError(f"{field}: invalid {kind} value {text!r} (from {source})") from None
+def build_parser(cfg_type: type[ServiceConfig], prog: str | None = None,
+                 description: str | None = None) -> argparse.ArgumentParser:
+    """The command line of ``cfg_type``: ``--config`` and one flag per field (a
+    pair for a bool), typed and documented from the Struct, holding no defaults."""
+    service = cfg_type.service
+    ap = argparse.ArgumentParser(
+        prog=prog or f"gearshift-{service}", description=description or _description(cfg_type),
+        argument_default=argparse.SUPPRESS,
+        epilog=f"Every option can also be set as {env_name(service, '<FIELD>')} (e.g. "
+               f"{env_name(service, options(cfg_type)[0].name)}) or as <field>: value in the --config "
+               "file; a flag wins over the environment, the environment over the file.")
+    ap.add_argument(
+        "--config", metavar="PATH", default=None,
+        help=f"YAML config file (default ${env_name(service, 'config')})",
+    )
+    for o in options(cfg_type):
+        if o.kind is bool:
+            ap.add_argument(o.flag, dest=o.name, action="store_const", const=True, help=o.help_text())
+            ap.add_argument(o.negative, dest=o.name, action="store_const", const=False,
+                            help=(o.extra.get("negative_help") or f"the opposite of {o.flag}").replace("%", "%%"))
+        else:
+            ap.add_argument(o.flag, dest=o.name, type=o.parse, metavar=o.extra.get("metavar"), help=o.help_text())
+    return ap
 
 
 def load_file(path: str | os.PathLike, service: str) -> dict[str, Any]:
@@ -136,13 +240,15 @@ def load_file(path: str | os.PathLike, service: str) -> dict[str, Any]:
     return data
 
 
-def _file_values(path: str | os.PathLike, service: str, opts: dict[str, argparse.Action]) -> dict[str, Any]:
-    """The file's values; a string for a typed flag (``gpu_memory: 40GiB``) goes through the flag's type."""
+def file_values(path: str | os.PathLike, cfg_type: type[ServiceConfig]) -> dict[str, Any]:
+    """The file's values; a string for a typed field (``gpu_memory: 40GiB``) is parsed as its flag would be."""
+    service = cfg_type.service
     out = load_file(path, service)
+    by_name = {o.name: o for o in options(cfg_type)}
     for key, value in out.items():
-        action = opts.get(key)
-        if isinstance(value, str) and action is not None and action.type not in (None, str):
-            out[key] = _from_text(action, value, f"{service}.{key}", str(path))
+        o = by_name.get(key)
+        if isinstance(value, str) and o is not None and o.converts_text:
+            out[key] = o.from_text(value, service, str(path))
     return out
 
 
@@ -172,71 +278,56 @@ def validate(raw: dict[str, Any], cfg_type: type[ServiceConfig], sources: dict[s
         raise ConfigError(f"{service}.{path or '?'}: {msg}{src}") from None
 
 
-def resolve(ap: argparse.ArgumentParser, base: type[ServiceConfig], argv: list[str] | None = None,
-            environ: dict[str, str] | None = None) -> tuple[argparse.Namespace, ServiceConfig]:
-    """Parse ``argv`` with ``ap`` (which must already have ``--config``) and
-    merge flag > env > file > default; raises ConfigError."""
+def resolve(ap: argparse.ArgumentParser, cfg_type: type[ServiceConfig], argv: list[str] | None = None,
+            environ: Mapping[str, str] | None = None) -> tuple[argparse.Namespace, ServiceConfig]:
+    """Parse ``argv`` with ``ap`` (``build_parser(cfg_type)``) and merge flag >
+    env > file > older variable > default; raises ConfigError. Returns the
+    values as a namespace (``config`` included) and as the Struct."""
     environ = os.environ if environ is None else environ
-    service = base.service
-    cfg_type = effective_type(ap, base)
-    opts = _options(ap)
-    args = ap.parse_args(argv)  # bad flags: argparse's own one-line error
-    explicit = _explicit_flags(ap, argv)
+    service = cfg_type.service
+    given = vars(ap.parse_args(argv))  # bad flags: argparse's own one-line error; only the given ones are set
+    opts = options(cfg_type)
 
     raw: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    path = args.config or environ.get(env_name(service, "config"))
+    for o in opts:
+        if o.env and environ.get(o.env):
+            raw[o.name], sources[o.name] = o.from_text(environ[o.env], service, o.env), o.env
+    path = given.get("config") or environ.get(env_name(service, "config"))
     if path:
-        for key, value in _file_values(path, service, opts).items():
+        for key, value in file_values(path, cfg_type).items():
             raw[key], sources[key] = value, str(path)
-    for dest, action in opts.items():
-        name = env_name(service, dest)
+    for o in opts:
+        name = env_name(service, o.name)
         if name in environ:
-            raw[dest] = _from_text(action, environ[name], f"{service}.{dest}", name)
-            sources[dest] = name
-    for dest, value in explicit.items():
-        raw[dest], sources[dest] = value, action_flag(opts[dest])
-    for dest in opts:
-        raw.setdefault(dest, getattr(args, dest))  # the parser's default (older env variables included)
+            raw[o.name], sources[o.name] = o.from_text(environ[name], service, name), name
+    for o in opts:
+        if o.name in given:
+            raw[o.name], sources[o.name] = given[o.name], o.flag
     cfg = validate(raw, cfg_type, sources, service)
-    for dest in opts:
-        setattr(args, dest, getattr(cfg, dest))
-    args.config_object = cfg
-    return args, cfg
-
-
-def action_flag(action: argparse.Action) -> str:
-    return max(action.option_strings, key=len)
-
-
-def add_config_flag(ap: argparse.ArgumentParser, service: str) -> None:
-    ap.add_argument(
-        "--config", metavar="PATH", default=None,
-        help=f"YAML config file (default ${env_name(service, 'config')}); flags and "
-             f"GEARSHIFT_{service.upper()}_<FIELD> variables override its values",
-    )
+    return argparse.Namespace(config=path or None, **msgspec.structs.asdict(cfg)), cfg
 
 
 class _Captured(Exception):
-    def __init__(self, ap: argparse.ArgumentParser, base: type[ServiceConfig]):
-        self.ap, self.base = ap, base
+    def __init__(self, ap: argparse.ArgumentParser, cfg_type: type[ServiceConfig]):
+        self.ap, self.cfg_type = ap, cfg_type
 
 
 _capturing = False
 
 
-def parse_args(ap: argparse.ArgumentParser, base: type[ServiceConfig],
-               argv: list[str] | None = None) -> argparse.Namespace:
-    """What a service's ``main`` calls instead of ``ap.parse_args``: a bad
+def load(cfg_type: type[C], argv: list[str] | None = None) -> C:
+    """What an entry point's ``main`` calls: its options as ``cfg_type``, from
+    ``argv`` (default ``sys.argv[1:]``), the environment and the file. A bad
     value ends the process with one clear line and exit status 2."""
-    add_config_flag(ap, base.service)
+    ap = build_parser(cfg_type)
     if _capturing:
-        raise _Captured(ap, base)
+        raise _Captured(ap, cfg_type)
     try:
-        args, _ = resolve(ap, base, argv)
+        _, cfg = resolve(ap, cfg_type, argv)
     except ConfigError as exc:
         ap.exit(2, f"{ap.prog}: error: {exc}\n")
-    return args
+    return cfg  # type: ignore[return-value]
 
 
 def parser_of(main: Callable[[list[str]], Any], name: str = "main") -> tuple[argparse.ArgumentParser, type[ServiceConfig]]:
@@ -247,7 +338,7 @@ def parser_of(main: Callable[[list[str]], Any], name: str = "main") -> tuple[arg
     try:
         main([])
     except _Captured as got:
-        return got.ap, got.base
+        return got.ap, got.cfg_type
     finally:
         _capturing = False
-    raise RuntimeError(f"{name} does not read its options through gearshift.bus.config.parse_args")
+    raise RuntimeError(f"{name} does not read its options through gearshift.bus.config.load")

@@ -1,7 +1,8 @@
 """``gearshift-config FILE...``: validate config files offline.
 
-Every entry point owns its config ``Struct`` (``gearshift.bus.config``); this
-is the one table of them, keyed by the console script that runs each one.
+Every entry point owns its config ``Struct``, from which ``gearshift.bus.config``
+makes its flags; this is the one table of them, keyed by the console script
+that runs each one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 from pathlib import Path
 
 from gearshift.agent import main as agent_main
-from gearshift.bus.config import ConfigError, ServiceConfig, _file_values, _options, effective_type, parser_of, validate
+from gearshift.bus.config import ConfigError, ServiceConfig, file_values, parser_of, validate
 from gearshift.services import admission, dashboard, optimizer, perfmodel_service, profiler
 
 #: console script -> the module whose ``main`` it runs (pyproject.toml [project.scripts])
@@ -48,9 +49,9 @@ def check_file(path: str | os.PathLike, script: str | None = None) -> ServiceCon
         script = by_service.get(p.stem)
         if script is None:
             raise ConfigError(f"{p}: name it after its service ({', '.join(sorted(by_service))}.yaml) or pass --service")
-    ap, base = entry_parser(script)
-    raw = _file_values(p, base.service, _options(ap))
-    return validate(raw, effective_type(ap, base), {k: str(p) for k in raw}, base.service)
+    _, cfg_type = entry_parser(script)
+    raw = file_values(p, cfg_type)
+    return validate(raw, cfg_type, {k: str(p) for k in raw})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,19 +14,17 @@ current by KV watches; lists are paged (``services.paging``).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
-import os
 import secrets
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 from gearshift.bus import observe
 from gearshift.bus.client import connect
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.config import PosInt, ServiceConfig, parse_args
+from gearshift.bus.config import PosInt, ServiceConfig, load, option
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
@@ -60,9 +58,13 @@ from gearshift.services.queues import QueueStore, most_gpus, to_core
 
 
 class AdmissionConfig(ServiceConfig):
+    """gearshift job admission: validates, stores and lists the jobs clients submit."""
+
     service: ClassVar[str] = "admission"
-    max_gpus: PosInt | None = None
-    max_jobs_per_tenant: PosInt = 1000
+    max_gpus: Annotated[PosInt | None, option("largest job the cluster could ever hold")] = None
+    max_jobs_per_tenant: Annotated[PosInt, option(
+        "live (not finished) jobs a tenant may have; more are refused with 429",
+        env="GEARSHIFT_MAX_JOBS_PER_TENANT")] = 1000
 
 
 log = get_logger(service="admission")
@@ -378,15 +380,8 @@ async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="gearshift-admission")
-    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
-    ap.add_argument("--max-gpus", type=int, default=None, help="largest job the cluster could ever hold")
-    ap.add_argument("--max-jobs-per-tenant", type=int,
-                    default=int(os.environ.get("GEARSHIFT_MAX_JOBS_PER_TENANT") or 1000),
-                    help="live (not finished) jobs a tenant may have; more are refused with 429")
-
-    args = parse_args(ap, AdmissionConfig, argv)  # --config FILE, GEARSHIFT_ADMISSION_<FIELD>
-    run_service(lambda stop: amain(stop, args.server, args.max_gpus, args.max_jobs_per_tenant))
+    cfg = load(AdmissionConfig, argv)  # flags, GEARSHIFT_ADMISSION_<FIELD>, --config FILE
+    run_service(lambda stop: amain(stop, cfg.server, cfg.max_gpus, cfg.max_jobs_per_tenant))
 
 
 if __name__ == "__main__":

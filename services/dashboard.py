@@ -1,4 +1,4 @@
-"""The live web dashboard: ``python -m services.dashboard [--port P]``.
+"""The live web dashboard: ``gearshift-dashboard [--port P]``.
 
 A small aiohttp service that reads the bus and serves one plain HTML/JS
 page (no build step): KV watches on ``gs_jobs`` and ``gs_nodes``, live
@@ -17,10 +17,8 @@ anyone may.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -32,9 +30,9 @@ from aiohttp import web
 from msgspec import Meta
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from gearshift.bus import auth, config, observe
+from gearshift.bus import auth, observe
 from gearshift.bus.client import ServerUnavailable, ServiceCallError, call, connect
-from gearshift.bus.config import ServiceConfig
+from gearshift.bus.config import ServiceConfig, load, option
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus_schema import codec
@@ -44,10 +42,16 @@ from gearshift.services.dashboard_state import EVENTS, DashboardState
 
 
 class DashboardConfig(ServiceConfig):
+    """gearshift live web dashboard: jobs, nodes and events, and actions as the signed-in person."""
+
     service: ClassVar[str] = "dashboard"
-    host: Annotated[str, Meta(min_length=1)] = "127.0.0.1"  # 0.0.0.0 in a pod
-    port: Annotated[int, Meta(ge=0, le=65535)] = 0  # the page; 0: any free port (logged and announced)
-    require_login: bool | None = None  # None: on when the dashboard has credentials
+    host: Annotated[str, Meta(min_length=1), option("address to listen on; 0.0.0.0 in a pod")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535), option(
+        "port for the page; 0: any free port, whose URL is logged and announced")] = 0
+    require_login: Annotated[bool | None, option(
+        "actions need the person's credentials (default: on when the dashboard has credentials)",
+        negative="--no-login",
+        negative_help="anyone at the page may act with the dashboard's identity (only without authorisation)")] = None
 
 
 log = get_logger(service="dashboard")
@@ -327,7 +331,7 @@ def make_app(dash: Dashboard) -> web.Application:
     return app
 
 
-async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
+async def amain(stop: asyncio.Event, args: DashboardConfig) -> None:
     nc = await connect(args.server, name="gearshift-dashboard")
     obs = await observe.serve_http("dashboard", "dashboard", nc)
     require_login = args.require_login if args.require_login is not None else bool(auth.current_creds())
@@ -352,18 +356,8 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m services.dashboard", description="gearshift live web dashboard")
-    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"), help="NATS URL")
-    # GEARSHIFT_DASHBOARD_HOST / _PORT / _REQUIRE_LOGIN and --config: services.config
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
-    ap.add_argument("--port", type=int, default=0,
-                    help="port for the page (0: any free port; the URL is logged and announced)")
-    ap.add_argument("--require-login", dest="require_login", action="store_true", default=None,
-                    help="actions need the person's credentials (default: on when the dashboard has credentials)")
-    ap.add_argument("--no-login", dest="require_login", action="store_false",
-                    help="anyone at the page may act with the dashboard's identity (only without authorisation)")
-    args = config.parse_args(ap, DashboardConfig, argv)
-    run_service(lambda stop: amain(stop, args))
+    cfg = load(DashboardConfig, argv)  # flags, GEARSHIFT_DASHBOARD_<FIELD>, --config FILE
+    run_service(lambda stop: amain(stop, cfg))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,6 @@ concurrently with bounded parallelism.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -61,7 +60,7 @@ from msgspec import Meta
 from gearshift.bus import observe
 from gearshift.bus.client import connect
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.config import NonNegative, NonNegInt, Positive, ServiceConfig, parse_args
+from gearshift.bus.config import NonNegative, NonNegInt, Positive, ServiceConfig, load, option
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.kv import publish_event
 from gearshift.bus.log import get_logger
@@ -99,17 +98,30 @@ from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWrit
 from gearshift.services.report_consumer import ReportApplier, consume_reports
 
 
+DEFAULT_MAX_RETRIES = 3
+DEFAULT_DRAIN_TIMEOUT = 120.0
+
+
 class OptimizerConfig(ServiceConfig):
+    """gearshift optimizer: the scheduling rounds (one leader; standbys wait on the lease)."""
+
     service: ClassVar[str] = "optimizer"
-    policy: Annotated[str, Meta(min_length=1)] = "fifo"
-    policy_options: str | None = None  # JSON object of policy keyword arguments
-    interval: Positive = 5.0
-    node_timeout: Positive = 10.0
-    max_retries: NonNegInt = 3
-    drain_timeout: Positive = 120.0
-    wait_for_models: bool = False
-    lease_ttl: Positive = 6.0  # seconds a silent leader keeps the lease
-    archive_after: NonNegative = 30.0  # seconds a finished job stays in gs_jobs before the history store
+    policy: Annotated[str, Meta(min_length=1), option("scheduling policy", env="GEARSHIFT_POLICY")] = "fifo"
+    policy_options: Annotated[str | None, option(
+        'JSON keyword arguments for the policy, e.g. {"restart_cost": 5}',
+        env="GEARSHIFT_POLICY_OPTIONS")] = None
+    interval: Annotated[Positive, option("seconds between timer rounds")] = 5.0
+    node_timeout: Annotated[Positive, option("seconds without heartbeat before a node is lost")] = 10.0
+    lease_ttl: Annotated[Positive, option("seconds a silent leader keeps the lease")] = 6.0
+    archive_after: Annotated[NonNegative, option(
+        "seconds a finished job stays in gs_jobs before it moves to the history store")] = 30.0
+    max_retries: Annotated[NonNegInt, option(
+        "crashes retried from the last checkpoint before a job fails")] = DEFAULT_MAX_RETRIES
+    drain_timeout: Annotated[Positive, option(
+        "seconds a switch waits for the old ranks' exit reports before it goes on")] = DEFAULT_DRAIN_TIMEOUT
+    wait_for_models: Annotated[bool, option(
+        "jobs without a fitted or shipped performance model wait for the profiler",
+        env="GEARSHIFT_WAIT_FOR_MODELS")] = False
 
     def __post_init__(self) -> None:
         if self.policy_options:
@@ -134,8 +146,6 @@ class OptimizerConfig(ServiceConfig):
 log = get_logger(service="optimizer")
 
 ACTIVE = ACTIVE_STATES
-DEFAULT_MAX_RETRIES = 3
-DEFAULT_DRAIN_TIMEOUT = 120.0
 OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
 PAUSE_ENV = "GEARSHIFT_FAULT_PAUSE_MID_ROUND"  # fault injection: path of a file that, present, stops the leader mid-round
 
@@ -469,7 +479,7 @@ def _pause() -> None:
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
+async def amain(stop: asyncio.Event, args: OptimizerConfig) -> None:
     nc = await connect(args.server, name="gearshift-optimizer")
     await ensure_infra(nc)
     opt = await Optimizer(
@@ -487,27 +497,8 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="gearshift-optimizer")
-    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
-    ap.add_argument("--policy", default=os.environ.get("GEARSHIFT_POLICY", "fifo"))
-    ap.add_argument("--policy-options", default=os.environ.get("GEARSHIFT_POLICY_OPTIONS"),
-                    help='JSON keyword arguments for the policy, e.g. {"restart_cost": 5}')
-    ap.add_argument("--interval", type=float, default=5.0, help="seconds between timer rounds")
-    ap.add_argument("--node-timeout", type=float, default=10.0, help="seconds without heartbeat before a node is lost")
-    ap.add_argument("--lease-ttl", type=float, default=6.0, help="seconds a silent leader keeps the lease")
-    ap.add_argument("--archive-after", type=float, default=30.0,
-                    help="seconds a finished job stays in gs_jobs before it moves to the history store")
-    ap.add_argument("--max-retries", type=int, default=DEFAULT_MAX_RETRIES,
-                    help="crashes retried from the last checkpoint before a job fails")
-    ap.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT,
-                    help="seconds a switch waits for the old ranks' exit reports before it goes on")
-    ap.add_argument("--wait-for-models", action="store_true",
-                    default=os.environ.get("GEARSHIFT_WAIT_FOR_MODELS", "") not in ("", "0"),
-                    help="jobs without a fitted or shipped performance model wait for the profiler")
-
-    args = parse_args(ap, OptimizerConfig, argv)  # --config FILE, GEARSHIFT_OPTIMIZER_<FIELD>
-    run_service(lambda stop: amain(stop, args))
-
+    cfg = load(OptimizerConfig, argv)  # flags, GEARSHIFT_OPTIMIZER_<FIELD>, --config FILE
+    run_service(lambda stop: amain(stop, cfg))
 
 if __name__ == "__main__":
     main()

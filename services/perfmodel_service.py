@@ -14,9 +14,7 @@ The request/reply structs are in `bus_schema.perfmodel`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 from typing import Any, ClassVar
 
 import msgspec
@@ -24,7 +22,7 @@ import numpy as np
 
 from gearshift.bus import observe
 from gearshift.bus.client import connect
-from gearshift.bus.config import ServiceConfig, parse_args
+from gearshift.bus.config import ServiceConfig, load
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
@@ -53,6 +51,8 @@ from gearshift.bus_schema.perfmodel import (
 
 
 class PerfmodelConfig(ServiceConfig):
+    """gearshift performance model: fits profiling samples, predicts throughput and resource curves."""
+
     service: ClassVar[str] = "perfmodel"
 
 
@@ -255,11 +255,8 @@ async def amain(stop: asyncio.Event, url: str | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="gearshift-perfmodel")
-    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
-
-    args = parse_args(ap, PerfmodelConfig, argv)  # --config FILE, GEARSHIFT_PERFMODEL_<FIELD>
-    run_service(lambda stop: amain(stop, args.server))
+    cfg = load(PerfmodelConfig, argv)  # flags, GEARSHIFT_PERFMODEL_<FIELD>, --config FILE
+    run_service(lambda stop: amain(stop, cfg.server))
 
 
 if __name__ == "__main__":

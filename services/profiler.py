@@ -28,17 +28,16 @@ requests it watches ``gs_jobs`` for pending jobs that wait for a model.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import time
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
 from gearshift.bus import observe
 from gearshift.bus.client import call, connect
-from gearshift.bus.config import PosInt, ServiceConfig, parse_args
+from gearshift.bus.config import PosInt, ServiceConfig, load, option
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.kv import kv_snapshot
 from gearshift.bus.log import get_logger
@@ -74,9 +73,11 @@ from gearshift.services.jobstore import JobStore, with_event
 
 
 class ProfilerConfig(ServiceConfig):
+    """gearshift profiler: short profiling runs of the jobs whose model has no fitted parameters."""
+
     service: ClassVar[str] = "profiler"
-    steps: PosInt = 10
-    max_dp: PosInt | None = None
+    steps: Annotated[PosInt, option("measured steps per profiling run")] = DEFAULT_PROFILE_STEPS
+    max_dp: Annotated[PosInt | None, option("largest DP degree to profile (default: node GPUs)")] = None
 
 
 log = get_logger(service="profiler")
@@ -298,7 +299,7 @@ class Profiler:
         ]
 
 
-async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
+async def amain(stop: asyncio.Event, args: ProfilerConfig) -> None:
     nc = await connect(args.server, name="gearshift-profiler")
     obs = await observe.serve_http("profiler", "profiler", nc)
     await ensure_infra(nc)
@@ -313,13 +314,8 @@ async def amain(stop: asyncio.Event, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="gearshift-profiler")
-    ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
-    ap.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="measured steps per profiling run")
-    ap.add_argument("--max-dp", type=int, default=None, help="largest DP degree to profile (default: node GPUs)")
-
-    args = parse_args(ap, ProfilerConfig, argv)  # --config FILE, GEARSHIFT_PROFILER_<FIELD>
-    run_service(lambda stop: amain(stop, args))
+    cfg = load(ProfilerConfig, argv)  # flags, GEARSHIFT_PROFILER_<FIELD>, --config FILE
+    run_service(lambda stop: amain(stop, cfg))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,20 @@
-"""Service config files (bus/config.py, each entry point's own Struct): precedence flag > env > file >
-default on the services' real parsers, errors that name the field, and a
-bad value ending the real process with one line (exit 2, no traceback)."""
+"""Service config (bus/config.py, each entry point's own Struct): the flags
+generated from the Struct (nothing declared twice, every default in the Struct),
+precedence flag > env > file > older variable > default on the services' real
+parsers, errors that name the field, and a bad value ending the real process
+with one line (exit 2, no traceback)."""
 
 from __future__ import annotations
 
+import argparse
+import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated, ClassVar
 
+import msgspec
 import pytest
 
 from gearshift import config_check
@@ -27,25 +33,112 @@ def test_every_service_reads_its_options_through_the_helper():
     for module, base in config_check.CONFIGS.items():
         ap, got = config_check.entry_parser(module)
         assert got is base
-        flags = {a.dest for a in ap._actions if a.option_strings}
-        # every declared field is a real flag (a renamed flag would leave a dead field)
-        assert set(base.__struct_fields__) <= flags, (module, set(base.__struct_fields__) - flags)
-        assert "config" in flags
+        flags = {a.dest for a in ap._actions if a.option_strings} - {"help"}
+        # every declared field is a real flag, and every flag a field (or --config)
+        assert flags == set(base.__struct_fields__) | {"config"}, (module, flags ^ set(base.__struct_fields__))
+        assert ap.prog == module
+
+
+ENTRY_SOURCES = sorted((ROOT / "services").glob("*.py")) + sorted((ROOT / "agent").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", ENTRY_SOURCES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_entry_points_write_no_flag_by_hand(path):
+    """The parsers are generated from the Structs (bus/config.py): no service or
+    agent module builds a parser or adds an argument itself."""
+    tree = ast.parse(path.read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr in ("add_argument", "ArgumentParser")]
+    assert not calls, f"{path}: hand-written flags at lines {[c.lineno for c in calls]}"
+
+
+@pytest.mark.parametrize("script", sorted(config_check.ENTRY_POINTS))
+def test_entry_points_read_no_environment_for_options(script):
+    """No default is computed from the environment in a ``main``: an older
+    variable is declared on its field (``option(env=...)``)."""
+    tree = ast.parse(Path(config_check.ENTRY_POINTS[script].__file__).read_text())
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name in ("main", "parse_args"):
+            env = [n.lineno for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr == "environ"]
+            assert not env, f"{path}:{fn.name} reads os.environ at lines {env}"
 
 
 @pytest.mark.parametrize("module", sorted(config_check.CONFIGS))
-def test_struct_defaults_match_the_parsers_defaults(module, monkeypatch):
-    for var in ("GEARSHIFT_POLICY", "GEARSHIFT_POLICY_OPTIONS", "GEARSHIFT_WAIT_FOR_MODELS",
-                "GEARSHIFT_MAX_JOBS_PER_TENANT", "GEARSHIFT_NATS_URL"):
-        monkeypatch.delenv(var, raising=False)
+def test_every_default_lives_only_in_the_struct(module):
     ap, base = config_check.entry_parser(module)
-    for name in base.__struct_fields__:
-        if module == "gearshift-agent" and name in ("node", "workdir"):
-            continue  # computed from the host at parse time
-        default = base.__struct_defaults__[base.__struct_fields__.index(name)]
-        # the default parse_args uses: the first action of the dest (argparse's
-        # get_default answers the last non-None one, wrong for a --x/--no-x pair)
-        assert config._options(ap)[name].default == default, (module, name)
+    # the parser holds none: a flag not given is not in the namespace (--config: None, no value)
+    held = {a.dest: a.default for a in ap._actions if a.dest not in ("help", "config") and a.default is not argparse.SUPPRESS}
+    assert not held, (module, held)
+    assert vars(ap.parse_args([])) == {"config": None}
+    # so with nothing set, every option is the Struct's default
+    args, cfg = config.resolve(ap, base, [], environ={})
+    assert cfg == base()
+    assert {k: getattr(args, k) for k in base.__struct_fields__} == msgspec.structs.asdict(base())
+    # and every field is documented; the help shows a default only as the Struct has it
+    for o in config.options(base):
+        assert o.help
+        action = next(a for a in ap._actions if a.dest == o.name)
+        if o.default not in (None, False) and "show" not in o.extra and "(default" not in o.help:
+            assert f"{o.default})" in action.help, (module, o.name, action.help)
+
+
+class Toy(config.ServiceConfig):
+    """a toy service"""
+
+    service: ClassVar[str] = "toy"
+    rate: Annotated[config.Positive, config.option("things a second")] = 2.5
+    count: Annotated[config.PosInt | None, config.option("how many", metavar="N")] = None
+    size: Annotated[int, config.option("bytes", parse=lambda t: int(t.removesuffix("k")) * 1024)] = 4096
+    name: Annotated[str, config.option("what it is called", env="TOY_NAME")] = "toy"
+    login: Annotated[bool | None, config.option("ask who it is", negative="--anonymous",
+                                                negative_help="ask nobody")] = None
+    fast: Annotated[bool, config.option("go fast")] = False
+
+
+def test_the_parser_is_generated_from_the_struct():
+    ap = config.build_parser(Toy)
+    assert ap.prog == "gearshift-toy" and ap.description == "a toy service"
+    by_flag = {s: a for a in ap._actions for s in a.option_strings}
+    assert set(by_flag) == {"-h", "--help", "--config", "--rate", "--count", "--size", "--name", "--login",
+                            "--anonymous", "--fast", "--no-fast", "--server"}
+    assert by_flag["--rate"].type is float and by_flag["--rate"].help == "things a second (default: 2.5)"
+    assert by_flag["--count"].type is int and by_flag["--count"].metavar == "N"
+    assert by_flag["--name"].help == "what it is called (default: $TOY_NAME, else toy)"
+    assert by_flag["--fast"].help == "go fast (default: off)" and by_flag["--anonymous"].help == "ask nobody"
+    assert ap.format_help()  # renders
+
+    def cfg(argv, env=None):
+        return config.resolve(ap, Toy, argv, environ=env or {})[1]
+
+    assert cfg([]) == Toy()
+    assert cfg(["--rate", "3", "--count", "2", "--size", "2k", "--fast"]) == Toy(rate=3.0, count=2, size=2048, fast=True)
+    assert cfg([], {"GEARSHIFT_TOY_SIZE": "1k", "GEARSHIFT_TOY_FAST": "yes"}) == Toy(size=1024, fast=True)
+    for argv, env, want in (([], {}, None), (["--anonymous"], {}, False), (["--login"], {}, True),
+                            ([], {"GEARSHIFT_TOY_LOGIN": "yes"}, True),
+                            (["--login", "--anonymous"], {}, False), (["--anonymous"], {"GEARSHIFT_TOY_LOGIN": "1"}, False)):
+        assert cfg(argv, env).login is want, (argv, env)
+    # the older variable sits below the file and the service's own variable; empty is unset
+    assert cfg([], {"TOY_NAME": "old"}).name == "old"
+    assert cfg([], {"TOY_NAME": ""}).name == "toy"
+    assert cfg([], {"TOY_NAME": "old", "GEARSHIFT_TOY_NAME": "new"}).name == "new"
+    with pytest.raises(config.ConfigError, match=r"^toy\.count: Expected `int` >= 1 \(from --count\)"):
+        cfg(["--count", "0"])
+
+
+def test_a_field_needs_help_and_a_flag_type():
+    class Undocumented(config.ServiceConfig):
+        service: ClassVar[str] = "u"
+        rate: float = 1.0
+
+    with pytest.raises(TypeError, match=r"Undocumented\.rate: no help"):
+        config.build_parser(Undocumented)
+
+    class Listy(config.ServiceConfig):
+        service: ClassVar[str] = "l"
+        names: Annotated[list[str], config.option("names")] = []
+
+    with pytest.raises(TypeError, match=r"Listy\.names: a flag is a bool, int, float or str"):
+        config.build_parser(Listy)
 
 
 def test_precedence_flag_over_env_over_file_over_default(tmp_path):
@@ -76,15 +169,29 @@ def test_file_values_use_the_flags_types_and_booleans(tmp_path):
     assert args.wait_for_models is True
 
 
-def test_older_variables_still_work_below_the_file(tmp_path, monkeypatch):
-    # GEARSHIFT_POLICY is the parser's default (what loadtest.chaos and gearshift up set)
-    monkeypatch.setenv("GEARSHIFT_POLICY", "las")
-    args, _ = resolve("gearshift-optimizer", [])
-    assert args.policy == "las"
+def test_older_variables_still_work_below_the_file(tmp_path):
+    # GEARSHIFT_POLICY & co. (what loadtest.chaos, gearshift up and older deployments set)
+    env = {"GEARSHIFT_POLICY": "las", "GEARSHIFT_POLICY_OPTIONS": '{"restart_cost": 5}',
+           "GEARSHIFT_WAIT_FOR_MODELS": "1", "GEARSHIFT_NATS_URL": "nats://old:4222"}
+    _, cfg = resolve("gearshift-optimizer", [], env)
+    assert (cfg.policy, cfg.policy_options, cfg.wait_for_models, cfg.server) == \
+        ("las", '{"restart_cost": 5}', True, "nats://old:4222")
     f = tmp_path / "o.yaml"
     f.write_text("policy: srtf\n")
-    args, _ = resolve("gearshift-optimizer", ["--config", str(f)])
-    assert args.policy == "srtf"
+    _, cfg = resolve("gearshift-optimizer", ["--config", str(f)], env)
+    assert cfg.policy == "srtf"
+    _, cfg = resolve("gearshift-optimizer", ["--server", "nats://new:4222"], {**env, "GEARSHIFT_OPTIMIZER_POLICY": "srtf"})
+    assert (cfg.policy, cfg.server) == ("srtf", "nats://new:4222")
+    _, cfg = resolve("gearshift-admission", [], {"GEARSHIFT_MAX_JOBS_PER_TENANT": "7"})
+    assert cfg.max_jobs_per_tenant == 7
+    _, cfg = resolve("gearshift-agent", [], {"GEARSHIFT_NATS_URL": "nats://old:4222"})
+    assert cfg.server == "nats://old:4222"
+    # an empty one is unset; a bad one is named
+    _, cfg = resolve("gearshift-admission", [], {"GEARSHIFT_MAX_JOBS_PER_TENANT": "", "GEARSHIFT_NATS_URL": ""})
+    assert (cfg.max_jobs_per_tenant, cfg.server) == (1000, None)
+    with pytest.raises(config.ConfigError, match=r"^admission\.max_jobs_per_tenant: invalid int value 'many' "
+                                                 r"\(from GEARSHIFT_MAX_JOBS_PER_TENANT\)"):
+        resolve("gearshift-admission", [], {"GEARSHIFT_MAX_JOBS_PER_TENANT": "many"})
 
 
 @pytest.mark.parametrize("text,env,argv,expected", [
@@ -110,22 +217,28 @@ def test_bad_values_name_the_field_and_the_source(tmp_path, text, env, argv, exp
     assert str(err.value).startswith(expected.format(f=f)), str(err.value)
 
 
+def test_agent_memory_units_and_host_defaults(monkeypatch):
+    _, cfg = resolve("gearshift-agent", ["--gpu-memory", "24GiB"])
+    assert cfg.gpu_memory == 24 * 2**30
+    _, cfg = resolve("gearshift-agent", [], {"GEARSHIFT_AGENT_GPU_MEMORY": "512MiB"})
+    assert cfg.gpu_memory == 512 * 2**20
+    with pytest.raises(config.ConfigError, match=r"^agent\.gpu_memory: invalid bytes value 'lots' \(from GEARSHIFT_AGENT_GPU"):
+        resolve("gearshift-agent", [], {"GEARSHIFT_AGENT_GPU_MEMORY": "lots"})
+    # the node name and the work directory come from the host when nobody sets them
+    from gearshift.agent import main as agent_main
+
+    for var in ("GEARSHIFT_AGENT_NODE", "GEARSHIFT_AGENT_WORKDIR", "GEARSHIFT_AGENT_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(agent_main.socket, "gethostname", lambda: "gpu_7.example.org")
+    cfg = agent_main.parse_args([])
+    assert cfg.node == "gpu-7" and Path(cfg.workdir).name == "gearshift-agent-gpu-7"
+    cfg = agent_main.parse_args(["--node", "n1", "--workdir", "/w"])
+    assert (cfg.node, cfg.workdir) == ("n1", "/w")
+
+
 def test_agent_node_must_be_a_subject_token(tmp_path):
     with pytest.raises(config.ConfigError, match=r"^agent\.node: Expected `str` matching"):
         resolve("gearshift-agent", [], {"GEARSHIFT_AGENT_NODE": "gpu.1"})
-
-
-def test_a_flag_without_a_declared_field_is_still_configurable():
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--interval", type=float, default=5.0)
-    ap.add_argument("--metrics-port", type=int, default=None)
-    config.add_config_flag(ap, "optimizer")
-    args, cfg = config.resolve(ap, config_check.CONFIGS["gearshift-optimizer"], [], {"GEARSHIFT_OPTIMIZER_METRICS_PORT": "9100"})
-    assert args.metrics_port == 9100 and cfg.metrics_port == 9100
-    with pytest.raises(config.ConfigError, match=r"optimizer\.metrics_port: invalid int value 'x'"):
-        config.resolve(ap, config_check.CONFIGS["gearshift-optimizer"], [], {"GEARSHIFT_OPTIMIZER_METRICS_PORT": "x"})
 
 
 def test_example_files_are_valid():
@@ -165,22 +278,6 @@ def test_check_command_validates_files(tmp_path):
     assert f"error: profiler.steps: Expected `int` >= 1 (from {bad})" in r.stdout
 
 
-def test_two_flags_sharing_a_destination():
-    import argparse
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--login", dest="login", action="store_true", default=None)
-    ap.add_argument("--no-login", dest="login", action="store_false")
-    config.add_config_flag(ap, "perfmodel")
-    before = [a.default for a in ap._actions]
-    for argv, env, want in (([], {}, None), (["--no-login"], {}, False), (["--login"], {}, True),
-                            ([], {"GEARSHIFT_PERFMODEL_LOGIN": "yes"}, True)):
-        args, _ = config.resolve(ap, config_check.CONFIGS["gearshift-perfmodel"], argv, env)
-        assert args.login is want, (argv, env)
-    # the parser is left as it was: its defaults are back
-    assert [a.default for a in ap._actions] == before
-
-
 def test_dashboard_real_parser_login_pair_and_page_port(tmp_path):
     """The dashboard's real parser: its --require-login/--no-login pair from
     flag, environment and file, and the page's address checked."""
@@ -209,4 +306,4 @@ def test_a_bad_dashboard_value_ends_the_real_process_with_one_line():
     r = _run("gearshift.services.dashboard", "--server", "nats://127.0.0.1:1", env={"GEARSHIFT_DASHBOARD_PORT": "http"})
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [
-        "python -m services.dashboard: error: dashboard.port: invalid int value 'http' (from GEARSHIFT_DASHBOARD_PORT)"]
+        "gearshift-dashboard: error: dashboard.port: invalid int value 'http' (from GEARSHIFT_DASHBOARD_PORT)"]
