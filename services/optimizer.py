@@ -65,7 +65,7 @@ from gearshift.bus.infra import ensure_infra
 from gearshift.bus.kv import publish_event
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import GcClock, run_service
-from gearshift.bus.server import Endpoint, serve
+from gearshift.bus.server import Endpoint, RequestError, serve
 from gearshift.bus.views import JobsView, NodesView
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
@@ -196,6 +196,7 @@ class Optimizer:
         self.records_seen: dict[str, JobRecord] = {}  # the last round's records
         self.reconcile_every = 10.0  # seconds between full gs_alloc reconciliations while nothing failed
         self._reconcile_at = 0.0  # monotonic time the next one is due (0: the first round as leader)
+        self.operator = OperatorActions(self)
 
     async def open(self) -> "Optimizer":
         await self.store.open()
@@ -271,8 +272,8 @@ class Optimizer:
             [
                 Endpoint("round", subj.OPTIMIZER_ROUND, None, self._round_endpoint),
                 Endpoint("explain", subj.OPTIMIZER_EXPLAIN, None, self._explain_endpoint),
-                Endpoint("reconfigure", OPTIMIZER_RECONFIGURE, ReconfigureRequest, self._reconfigure_endpoint),
-                Endpoint("node", subj.OPTIMIZER_NODE, NodeModeRequest, self._node_endpoint),
+                Endpoint("reconfigure", OPTIMIZER_RECONFIGURE, ReconfigureRequest, self.operator.reconfigure),
+                Endpoint("node", subj.OPTIMIZER_NODE, NodeModeRequest, self.operator.node),
             ],
             "gearshift scheduling rounds",
             {"policy": self.policy.name, "instance": self.instance},
@@ -442,24 +443,30 @@ class Optimizer:
             await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}", subj.round_event(ev.__struct_config__.tag))
         return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
 
-    async def _node_endpoint(self, req: NodeModeRequest) -> NodeModeReply:
+
+class OperatorActions:
+    """What operators ask the leader: a node's mode (cordon / drain / uncordon) and a
+    job's pinned plan. Both act through the optimizer's parts and kick a round."""
+
+    def __init__(self, opt: "Optimizer"):
+        self.opt = opt
+
+    async def node(self, req: NodeModeRequest) -> NodeModeReply:
         """Cordon / drain / uncordon a node (applied by the next round, kicked now)."""
         if req.mode is not None:
-            known = {n.node for n in await self.live_nodes()}
-            await node_modes.set_mode(self.modes_kv, req, known, self.clock)
+            known = {n.node for n in await self.opt.live_nodes()}
+            await node_modes.set_mode(self.opt.modes_kv, req, known, self.opt.clock)
             log.info("node mode", node=req.node, mode=req.mode.value, reason=req.reason)
-            await self.round()  # applied before the reply: the jobs it moves are in it
-        return node_modes.reply(await node_modes.read_modes(self.modes_kv), self.records_seen.values(), req.node)
+            await self.opt.round()  # applied before the reply: the jobs it moves are in it
+        return node_modes.reply(await node_modes.read_modes(self.opt.modes_kv), self.opt.records_seen.values(), req.node)
 
-    async def _reconfigure_endpoint(self, req: ReconfigureRequest) -> ReconfigureReply:
-        from gearshift.bus.server import RequestError
-
+    async def reconfigure(self, req: ReconfigureRequest) -> ReconfigureReply:
         try:
-            reply = await self.records.pin(req)
+            reply = await self.opt.records.pin(req)
         except Deposed as exc:
-            self.leadership.deposed(exc)
+            self.opt.leadership.deposed(exc)
             raise RequestError("503", "this optimizer is no longer the leader; retry", "job_id") from None
-        self.kick.set()
+        self.opt.kick.set()
         return reply
 
 
