@@ -30,7 +30,8 @@ import time
 import msgspec
 
 from gearshift.bus_schema.messages import JobRecord, JobSpec, JobState, NodePlacement
-from gearshift.policies.api import NodeState, check_decision
+from gearshift.policies.api import NodeState
+from gearshift.policies.decision import check_decision
 from gearshift.policies.learning import LearningOracle
 from gearshift.policies.oracle import PerfModelOracle
 from gearshift.policies.rubick import Rubick

@@ -20,7 +20,8 @@ import time
 import numpy as np
 
 from gearshift.bus_schema.messages import JobSpec, ModelSpec
-from gearshift.policies.api import JobView, NodeState, check_decision
+from gearshift.policies.api import JobView, NodeState
+from gearshift.policies.decision import check_decision
 from gearshift.policies.optimal import milp_optimum
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.rubick import Rubick

@@ -56,7 +56,7 @@ from gearshift.bus_schema.messages import (
     RunReportKind,
     SubmitReply,
 )
-from gearshift.policies.api import Placement
+from gearshift.services.capacity import placement_of
 from gearshift.sim.engine import SimConfig, Simulator
 from gearshift.sim.loaders import load_named
 from gearshift.sim.trace import Trace, TraceJob, parse_cluster
@@ -176,7 +176,7 @@ class Driver:
         for jid, rec in records.items():
             if rec.state in ACTIVE and jid not in self.run and not rec.draining:
                 tj = self.by_name[self.names[jid]]
-                placement = tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
+                placement = placement_of(rec)
                 step_time, _ = self.truth.step_time(tj, rec.plan, placement)
                 steps0 = self.base_steps.get(jid, 0.0)
                 st = {"gen": rec.generation, "nodes": [p.node for p in rec.placement], "steps": tj.spec.steps,

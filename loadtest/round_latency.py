@@ -21,7 +21,8 @@ import sys
 import time
 
 from gearshift.bus_schema.messages import JobSpec
-from gearshift.policies.api import JobView, NodeState, Placement, check_decision, default_plan
+from gearshift.policies.api import JobView, NodeState, Placement, default_plan
+from gearshift.policies.decision import check_decision
 from gearshift.policies.kernels import greedy_allocate, warm_up
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.rubick import Rubick

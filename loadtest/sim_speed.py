@@ -35,7 +35,7 @@ def blox_load8(policy_name: str = "fifo") -> dict:
     return {
         "benchmark": "blox-load8", "policy": policy_name, "cluster": "32x4", "interval_s": 300, "restart_cost_s": 0,
         "tracked_jobs": s["jobs"], "tracked_finished": s["finished"],
-        "jobs_arrived": sum(1 for r in res.records if r.state != 0),
+        "jobs_arrived": sum(1 for r in res.records if r.state is not None),
         "rounds": res.rounds, "events": res.events, "sim_time_h": res.end_time / 3600,
         "avg_jct_h": s["avg_jct_s"] / 3600, "gpu_util": s["gpu_util"],
         "load_s": round(load_s, 3), "simulate_s": round(sim_s, 3), "simulate_cpu_s": round(cpu_s, 3),

@@ -8,7 +8,7 @@ from gearshift.policies.api import (
     NodeState,
     Placement,
     SchedOptions,
-    check_decision,
     default_plan,
 )
+from gearshift.policies.decision import Diff, check_decision, diff  # noqa: F401
 from gearshift.policies.registry import make_policy, policy_names, register  # noqa: F401

@@ -1,6 +1,11 @@
 """The scheduling interface shared by the optimizer service and the simulator.
 
 Changes (newest first; all backward compatible, every new field has a default):
+- The decision core (issue 22): ``check_decision`` moved to ``policies.decision``
+  (re-exported by ``policies``), with the GPU-type rules the simulator had alone
+  (one type per placement, one the job accepts); ``policies.decision.diff`` splits a
+  decision into keep / preempt / start / reconfigure for the simulator and the
+  optimizer alike.
 - GPU types (issue 13): ``NodeState.gpu_type``, ``Placement.gpu_type`` (not part of
   equality), ``placement_type``, ``accepts(spec, type)`` (``JobSpec.gpu_types``),
   ``with_type``. A job runs on nodes of one type; ``policies.hetero`` runs a policy
@@ -230,40 +235,3 @@ def default_plan(spec: JobSpec) -> Plan:
 
 class AllocationError(ValueError):
     """A decision that the cluster cannot hold (over-allocation, unknown node...)."""
-
-
-def check_decision(decision: Decision, nodes: list[NodeState], jobs: dict[str, JobView]) -> None:
-    """Refuse a decision that over-allocates any node or names unknown things.
-
-    Capacity is checked against totals: the decision is a full desired state,
-    so what running jobs hold now does not count against it.
-    """
-    by_name = {n.name: n for n in nodes}
-    used_g: dict[str, int] = {}
-    used_c: dict[str, int] = {}
-    for job_id, d in decision.allocations.items():
-        if job_id not in jobs:
-            raise AllocationError(f"decision names unknown job {job_id!r}")
-        if not d.placement:
-            raise AllocationError(f"job {job_id}: empty placement")
-        if len({p.node for p in d.placement}) != len(d.placement):
-            raise AllocationError(f"job {job_id}: a node appears twice in its placement")
-        if job_id in decision.waiting:
-            raise AllocationError(f"job {job_id}: both allocated and waiting")
-        gpus = 0
-        for p in d.placement:
-            if p.node not in by_name:
-                raise AllocationError(f"job {job_id}: unknown node {p.node!r}")
-            if p.gpus < 0 or p.cpus < 0:
-                raise AllocationError(f"job {job_id}: negative amount on {p.node}")
-            used_g[p.node] = used_g.get(p.node, 0) + p.gpus
-            used_c[p.node] = used_c.get(p.node, 0) + p.cpus
-            gpus += p.gpus
-        if gpus != d.plan.gpus:
-            raise AllocationError(f"job {job_id}: plan {d.plan.label()} needs {d.plan.gpus} GPUs, placement has {gpus}")
-    for name, g in used_g.items():
-        n = by_name[name]
-        if g > n.gpus_total:
-            raise AllocationError(f"node {name}: {g} GPUs allocated, it has {n.gpus_total}")
-        if used_c[name] > n.cpus_total:
-            raise AllocationError(f"node {name}: {used_c[name]} CPUs allocated, it has {n.cpus_total}")

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 from gearshift.bus_schema.messages import Plan
 from gearshift.policies.api import JobView, PerfOracle, Placement, default_plan
+from gearshift.policies.placement import symmetric_shape
 from gearshift.policies.plans import candidate_plans, scaled_user_plan
+from gearshift.policies.protocols import BatchOracle, KeyedOracle, PlanningOracle, RevisedOracle, supports
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,8 +34,7 @@ class Candidate:
         return self.gpus // self.nodes
 
     def placement_shape(self) -> tuple[Placement, ...]:
-        per = self.per_node
-        return tuple(Placement(f"_n{i}", per, per * self.cpus_per_gpu) for i in range(self.nodes))
+        return symmetric_shape(self.per_node, self.nodes, self.cpus_per_gpu)
 
     def describe(self) -> str:
         where = "1 node" if self.nodes == 1 else f"{self.nodes} nodes"
@@ -93,8 +94,7 @@ class CandidateSpace:
 def oracle_key(spec, perf) -> object:
     """``spec_key`` plus what the oracle says its answers for this spec depend on
     (a learning oracle's per-model revision): for policies' own speed caches."""
-    own = getattr(perf, "spec_key", None) if perf is not None else None
-    return (spec_key(spec), own(spec)) if own is not None else spec_key(spec)
+    return (spec_key(spec), perf.spec_key(spec)) if supports(perf, KeyedOracle) else spec_key(spec)
 
 
 def spec_key(spec) -> object:
@@ -121,14 +121,13 @@ class CandidateCache:
         jobs with equal keys share candidates."""
         hit = self._keys.get(id(job.spec))
         # An oracle that learns says so with ``revision``: its keys change with it.
-        rev = getattr(perf, "revision", 0)
+        rev = perf.revision if supports(perf, RevisedOracle) else 0
         if hit is not None and hit[0] is job.spec and hit[1] is perf:
             if hit[3] == rev:
                 return hit[2]
             # a new revision: the key is asked again, but one equal to the last is the
             # same object, so what callers built from it (by identity) stays valid
-            own = getattr(perf, "spec_key", None) if perf is not None else None
-            o = own(job.spec) if own is not None else None
+            o = perf.spec_key(job.spec) if supports(perf, KeyedOracle) else None
             if o == hit[4]:
                 self._keys[id(job.spec)] = (job.spec, perf, hit[2], rev, o)
                 return hit[2]
@@ -145,12 +144,11 @@ class CandidateCache:
     def _key(self, job: JobView, perf: PerfOracle | None, *own_key) -> tuple[object, object] | object:
         """The key and the oracle's own part of it (None without ``spec_key``);
         given that part (``own_key``), the key alone."""
-        own = getattr(perf, "spec_key", None) if perf is not None else None
-        if own is None:
+        if not supports(perf, KeyedOracle):
             k, o = spec_key(job.spec), None
         else:
             s = job.spec  # what the candidate grid itself depends on, besides speed
-            o = own_key[0] if own_key else own(s)
+            o = own_key[0] if own_key else perf.spec_key(s)
             k = ("oracle", o, s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable)
         return k if own_key else (k, o)
 
@@ -182,9 +180,8 @@ def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, shape: tup
     if not space.vary_plan or not job.spec.reconfigurable:
         p = scaled_user_plan(job.spec, gpus)
         return [p] if p is not None else []
-    plans_fn = getattr(perf, "plans", None)
-    if plans_fn is not None:
-        plans = list(plans_fn(job, shape))
+    if supports(perf, PlanningOracle):
+        plans = list(perf.plans(job, shape))
     else:
         share = min(p.gpus for p in shape)
         plans = list(candidate_plans(job.spec.global_batch, job.spec.model.layers, gpus, share))
@@ -194,15 +191,13 @@ def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, shape: tup
 
 
 def _evaluate(job: JobView, perf: PerfOracle, plans: list[Plan], shape: tuple[Placement, ...]) -> list[float]:
-    many = getattr(perf, "throughput_many", None)
-    if many is not None and plans:
-        return [float(t) for t in many(job, plans, shape)]
+    if plans and supports(perf, BatchOracle):
+        return [float(t) for t in perf.throughput_many(job, plans, shape)]
     return [perf.throughput(job, p, shape) for p in plans]
 
 
 def _shape(gpus: int, nodes: int, cpg: int) -> tuple[Placement, ...]:
-    per = gpus // nodes
-    return tuple(Placement(f"_n{i}", per, per * cpg) for i in range(nodes))
+    return symmetric_shape(gpus // nodes, nodes, cpg)
 
 
 def best_plan(job: JobView, perf: PerfOracle, space: CandidateSpace, gpus: int, nodes: int, cpg: int) -> tuple[Plan | None, float]:

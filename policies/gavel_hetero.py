@@ -26,8 +26,8 @@ from scipy.optimize import linprog
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, accepts, default_plan
 from gearshift.policies.classes import class_rank
-from gearshift.policies.hetero import compact_shape, node_types, typed_oracle
-from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.hetero import node_types, typed_oracle
+from gearshift.policies.placement import Ledger, compact_shape, describe
 
 
 class HeteroGavel:

@@ -40,6 +40,16 @@ from gearshift.policies.api import (
     placement_type,
     with_type,
 )
+from gearshift.policies.placement import compact_shape
+from gearshift.policies.protocols import (
+    BatchOracle,
+    BudgetedPolicy,
+    KeyedOracle,
+    ObservingOracle,
+    PlanningOracle,
+    RevisedOracle,
+    supports,
+)
 
 
 class TypedOracle:
@@ -48,16 +58,19 @@ class TypedOracle:
     def __init__(self, perf, gpu_type: str):
         self.base = perf
         self.gpu_type = gpu_type
-        if hasattr(perf, "plans"):
+        # the base's capabilities (protocols), offered typed
+        if supports(perf, PlanningOracle):
             self.plans = lambda job, placement: perf.plans(job, self._typed(placement))
-        if hasattr(perf, "throughput_many"):
+        if supports(perf, BatchOracle):
             self.throughput_many = lambda job, plans, placement: perf.throughput_many(job, plans, self._typed(placement))
-        if hasattr(perf, "observe"):
+        if supports(perf, ObservingOracle):
             self.observe = perf.observe
+        self._revised = supports(perf, RevisedOracle)
+        self._own_key = perf.spec_key if supports(perf, KeyedOracle) else None
 
     @property
     def revision(self):
-        return getattr(self.base, "revision", 0)
+        return self.base.revision if self._revised else 0
 
     def _typed(self, placement: tuple[Placement, ...]) -> tuple[Placement, ...]:
         return placement if placement_type(placement) else with_type(placement, self.gpu_type)
@@ -66,7 +79,7 @@ class TypedOracle:
         return self.base.throughput(job, plan, self._typed(placement))
 
     def spec_key(self, spec) -> object:
-        own = getattr(self.base, "spec_key", None)
+        own = self._own_key
         from gearshift.policies.candidates import spec_key as plain
 
         return (self.gpu_type, own(spec) if own is not None else plain(spec))
@@ -86,22 +99,15 @@ def typed_oracle(perf: PerfOracle | None, gpu_type: str):
     return TypedOracle(perf, gpu_type)
 
 
-def compact_shape(gpus: int, gpn: int, cpg: int, gpu_type: str) -> tuple[Placement, ...]:
-    """``gpus`` packed onto nodes of ``gpn`` GPUs (full nodes first)."""
-    full, rest = divmod(gpus, gpn)
-    parts = [gpn] * full + ([rest] if rest else [])
-    return tuple(Placement(f"_n{i}", g, g * cpg, gpu_type) for i, g in enumerate(parts))
-
-
 def best_speed(job: JobView, perf, gpus: int, gpn: int, cpg: int, gpu_type: str) -> float:
     """Best predicted samples/s of the job on ``gpus`` GPUs of a type, compactly placed:
     over the oracle's plans when the job may change plan, else its own plan."""
     shape = compact_shape(gpus, gpn, cpg, gpu_type)
-    if job.spec.reconfigurable and hasattr(perf, "plans"):
+    if job.spec.reconfigurable and supports(perf, PlanningOracle):
         plans = [p for p in perf.plans(job, shape) if p.gpus == gpus]
         if plans:
-            many = getattr(perf, "throughput_many", None)
-            vals = many(job, plans, shape) if many is not None else [perf.throughput(job, p, shape) for p in plans]
+            vals = (perf.throughput_many(job, plans, shape) if supports(perf, BatchOracle)
+                    else [perf.throughput(job, p, shape) for p in plans])
             return float(max(vals, default=0.0))
     plan = default_plan(job.spec)
     if plan.gpus != gpus:
@@ -128,9 +134,12 @@ class ByType:
         self.last_types: dict[str, str] = {}
 
     _OWN = frozenset({"name", "chooser", "restart_cost", "min_run_time", "last_types", "schedule"})
+    # Capabilities (policies.protocols) are declared by a class, never forwarded: a
+    # wrapper offers one only where it carries it out for every type (BudgetedByType).
+    _DECLARED = frozenset({"set_budget"})
 
     def __getattr__(self, attr):  # the inner policy's own attributes (last_stats, ...)
-        if attr.startswith("_"):
+        if attr.startswith("_") or attr in self._DECLARED:
             raise AttributeError(attr)
         return getattr(self._primary, attr)
 
@@ -239,7 +248,7 @@ class ByType:
         return out
 
     def _speeds(self, job: JobView, perf, nodes, types) -> dict[str, float]:
-        key = (id(job.spec), getattr(perf, "revision", 0))
+        key = (id(job.spec), perf.revision if supports(perf, RevisedOracle) else 0)
         hit = self._speed.get(job.job_id)
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -333,3 +342,20 @@ class ByType:
             load[t] += j.spec.gpus
         return out
 
+
+
+class BudgetedByType(ByType):
+    """``ByType`` over a policy that plans within tenant budgets (``protocols.BudgetedPolicy``):
+    the budget goes to every instance, present and future (``ByType.__setattr__``), each
+    type's instance getting its part (``_budget_for``)."""
+
+    def set_budget(self, budget: dict[str, float] | None) -> None:
+        self.budget = budget
+
+
+def by_type(factory, name: str, chooser: str = "balance", restart_cost: float = 0.0, min_run_time: float = 0.0,
+            primary=None) -> ByType:
+    """``ByType`` with the capabilities of the policy it runs per type."""
+    primary = primary if primary is not None else factory()
+    cls = BudgetedByType if isinstance(primary, BudgetedPolicy) else ByType
+    return cls(factory, name, chooser, restart_cost, min_run_time, primary)

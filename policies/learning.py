@@ -42,6 +42,7 @@ from typing import Any
 from gearshift.bus_schema.messages import JobSpec, Plan
 from gearshift.policies.api import JobView, Placement, placement_type
 from gearshift.policies.memory_rule import OomRule
+from gearshift.policies.protocols import BatchOracle, KeyedOracle, PlanningOracle, supports
 
 CHANGE_TOL = 0.02  # an observation within 2% of the current answer changes nothing
 
@@ -93,8 +94,11 @@ class LearningOracle:
         self._base_keys: dict[int, tuple] = {}  # id(spec) -> (spec, key), for bases without spec_key
         self._models: dict[int, tuple] = {}  # id(spec) -> (spec, _model_of(spec))
         self._exact_at: dict[tuple, dict] = {}  # (model, per_node) -> {plan: what _exact holds}
-        if hasattr(base, "plans"):
+        if supports(base, PlanningOracle):
             self.plans = base.plans
+        # the base's optional capabilities (policies.protocols), found once
+        self._base_key = base.spec_key if supports(base, KeyedOracle) else None
+        self._base_many = base.throughput_many if supports(base, BatchOracle) else None
 
     # ------------------------------------------------------------ learning
     def observe(self, job: JobView | JobSpec, plan: Plan, placement: tuple[Placement, ...], *,
@@ -147,7 +151,7 @@ class LearningOracle:
 
     # ------------------------------------------------------------ answering
     def spec_key(self, spec: JobSpec) -> object:
-        own = getattr(self.base, "spec_key", None)
+        own = self._base_key
         if own is not None:
             base = own(spec)
         else:  # what any oracle's answer may depend on (never shared across models)
@@ -197,7 +201,7 @@ class LearningOracle:
         memo = self._memo(job.spec, placement, "many")  # plan -> (base's answer, normalised plan, family)
         missing = [p for p in plans if p not in memo]
         if missing:
-            many = getattr(self.base, "throughput_many", None)
+            many = self._base_many
             got = many(job, missing, placement) if many is not None else [self.base.throughput(job, p, placement) for p in missing]
             batch = job.spec.global_batch
             for p, t in zip(missing, got):
@@ -210,7 +214,7 @@ class LearningOracle:
     def _memo(self, spec: JobSpec, placement: tuple[Placement, ...], how: str) -> dict:
         """The base's remembered answers for this spec (by what the base says they
         depend on) and placement. A base whose key changes (a new fit) misses."""
-        own = getattr(self.base, "spec_key", None)
+        own = self._base_key
         if own is not None:
             bkey = own(spec)
         else:

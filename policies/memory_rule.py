@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.policies.protocols import MemoryModel, supports
 
 TOL_GB = 1e-6  # parts equal to within this are equal
 
@@ -56,7 +57,7 @@ class OomRule:
     normalised plan (learning._norm)."""
 
     def __init__(self, base: Any):
-        self._parts_fn = getattr(base, "memory_parts", None)
+        self._parts_fn = base.memory_parts if supports(base, MemoryModel) else None
         self._exact: dict[tuple, dict[tuple, bool]] = {}  # tm -> {pkey: fits} (latest observation)
         self._oom: dict[tuple, list[tuple]] = {}  # tm -> [(parts or None, pkey)] that ran out of memory
         self._ran: dict[tuple, list[tuple]] = {}  # tm -> parts that ran (maximal ones)

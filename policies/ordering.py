@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from gearshift.policies.api import JobView, PerfOracle, default_plan
+from gearshift.policies.placement import compact_shape
 
 
 def fifo_key(job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
@@ -19,19 +20,8 @@ def requested_throughput(job: JobView, perf: PerfOracle | None, gpus_per_node: i
     """Predicted samples/s of the job's own plan on its own GPUs, compactly placed."""
     if perf is None:
         return None
-    from gearshift.policies.api import Placement
-
     plan = default_plan(job.spec)
-    g = plan.gpus
-    cpg = job.spec.cpus_per_gpu or 1
-    place: list[Placement] = []
-    i = 0
-    while g > 0:
-        take = min(g, gpus_per_node)
-        place.append(Placement(f"_n{i}", take, take * cpg))
-        g -= take
-        i += 1
-    thr = perf.throughput(job, plan, tuple(place))
+    thr = perf.throughput(job, plan, compact_shape(plan.gpus, gpus_per_node, job.spec.cpus_per_gpu or 1))
     return thr if thr > 0 else None
 
 

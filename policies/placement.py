@@ -35,6 +35,27 @@ def first_fit(
     return tuple(out) if left == 0 else None
 
 
+def packed(gpus: int, per_node: int) -> tuple[int, ...]:
+    """GPU counts of ``gpus`` packed onto nodes of ``per_node``: full nodes first,
+    the rest on one more node (a request's natural, compact placement)."""
+    if gpus <= 0:
+        return ()
+    full, rest = divmod(gpus, per_node)
+    return (per_node,) * full + ((rest,) if rest else ())
+
+
+def compact_shape(gpus: int, per_node: int, cpus_per_gpu: int, gpu_type: str = "") -> tuple[Placement, ...]:
+    """A hypothetical placement (nodes ``_n0``, ``_n1``...) of ``gpus`` packed
+    (``packed``), ``cpus_per_gpu`` CPUs per GPU: what policies ask an oracle about."""
+    return tuple(Placement(f"_n{i}", g, g * cpus_per_gpu, gpu_type) for i, g in enumerate(packed(gpus, per_node)))
+
+
+def symmetric_shape(per_node: int, nodes: int, cpus_per_gpu: int, gpu_type: str = "") -> tuple[Placement, ...]:
+    """A hypothetical placement of ``per_node`` GPUs on each of ``nodes`` nodes
+    (``_n0``, ``_n1``...), as 3D-parallel plans need."""
+    return tuple(Placement(f"_n{i}", per_node, per_node * cpus_per_gpu, gpu_type) for i in range(nodes))
+
+
 def take(placement: tuple[Placement, ...], free_gpus: dict[str, int], free_cpus: dict[str, int]) -> None:
     for p in placement:
         free_gpus[p.node] -= p.gpus

@@ -118,7 +118,8 @@ class PriorityPolicy:
         for jid, j in holding.items():
             decision.allocations[jid] = JobDecision(j.placement, j.plan or default_plan(j.spec), f"{self.name}: kept")
         for jid, why in preempted.items():
-            decision.waiting[jid] = why
+            if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
+                decision.waiting[jid] = why
         return decision
 
 

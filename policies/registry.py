@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from gearshift.policies.api import Policy
+from gearshift.policies.protocols import ChargesRestarts, PinsRuns, TypeAwarePolicy
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {}
 
@@ -38,13 +39,14 @@ def make_policy(name: str, **options) -> Policy:
         return factory(**options)
 
     policy = build()
-    if not getattr(policy, "hetero", False):
+    if not (isinstance(policy, TypeAwarePolicy) and policy.hetero):
         # GPU types: one instance per type (policies.hetero); rubick picks types by its model
-        from gearshift.policies.hetero import ByType
+        from gearshift.policies.hetero import by_type
 
-        policy = ByType(build, getattr(policy, "name", name), "model" if name.startswith("rubick") else "balance",
-                        restart_cost=getattr(policy, "restart_cost", 0.0) or 0.0,
-                        min_run_time=getattr(policy, "min_run_time", 0.0) or 0.0, primary=policy)
+        policy = by_type(build, policy.name, "model" if name.startswith("rubick") else "balance",
+                         restart_cost=(policy.restart_cost if isinstance(policy, ChargesRestarts) else 0.0) or 0.0,
+                         min_run_time=(policy.min_run_time if isinstance(policy, PinsRuns) else 0.0) or 0.0,
+                         primary=policy)
     if sharing is None or sharing is False:
         return policy
     from gearshift.policies.queues import ShareConfig

@@ -128,6 +128,10 @@ class Rubick:
         # shares, ``Shared``): the greedy plans within each tenant's share; None: no budgets
         self.budget: dict[str, float] | None = None
 
+    def set_budget(self, budget: dict[str, float] | None) -> None:
+        """``protocols.BudgetedPolicy``: each tenant's GPUs this round (``Shared`` tells it)."""
+        self.budget = budget
+
     # ---------------------------------------------------------------- helpers
     def _space(self, nodes: list[NodeState]) -> CandidateSpace:
         g = max((n.gpus_total for n in nodes), default=8)

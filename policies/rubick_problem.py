@@ -23,6 +23,7 @@ import numpy as np
 
 from gearshift.policies.api import JobView, NodeState, PerfOracle, Placement, default_plan
 from gearshift.policies.candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
+from gearshift.policies.placement import compact_shape, symmetric_shape
 from gearshift.policies.rubick_rules import resume_weights, seed_groups
 
 
@@ -109,7 +110,7 @@ class ProblemBuilder:
         if got is None:
             plan = default_plan(job.spec)
             cpg = job.spec.cpus_per_gpu or max(1, min(4, space.cpus_per_node // space.gpus_per_node))
-            got = perf.throughput(job, plan, compact(plan.gpus, cpg, space.gpus_per_node))
+            got = perf.throughput(job, plan, compact_shape(plan.gpus, space.gpus_per_node, cpg))
             self.ref[key] = got
         self.ref[id(job.spec)] = (job.spec, got)
         return got
@@ -408,17 +409,6 @@ def space_cap(nodes: list[NodeState], what: str) -> np.ndarray:
     return np.array([n.gpus_total if what == "g" else n.cpus_total for n in nodes], np.int64)
 
 
-def compact(gpus: int, cpg: int, per_node: int) -> tuple[Placement, ...]:
-    out = []
-    i = 0
-    while gpus > 0:
-        g = min(gpus, per_node)
-        out.append(Placement(f"_n{i}", g, g * cpg))
-        gpus -= g
-        i += 1
-    return tuple(out)
-
-
 def fixed_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
     """A job that may not be reconfigured: its own plan and GPUs, compact."""
     plan = default_plan(job.spec)
@@ -426,6 +416,6 @@ def fixed_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace) -> l
     m = math.ceil(plan.gpus / space.gpus_per_node)
     if plan.gpus % m:
         return []
-    shape = tuple(Placement(f"_n{i}", plan.gpus // m, plan.gpus // m * cpg) for i in range(m))
+    shape = symmetric_shape(plan.gpus // m, m, cpg)
     t = perf.throughput(job, plan, shape)
     return [Candidate(plan.gpus, cpg, m, plan, t)] if t > 0 else []

@@ -44,6 +44,7 @@ from gearshift.policies import typed_place
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, Policy, default_plan
 from gearshift.policies.fairshare import Rebalancer, round_entitlement
 from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.protocols import BudgetedPolicy, KeyOrderedPolicy
 from gearshift.policies.queues import FairShare, QuotaBook, ShareConfig
 
 
@@ -159,7 +160,8 @@ class Shared:
     def __init__(self, inner: Policy, cfg: ShareConfig | None = None, *, log: bool = False):
         self.inner = inner
         self.cfg = cfg or ShareConfig()
-        self.name = getattr(inner, "name", "policy")
+        self.name = inner.name
+        self._budgeted = isinstance(inner, BudgetedPolicy)  # plans within budgets: told them (``_budget``)
         self.fair = FairShare(self.cfg.half_life)
         self.standing: dict[str, tuple] = {}
         self.wait_since: dict[str, float] = {}
@@ -167,8 +169,8 @@ class Shared:
         self.last_stats: dict = {}
         self.entitled: dict[str, float] = {}
         self.fairness = Rebalancer(self.cfg, self.name, self._protected, self.standing)
-        base = getattr(inner, "key", None)
-        if callable(base):  # the priority family and EASY FIFO order by a key: put standing first
+        if isinstance(inner, KeyOrderedPolicy):  # the priority family and EASY FIFO order by a key: put standing first
+            base = inner.key
             inner.key = lambda j, now, perf, _b=base: self.standing.get(j.job_id, ()) + tuple(_b(j, now, perf))
 
     def set_config(self, cfg: ShareConfig) -> None:
@@ -272,7 +274,7 @@ class Shared:
         # others are not shown such a job (the repair would restart the grown jobs instead)
         growth: dict[str, int] = {}
         credited: set[str] = set()  # jobs admitted against that growth
-        for v in holding.values() if hasattr(self.inner, "budget") else ():
+        for v in holding.values() if self._budgeted else ():
             growth[v.spec.tenant] = growth.get(v.spec.tenant, 0) + max(0, v.gpus - v.spec.gpus)
         for j in pending:
             if j.job_id not in claimed and not book.borrow(j.spec.tenant, j.spec.gpus) \
@@ -333,15 +335,15 @@ class Shared:
         return decision
 
     def _budget(self, nodes: list[NodeState], jobs: list[JobView]) -> None:
-        """An inner policy that plans within budgets (rubick: ``Rubick.budget``) is told
+        """An inner policy that plans within budgets (``protocols.BudgetedPolicy``: rubick) is told
         each tenant's share before it decides: its entitlement (what ``rebalance`` will
         impose) plus the GPUs no tenant is entitled to now (demand below the cluster),
         so it does not give a tenant at its share what the rebalance takes back."""
-        if not hasattr(self.inner, "budget"):
+        if not self._budgeted:
             return
         _, ent = round_entitlement(self.cfg, nodes, jobs)
         spare = max(0.0, sum(n.gpus_total for n in nodes) - sum(ent.values()))
-        self.inner.budget = {t: e + spare for t, e in ent.items()}
+        self.inner.set_budget({t: e + spare for t, e in ent.items()})
 
     @staticmethod
     def _tenant(jobs: list[JobView], jid: str) -> str:

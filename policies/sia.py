@@ -34,13 +34,12 @@ from gearshift.policies.api import (
     JobView,
     NodeState,
     PerfOracle,
-    Placement,
     default_plan,
 )
 from gearshift.policies.candidates import oracle_key
 from gearshift.policies.classes import enforce
 from gearshift.policies.oracle import AnalyticOracle
-from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.placement import Ledger, describe, symmetric_shape
 from gearshift.policies.plans import scaled_user_plan
 from gearshift.policies.sia_hetero import HeteroSia
 
@@ -87,7 +86,7 @@ class Sia(HeteroSia):
         if t is None:
             m = -(-gpus // gpn)
             per = gpus // m
-            t = perf.throughput(job, plan, tuple(Placement(f"_n{i}", per, per * cpg) for i in range(m)))
+            t = perf.throughput(job, plan, symmetric_shape(per, m, cpg))
             self._thr[key] = t
         return t, plan
 

@@ -21,19 +21,10 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from gearshift.policies.api import (
-    Decision,
-    JobDecision,
-    JobView,
-    NodeState,
-    PerfOracle,
-    Placement,
-    accepts,
-    default_plan,
-)
+from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, accepts, default_plan
 from gearshift.policies.candidates import oracle_key
 from gearshift.policies.hetero import node_types, typed_oracle
-from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.placement import Ledger, describe, symmetric_shape
 from gearshift.policies.plans import scaled_user_plan
 
 
@@ -50,7 +41,7 @@ class HeteroSia:
         if t is None:
             m = -(-gpus // gpn)
             per = gpus // m
-            t = perf.throughput(job, plan, tuple(Placement(f"_n{i}", per, per * cpg, gtype) for i in range(m)))
+            t = perf.throughput(job, plan, symmetric_shape(per, m, cpg, gtype))
             self._thr[key] = t
         return t, plan
 

@@ -25,7 +25,7 @@ from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, Pe
 from gearshift.policies.candidates import oracle_key
 from gearshift.policies.classes import by_class
 from gearshift.policies.ordering import fifo_key, las_key, srtf_key
-from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.placement import Ledger, compact_shape, describe
 
 ORDERS = {"fifo": fifo_key, "las": las_key, "srtf": srtf_key}
 
@@ -53,13 +53,7 @@ class Synergy:
         levels = [c for c in self.cpu_levels if c * min(g, per_node_gpus) <= cpus_per_node] or [1]
         thr = []
         for c in levels:
-            shape, left, i = [], g, 0
-            while left > 0:
-                t = min(left, per_node_gpus)
-                shape.append(Placement(f"_n{i}", t, t * c))
-                left -= t
-                i += 1
-            thr.append(perf.throughput(job, plan, tuple(shape)))
+            thr.append(perf.throughput(job, plan, compact_shape(g, per_node_gpus, c)))
         best = max(thr)
         got = fallback if best <= 0 else next(c for c, t in zip(levels, thr) if t >= 0.99 * best)
         self._best[key] = got

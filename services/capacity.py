@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from gearshift.bus_schema.gputypes import node_gpu_type
 from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodePlacement, NodeReport
 from gearshift.policies import Decision, NodeState, Placement
-from gearshift.policies.api import JobDecision
+from gearshift.policies.api import JobDecision, accepts
+from gearshift.policies.decision import Held
 
 ACTIVE = ACTIVE_STATES
 
@@ -59,10 +60,15 @@ def in_use(records: Iterable[JobRecord], held: dict[str, set[int]]) -> dict[str,
     return used
 
 
-def same_shape(rec: JobRecord, d: JobDecision) -> bool:
-    have = sorted((p.node, len(p.gpus), p.cpus) for p in rec.placement)
-    want = sorted((p.node, p.gpus, p.cpus) for p in d.placement)
-    return have == want and rec.plan == d.plan
+def placement_of(rec: JobRecord) -> tuple[Placement, ...]:
+    """A record's placement as policies see it: GPU counts, not indices."""
+    return tuple(Placement(p.node, len(p.gpus), p.cpus) for p in rec.placement)
+
+
+def holding(records: Iterable[JobRecord]) -> dict[str, Held]:
+    """What active jobs hold, as ``policies.decision.diff`` reads it: a decision
+    keeps a job whose plan and shape it repeats."""
+    return {rec.job_id: Held(rec.plan, placement_of(rec)) for rec in records if rec.state in ACTIVE}
 
 
 def assign(rec: JobRecord, d: JobDecision, used: dict[str, set[int]], gpu_count: dict[str, int]) -> list[NodePlacement] | None:
@@ -90,6 +96,7 @@ def apply_pins(decision: Decision, records: dict[str, JobRecord], nodes: list[No
     if not pinned:
         return
     policy_choice = {rec.job_id: decision.allocations.pop(rec.job_id, None) for rec in pinned}
+    kind = {n.name: n.gpu_type for n in nodes}
     for rec in sorted(pinned, key=lambda r: r.submitted_at):
         pin = rec.pinned
         assert pin is not None
@@ -102,20 +109,9 @@ def apply_pins(decision: Decision, records: dict[str, JobRecord], nodes: list[No
         if (not shares and rec.state in ACTIVE and rec.plan == pin.plan
                 and sum(g for _, g in current) == pin.plan.gpus):
             shares = current  # already runs the pinned plan: stay where it is
-        if not shares:  # first fit: one node if possible, else fill nodes in order
-            need = pin.plan.gpus
-            one = next((n for n in sorted(free) if free[n] >= need), None)
-            if one is not None:
-                shares = [(one, need)]
-            else:
-                for n in sorted(free):
-                    take = min(need, max(0, free[n]))
-                    if take:
-                        shares.append((n, take))
-                        need -= take
-                if need:
-                    shares = []
-        if not shares or any(free.get(n, -1) < g for n, g in shares):
+        if not shares:
+            shares = _first_fit(pin.plan.gpus, free, kind, rec.spec)
+        if not shares or any(free.get(n, -1) < g for n, g in shares) or not _one_accepted_type(shares, kind, rec.spec):
             if policy_choice[rec.job_id] is not None:  # keep what the policy chose meanwhile
                 decision.allocations[rec.job_id] = policy_choice[rec.job_id]
             else:
@@ -127,3 +123,31 @@ def apply_pins(decision: Decision, records: dict[str, JobRecord], nodes: list[No
             placement=tuple(Placement(n, g, cur.get(n, 0)) for n, g in shares), plan=pin.plan,
             reason=f"pinned by operator{': ' + pin.reason if pin.reason else ''}",
         )
+
+
+def _first_fit(need: int, free: dict[str, int], kind: dict[str, str], spec) -> list[tuple[str, int]]:
+    """A pinned plan's GPUs: one node if possible, else fill nodes in name order, on
+    nodes of one GPU type the job accepts (``policies.decision``'s rule), types tried
+    in the order of their first node; [] if none holds them."""
+    names = sorted(free)
+    for t in dict.fromkeys(kind.get(n, "") for n in names):
+        if not accepts(spec, t):
+            continue
+        group = [n for n in names if kind.get(n, "") == t]
+        one = next((n for n in group if free[n] >= need), None)
+        if one is not None:
+            return [(one, need)]
+        shares, left = [], need
+        for n in group:
+            take = min(left, max(0, free[n]))
+            if take:
+                shares.append((n, take))
+                left -= take
+        if not left:
+            return shares
+    return []
+
+
+def _one_accepted_type(shares: list[tuple[str, int]], kind: dict[str, str], spec) -> bool:
+    types = {kind.get(n, "") for n, _ in shares}
+    return len(types) == 1 and accepts(spec, next(iter(types)))

@@ -26,6 +26,7 @@ from gearshift.bus_schema.messages import (
     ReconfigureRequest,
 )
 from gearshift.policies import Decision
+from gearshift.policies.decision import diff
 from gearshift.services import capacity, lifecycle
 from gearshift.services.alloc_writer import AllocWriter, bounded
 from gearshift.services.jobstore import JobStore
@@ -86,16 +87,14 @@ class RecordWriter:
         self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
     ) -> int:
         used = capacity.in_use(records.values(), held)
-        keep = {job_id for job_id, d in decision.allocations.items()
-                if records[job_id].state in ACTIVE and capacity.same_shape(records[job_id], d)}
+        change = diff(capacity.holding(records.values()), decision)
         # Preemptions first, so their GPUs are free for what follows.
         changes = await self.queue_many(records, [
-            (rec, decision.waiting.get(rec.job_id, "preempted by policy"), JobPreempted)
-            for rec in list(records.values()) if rec.state in ACTIVE and rec.job_id not in decision.allocations])
+            (records[job_id], decision.waiting.get(job_id, "preempted by policy"), JobPreempted)
+            for job_id in change.preempt])
         todo = []
-        for job_id, d in list(decision.allocations.items()):  # entries may be deferred below
-            if job_id in keep:
-                continue
+        for job_id in change.changed:  # starts and reconfigurations; entries may be deferred below
+            d = decision.allocations[job_id]
             rec = records[job_id]
             placement = capacity.assign(rec, d, used, gpu_count)
             if placement is None:

@@ -32,23 +32,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gearshift.bus_schema.messages import Plan
-from gearshift.policies.api import (
-    AllocationError,
-    JobView,
-    NodeState,
-    Placement,
-    Policy,
-    accepts,
-    check_decision,
-    make_job_view,
-    with_type,
-)
+from gearshift.bus_schema.messages import ALLOWED_TRANSITIONS, InvalidTransition, JobState, Plan
+from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, make_job_view, with_type
+from gearshift.policies.decision import NodeCapacity, check_decision, diff
 from gearshift.policies.learning import LearningOracle
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
 
-FUTURE, PENDING, RUNNING, DONE = 0, 1, 2, 3
+# Job states are the bus's (``JobState``) and change only along its ALLOWED_TRANSITIONS
+# (``move``). A trace job that has not arrived has no state, None: on the bus a job has
+# no record before it is submitted. A grant passes SCHEDULED on its way to RUNNING (the
+# simulator writes and launches an allocation in one instant; the restart cost is time
+# holding GPUs without progress), so a reconfiguration is RUNNING -> SCHEDULED ->
+# RUNNING, as live. Finishing is COMPLETED; a failed launch (out of memory) re-queues.
+PENDING, SCHEDULED, RUNNING, COMPLETED = JobState.PENDING, JobState.SCHEDULED, JobState.RUNNING, JobState.COMPLETED
+TRANSITIONS: dict[JobState | None, frozenset[JobState]] = {None: frozenset({PENDING}), **ALLOWED_TRANSITIONS}
 _EPS = 1e-9
 
 
@@ -77,8 +75,8 @@ class SimConfig:
     stall_limit: float = 2 * 86400.0
     stop_when_tracked_done: bool = True
     check_invariants: bool = True
-    # Also run policies.api.check_decision on every decision (slower; the simulator's own
-    # incremental check refuses the same decisions).
+    # Also run policies.decision.check_decision on every decision (slower; the incremental
+    # check the simulator runs, NodeCapacity.check, refuses the same decisions).
     full_check: bool = False
     # Tell policies each guaranteed job's measured request speed as its target
     # (JobView.target_throughput); off: policies use the model's prediction of the request.
@@ -101,7 +99,7 @@ class JobRecord:
 
     job: TraceJob
     view: JobView
-    state: int = FUTURE
+    state: JobState | None = None  # None: not arrived yet
     rate: float = 0.0  # steps/s of the current allocation
     alloc_at: float = 0.0  # when the current allocation began
     productive_from: float = 0.0  # alloc_at + restart cost
@@ -130,6 +128,19 @@ class JobRecord:
     request_step_time: float = 0.0
     observed: bool = True  # the current allocation's speed was told to the oracle
     attained_before: float = 0.0  # GPU-seconds of finished allocations
+
+    @property
+    def spec(self):
+        """The job's spec (what ``policies.decision`` reads of a live job)."""
+        return self.job.spec
+
+
+def move(r: JobRecord, new: JobState) -> None:
+    """``r`` to state ``new``, or InvalidTransition if the bus's state machine forbids it."""
+    if new not in TRANSITIONS[r.state]:
+        was = r.state.value if r.state is not None else "not submitted"
+        raise InvalidTransition(f"job {r.job.job_id}: {was} -> {new.value} is not allowed")
+    r.state = new
 
 
 @dataclass(slots=True)
@@ -178,6 +189,7 @@ class Simulator:
         self.node_index = {n: i for i, n in enumerate(self.node_names)}
         self.free_g = self.cap_g.copy()
         self.free_c = self.cap_c.copy()
+        self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c)
         self.records = [JobRecord(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
         self.live: dict[str, JobRecord] = {}  # pending + running, in arrival order
@@ -291,7 +303,8 @@ class Simulator:
         r.observed = False
         if r.job.spec.guaranteed:
             r.min_rate_ratio = min(r.min_rate_ratio, r.rate * r.request_step_time)
-        r.state = RUNNING
+        move(r, SCHEDULED)
+        move(r, RUNNING)
         r.alloc_at = r.updated_at = t
         r.productive_from = t + (self.cfg.restart_model(r.job.spec) if self.cfg.restart_model
                                  else self.cfg.restart_cost)
@@ -332,13 +345,15 @@ class Simulator:
         decision = self.policy.schedule(t, nodes, views, self.oracle)
         if self.cfg.full_check:
             check_decision(decision, nodes, {v.job_id: v for v in views})
-        allocs = decision.allocations
-        same = self._validate(allocs)
-        changed = False
-        for jid in [j for j in self.running if j not in allocs]:
-            r = self.running[jid]
+        # Refuse a decision the cluster cannot hold before applying any of it;
+        # unchanged allocations were checked when granted.
+        change = diff(self.running, decision)
+        self.capacity.check(decision, self.live, self.free_g, self.free_c, self.running, change.keep)
+        running = self.running
+        for jid in change.preempt:
+            r = running[jid]
             self._release(r, t)
-            r.state = PENDING
+            move(r, PENDING)
             r.preemptions += 1
             if r.job.spec.guaranteed:
                 r.preempted_after_start = True
@@ -346,20 +361,17 @@ class Simulator:
             r.plan = None
             r.view.placement = ()
             r.view.plan = None
-            changed = True
-        starts = []
-        for jid, d in allocs.items():
-            if jid in same:
-                continue
-            r = self.live[jid]
-            if r.state == RUNNING:
-                self._release(r, t)
-                r.reconfigs += 1
-            starts.append((r, d))
+        for jid in change.reconfigure:
+            r = running[jid]
+            self._release(r, t)
+            r.reconfigs += 1
         # Free everything first, then grant, so swaps between jobs are legal.
-        for r, d in starts:
-            self._grant(r, tuple(d.placement), d.plan, t)
-            changed = True
+        allocs = decision.allocations
+        live = self.live
+        for jid in change.changed:
+            d = allocs[jid]
+            self._grant(live[jid], tuple(d.placement), d.plan, t)
+        changed = bool(change.preempt or change.changed)
         if changed and self.cfg.check_invariants:
             self._check_capacity()
         return changed
@@ -380,60 +392,6 @@ class Simulator:
             if not r.observed and r.rate > 0 and t >= r.productive_from:
                 r.observed = True
                 self.oracle.observe(r.job.spec, r.plan, r.placement, step_time=1.0 / r.rate)
-
-    def _validate(self, allocs) -> set[str]:
-        """Refuse a decision the cluster cannot hold, before applying any of it.
-
-        Allocations identical to what a job holds (same plan, same placement in any
-        node order) were validated when granted; the rest are checked in full, and
-        capacity is checked as the desired state: free now + what released/changed
-        jobs give back - what changed jobs take. Returns the ids of unchanged jobs.
-        """
-        free_g = self.free_g.copy()
-        free_c = self.free_c.copy()
-        idx = self.node_index
-        same: set[str] = set()
-        for jid, r in self.running.items():
-            d = allocs.get(jid)
-            if d is not None and _same_alloc(d, r):
-                same.add(jid)
-                continue
-            for p in r.placement:
-                free_g[idx[p.node]] += p.gpus
-                free_c[idx[p.node]] += p.cpus
-        for jid, d in allocs.items():
-            r = self.live.get(jid)
-            if r is None:
-                raise AllocationError(f"decision names unknown or finished job {jid!r}")
-            if jid in same:
-                continue
-            if not d.placement:
-                raise AllocationError(f"job {jid}: empty placement")
-            gpus = 0
-            types = set()
-            for p in d.placement:
-                i = idx.get(p.node)
-                if i is None:
-                    raise AllocationError(f"job {jid}: unknown node {p.node!r}")
-                types.add(self.node_types[i])
-                if p.gpus < 0 or p.cpus < 0:
-                    raise AllocationError(f"job {jid}: negative amount on {p.node}")
-                free_g[i] -= p.gpus
-                free_c[i] -= p.cpus
-                gpus += p.gpus
-            if gpus != d.plan.gpus:
-                raise AllocationError(f"job {jid}: plan {d.plan.label()} needs {d.plan.gpus} GPUs, placement has {gpus}")
-            if len(types) > 1:
-                raise AllocationError(f"job {jid}: placement spans GPU types {sorted(types)} (a job runs on one type)")
-            if not accepts(r.job.spec, next(iter(types))):
-                raise AllocationError(f"job {jid}: placed on {next(iter(types))!r} GPUs; it accepts "
-                                      f"{', '.join(r.job.spec.gpu_types)}")
-        for i, name in enumerate(self.node_names):
-            if free_g[i] < 0:
-                raise AllocationError(f"node {name}: {self.cap_g[i] - free_g[i]} GPUs allocated, it has {self.cap_g[i]}")
-            if free_c[i] < 0:
-                raise AllocationError(f"node {name}: {self.cap_c[i] - free_c[i]} CPUs allocated, it has {self.cap_c[i]}")
-        return same
 
     def _check_capacity(self) -> None:
         c = self.cluster
@@ -501,7 +459,7 @@ class Simulator:
                     if cfg.learn:  # ... and the oracle learns that the plan does not fit
                         self.oracle.observe(r.job.spec, r.plan, r.placement, oom=True)
                     self._release(r, ft)
-                    r.state = PENDING
+                    move(r, PENDING)
                     r.placement, r.plan = (), None
                     r.view.placement, r.view.plan = (), None
                     completed = True
@@ -511,7 +469,7 @@ class Simulator:
                     raise InvariantError(f"job {r.job.job_id} completed with {r.steps_done} of {r.job.spec.steps} steps")
                 r.steps_done = r.view.steps_done = float(r.job.spec.steps)
                 self._release(r, ft)
-                r.state = DONE
+                move(r, COMPLETED)
                 r.finish = ft
                 del self.live[r.job.job_id]
                 done += 1
@@ -520,7 +478,7 @@ class Simulator:
                     tracked_left.discard(r.job.job_id)
             while nxt < n and jobs[nxt].job.submit <= t:
                 r = jobs[nxt]
-                r.state = PENDING
+                move(r, PENDING)
                 self.live[r.job.job_id] = r
                 nxt += 1
                 arrived = True
@@ -542,8 +500,7 @@ class Simulator:
         end = self.now
         for r in list(self.running.values()):  # account partial progress of the unfinished
             self._advance(r, end)
-        return SimResult(self.policy.name if hasattr(self.policy, "name") else type(self.policy).__name__,
-                         self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
+        return SimResult(self.policy.name, self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
                          self.rounds, self.events, _time.perf_counter() - wall0, self.timeline)
 
     def _sample(self, t: float) -> None:
@@ -553,18 +510,6 @@ class Simulator:
             tl[-1] = row
         elif not tl or tl[-1][1:] != row[1:]:
             tl.append(row)
-
-
-def _pkey(p: Placement) -> tuple:
-    return (p.node, p.gpus, p.cpus)
-
-
-def _same_alloc(d, r: JobRecord) -> bool:
-    """Does decision ``d`` keep exactly what running job ``r`` holds (node order aside)?"""
-    if not (d.plan is r.plan or d.plan == r.plan):
-        return False
-    cur = r.placement
-    return d.placement is cur or d.placement == cur or sorted(d.placement, key=_pkey) == sorted(cur, key=_pkey)
 
 
 def simulate(trace: Trace, policy: Policy, cluster: ClusterSpec | None = None, config: SimConfig | None = None,

@@ -51,6 +51,7 @@ import msgspec
 
 from gearshift.bus_schema.messages import JobSpec, Plan
 from gearshift.policies.api import JobView, Placement, placement_type
+from gearshift.policies.placement import packed
 from gearshift.sim.rubick_catalog import GLOBAL_BATCH, MODELS, placement_key, proxy_families, rubick_family
 from gearshift.sim.trace import TraceJob
 
@@ -100,12 +101,6 @@ def load_tables(folder: Path = TABLES) -> dict[str, dict[tuple[str, str], float]
         # A few (plan, placement) pairs were measured twice in different node orders; average them.
         out[model] = {k: sum(v) / len(v) for k, v in rows.items()}
     return out
-
-
-def packed(gpus: int, gpus_per_node: int) -> tuple[int, ...]:
-    """The request's natural placement: full nodes first, the rest on one more node."""
-    full, rest = divmod(gpus, gpus_per_node)
-    return (gpus_per_node,) * full + ((rest,) if rest else ())
 
 
 def _unit_normal(*parts: object) -> float:

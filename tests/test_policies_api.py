@@ -3,7 +3,8 @@ from policy_helpers import job, nodes
 
 from gearshift.bus_schema.messages import Plan
 from gearshift.policies import make_policy, policy_names
-from gearshift.policies.api import AllocationError, Decision, JobDecision, Placement, check_decision
+from gearshift.policies.api import AllocationError, Decision, JobDecision, Placement
+from gearshift.policies.decision import check_decision
 
 
 def _jobs(*js):

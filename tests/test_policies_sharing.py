@@ -262,7 +262,6 @@ def test_growth_past_requests_yields_to_the_tenants_own_waiting_job_at_the_borro
 
     class KeepsGrowth:
         name = "keeps-growth"
-        budget = None  # takes budgets (as rubick): it is shown jobs admitted against growth
 
         def schedule(self, now, nodes, jobs, perf):
             d = Decision({j.job_id: JobDecision(j.placement, j.plan) for j in jobs if j.running})
@@ -270,13 +269,18 @@ def test_growth_past_requests_yields_to_the_tenants_own_waiting_job_at_the_borro
                 d.allocations["a2"] = JobDecision((Placement("n2", 4, 8),), Plan(dp=4))
             return d
 
+    class BudgetedKeepsGrowth(KeepsGrowth):
+        budget = None
+
+        def set_budget(self, budget):  # takes budgets (protocols.BudgetedPolicy, as rubick): it is
+            self.budget = budget  # shown jobs admitted against growth
+
     jobs = [a1, b1, a2]
-    d = Shared(KeepsGrowth(), cfg).schedule(1000.0, ns, jobs, None)
+    d = Shared(BudgetedKeepsGrowth(), cfg).schedule(1000.0, ns, jobs, None)
     check_decision(d, ns, {j.job_id: j for j in jobs})
     assert "a2" in d.allocations
     assert sum(p.gpus for p in d.allocations["a1"].placement) == 4 and "b1" in d.allocations
     # a policy that takes no budgets is not shown a2 (the repair would restart its grown jobs)
     plain = KeepsGrowth()
-    del KeepsGrowth.budget
     d = Shared(plain, cfg).schedule(1000.0, ns, jobs, None)
     assert "a2" not in d.allocations and sum(p.gpus for p in d.allocations["a1"].placement) == 8

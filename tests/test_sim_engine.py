@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
+from gearshift.bus_schema.messages import JobSpec, JobState, ModelSpec, Plan
 from gearshift.policies.api import AllocationError, Decision, JobDecision, Placement
 from gearshift.policies.registry import make_policy
 from gearshift.sim.engine import InvariantError, SimConfig, Simulator, simulate
@@ -170,7 +170,7 @@ def test_policy_tampering_with_views_does_not_change_the_simulation():
 def test_engine_refuses_progress_of_a_pending_job_and_steps_beyond_total():
     sim = Simulator(trace(job("A", 0, 1, 100)), make_policy("fifo"), config=SimConfig(restart_cost=0))
     r = sim.records[0]
-    r.state = 1  # pending
+    r.state = JobState.PENDING
     with pytest.raises(InvariantError, match="without holding"):
         sim._advance(r, 10.0)
     sim._grant(r, (Placement("n000", 1),), Plan(dp=1), 0.0)

@@ -1,0 +1,188 @@
+"""The decision core: what the simulator and the optimizer service both do with a
+policy's decision (issue 22).
+
+- ``check_decision`` refuses a decision the cluster cannot hold, as a full desired
+  state against node totals (the optimizer, tests, ``SimConfig.full_check``);
+  ``NodeCapacity.check`` is the same rules applied incrementally (the simulator):
+  only allocations that changed are checked, and capacity is free now + what
+  released/changed jobs give back - what changed jobs take.
+- ``diff(holding, decision)`` splits a decision into keep / preempt / start /
+  reconfigure, with "the same allocation" decided once (``same_allocation``).
+
+The rules, one set for both callers: every named job is live; a placement is not
+empty, names known nodes, each once, with no negative amounts; its GPUs are the
+plan's; it lies on nodes of one GPU type, one the job accepts; a job is not both
+allocated and waiting; no node gives more GPUs or CPUs than it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.policies.api import AllocationError, Decision, JobDecision, NodeState, Placement, accepts
+
+
+class Holding(Protocol):
+    """What a running job holds: ``JobView``, the simulator's record, ``Held``."""
+
+    @property
+    def plan(self) -> Plan | None: ...
+
+    @property
+    def placement(self) -> tuple[Placement, ...]: ...
+
+
+class HasSpec(Protocol):
+    """A live job as the check reads it: ``JobView``, the simulator's record."""
+
+    @property
+    def spec(self) -> JobSpec: ...
+
+
+@dataclass(slots=True, frozen=True)
+class Held:
+    """A holding built from something else (the optimizer's ``JobRecord``)."""
+
+    plan: Plan | None
+    placement: tuple[Placement, ...]
+
+
+def _pkey(p: Placement) -> tuple:
+    return (p.node, p.gpus, p.cpus)
+
+
+def same_allocation(d: JobDecision, held: Holding) -> bool:
+    """Does decision ``d`` keep exactly what ``held`` is (same plan, same placement
+    in any node order; a node's GPU type is not part of it)?"""
+    if not (d.plan is held.plan or d.plan == held.plan):
+        return False
+    cur = held.placement
+    return d.placement is cur or d.placement == cur or sorted(d.placement, key=_pkey) == sorted(cur, key=_pkey)
+
+
+@dataclass(slots=True, frozen=True)
+class Diff:
+    """A decision against what jobs hold. ``preempt`` in holding order; ``start``,
+    ``reconfigure`` and ``changed`` (both, what to grant) in the decision's order."""
+
+    keep: frozenset[str]
+    preempt: tuple[str, ...]
+    start: tuple[str, ...]
+    reconfigure: tuple[str, ...]
+    changed: tuple[str, ...]
+
+
+def diff(holding: Mapping[str, Holding], decision: Decision) -> Diff:
+    """Keep (same allocation), preempt (held, left out), start (not held),
+    reconfigure (held, different plan or placement)."""
+    allocs = decision.allocations
+    keep: list[str] = []
+    start: list[str] = []
+    reconfigure: list[str] = []
+    changed: list[str] = []
+    for jid, d in allocs.items():
+        h = holding.get(jid)
+        if h is None:
+            start.append(jid)
+            changed.append(jid)
+        elif same_allocation(d, h):
+            keep.append(jid)
+        else:
+            reconfigure.append(jid)
+            changed.append(jid)
+    preempt = tuple(jid for jid in holding if jid not in allocs)
+    return Diff(frozenset(keep), preempt, tuple(start), tuple(reconfigure), tuple(changed))
+
+
+class NodeCapacity:
+    """Nodes' names, GPU types and capacity as arrays: what checking needs, built
+    once by the simulator (its cluster does not change), per check otherwise."""
+
+    __slots__ = ("names", "index", "types", "gpus", "cpus")
+
+    def __init__(self, names: Sequence[str], types: Sequence[str], gpus: Sequence[int], cpus: Sequence[int]):
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.types = list(types)
+        self.gpus = list(gpus)
+        self.cpus = list(cpus)
+
+    @classmethod
+    def of(cls, nodes: Sequence[NodeState]) -> NodeCapacity:
+        return cls([n.name for n in nodes], [n.gpu_type for n in nodes], [n.gpus_total for n in nodes],
+                   [n.cpus_total for n in nodes])
+
+    def check(self, decision: Decision, jobs: Mapping[str, HasSpec], free_g: Sequence[int], free_c: Sequence[int],
+              holding: Mapping[str, Holding] | None = None, keep: Collection[str] = frozenset()) -> None:
+        """Refuse ``decision`` unless the cluster can hold it. ``free_g``/``free_c``:
+        free per node now (not changed); ``holding``: what running jobs hold (their
+        GPUs count as free unless the job is in ``keep``); jobs in ``keep`` hold the
+        same allocation already, checked when it was granted, and are skipped."""
+        free_g = list(free_g)
+        free_c = list(free_c)
+        idx = self.index
+        if holding:
+            for jid, h in holding.items():
+                if jid in keep:
+                    continue
+                for p in h.placement:
+                    i = idx[p.node]
+                    free_g[i] += p.gpus
+                    free_c[i] += p.cpus
+        waiting = decision.waiting
+        for jid, d in decision.allocations.items():
+            job = jobs.get(jid)
+            if job is None:
+                raise AllocationError(f"decision names unknown or finished job {jid!r}")
+            if jid in keep:
+                continue
+            if jid in waiting:
+                raise AllocationError(f"job {jid}: both allocated and waiting")
+            self._take(jid, d, job.spec, free_g, free_c)
+        for i, name in enumerate(self.names):
+            if free_g[i] < 0:
+                raise AllocationError(f"node {name}: {self.gpus[i] - free_g[i]} GPUs allocated, it has {self.gpus[i]}")
+            if free_c[i] < 0:
+                raise AllocationError(f"node {name}: {self.cpus[i] - free_c[i]} CPUs allocated, it has {self.cpus[i]}")
+
+    def _take(self, jid: str, d: JobDecision, spec: JobSpec, free_g: list[int], free_c: list[int]) -> None:
+        """Check one allocation on its own and take what it uses from ``free_g``/``free_c``."""
+        if not d.placement:
+            raise AllocationError(f"job {jid}: empty placement")
+        idx = self.index
+        gpus = 0
+        types = set()
+        seen = set()
+        for p in d.placement:
+            i = idx.get(p.node)
+            if i is None:
+                raise AllocationError(f"job {jid}: unknown node {p.node!r}")
+            if i in seen:
+                raise AllocationError(f"job {jid}: a node appears twice in its placement")
+            seen.add(i)
+            if p.gpus < 0 or p.cpus < 0:
+                raise AllocationError(f"job {jid}: negative amount on {p.node}")
+            types.add(self.types[i])
+            free_g[i] -= p.gpus
+            free_c[i] -= p.cpus
+            gpus += p.gpus
+        if gpus != d.plan.gpus:
+            raise AllocationError(f"job {jid}: plan {d.plan.label()} needs {d.plan.gpus} GPUs, placement has {gpus}")
+        if len(types) > 1:
+            raise AllocationError(f"job {jid}: placement spans GPU types {sorted(types)} (a job runs on one type)")
+        kind = next(iter(types))
+        if not accepts(spec, kind):
+            raise AllocationError(f"job {jid}: placed on {kind!r} GPUs; it accepts {', '.join(spec.gpu_types)}")
+
+
+def check_decision(decision: Decision, nodes: list[NodeState], jobs: Mapping[str, HasSpec]) -> None:
+    """Refuse a decision that over-allocates any node or breaks a rule (see the module).
+
+    Capacity is checked against totals: the decision is a full desired state,
+    so what running jobs hold now does not count against it.
+    """
+    cap = NodeCapacity.of(nodes)
+    cap.check(decision, jobs, cap.gpus, cap.cpus)
