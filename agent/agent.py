@@ -71,12 +71,15 @@ from gearshift.bus_schema.messages import (
 from gearshift.bus_schema.ops import LogsRequest
 
 DEFAULT_GRACE_S = 10.0
+# the agent's defaults, written once: AgentConfig (agent/main.py) declares its fields with them
+DEFAULT_HEARTBEAT_S = 1.0
+DEFAULT_ADDRESS = "127.0.0.1"
 SYNC_WAIT_S = 10.0  # at most this long for the allocations before judging a predecessor's runs
 
 
 class Agent:
     def __init__(self, nc: NATS, node: str, probe: GpuProbe, workdir: str | os.PathLike, *, cpus: int | None = None,
-                 heartbeat: float = 1.0, grace: float = DEFAULT_GRACE_S, address: str = "127.0.0.1",
+                 heartbeat: float = DEFAULT_HEARTBEAT_S, grace: float = DEFAULT_GRACE_S, address: str = DEFAULT_ADDRESS,
                  progress_interval: float = 1.0, ckpt_root: str | os.PathLike | None = None,
                  runner: Runner | None = None, alloc_watch: Any = None):
         self.nc = nc

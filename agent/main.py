@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-from gearshift.agent.agent import DEFAULT_GRACE_S, Agent
+from gearshift.agent.agent import DEFAULT_ADDRESS, DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Agent
 from gearshift.agent.probe import GpuProbe
 from gearshift.bus import observe
 from gearshift.bus.config import NodeName, NonNegative, NonNegInt, PosInt, Positive, ServiceConfig, load, option
@@ -53,9 +53,9 @@ class AgentConfig(ServiceConfig):
     workdir: Annotated[str | None, option(
         "run and checkpoint directory (default: $TMPDIR/gearshift-agent-NODE)")] = None
     ckpt_root: Annotated[str | None, option("checkpoint root shared by all nodes (default: WORKDIR/ckpt)")] = None
-    heartbeat: Annotated[Positive, option("seconds between heartbeats")] = 1.0
+    heartbeat: Annotated[Positive, option("seconds between heartbeats")] = DEFAULT_HEARTBEAT_S
     grace: Annotated[NonNegative, option("seconds from SIGTERM to SIGKILL")] = DEFAULT_GRACE_S
-    address: Annotated[str, option("address other nodes use to reach this one")] = "127.0.0.1"
+    address: Annotated[str, option("address other nodes use to reach this one")] = DEFAULT_ADDRESS
 
 
 def parse_args(argv: list[str] | None) -> AgentConfig:

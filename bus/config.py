@@ -42,6 +42,7 @@ import argparse
 import functools
 import os
 import re
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,3 +343,11 @@ def parser_of(main: Callable[[list[str]], Any], name: str = "main") -> tuple[arg
     finally:
         _capturing = False
     raise RuntimeError(f"{name} does not read its options through gearshift.bus.config.load")
+
+
+def defaults(cfg_type: type[ServiceConfig]) -> Any:
+    """The Struct's field defaults as attributes (``defaults(OptimizerConfig).interval``),
+    without validating anything: what a class that the entry point builds uses for
+    its own keyword defaults, so that each default is written once, in the Struct."""
+    info = mi.type_info(cfg_type)
+    return types.SimpleNamespace(**{f.name: f.default for f in info.fields if f.default is not msgspec.NODEFAULT})

@@ -24,7 +24,7 @@ import msgspec
 from gearshift.bus import observe
 from gearshift.bus.client import connect
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.config import PosInt, ServiceConfig, load, option
+from gearshift.bus.config import PosInt, ServiceConfig, defaults, load, option
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
@@ -82,8 +82,11 @@ def job_id_for(tenant: str, token: str | None) -> str:
     return "j" + hashlib.sha256(f"{tenant}\0{token}".encode()).hexdigest()[:12]
 
 
+_D = defaults(AdmissionConfig)  # the keyword defaults below are the config's, written once
+
+
 class Admission:
-    def __init__(self, nc: Any, *, max_gpus: int | None = None, max_jobs_per_tenant: int = 10_000,
+    def __init__(self, nc: Any, *, max_gpus: int | None = _D.max_gpus, max_jobs_per_tenant: int = _D.max_jobs_per_tenant,
                  clock: Clock = SYSTEM):
         self.nc = nc
         self.clock = clock  # stamps submitted_at / finished_at
@@ -365,8 +368,8 @@ async def start_admission(nc: Any, **options: Any) -> tuple[Admission, Any]:
     return adm, svc
 
 
-async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = None,
-                max_jobs_per_tenant: int = 1000) -> None:
+async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = _D.max_gpus,
+                max_jobs_per_tenant: int = _D.max_jobs_per_tenant) -> None:
     nc = await connect(url, name="gearshift-admission")
     obs = await observe.serve_http("admission", "admission", nc)
     adm, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant)

@@ -60,7 +60,7 @@ from msgspec import Meta
 from gearshift.bus import observe
 from gearshift.bus.client import connect
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.config import NonNegative, NonNegInt, Positive, ServiceConfig, load, option
+from gearshift.bus.config import NonNegative, NonNegInt, Positive, ServiceConfig, defaults, load, option
 from gearshift.bus.infra import ensure_infra
 from gearshift.bus.kv import publish_event
 from gearshift.bus.log import get_logger
@@ -150,22 +150,25 @@ OPTIMIZER_RECONFIGURE = subj.OPTIMIZER_RECONFIGURE
 PAUSE_ENV = "GEARSHIFT_FAULT_PAUSE_MID_ROUND"  # fault injection: path of a file that, present, stops the leader mid-round
 
 
+_D = defaults(OptimizerConfig)  # the keyword defaults below are the config's, written once
+
+
 class Optimizer:
     def __init__(
         self,
         nc: Any,
         *,
-        policy: str = "fifo",
-        interval: float = 5.0,
-        node_timeout: float = 10.0,
+        policy: str = _D.policy,
+        interval: float = _D.interval,
+        node_timeout: float = _D.node_timeout,
         instance: str | None = None,
-        lease_ttl: float = 6.0,
+        lease_ttl: float = _D.lease_ttl,
         policy_options: dict[str, Any] | None = None,
-        max_retries: int = DEFAULT_MAX_RETRIES,
-        drain_timeout: float = DEFAULT_DRAIN_TIMEOUT,
-        wait_for_models: bool = False,
+        max_retries: int = _D.max_retries,
+        drain_timeout: float = _D.drain_timeout,
+        wait_for_models: bool = _D.wait_for_models,
         write_parallel: int = 32,
-        archive_after: float = 30.0,
+        archive_after: float = _D.archive_after,
         clock: Clock = SYSTEM,  # what stamps times: records, allocations, events, the policy's now
     ):
         self.nc, self.clock = nc, clock
