@@ -14,10 +14,12 @@ from typing import Annotated, ClassVar
 import msgspec
 
 from gearshift.agent.agent import DEFAULT_ADDRESS, DEFAULT_GRACE_S, DEFAULT_HEARTBEAT_S, Agent
-from gearshift.agent.probe import GpuProbe
+from gearshift.agent.probe import FakeProbe, GpuProbe, NoGpuDriver, NvmlProbe
 from gearshift.bus import observe
+from gearshift.bus.client import ServerUnavailable, connect
 from gearshift.bus.config import NodeName, NonNegative, NonNegInt, PosInt, Positive, ServiceConfig, load, option
 from gearshift.bus.log import get_logger
+from gearshift.bus.process import run_service
 from gearshift.bus_schema import subjects as subj
 
 
@@ -68,9 +70,6 @@ def parse_args(argv: list[str] | None) -> AgentConfig:
 
 
 async def run_agent(args, stop: asyncio.Event) -> int:
-    from gearshift.agent.probe import FakeProbe, NoGpuDriver, NvmlProbe
-    from gearshift.bus.client import ServerUnavailable, connect
-
     log = get_logger(agent=args.node)
     if args.fake_gpus is not None:
         probe: GpuProbe = FakeProbe(args.fake_gpus, args.gpu_memory, args.gpu_name, node=args.node)
@@ -114,8 +113,6 @@ async def run_agent(args, stop: asyncio.Event) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gearshift.bus.process import run_service
-
     args = parse_args(argv)
     rc = 0
 

@@ -28,6 +28,7 @@ import msgspec
 
 from gearshift.agent import launch
 from gearshift.agent import worker as wk
+from gearshift.agent.warm import WarmPool
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import Allocation
 
@@ -84,8 +85,6 @@ class SubprocessRunner:
 
     @classmethod
     def with_warm_pool(cls, workdir: Path, log: Any, prewarm: list[str]) -> "SubprocessRunner":
-        from gearshift.agent.warm import WarmPool
-
         async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
             with open(workdir / "warm.log", "ab") as out:
                 return await asyncio.create_subprocess_exec(

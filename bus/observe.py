@@ -35,6 +35,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gearshift.bus.log import get_logger
+
 disable_created_metrics()  # no `_created` series: Prometheus does not need them, and they double the output
 
 # ------------------------------------------------------------------ families
@@ -285,8 +287,6 @@ class Observer:
         self._announce()
 
     def _announce(self) -> None:
-        from gearshift.bus.log import get_logger
-
         get_logger(process=self.name).info("metrics serving", metrics=self.url + "/metrics",
                                            healthz=self.url + "/healthz", readyz=self.url + "/readyz", **self.extra)
         folder = os.environ.get("GEARSHIFT_OBSERVE_DIR")

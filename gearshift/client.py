@@ -47,6 +47,7 @@ from gearshift.bus_schema.messages import (
     NodeList,
     NodeShare,
     Plan,
+    QueueList,
     ReconfigureReply,
     ReconfigureRequest,
     SubmitReply,
@@ -207,13 +208,10 @@ class Client:
         return await self._call(subj.agent_command(node, "logs"), req, LogsReply, "read logs")
 
     async def queues(self):
-        from gearshift.bus_schema.messages import QueueList
-
         return (await self._call(subj.ADMISSION_QUEUES, None, QueueList, "list queues")).queues
 
     async def set_queue(self, queue: dict):
         """``queue``: QueueSpec fields (admission decodes and checks them)."""
-        from gearshift.bus_schema.messages import QueueList
 
         return (await self._call(subj.ADMISSION_SET_QUEUE, msgspec.json.encode(queue), QueueList,
                                  "change queues")).queues

@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gearshift.bus.auth import connect_options, load_creds
+from gearshift.bus.client import call, connect
+from gearshift.bus.infra import ensure_infra
 from gearshift.bus.natsd import NatsServer
+from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.messages import NodeList
 
 
 @dataclass
@@ -226,10 +231,6 @@ def _has_module(name: str) -> bool:
 
 
 async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalCluster") -> None:
-    from gearshift.bus.client import call, connect
-    from gearshift.bus_schema import subjects as subj
-    from gearshift.bus_schema.messages import NodeList
-
     nc = await connect(url, name="gearshift-up", retry_for=10, **_creds_options(cluster.admin_creds))
     deadline = time.monotonic() + timeout
     try:
@@ -254,15 +255,11 @@ async def _wait_ready(url: str, nodes: int, timeout: float, cluster: "LocalClust
 def _creds_options(path: str | None) -> dict:
     if path is None:
         return {}
-    from gearshift.bus.auth import connect_options, load_creds
 
     return connect_options(load_creds(path))
 
 
 def _ensure_infra(url: str, creds: str | None = None) -> None:
-    from gearshift.bus.client import connect
-    from gearshift.bus.infra import ensure_infra
-
     async def go() -> None:
         nc = await connect(url, name="gearshift-up", retry_for=10, **_creds_options(creds))
         try:

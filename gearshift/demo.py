@@ -42,6 +42,7 @@ from gearshift.bus_schema.messages import (
     ReconfigureReply,
     ReconfigureRequest,
 )
+from gearshift.bus_schema.perfmodel import model_kv_key as kv_key
 from gearshift.client import Client
 from gearshift.cluster import LocalCluster
 
@@ -79,7 +80,6 @@ async def seed_models(nc) -> None:
         return
     kv = await nc.jetstream().key_value(subj.MODELS_BUCKET)
     data = json.loads(TORCH_MODEL.read_text())
-    from gearshift.bus_schema.perfmodel import model_kv_key as kv_key
 
     await kv.put(kv_key(data["model_key"]), json.dumps(data).encode())
 

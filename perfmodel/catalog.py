@@ -16,7 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from gearshift.perfmodel.fit import fit_joint
 from gearshift.perfmodel.model import CLUSTER_NAMES, PARAM_NAMES, PARAM_PRIOR, PerfParams
+from gearshift.perfmodel.plans import Resources, as_plan
+from gearshift.perfmodel.predict import predict
 from gearshift.perfmodel.rubick import (
     DATA_DIR,
     MODELS,
@@ -27,6 +30,7 @@ from gearshift.perfmodel.rubick import (
     rubick_shape,
 )
 from gearshift.perfmodel.shapes import ModelShape
+from gearshift.perfmodel.validate import TRAINING_ROWS, is_artefact_row, profiled_data
 
 # Bump whenever the model's formulas change: stored fits are then recomputed.
 MODEL_VERSION = "gearshift-perfmodel-5"
@@ -39,16 +43,11 @@ def fit_profiled_rows(data_dir=DATA_DIR) -> tuple[np.ndarray, dict[str, np.ndarr
     """The fit the live system could have: each model's profiling runs plus at
     most 7 configurations chosen by the profiler's rule (``validate.profiled_data``),
     as ``perfmodel validate`` fits its held-out model. Never any other row."""
-    from gearshift.perfmodel.fit import fit_joint
-    from gearshift.perfmodel.validate import profiled_data
 
     return fit_joint(profiled_data(data_dir)[4])
 
 
 def fit_all_rows(data_dir=DATA_DIR) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    from gearshift.perfmodel.fit import fit_joint
-    from gearshift.perfmodel.validate import TRAINING_ROWS, is_artefact_row
-
     prof = {m: load_profile(m, data_dir) for m in MODELS}
     # Cells that measure the testbed rather than the plan (ViT's multi-node
     # non-offload rows) would drag the fit away from everything the scheduler asks.
@@ -174,8 +173,6 @@ def sim_predictor(gpus_per_node: int = 8, fit: str = "belief"):
     (0 when the plan does not fit or is not valid on that placement). ``fit``:
     "belief" (profiling-only, what policies get) or "in_sample" (all rows; the
     extended regime's truth starts from it)."""
-    from gearshift.perfmodel.plans import Resources, as_plan
-    from gearshift.perfmodel.predict import predict
 
     cache: dict = {}
 

@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from gearshift.perfmodel.model import CPU_SERIAL, GPUS_PER_NIC, NICS_PER_NODE
+from gearshift.perfmodel.model import CPU_SERIAL, GPUS_PER_NIC, NICS_PER_NODE, default_cluster, default_theta
 from gearshift.perfmodel.plans import PlanArray, ResourceArray
 
 # Fast-math without the no-NaN/no-Inf assumptions: infeasible candidates may
@@ -159,7 +159,6 @@ def warm_up() -> None:
     global _WARM
     if _WARM:
         return
-    from gearshift.perfmodel.model import default_cluster, default_theta
 
     plans = PlanArray([2, 1], [1, 2], [1, 1], [2, 0], [True, False], [1, 1], [1, 1], [False, True])
     res = ResourceArray([2, 2], [2, 1], [1, 2], [1, 2], [4.0, 4.0], [2, 0])

@@ -10,7 +10,7 @@ import numpy as np
 
 from gearshift.perfmodel.memory import memory_per_gpu_gb
 from gearshift.perfmodel.model import PerfParams, iteration_time_ms, shape_consts
-from gearshift.perfmodel.plans import PlanArray, ResourceArray, Resources, as_plan
+from gearshift.perfmodel.plans import PlanArray, ResourceArray, Resources, as_plan, enumerate_plans
 from gearshift.perfmodel.shapes import ModelShape
 
 
@@ -109,7 +109,6 @@ def best_plan(
 ):
     """(plan, throughput) of the fastest feasible plan on `resources`
     (over the whole plan space unless `plans` is given); (None, 0.0) if none."""
-    from gearshift.perfmodel.plans import enumerate_plans
 
     pa = enumerate_plans(shape, global_batch, resources) if plans is None else as_plan_array(plans)
     if len(pa) == 0:

@@ -24,9 +24,11 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linprog
 
+from gearshift.perfmodel.restart import restart_seconds
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, accepts, default_plan
 from gearshift.policies.classes import class_rank
 from gearshift.policies.hetero import node_types, typed_oracle
+from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import Ledger, compact_shape, describe
 
 
@@ -34,8 +36,6 @@ class HeteroGavel:
     """Mixin of ``policies.gavel.Gavel``: ``schedule_hetero``."""
 
     def throughput_matrix(self, jobs: list[JobView], nodes: list[NodeState], perf, types: list[str]) -> np.ndarray:
-        from gearshift.policies.oracle import AnalyticOracle
-
         perf = perf or AnalyticOracle()
         T = np.zeros((len(jobs), len(types)))
         for k, t in enumerate(types):
@@ -105,7 +105,6 @@ class HeteroGavel:
         checkpoint-restore cost when that is longer. Gavel's rounds assume a
         preemption costs seconds; with a 30B model's ~530 s restore, 360 s rounds
         would time-share it into never training (each grant restarts it)."""
-        from gearshift.perfmodel.restart import restart_seconds
 
         return max(self.min_run_time, 4.0 * restart_seconds(job.spec))
 

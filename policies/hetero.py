@@ -40,6 +40,8 @@ from gearshift.policies.api import (
     placement_type,
     with_type,
 )
+from gearshift.policies.candidates import spec_key as plain
+from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import compact_shape
 from gearshift.policies.protocols import (
     BatchOracle,
@@ -80,7 +82,6 @@ class TypedOracle:
 
     def spec_key(self, spec) -> object:
         own = self._own_key
-        from gearshift.policies.candidates import spec_key as plain
 
         return (self.gpu_type, own(spec) if own is not None else plain(spec))
 
@@ -267,8 +268,6 @@ class ByType:
 
     def _by_model(self, now, nodes, jobs, perf, types, cap, current) -> dict[str, str]:
         from scipy.optimize import linprog
-
-        from gearshift.policies.oracle import AnalyticOracle
 
         perf = perf or AnalyticOracle()
         out: dict[str, str] = {}

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gearshift import perfmodel
 from gearshift.bus_schema.messages import Plan
+from gearshift.perfmodel.gputypes import REFERENCE, compute_slowdown, spec_of
 from gearshift.policies.api import JobView, Placement, placement_type
 
 
@@ -105,7 +107,6 @@ class AnalyticOracle:
 
     def _typed(self, gpu_type: str) -> "AnalyticOracle":
         """This oracle's numbers moved to another GPU type by its specifications."""
-        from gearshift.perfmodel.gputypes import REFERENCE, compute_slowdown, spec_of
 
         ref, s = spec_of(REFERENCE), spec_of(gpu_type)
         return AnalyticOracle(self.gpu_flops / compute_slowdown(gpu_type), s.mem_gb,
@@ -143,8 +144,6 @@ class PerfModelOracle:
     """
 
     def __init__(self, gpu_mem_gb: float | None = None, default_threads: float = 4.0, max_ga: int | None = 16):
-        from gearshift import perfmodel
-
         self._pm = perfmodel
         self.default_threads = default_threads
         self.max_ga = max_ga

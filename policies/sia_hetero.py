@@ -24,6 +24,7 @@ from scipy.sparse import coo_matrix
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, accepts, default_plan
 from gearshift.policies.candidates import oracle_key
 from gearshift.policies.hetero import node_types, typed_oracle
+from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import Ledger, describe, symmetric_shape
 from gearshift.policies.plans import scaled_user_plan
 
@@ -47,8 +48,6 @@ class HeteroSia:
 
     def schedule_hetero(self, now: float, nodes: list[NodeState], jobs: list[JobView],
                         perf: PerfOracle | None) -> Decision:
-        from gearshift.policies.oracle import AnalyticOracle
-
         perf = perf or AnalyticOracle()
         types = node_types(nodes)
         by_node = {n.name: n.gpu_type for n in nodes}

@@ -51,6 +51,7 @@ from gearshift.bus_schema.messages import (
     SubmitRequest,
 )
 from gearshift.bus_schema.validate import SpecError, check_spec
+from gearshift.policies.queues import ShareConfig
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.paging import BadCursor, list_page
@@ -286,7 +287,6 @@ class Admission:
 
     def _share_config(self) -> Any:
         """The tenant queues from the view, rebuilt only when the bucket changed."""
-        from gearshift.policies.queues import ShareConfig
 
         assert self.queues_view is not None
         rev, cfg = self._share

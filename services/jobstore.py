@@ -31,6 +31,7 @@ from gearshift.bus.kv import event_msg_id, kv_snapshot, publish_event
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobRecord, event_kind
+from gearshift.services.alloc_writer import bounded
 
 Change = Callable[[JobRecord], JobRecord | None]
 
@@ -129,7 +130,6 @@ class JobStore:
         one by one. Results in the order of ``items``.
         ``publish=False``: the caller publishes the events (``publish``) once
         what must precede them is written."""
-        from gearshift.services.alloc_writer import bounded
 
         out: list[tuple[JobRecord, int] | None] = [None] * len(items)
         fast: list[tuple[int, str, JobRecord, int]] = []

@@ -23,13 +23,16 @@ from gearshift.bus_schema.messages import (
     JobCancelled,
     JobCompleted,
     JobFailed,
+    JobReconfigured,
     JobRecord,
     JobRequeued,
     JobRunning,
+    JobScheduled,
     JobState,
     JobSwitched,
     RunReport,
     RunReportKind,
+    SwitchTiming,
 )
 from gearshift.services.jobstore import with_event
 from gearshift.services.policy_bridge import segment_gpu_s
@@ -226,7 +229,6 @@ def allocate(r: JobRecord, rec: JobRecord, d: Any, placement: list, ts: float) -
     """A new generation for ``r`` (the policy's decision ``d`` on ``placement``):
     SCHEDULED, and if it was running, a gang-barrier switch from its old
     placement. None if the job changed under the round or is mid-switch."""
-    from gearshift.bus_schema.messages import JobReconfigured, JobScheduled, SwitchTiming
 
     reconfig = rec.state in ACTIVE  # as the round saw it
     if r.state not in (JobState.PENDING, *ACTIVE) or r.generation != rec.generation:

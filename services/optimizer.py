@@ -84,7 +84,10 @@ from gearshift.bus_schema.messages import (
     RunReport,
 )
 from gearshift.bus_schema.ops import NodeModeReply, NodeModeRequest
-from gearshift.policies import make_policy
+from gearshift.perfmodel.kernels import warm_up as warm_up_perfmodel
+
+from gearshift.policies.kernels import warm_up
+from gearshift.policies.registry import make_policy, policy_names
 from gearshift.policies.sharing import Shared
 from gearshift.services import capacity, node_modes
 from gearshift.services.alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
@@ -96,7 +99,6 @@ from gearshift.services.policy_bridge import LiveModels, PolicyStep
 from gearshift.services.queues import QueueStore
 from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
 from gearshift.services.report_consumer import ReportApplier, consume_reports
-
 
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
@@ -133,7 +135,6 @@ class OptimizerConfig(ServiceConfig):
                 raise ValueError("policy_options: expected a JSON object")
         else:
             opts = {}
-        from gearshift.policies.registry import make_policy, policy_names  # pure core; only the optimizer's config
 
         if self.policy not in policy_names():
             raise ValueError(f"policy: unknown policy {self.policy!r}; known: {', '.join(policy_names())}")
@@ -258,8 +259,6 @@ class Optimizer:
         if self.queues is not None:  # a standby goes on from what the last leader saved, not from its start
             await self._load_sharing_memory()
         log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
-        from gearshift.perfmodel.kernels import warm_up as warm_up_perfmodel
-        from gearshift.policies.kernels import warm_up
 
         # compile/load the numba kernels before the first round: the policy's and the
         # performance model's its oracle calls (compiled lazily inside a round, they held

@@ -24,16 +24,16 @@ from gearshift.bus import observe
 from gearshift.bus.client import connect
 from gearshift.bus.config import ServiceConfig, load
 from gearshift.bus.infra import ensure_infra
+from gearshift.bus.kv import kv_snapshot
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus.server import Endpoint, RequestError, bad_request, serve
 from gearshift.bus_schema import subjects as subj
-from gearshift.bus_schema.messages import ModelSpec, Plan
+from gearshift.bus_schema.messages import JobState, ModelSpec, Plan
 
 # The request/reply structs live in bus_schema; re-exported for callers that
 # import them from the service module.
 from gearshift.bus_schema.perfmodel import (
-    MAX_CANDIDATES,
     PERFMODEL_CURVE,
     PERFMODEL_FIT,
     PERFMODEL_PREDICT,
@@ -44,10 +44,17 @@ from gearshift.bus_schema.perfmodel import (
     FitRequest,
     PredictReply,
     PredictRequest,
-    ProfileSample,
     ResourceSpec,
     model_kv_key,
 )
+from gearshift.perfmodel.catalog import params_for_shape, shape_from_spec
+from gearshift.perfmodel.curve import curve
+from gearshift.perfmodel.fit import Sample, fit
+from gearshift.perfmodel.kernels import warm_up
+from gearshift.perfmodel.model import PerfParams
+from gearshift.perfmodel.plans import PlanArray, ResourceArray, Resources, as_plan
+from gearshift.perfmodel.predict import plan_validity, predict
+from gearshift.perfmodel.rubick import MODELS
 
 
 class PerfmodelConfig(ServiceConfig):
@@ -63,10 +70,6 @@ async def unmodelled_jobs(models_kv: Any, records: Any) -> dict[str, tuple[str, 
     """Pending jobs whose model has neither a fit in ``gs_models`` nor a shipped
     one: job id -> (model key, record). Shared by the optimizer (which holds
     such jobs back) and the profiler (which profiles their models)."""
-    from gearshift.bus.kv import kv_snapshot
-    from gearshift.bus_schema.messages import JobState
-    from gearshift.perfmodel.catalog import shape_from_spec
-    from gearshift.perfmodel.rubick import MODELS
 
     have = set(await kv_snapshot(models_kv))  # not kv.keys(): its watcher can miss keys
     out: dict[str, tuple[str, Any]] = {}
@@ -83,8 +86,6 @@ async def unmodelled_jobs(models_kv: Any, records: Any) -> dict[str, tuple[str, 
 
 
 def _shape(model: ModelSpec):
-    from gearshift.perfmodel.catalog import shape_from_spec
-
     try:
         return shape_from_spec(model)
     except (ValueError, TypeError) as exc:
@@ -92,8 +93,6 @@ def _shape(model: ModelSpec):
 
 
 def _resources(specs: list[ResourceSpec]):
-    from gearshift.perfmodel.plans import Resources
-
     return [Resources(tuple(r.gpus_per_node), float(r.cpu_threads_per_gpu)) for r in specs]
 
 
@@ -117,7 +116,6 @@ class PerfmodelService:
 
     async def open(self) -> "PerfmodelService":
         self.kv = await self.nc.jetstream().key_value(subj.MODELS_BUCKET)
-        from gearshift.perfmodel.kernels import warm_up
 
         warm_up()  # compile before answering
         return self
@@ -125,10 +123,6 @@ class PerfmodelService:
     async def _params(self, shape):
         """(params, source): the KV entry for this model key, else the shipped fit."""
         from nats.js.errors import KeyNotFoundError
-
-        from gearshift.perfmodel.catalog import params_for_shape
-        from gearshift.perfmodel.model import PerfParams
-        from gearshift.perfmodel.rubick import MODELS
 
         try:
             entry = await self.kv.get(model_kv_key(shape.key))
@@ -142,10 +136,6 @@ class PerfmodelService:
 
     # ------------------------------------------------------------ endpoints
     async def fit(self, req: FitRequest) -> FitReply:
-        from gearshift.perfmodel.fit import Sample, fit
-        from gearshift.perfmodel.plans import PlanArray, ResourceArray, as_plan
-        from gearshift.perfmodel.predict import plan_validity, predict
-
         shape = _shape(req.model)
         samples = []
         for i, s in enumerate(req.samples):
@@ -177,8 +167,6 @@ class PerfmodelService:
                         params=d["params"], cluster=d["cluster"], train_error=err)
 
     async def predict(self, req: PredictRequest) -> PredictReply:
-        from gearshift.perfmodel.predict import predict
-
         shape = _shape(req.model)
         if len(req.resources) not in (1, len(req.plans)):
             raise bad_request(f"{len(req.resources)} resources for {len(req.plans)} plans: give 1 or one per plan",
@@ -208,8 +196,6 @@ class PerfmodelService:
         )
 
     async def curve(self, req: CurveRequest) -> CurveReply:
-        from gearshift.perfmodel.curve import curve
-
         shape = _shape(req.model)
         params, source = await self._params(shape)
         c = await asyncio.to_thread(curve, params, shape, req.global_batch, max_gpus=req.max_gpus,

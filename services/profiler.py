@@ -69,7 +69,9 @@ from gearshift.bus_schema.profiler import (
     ProfileRequest,
     ProfilerStatus,
 )
+from gearshift.perfmodel.catalog import shape_from_spec
 from gearshift.services.jobstore import JobStore, with_event
+from gearshift.services.perfmodel_service import unmodelled_jobs
 
 
 class ProfilerConfig(ServiceConfig):
@@ -188,8 +190,6 @@ class Profiler:
             await asyncio.sleep(1.0)
 
     async def profile(self, req: ProfileRequest) -> ProfileReply:
-        from gearshift.perfmodel.catalog import shape_from_spec
-
         try:
             key = shape_from_spec(req.model).key
         except (ValueError, TypeError) as exc:
@@ -239,7 +239,6 @@ class Profiler:
     # ------------------------------------------------------------ watching jobs
     async def _waiting_jobs(self) -> dict[str, list[JobRecord]]:
         """model key -> pending jobs whose model has no fit yet."""
-        from gearshift.services.perfmodel_service import unmodelled_jobs
 
         out: dict[str, list[JobRecord]] = {}
         waiting = await unmodelled_jobs(self.models_kv, (rec for rec, _ in await self.store.all()))

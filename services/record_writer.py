@@ -13,6 +13,7 @@ import msgspec
 
 from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.log import get_logger
+from gearshift.bus.server import RequestError, bad_request
 from gearshift.bus.views import JobsView
 from gearshift.bus_schema.messages import (
     ACTIVE_STATES,
@@ -217,7 +218,6 @@ class RecordWriter:
 
     async def pin(self, req: ReconfigureRequest) -> ReconfigureReply:
         """An operator's plan pin (``gs.optimizer.reconfigure``) into the job's record."""
-        from gearshift.bus.server import RequestError, bad_request
 
         if req.plan is not None:
             if req.placement and sum(s.gpus for s in req.placement) != req.plan.gpus:
