@@ -1,6 +1,12 @@
 """The scheduling interface shared by the optimizer service and the simulator.
 
 Changes (newest first; all backward compatible, every new field has a default):
+- ``PerfOracle`` may offer ``answers_token()``: a hashable that changes whenever
+  any of its answers may change (None: it cannot tell). A policy may remember
+  answers while it stays equal (``ordering.RequestSpeeds``, SRTF).
+  ``LearningOracle``, ``PerfModelOracle`` and the simulator's ``BeliefOracle``
+  offer it. Views may be kept across rounds (``policies.views.KeptViews``): a
+  policy must not change the views it is handed.
 - The decision core (issue 22): ``check_decision`` moved to ``policies.decision``
   (re-exported by ``policies``), with the GPU-type rules the simulator had alone
   (one type per placement, one the job accepts); ``policies.decision.diff`` splits a

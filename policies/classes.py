@@ -36,7 +36,8 @@ def class_rank(job: JobView) -> int:
 
 def by_class(key: OrderKey) -> OrderKey:
     def keyed(j: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
-        return (-j.spec.priority,) + tuple(key(j, now, perf))
+        k = key(j, now, perf)
+        return (-j.spec.priority,) + (k if type(k) is tuple else tuple(k))
 
     keyed.base = key  # type: ignore[attr-defined]
     return keyed

@@ -8,7 +8,6 @@ Priority classes (``JobSpec.priority``) come first: FIFO within a class.
 from __future__ import annotations
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
-from gearshift.policies.classes import class_rank
 from gearshift.policies.placement import first_fit, largest_block, take
 
 
@@ -22,26 +21,36 @@ class Fifo:
         free_g = {n.name: n.gpus_total for n in nodes}
         free_c = {n.name: n.cpus_total for n in nodes}
         decision = Decision()
-        for j in jobs:
-            if j.running:
-                plan = j.plan or default_plan(j.spec)
-                decision.allocations[j.job_id] = JobDecision(j.placement, plan, "running")
-                take(j.placement, free_g, free_c)
-        blocked_by: str | None = None
-        for j in sorted((j for j in jobs if not j.running), key=lambda j: (class_rank(j), j.submitted_at, j.job_id)):
-            if blocked_by is not None:
-                decision.waiting[j.job_id] = f"waiting: behind {blocked_by} in FIFO order"
-                continue
+        allocations, waiting = decision.allocations, decision.waiting
+        queue = []
+        for j in jobs:  # every round, for every job: kept lean
+            held = j.placement
+            if held:
+                allocations[j.job_id] = JobDecision(held, j.plan or default_plan(j.spec), "running")
+                for p in held:
+                    free_g[p.node] -= p.gpus
+                    free_c[p.node] -= p.cpus
+            else:
+                queue.append(j)
+        queue.sort(key=fifo_order)
+        for i, j in enumerate(queue):
             cpg = j.spec.cpus_per_gpu or self.default_cpus_per_gpu
             placement = first_fit(j.spec.gpus, cpg, free_g, free_c, nodes, unit=default_plan(j.spec).tp)
             if placement is None:
-                decision.waiting[j.job_id] = (
+                waiting[j.job_id] = (
                     f"waiting: needs {j.spec.gpus} GPUs, {sum(free_g.values())} free "
                     f"(largest free block {largest_block(free_g)})"
                 )
-                blocked_by = j.job_id
-                continue
+                # head of line: everything behind it waits, for the same reason (one string)
+                waiting.update(dict.fromkeys([b.job_id for b in queue[i + 1:]],
+                                             f"waiting: behind {j.job_id} in FIFO order"))
+                break
             take(placement, free_g, free_c)
             where = ", ".join(f"{p.node}:{p.gpus}" for p in placement)
-            decision.allocations[j.job_id] = JobDecision(placement, default_plan(j.spec), f"FIFO first fit on {where}")
+            allocations[j.job_id] = JobDecision(placement, default_plan(j.spec), f"FIFO first fit on {where}")
         return decision
+
+
+def fifo_order(j: JobView) -> tuple:
+    """Priority class first (``classes.class_rank``), then arrival, then id."""
+    return (-j.spec.priority, j.submitted_at, j.job_id)

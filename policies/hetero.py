@@ -166,9 +166,13 @@ class ByType:
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         types = node_types(nodes)
-        if len(types) <= 1 and not any(j.spec.gpu_types for j in jobs):
-            t = types[0] if types else ""
-            return self.inner(t).schedule(now, nodes, jobs, typed_oracle(perf, t))
+        if len(types) <= 1:
+            for j in jobs:  # any(j.spec.gpu_types ...), as a plain loop: every job, every round
+                if j.spec.gpu_types:
+                    break
+            else:
+                t = types[0] if types else ""
+                return self.inner(t).schedule(now, nodes, jobs, typed_oracle(perf, t))
         assign = self.assign(now, nodes, jobs, perf, types)
         self.last_types = assign
         d = Decision()

@@ -42,7 +42,7 @@ from typing import Any
 from gearshift.bus_schema.messages import JobSpec, Plan
 from gearshift.policies.api import JobView, Placement, placement_type
 from gearshift.policies.memory_rule import OomRule
-from gearshift.policies.protocols import BatchOracle, KeyedOracle, PlanningOracle, supports
+from gearshift.policies.protocols import BatchOracle, KeyedOracle, PlanningOracle, TokenedOracle, supports
 
 CHANGE_TOL = 0.02  # an observation within 2% of the current answer changes nothing
 
@@ -99,6 +99,7 @@ class LearningOracle:
         # the base's optional capabilities (policies.protocols), found once
         self._base_key = base.spec_key if supports(base, KeyedOracle) else None
         self._base_many = base.throughput_many if supports(base, BatchOracle) else None
+        self._base_token = base.answers_token if supports(base, TokenedOracle) else None
 
     # ------------------------------------------------------------ learning
     def observe(self, job: JobView | JobSpec, plan: Plan, placement: tuple[Placement, ...], *,
@@ -137,6 +138,13 @@ class LearningOracle:
         self._version[model] = self._version.get(model, 0) + 1
         self.revision += 1
         return True
+
+    def answers_token(self) -> tuple | None:
+        """Changes whenever any answer may change: every change of what it learnt
+        bumps ``revision``; the base says its own (None: the base cannot tell)."""
+        own = self._base_token
+        base = own() if own is not None else None
+        return None if base is None else (self.revision, base)
 
     def infeasible(self, spec: JobSpec, plan: Plan, gpu_type: str = "") -> bool:
         """Ruled out by what ran out of memory (and not freed by what ran)?"""

@@ -152,6 +152,11 @@ class PerfModelOracle:
         self._shapes: dict = {}
         self._plans: dict = {}
         self._version: dict[str, int] = {}
+        self._fits = 0  # set_params calls: any answer may have changed
+
+    def answers_token(self) -> int:
+        """Changes whenever any answer may change (a new fit; ``policies.api``)."""
+        return self._fits
 
     def set_params(self, model_name: str, params) -> None:
         """Use ``params`` for this model from now on (a new fit, e.g. from
@@ -159,6 +164,7 @@ class PerfModelOracle:
         ``spec_key`` changes so policies' curve caches miss."""
         self._params[model_name] = params
         self._version[model_name] = self._version.get(model_name, 0) + 1
+        self._fits += 1
         for cache in (self._shapes, self._plans):
             for k in [k for k in cache if _model_name(k) == model_name]:
                 del cache[k]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from gearshift.policies.api import JobView, PerfOracle, default_plan
 from gearshift.policies.placement import compact_shape
+from gearshift.policies.protocols import TokenedOracle, supports
 
 
 def fifo_key(job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
@@ -27,18 +28,58 @@ def requested_throughput(job: JobView, perf: PerfOracle | None, gpus_per_node: i
 
 def remaining_time(job: JobView, perf: PerfOracle | None) -> float:
     """Seconds left at the requested allocation; steps left if no speed is known."""
-    thr = requested_throughput(job, perf)
+    return seconds_left(job, requested_throughput(job, perf))
+
+
+def seconds_left(job: JobView, thr: float | None) -> float:
+    """``remaining_time`` at ``thr`` samples/s (None: not known)."""
+    left = job.remaining_steps
     if thr:
-        return job.remaining_steps * job.spec.global_batch / thr
+        return left * job.spec.global_batch / thr
     if job.spec.step_time:
-        return job.remaining_steps * job.spec.step_time
-    return job.remaining_steps
+        return left * job.spec.step_time
+    return left
 
 
 def srtf_key(job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
     """Shortest remaining time first (Blox's SRTF uses the true remaining
     iterations; we use the steps left and the predicted speed)."""
     return (remaining_time(job, perf), job.submitted_at, job.job_id)
+
+
+class RequestSpeeds:
+    """``requested_throughput`` per job, remembered while the oracle vouches that
+    none of its answers changed (``answers_token``, ``policies.api``): the same
+    numbers, asked once per job and oracle state instead of every round. An oracle
+    that cannot tell is asked every time."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple] = {}  # id(spec) -> (spec, samples/s or None)
+        self._perf: object = None
+        self._own = None  # the oracle's answers_token
+        self._token: object = None
+
+    def throughput(self, job: JobView, perf: PerfOracle | None) -> float | None:
+        if perf is not self._perf:
+            self._perf, self._own, self._token, self._memo = perf, (perf.answers_token if supports(perf, TokenedOracle) else None), None, {}
+        token = self._own() if self._own is not None else None
+        if token is None:
+            return requested_throughput(job, perf)
+        memo = self._memo
+        if token != self._token or len(memo) > 100_000:
+            memo = self._memo = {}
+            self._token = token
+        spec = job.spec
+        hit = memo.get(id(spec))
+        if hit is not None and hit[0] is spec:
+            return hit[1]
+        thr = requested_throughput(job, perf)
+        memo[id(spec)] = (spec, thr)
+        return thr
+
+    def srtf_key(self, job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
+        """``srtf_key``, with the remembered speed."""
+        return (seconds_left(job, self.throughput(job, perf)), job.submitted_at, job.job_id)
 
 
 class TiresiasQueues:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import by_class
-from gearshift.policies.ordering import TiresiasQueues, fifo_key, las_key, srtf_key
+from gearshift.policies.ordering import RequestSpeeds, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledger, describe
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
@@ -56,24 +56,37 @@ class PriorityPolicy:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
-        order = sorted(jobs, key=lambda j: self.key(j, now, perf))
+        key = self.key
+        keys = [key(j, now, perf) for j in jobs]
+        order = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]  # = sorted(jobs, key=...)
         rank = {j.job_id: i for i, j in enumerate(order)}
         ledger = Ledger(nodes)
-        known = set(ledger.free_g)
+        free_g, free_c = ledger.free_g, ledger.free_c
         holding: dict[str, JobView] = {}
-        for j in order:
-            if j.running and all(p.node in known for p in j.placement) and ledger.fits(j.placement):
-                ledger.take(j.placement)
-                holding[j.job_id] = j
+        for j in order:  # running jobs keep what they hold while it fits (ledger.fits, take; inlined)
+            held = j.placement
+            if held:
+                for p in held:
+                    if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
+                        break
+                else:
+                    for p in held:
+                        free_g[p.node] -= p.gpus
+                        free_c[p.node] -= p.cpus
+                    holding[j.job_id] = j
         decision = Decision()
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
+        behind: dict[str, str] = {}  # the same words for every job behind the blocked one
         for j in order:
-            why = self.describe_key(j)
             if j.job_id in holding:
                 continue
+            why = self.describe_key(j)
             if blocked is not None and self.head_of_line and (self.blocks is None or self.blocks(blocked, j)):
-                decision.waiting[j.job_id] = f"waiting: behind {blocked.job_id} in {self.name} order{why}"
+                msg = behind.get(why)
+                if msg is None:
+                    msg = behind[why] = f"waiting: behind {blocked.job_id} in {self.name} order{why}"
+                decision.waiting[j.job_id] = msg
                 continue
             cpg = j.spec.cpus_per_gpu or self.default_cpus_per_gpu
             plan = default_plan(j.spec)
@@ -115,8 +128,9 @@ class PriorityPolicy:
             decision.allocations[j.job_id] = JobDecision(
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
             )
+        kept = f"{self.name}: kept"
         for jid, j in holding.items():
-            decision.allocations[jid] = JobDecision(j.placement, j.plan or default_plan(j.spec), f"{self.name}: kept")
+            decision.allocations[jid] = JobDecision(j.placement, j.plan or default_plan(j.spec), kept)
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
@@ -132,7 +146,8 @@ def make_las(**kw) -> PriorityPolicy:
 
 
 def make_srtf(**kw) -> PriorityPolicy:
-    return PriorityPolicy("srtf", srtf_key, **kw)
+    # srtf_key, each job's requested speed remembered while the oracle's answers stand
+    return PriorityPolicy("srtf", RequestSpeeds().srtf_key, **kw)
 
 
 class Tiresias(PriorityPolicy):
@@ -148,8 +163,9 @@ class Tiresias(PriorityPolicy):
         )
 
     def schedule(self, now, nodes, jobs, perf):
-        for j in jobs:
-            self.queues.observe(j, now)
+        if self.queues.starvation_factor is not None:  # observe() does nothing without it
+            for j in jobs:
+                self.queues.observe(j, now)
         return super().schedule(now, nodes, jobs, perf)
 
 

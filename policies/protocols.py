@@ -52,6 +52,15 @@ class RevisedOracle(Protocol):
 
 
 @runtime_checkable
+class TokenedOracle(Protocol):
+    """Vouches for its answers: ``answers_token()`` is a hashable that changes
+    whenever any answer may change (None: it cannot tell). A policy may remember
+    answers while it stays equal (``ordering.RequestSpeeds``)."""
+
+    def answers_token(self) -> Hashable | None: ...
+
+
+@runtime_checkable
 class ObservingOracle(Protocol):
     """Learns from what runs (``policies.learning.LearningOracle``)."""
 

@@ -16,7 +16,8 @@ from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
 from gearshift.bus_schema.messages import JobRecord, JobState
 from gearshift.policies import Decision, JobView, Placement, check_decision
-from gearshift.policies.api import attained_service, make_job_view
+from gearshift.policies.api import make_job_view
+from gearshift.policies.views import KeptViews
 from gearshift.services import capacity
 
 
@@ -37,31 +38,25 @@ def job_view(rec: JobRecord, now: float, progress: float | None = None) -> JobVi
 
 class JobViews:
     """The policy's views of the live records, kept across rounds as the simulator
-    keeps its own: a job's view is built again (``job_view``) only when its record
-    changed (the jobs view decodes a new record per KV revision); otherwise only
-    what moves with time is set in place, a running job's steps (its agents'
-    progress) and attained service. The same views, so the policy's caches keyed
-    by their parts (``policies.rubick_problem``) hold while nothing changed."""
+    keeps its own (``policies.views.KeptViews``): a job's view is built again
+    (``job_view``) only when its record changed (the jobs view decodes a new record
+    per KV revision); otherwise only what moves with time is set in place, a running
+    job's steps (its agents' progress) and attained service. The same views, so the
+    policy's caches keyed by their parts (``policies.rubick_problem``) hold while
+    nothing changed."""
 
     def __init__(self) -> None:
-        self._views: dict[str, tuple[JobRecord, bool, float | None, JobView]] = {}
+        self._kept = KeptViews()
 
     def view(self, rec: JobRecord, now: float, progress: float | None = None) -> JobView:
-        hit = self._views.get(rec.job_id)
-        if hit is None or hit[0] is not rec:
-            v = job_view(rec, now, progress)
-            self._views[rec.job_id] = (rec, rec.state in ACTIVE, v.last_switch_at, v)
-            return v
-        _, running, switch, v = hit
-        if running:  # as job_view sets them
-            v.steps_done = max(rec.steps_done, progress) if progress is not None else rec.steps_done
-            v.attained_service = attained_service(rec.attained_gpu_s, v.placement, switch, now)
-        return v
+        running = rec.state in ACTIVE
+        steps = max(rec.steps_done, progress) if running and progress is not None else rec.steps_done
+        return self._kept.view(rec.job_id, rec, now, steps, rec.attained_gpu_s, running,
+                               lambda: job_view(rec, now, progress))
 
     def keep(self, job_ids: set[str]) -> None:
         """Forget the views of jobs that left the round (ended, archived)."""
-        if len(self._views) > len(job_ids):
-            self._views = {k: v for k, v in self._views.items() if k in job_ids}
+        self._kept.keep(job_ids)
 
 
 ROUND_STATES = frozenset((JobState.PENDING, *ACTIVE))  # the jobs a round hands its policy

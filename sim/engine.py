@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.bus_schema.messages import ALLOWED_TRANSITIONS, InvalidTransition, JobState, Plan
-from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, make_job_view, with_type
+from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, with_type
 from gearshift.policies.decision import NodeCapacity, check_decision, diff
 from gearshift.policies.learning import LearningOracle
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
+from gearshift.sim.views import SimViews
 
 # Job states are the bus's (``JobState``) and change only along its ALLOWED_TRANSITIONS
 # (``move``). A trace job that has not arrived has no state, None: on the bus a job has
@@ -104,9 +105,10 @@ class JobRecord:
     alloc_at: float = 0.0  # when the current allocation began
     productive_from: float = 0.0  # alloc_at + restart cost
     updated_at: float = 0.0  # progress is accounted up to here
-    version: int = 0  # invalidates stale completion events
+    version: int = 0  # moves at every grant and release: stale completion events, kept views (sim.views)
     gpus_held: int = 0
-    # Authoritative state; the policy-facing JobView is a copy the simulator writes and never reads.
+    # Authoritative state. ``view`` keeps the view-only fields (restarts, started_at, last_switch_at,
+    # target_throughput); policies get views built from the record (sim.views), never ``view`` itself.
     steps_done: float = 0.0
     attained: float = 0.0
     placement: tuple = ()
@@ -194,6 +196,8 @@ class Simulator:
         self.by_id = {r.job.job_id: r for r in self.records}
         self.live: dict[str, JobRecord] = {}  # pending + running, in arrival order
         self.running: dict[str, JobRecord] = {}
+        self._unobserved: list[tuple[JobRecord, int]] = []  # grants not yet told to the oracle (_observe)
+        self.views = SimViews(self.live, self.running)  # the policy's views, kept across rounds
         self.heap: list[tuple[float, int, int]] = []  # (finish time, version, record index)
         self.index = {id(r): i for i, r in enumerate(self.records)}
         self.timeline: list[tuple[float, int, int, int]] = []
@@ -232,8 +236,6 @@ class Simulator:
         r.gpu_seconds += g
         r.run_time += dt
         r.updated_at = t
-        r.view.steps_done = r.steps_done
-        r.view.attained_service = r.attained
 
     def _advance_all(self, t: float) -> None:
         """``_advance`` for every running job, inlined: this runs every round."""
@@ -255,9 +257,6 @@ class Simulator:
             r.gpu_seconds += g
             r.run_time += dt
             r.updated_at = t
-            v = r.view
-            v.steps_done = r.steps_done
-            v.attained_service = r.attained
 
     def _finish_time(self, r: JobRecord) -> float:
         if r.rate <= 0:
@@ -324,15 +323,15 @@ class Simulator:
         v.restarts = r.starts - 1
         self.running[r.job.job_id] = r
         r.version += 1
+        self._unobserved.append((r, r.version))
         ft = self._finish_time(r)
         if ft < math.inf:
             heapq.heappush(self.heap, (ft, r.version, self.index[id(r)]))
 
     # ------------------------------------------------------------ a round
     def _nodes(self) -> list[NodeState]:
-        types = self.node_types
-        return [NodeState(n, self.cap_g[i], self.free_g[i], self.cap_c[i], self.free_c[i], gpu_type=types[i])
-                for i, n in enumerate(self.node_names)]
+        return [NodeState(n, cg, fg, cc, fc, "", ty) for n, cg, fg, cc, fc, ty
+                in zip(self.node_names, self.cap_g, self.free_g, self.cap_c, self.free_c, self.node_types)]
 
     def _round(self, t: float) -> bool:
         """Run the policy and apply its decision. True if any allocation changed."""
@@ -340,7 +339,7 @@ class Simulator:
         self._advance_all(t)
         if self.cfg.learn:
             self._observe(t)
-        views = [self._view(r, t) for r in self.live.values()]
+        views = self.views.views(t)
         nodes = self._nodes()
         decision = self.policy.schedule(t, nodes, views, self.oracle)
         if self.cfg.full_check:
@@ -376,22 +375,22 @@ class Simulator:
             self._check_capacity()
         return changed
 
-    @staticmethod
-    def _view(r: JobRecord, t: float) -> JobView:
-        """The policy's copy of a job, made by the function the optimizer uses too."""
-        v = r.view
-        return make_job_view(v.job_id, v.spec, v.submitted_at, t, steps_done=r.steps_done, placement=r.placement,
-                             plan=r.plan, attained_before=r.attained_before, restarts=v.restarts,
-                             last_switch_at=v.last_switch_at, started_at=v.started_at,
-                             target_throughput=v.target_throughput)
-
     def _observe(self, t: float) -> None:
         """Tell the oracle the speed of allocations that have started training (what
-        a running job's step reports reveal), once per allocation."""
-        for r in self.running.values():
-            if not r.observed and r.rate > 0 and t >= r.productive_from:
+        a running job's step reports reveal), once per allocation, in the order the
+        allocations were granted (the running jobs' order). Only the allocations not
+        yet told are looked at (``_unobserved``, appended by every grant; one whose
+        job was released since, its version moved, is dropped)."""
+        left = []
+        for r, version in self._unobserved:
+            if r.version != version or r.observed or r.rate <= 0:
+                continue
+            if t >= r.productive_from:
                 r.observed = True
                 self.oracle.observe(r.job.spec, r.plan, r.placement, step_time=1.0 / r.rate)
+            else:
+                left.append((r, version))
+        self._unobserved = left
 
     def _check_capacity(self) -> None:
         c = self.cluster

@@ -388,6 +388,11 @@ class BeliefOracle:
             self._cache[ck] = v
         return v
 
+    def answers_token(self) -> int:
+        """Its answers never change during a run (a fixed fit and a fixed rule), unless
+        the optimizer's oracle it answers through gets a new fit."""
+        return self._live.answers_token() if self._live is not None else 0
+
     def memory_parts(self, spec: JobSpec, plans: list[Plan]) -> list[tuple[float, float]] | None:
         """The belief's memory accounting (what the learning oracle's OOM rule reads):
         the optimizer's, or the analytic oracle's without a fitted model."""

@@ -1,0 +1,91 @@
+"""The simulator's job views, kept across rounds (``policies.views.KeptViews``, as the
+optimizer keeps its own) with work per round proportional to what changed.
+
+A record's view is built from it (``fresh_view``, the one view builder
+``make_job_view``) when the record's ``version`` moved (every grant and release
+bumps it), and otherwise only refreshed: a running job's steps and attained service.
+Which records to look at each round, without a pass over the queue: the running
+ones (their time-dependent fields move anyway), those that stopped running since the
+last round (preempted, failed, finished), and those that arrived. A job that waits
+keeps its version, so its view is handed over as kept.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gearshift.policies.api import JobView, make_job_view
+from gearshift.policies.views import KeptViews
+
+
+def fresh_view(r: Any, t: float) -> JobView:
+    """The policy's copy of simulator record ``r`` at ``t``, made by the function the
+    optimizer uses too."""
+    v = r.view
+    return make_job_view(v.job_id, v.spec, v.submitted_at, t, steps_done=r.steps_done, placement=r.placement,
+                         plan=r.plan, attained_before=r.attained_before, restarts=v.restarts,
+                         last_switch_at=v.last_switch_at, started_at=v.started_at,
+                         target_throughput=v.target_throughput)
+
+
+class SimViews:
+    """The views of the simulator's live jobs (``live``: pending + running in arrival
+    order; ``running``), handed to the policy in that order."""
+
+    def __init__(self, live: dict, running: dict):
+        self.live = live
+        self.running = running
+        self.kept = KeptViews()
+        self._order: dict[str, JobView] = {}  # live job -> its view, in live's order
+        self._was_running: set[str] = set()
+
+    def views(self, t: float) -> list[JobView]:
+        live, running, kept, order = self.live, self.running, self.kept, self._order
+        for jid in self._was_running - running.keys():  # stopped: preempted, failed or finished
+            r = live.get(jid)
+            if r is None:  # finished: left live (only a running job leaves it)
+                order.pop(jid, None)
+                kept.drop((jid,))
+            else:
+                order[jid] = self._build(r, t)
+        if len(order) != len(live) or next(reversed(order), None) != next(reversed(live), None):
+            self._follow_live(t)  # arrivals (appended to live: its last job is new)
+            order = self._order
+        get = kept.get
+        for jid, r in running.items():  # KeptViews.refresh, inlined: every running job, every round
+            hit = get(jid)
+            if hit is None or hit[0] != r.version or hit[5] is None:
+                order[jid] = self._build(r, t)
+            else:
+                v = hit[3]
+                v.steps_done = r.steps_done
+                dt = t - hit[5]
+                v.attained_service = hit[2] + hit[4] * (dt if dt > 0.0 else 0.0)
+        self._was_running = set(running)
+        return list(order.values())
+
+    def _build(self, r: Any, t: float) -> JobView:
+        return self.kept.put(r.job.job_id, r.version, bool(r.placement), r.attained_before, fresh_view(r, t))
+
+    def _follow_live(self, t: float) -> None:
+        """Jobs that arrived join at the end, as live appends them; anything else
+        (a job left live without having run) and live's order is taken afresh."""
+        live, order = self.live, self._order
+        joined = []
+        for jid, r in reversed(live.items()):
+            if jid in order:
+                break
+            joined.append(r)
+        if len(order) + len(joined) != len(live):
+            self.kept.drop(order.keys() - live.keys())
+            self._order = {jid: self._kept_or_built(r, t) for jid, r in live.items()}
+            return
+        for r in reversed(joined):
+            order[r.job.job_id] = self._build(r, t)
+
+    def _kept_or_built(self, r: Any, t: float) -> JobView:
+        hit = self.kept.get(r.job.job_id)
+        if hit is None or hit[0] != r.version:
+            return self._build(r, t)
+        return hit[3]
+
