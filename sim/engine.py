@@ -95,8 +95,9 @@ class SimConfig:
 
 
 @dataclass(slots=True)
-class JobRecord:
-    """Per-job bookkeeping; the per-job CSV is made from these."""
+class SimJob:
+    """The simulator's bookkeeping of one job (the per-job CSV is made from these); the
+    bus's record of a live job is ``bus_schema.messages.JobRecord``."""
 
     job: TraceJob
     view: JobView
@@ -137,7 +138,7 @@ class JobRecord:
         return self.job.spec
 
 
-def move(r: JobRecord, new: JobState) -> None:
+def move(r: SimJob, new: JobState) -> None:
     """``r`` to state ``new``, or InvalidTransition if the bus's state machine forbids it."""
     if new not in TRANSITIONS[r.state]:
         was = r.state.value if r.state is not None else "not submitted"
@@ -151,7 +152,7 @@ class SimResult:
     trace: str
     cluster: ClusterSpec
     config: SimConfig
-    records: list[JobRecord]
+    records: list[SimJob]
     tracked: frozenset[str] | None
     end_time: float
     rounds: int
@@ -159,6 +160,72 @@ class SimResult:
     wall_s: float
     # Step-function samples after each event: (time, GPUs allocated, jobs queued, jobs running)
     timeline: list[tuple[float, int, int, int]]
+
+
+# ------------------------------------------------------------ a job's progress (pure functions of its record)
+def advance(r: SimJob, t: float, check: bool = True) -> None:
+    """Account progress of running job ``r`` up to time ``t``."""
+    if check and r.state != RUNNING:
+        raise InvariantError(f"job {r.job.job_id} would progress without holding an allocation")
+    dt = t - r.updated_at
+    if dt <= 0:
+        return
+    start = max(r.updated_at, r.productive_from)
+    steps = r.job.spec.steps
+    if t > start and r.rate > 0:
+        r.steps_done += (t - start) * r.rate
+        if r.steps_done > steps:
+            if check and r.steps_done > steps * (1 + 1e-6) + 1e-6:
+                raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
+            r.steps_done = float(steps)
+    g = dt * r.gpus_held
+    r.attained += g
+    r.gpu_seconds += g
+    r.run_time += dt
+    r.updated_at = t
+
+def advance_all(running: dict[str, SimJob], t: float, check: bool = True) -> None:
+    """``advance`` for every running job, inlined: this runs every round."""
+    for r in running.values():
+        dt = t - r.updated_at
+        if dt <= 0:
+            continue
+        start = r.productive_from if r.productive_from > r.updated_at else r.updated_at
+        if t > start and r.rate > 0:
+            r.steps_done += (t - start) * r.rate
+            steps = r.job.spec.steps
+            if r.steps_done > steps:
+                if check and r.steps_done > steps * (1 + 1e-6) + 1e-6:
+                    raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
+                r.steps_done = float(steps)
+        g = dt * r.gpus_held
+        r.attained += g
+        r.gpu_seconds += g
+        r.run_time += dt
+        r.updated_at = t
+
+def finish_time(r: SimJob) -> float:
+    """When ``r`` finishes at its current rate (or fails, if its plan does not fit)."""
+    if r.rate <= 0:
+        return r.productive_from  # it fails (out of memory) when it would start training
+    left = r.job.spec.steps - r.steps_done
+    return max(r.updated_at, r.productive_from) + left / r.rate
+
+
+def check_capacity(sim: "Simulator") -> None:
+    """The invariant: no node holds more than it has, and free + held = capacity."""
+    used_g = [0] * len(sim.node_names)
+    used_c = [0] * len(sim.node_names)
+    for r in sim.running.values():
+        for p in r.placement:
+            i = sim.node_index[p.node]
+            used_g[i] += p.gpus
+            used_c[i] += p.cpus
+    for i in range(len(sim.node_names)):
+        if used_g[i] > sim.cap_g[i] or used_c[i] > sim.cap_c[i]:
+            raise InvariantError(f"node {sim.node_names[i]} holds {used_g[i]} GPUs / {used_c[i]} CPUs")
+        if used_g[i] + sim.free_g[i] != sim.cap_g[i] or used_c[i] + sim.free_c[i] != sim.cap_c[i]:
+            raise InvariantError(f"node {sim.node_names[i]}: free-capacity bookkeeping is off")
 
 
 class Simulator:
@@ -192,11 +259,11 @@ class Simulator:
         self.free_g = self.cap_g.copy()
         self.free_c = self.cap_c.copy()
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c)
-        self.records = [JobRecord(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
+        self.records = [SimJob(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
-        self.live: dict[str, JobRecord] = {}  # pending + running, in arrival order
-        self.running: dict[str, JobRecord] = {}
-        self._unobserved: list[tuple[JobRecord, int]] = []  # grants not yet told to the oracle (_observe)
+        self.live: dict[str, SimJob] = {}  # pending + running, in arrival order
+        self.running: dict[str, SimJob] = {}
+        self._unobserved: list[tuple[SimJob, int]] = []  # grants not yet told to the oracle (_observe)
         self.views = SimViews(self.live, self.running)  # the policy's views, kept across rounds
         self.heap: list[tuple[float, int, int]] = []  # (finish time, version, record index)
         self.index = {id(r): i for i, r in enumerate(self.records)}
@@ -216,57 +283,9 @@ class Simulator:
                 raise ValueError(f"job {j.job_id} asks for {j.spec.gpus} GPUs; the cluster has {biggest}{what}")
 
     # ------------------------------------------------------------ progress
-    def _advance(self, r: JobRecord, t: float) -> None:
-        """Account progress of running job ``r`` up to time ``t``."""
-        if self.cfg.check_invariants and r.state != RUNNING:
-            raise InvariantError(f"job {r.job.job_id} would progress without holding an allocation")
-        dt = t - r.updated_at
-        if dt <= 0:
-            return
-        start = max(r.updated_at, r.productive_from)
-        steps = r.job.spec.steps
-        if t > start and r.rate > 0:
-            r.steps_done += (t - start) * r.rate
-            if r.steps_done > steps:
-                if self.cfg.check_invariants and r.steps_done > steps * (1 + 1e-6) + 1e-6:
-                    raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
-                r.steps_done = float(steps)
-        g = dt * r.gpus_held
-        r.attained += g
-        r.gpu_seconds += g
-        r.run_time += dt
-        r.updated_at = t
-
-    def _advance_all(self, t: float) -> None:
-        """``_advance`` for every running job, inlined: this runs every round."""
-        check = self.cfg.check_invariants
-        for r in self.running.values():
-            dt = t - r.updated_at
-            if dt <= 0:
-                continue
-            start = r.productive_from if r.productive_from > r.updated_at else r.updated_at
-            if t > start and r.rate > 0:
-                r.steps_done += (t - start) * r.rate
-                steps = r.job.spec.steps
-                if r.steps_done > steps:
-                    if check and r.steps_done > steps * (1 + 1e-6) + 1e-6:
-                        raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
-                    r.steps_done = float(steps)
-            g = dt * r.gpus_held
-            r.attained += g
-            r.gpu_seconds += g
-            r.run_time += dt
-            r.updated_at = t
-
-    def _finish_time(self, r: JobRecord) -> float:
-        if r.rate <= 0:
-            return r.productive_from  # it fails (out of memory) when it would start training
-        left = r.job.spec.steps - r.steps_done
-        return max(r.updated_at, r.productive_from) + left / r.rate
-
     # ------------------------------------------------------------ allocation changes
-    def _release(self, r: JobRecord, t: float) -> None:
-        self._advance(r, t)
+    def _release(self, r: SimJob, t: float) -> None:
+        advance(r, t, self.cfg.check_invariants)
         r.attained_before = r.attained
         lost = max(0.0, min(t, r.productive_from) - r.alloc_at)
         r.restart_lost += lost
@@ -283,7 +302,7 @@ class Simulator:
         r.rate = 0.0
         del self.running[r.job.job_id]
 
-    def _grant(self, r: JobRecord, placement: tuple[Placement, ...], plan: Plan, t: float) -> None:
+    def _grant(self, r: SimJob, placement: tuple[Placement, ...], plan: Plan, t: float) -> None:
         # the nodes' own type, whatever the decision said (truth and learning read it)
         placement = with_type(placement, self.node_types[self.node_index[placement[0].node]])
         for p in placement:
@@ -324,7 +343,7 @@ class Simulator:
         self.running[r.job.job_id] = r
         r.version += 1
         self._unobserved.append((r, r.version))
-        ft = self._finish_time(r)
+        ft = finish_time(r)
         if ft < math.inf:
             heapq.heappush(self.heap, (ft, r.version, self.index[id(r)]))
 
@@ -336,7 +355,7 @@ class Simulator:
     def _round(self, t: float) -> bool:
         """Run the policy and apply its decision. True if any allocation changed."""
         self.rounds += 1
-        self._advance_all(t)
+        advance_all(self.running, t, self.cfg.check_invariants)
         if self.cfg.learn:
             self._observe(t)
         views = self.views.views(t)
@@ -372,7 +391,7 @@ class Simulator:
             self._grant(live[jid], tuple(d.placement), d.plan, t)
         changed = bool(change.preempt or change.changed)
         if changed and self.cfg.check_invariants:
-            self._check_capacity()
+            check_capacity(self)
         return changed
 
     def _observe(self, t: float) -> None:
@@ -391,21 +410,6 @@ class Simulator:
             else:
                 left.append((r, version))
         self._unobserved = left
-
-    def _check_capacity(self) -> None:
-        c = self.cluster
-        used_g = [0] * len(self.node_names)
-        used_c = [0] * len(self.node_names)
-        for r in self.running.values():
-            for p in r.placement:
-                i = self.node_index[p.node]
-                used_g[i] += p.gpus
-                used_c[i] += p.cpus
-        for i in range(len(self.node_names)):
-            if used_g[i] > self.cap_g[i] or used_c[i] > self.cap_c[i]:
-                raise InvariantError(f"node {self.node_names[i]} holds {used_g[i]} GPUs / {used_c[i]} CPUs")
-            if used_g[i] + self.free_g[i] != self.cap_g[i] or used_c[i] + self.free_c[i] != self.cap_c[i]:
-                raise InvariantError(f"node {self.node_names[i]}: free-capacity bookkeeping is off")
 
     # ------------------------------------------------------------ the loop
     def run(self) -> SimResult:
@@ -463,7 +467,7 @@ class Simulator:
                     r.view.placement, r.view.plan = (), None
                     completed = True
                     continue
-                self._advance(r, ft)
+                advance(r, ft, self.cfg.check_invariants)
                 if cfg.check_invariants and r.steps_done < r.job.spec.steps * (1 - 1e-6) - 1e-6:
                     raise InvariantError(f"job {r.job.job_id} completed with {r.steps_done} of {r.job.spec.steps} steps")
                 r.steps_done = r.view.steps_done = float(r.job.spec.steps)
@@ -498,7 +502,7 @@ class Simulator:
                 self.progress(t, done, n)
         end = self.now
         for r in list(self.running.values()):  # account partial progress of the unfinished
-            self._advance(r, end)
+            advance(r, end, self.cfg.check_invariants)
         return SimResult(self.policy.name, self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
                          self.rounds, self.events, _time.perf_counter() - wall0, self.timeline)
 

@@ -7,7 +7,7 @@ import pytest
 from gearshift.bus_schema.messages import JobSpec, JobState, ModelSpec, Plan
 from gearshift.policies.api import AllocationError, Decision, JobDecision, Placement
 from gearshift.policies.registry import make_policy
-from gearshift.sim.engine import InvariantError, SimConfig, Simulator, simulate
+from gearshift.sim.engine import InvariantError, SimConfig, Simulator, advance, simulate
 from gearshift.sim.metrics import per_job_csv_text, summarize
 from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
@@ -172,11 +172,11 @@ def test_engine_refuses_progress_of_a_pending_job_and_steps_beyond_total():
     r = sim.records[0]
     r.state = JobState.PENDING
     with pytest.raises(InvariantError, match="without holding"):
-        sim._advance(r, 10.0)
+        advance(r, 10.0)
     sim._grant(r, (Placement("n000", 1),), Plan(dp=1), 0.0)
     r.rate = 10.0  # pretend it suddenly runs 10x faster than its completion was scheduled for
     with pytest.raises(InvariantError, match="steps done"):
-        sim._advance(r, 50.0)
+        advance(r, 50.0)
 
 
 def test_reconfiguring_every_round_pays_restart_cost_and_never_progresses():
