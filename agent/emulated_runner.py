@@ -1,6 +1,6 @@
 """Ranks that run in-process, for the fleet emulator (``loadtest.fleet``).
 
-The same contract as ``agent.emulated_worker`` -- resume from the latest
+The same contract as ``gearshift.agent.emulated_worker`` -- resume from the latest
 manifest, checkpoint and exit 143 on SIGTERM, checkpoint on SIGUSR1, exit 0
 when the last step is done, periodic checkpoints -- but without a process,
 a file or a wake-up per step: progress is computed from the clock when it is

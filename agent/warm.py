@@ -2,7 +2,7 @@
 ready by the agent so the next generation of a job starts without paying
 for ``import torch`` (1-5 s of a switch on a CPU box).
 
-A warm worker is ``python -m agent.warm MODULE``. It imports ``MODULE`` and the
+A warm worker is ``python -m gearshift.agent.warm MODULE``. It imports ``MODULE`` and the
 modules that lists in ``WARM_IMPORTS`` (the reference workload: torch and
 torch.distributed), calls its ``warm_up()`` if it has one (first-use costs:
 ``torch.optim``'s first constructor imports ``torch._dynamo``), then waits for
@@ -175,7 +175,7 @@ def _kill(proc: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m agent.warm MODULE", file=sys.stderr)
+        print("usage: python -m gearshift.agent.warm MODULE", file=sys.stderr)
         return 2
     module = argv[0]
     try:

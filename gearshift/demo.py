@@ -6,7 +6,7 @@ waits until every job has ended, prints a per-job table (queued, ran, JCT)
 with the average JCT and the makespan, and stops everything.
 
 One job of the workload is real training: the PyTorch reference workload
-(``agent.reference.train``, CPU, gloo; ``{python}`` in a command is this
+(``gearshift.agent.reference.train``, CPU, gloo; ``{python}`` in a command is this
 interpreter). Its performance model was profiled beforehand
 (``workloads/torchref_model.json``, from ``python -m loadtest.profile_accuracy``)
 and is stored in ``gs_models`` before the workload starts, as a cluster that

@@ -10,7 +10,7 @@ Checks, on this host's real GPUs:
    (``torch.cuda.get_device_properties(0).uuid``) is NVML's UUID of *i*;
 3. ``pid_attribution``: a process holding memory on GPU *k* is listed on GPU
    *k* only, and GPU *k*'s used memory grows;
-4. ``workload_dp`` / ``workload_tp``: the reference workload (``agent.reference.train``)
+4. ``workload_dp`` / ``workload_tp``: the reference workload (``gearshift.agent.reference.train``)
    as local ranks on the GPUs: it finishes, its ranks are seen by NVML on
    their GPUs (so it ran on CUDA), and NCCL initialised (``NCCL_DEBUG=INFO``)
    when there is more than one rank. TP needs two GPUs; a workload without TP

@@ -4,7 +4,7 @@
 
 Starts ``LocalCluster`` (nats-server, admission, optimizer, perfmodel, two
 agents with two fake GPUs each), submits the PyTorch reference workload
-(``agent.reference.train``) pinned to DP1 and forces plan switches with the
+(``gearshift.agent.reference.train``) pinned to DP1 and forces plan switches with the
 operator request ``gs.optimizer.reconfigure``, one every ``--every`` steps::
 
     DP1 -> DP2+ZeRO-3 -> TP2 -> PP2 (GA2) over 2 nodes -> DP2+ZeRO-1+offload over 2 nodes

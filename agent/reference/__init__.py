@@ -1,4 +1,4 @@
-"""The reference training workload (PyTorch; CPU/gloo or CUDA/NCCL; any plan): ``python -m agent.reference.train``.
+"""The reference training workload (PyTorch; CPU/gloo or CUDA/NCCL; any plan): ``python -m gearshift.agent.reference.train``.
 
 Helpers here do not import torch: a job spec that runs the workload, and an
 uninterrupted local run to compare a switched run with.

@@ -84,7 +84,7 @@ PROFILE_QUANTILE = 0.25
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m agent.reference.train")
+    p = argparse.ArgumentParser(prog="python -m gearshift.agent.reference.train")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dim", type=int, default=64, help="input features")
     p.add_argument("--hidden", type=int, default=192)
