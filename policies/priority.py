@@ -18,8 +18,9 @@ from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import by_class
-from gearshift.policies.ordering import RequestSpeeds, TiresiasQueues, fifo_key, las_key
+from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.protocols import BatchOrderKey, supports
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 
@@ -57,7 +58,8 @@ class PriorityPolicy:
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         key = self.key
-        keys = [key(j, now, perf) for j in jobs]
+        # sharing.Shared may put a plain key in place of by_class's
+        keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
         order = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]  # = sorted(jobs, key=...)
         rank = {j.job_id: i for i, j in enumerate(order)}
         ledger = Ledger(nodes)
@@ -147,7 +149,7 @@ def make_las(**kw) -> PriorityPolicy:
 
 def make_srtf(**kw) -> PriorityPolicy:
     # srtf_key, each job's requested speed remembered while the oracle's answers stand
-    return PriorityPolicy("srtf", RequestSpeeds().srtf_key, **kw)
+    return PriorityPolicy("srtf", SrtfKey(), **kw)
 
 
 class Tiresias(PriorityPolicy):
