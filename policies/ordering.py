@@ -116,24 +116,20 @@ class SrtfKey(RequestSpeeds):
             return [(-j.spec.priority, seconds_left(j, requested_throughput(j, perf)), j.submitted_at, j.job_id)
                     for j in jobs]
         get, row = memo.get, self._row
-        out = []
-        append = out.append
-        for j in jobs:
-            spec = j.spec
-            hit = get(id(spec))
-            if hit is None or hit[0] is not spec:
-                hit = row(j, perf, memo)
-            _, thr, cls, steps, gb, step_time = hit
-            left = steps - j.steps_done  # JobView.remaining_steps: max(0.0, steps - steps done)
-            if not left > 0.0:
-                left = 0.0
-            if thr:
-                append((cls, left * gb / thr, j.submitted_at, j.job_id))
-            elif step_time:
-                append((cls, left * step_time, j.submitted_at, j.job_id))
-            else:
-                append((cls, left, j.submitted_at, j.job_id))
-        return out
+        # each job's memo entry (spec, samples/s, -class, steps, global batch, step time)
+        rows = [hit if (hit := get(id(spec := j.spec))) is not None and hit[0] is spec else row(j, perf, memo)
+                for j in jobs]
+        # left = JobView.remaining_steps, max(0.0, steps - steps done); then seconds_left's expressions
+        return [(h[2], (left if (left := h[3] - j.steps_done) > 0.0 else 0.0) * h[4] / h[1], j.submitted_at, j.job_id)
+                if h[1] else (h[2], self._no_speed(j, h), j.submitted_at, j.job_id) for j, h in zip(jobs, rows)]
+
+    @staticmethod
+    def _no_speed(j: JobView, h: tuple) -> float:
+        """``seconds_left`` of a job whose speed is not known (memo entry ``h``)."""
+        left = h[3] - j.steps_done
+        if not left > 0.0:
+            left = 0.0
+        return left * h[5] if h[5] else left
 
 
 class TiresiasQueues:

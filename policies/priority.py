@@ -61,7 +61,6 @@ class PriorityPolicy:
         # sharing.Shared may put a plain key in place of by_class's
         keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
         order = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]  # = sorted(jobs, key=...)
-        rank = {j.job_id: i for i, j in enumerate(order)}
         ledger = Ledger(nodes)
         free_g, free_c = ledger.free_g, ledger.free_c
         holding: dict[str, JobView] = {}
@@ -80,7 +79,7 @@ class PriorityPolicy:
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
         behind: dict[str, str] = {}  # the same words for every job behind the blocked one
-        for j in order:
+        for at, j in enumerate(order):
             if j.job_id in holding:
                 continue
             why = self.describe_key(j)
@@ -97,7 +96,7 @@ class PriorityPolicy:
             placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
             victims: list[JobView] = []
             if placement is None and self.preemptive:
-                lower = [v for v in reversed(order) if v.job_id in holding and rank[v.job_id] > rank[j.job_id]]
+                lower = [v for v in order[:at:-1] if v.job_id in holding]  # after j in the order, from the bottom
                 for v in lower:
                     if self.victim_ok is not None:
                         if not self.victim_ok(v, j):
