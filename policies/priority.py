@@ -52,6 +52,7 @@ class PriorityPolicy:
         # blocked job hold ``job`` back? (None: everything behind it waits).
         self.victim_ok = victim_ok
         self.blocks = blocks
+        self._kept: dict[str, JobDecision] = {}  # last round's "kept" decisions, by job
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -130,8 +131,15 @@ class PriorityPolicy:
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
             )
         kept = f"{self.name}: kept"
+        allocs, last, now_kept = decision.allocations, self._kept, {}
         for jid, j in holding.items():
-            decision.allocations[jid] = JobDecision(j.placement, j.plan or default_plan(j.spec), kept)
+            # last round's decision for a job that keeps the same placement and plan is this
+            # round's too (the same values; nothing changes a JobDecision once made)
+            d = last.get(jid)
+            if d is None or d.placement is not j.placement or d.plan is not j.plan or d.reason != kept:
+                d = JobDecision(j.placement, j.plan or default_plan(j.spec), kept)
+            allocs[jid] = now_kept[jid] = d
+        self._kept = now_kept
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
