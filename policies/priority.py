@@ -80,15 +80,26 @@ class PriorityPolicy:
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
         behind: dict[str, str] = {}  # the same words for every job behind the blocked one
+        describe_key, waiting = self.describe_key, decision.waiting
         for at, j in enumerate(order):
             if j.job_id in holding:
                 continue
-            why = self.describe_key(j)
-            if blocked is not None and self.head_of_line and (self.blocks is None or self.blocks(blocked, j)):
+            if blocked is not None and self.head_of_line and self.blocks is None:
+                # everything after the blocked job waits behind it: the rest of the walk, in its order
+                for j in order[at:]:
+                    if j.job_id not in holding:
+                        why = describe_key(j)
+                        msg = behind.get(why)
+                        if msg is None:
+                            msg = behind[why] = f"waiting: behind {blocked.job_id} in {self.name} order{why}"
+                        waiting[j.job_id] = msg
+                break
+            why = describe_key(j)
+            if blocked is not None and self.head_of_line and self.blocks(blocked, j):
                 msg = behind.get(why)
                 if msg is None:
                     msg = behind[why] = f"waiting: behind {blocked.job_id} in {self.name} order{why}"
-                decision.waiting[j.job_id] = msg
+                waiting[j.job_id] = msg
                 continue
             cpg = j.spec.cpus_per_gpu or self.default_cpus_per_gpu
             plan = default_plan(j.spec)
@@ -97,12 +108,14 @@ class PriorityPolicy:
             placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
             victims: list[JobView] = []
             if placement is None and self.preemptive:
-                lower = [v for v in order[:at:-1] if v.job_id in holding]  # after j in the order, from the bottom
-                for v in lower:
-                    if self.victim_ok is not None:
-                        if not self.victim_ok(v, j):
+                victim_ok, min_run = self.victim_ok, self.min_run_time
+                for v in order[:at:-1]:  # running jobs after j in the order, from the bottom
+                    if v.job_id not in holding:  # (only those already passed leave holding here)
+                        continue
+                    if victim_ok is not None:
+                        if not victim_ok(v, j):
                             continue
-                    elif self._protected(v, now):
+                    elif (since := v.switched_at) is not None and now - since < min_run:  # _protected, inlined
                         continue
                     ledger.give(v.placement)
                     del holding[v.job_id]
