@@ -67,7 +67,14 @@ class PriorityPolicy:
         holding: dict[str, JobView] = {}
         for j in order:  # running jobs keep what they hold while it fits (ledger.fits, take; inlined)
             held = j.placement
-            if held:
+            if len(held) == 1:  # one node: the same test and take, without the loops
+                p = held[0]
+                node = p.node
+                if node in free_g and free_g[node] >= p.gpus and free_c[node] >= p.cpus:
+                    free_g[node] -= p.gpus
+                    free_c[node] -= p.cpus
+                    holding[j.job_id] = j
+            elif held:
                 for p in held:
                     if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
                         break
