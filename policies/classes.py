@@ -20,13 +20,12 @@ Pure: no clock, no NATS.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Sequence
 
 from gearshift.policies import typed_place
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.placement import Ledger, describe
-
-OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
+from gearshift.policies.protocols import ClassedBatchKey, OrderKey, supports
 
 
 def class_rank(job: JobView) -> int:
@@ -34,13 +33,36 @@ def class_rank(job: JobView) -> int:
     return -job.spec.priority
 
 
-def by_class(key: OrderKey) -> OrderKey:
-    def keyed(j: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
-        k = key(j, now, perf)
-        return (-j.spec.priority,) + (k if type(k) is tuple else tuple(k))
+class ByClass:
+    """``by_class(key)``: ``key`` with the class in front; ``many`` answers for many jobs
+    at once (``protocols.BatchOrderKey``), through the base's own batch
+    (``protocols.ClassedBatchKey``) where it declares one."""
 
-    keyed.base = key  # type: ignore[attr-defined]
-    return keyed
+    __slots__ = ("base", "_one", "_many")
+
+    def __init__(self, key: OrderKey):
+        self.base = key
+
+        def keyed(j: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
+            k = key(j, now, perf)
+            return (-j.spec.priority,) + (k if type(k) is tuple else tuple(k))
+
+        self._one = keyed
+        self._many = key.many_by_class if supports(key, ClassedBatchKey) else None
+
+    def __call__(self, j: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
+        return self._one(j, now, perf)
+
+    def many(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]:
+        """``[self(j, now, perf) for j in jobs]``, the same tuples."""
+        if self._many is not None:
+            return self._many(jobs, now, perf)
+        keyed = self._one
+        return [keyed(j, now, perf) for j in jobs]
+
+
+def by_class(key: OrderKey) -> ByClass:
+    return ByClass(key)
 
 
 def enforce(now: float, nodes: list[NodeState], jobs: list[JobView], decision: Decision, *, min_run_time: float,

@@ -88,7 +88,7 @@ def diff(holding: Mapping[str, Holding], decision: Decision) -> Diff:
         if h is None:
             start.append(jid)
             changed.append(jid)
-        elif same_allocation(d, h):
+        elif (d.plan is h.plan and d.placement is h.placement) or same_allocation(d, h):  # the first: kept as is
             keep.append(jid)
         else:
             reconfigure.append(jid)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gearshift.policies.api import JobView, PerfOracle, default_plan
 from gearshift.policies.placement import compact_shape
 from gearshift.policies.protocols import TokenedOracle, supports
@@ -54,32 +56,80 @@ class RequestSpeeds:
     that cannot tell is asked every time."""
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple] = {}  # id(spec) -> (spec, samples/s or None)
+        self._memo: dict[int, tuple] = {}  # id(spec) -> (spec, samples/s or None, ...): _row
         self._perf: object = None
         self._own = None  # the oracle's answers_token
         self._token: object = None
 
-    def throughput(self, job: JobView, perf: PerfOracle | None) -> float | None:
+    def _memo_for(self, perf: PerfOracle | None) -> dict | None:
+        """The memo that stands for ``perf``'s answers now (None: the oracle cannot tell)."""
         if perf is not self._perf:
             self._perf, self._own, self._token, self._memo = perf, (perf.answers_token if supports(perf, TokenedOracle) else None), None, {}
         token = self._own() if self._own is not None else None
         if token is None:
-            return requested_throughput(job, perf)
+            return None
         memo = self._memo
         if token != self._token or len(memo) > 100_000:
             memo = self._memo = {}
             self._token = token
+        return memo
+
+    @staticmethod
+    def _row(job: JobView, perf: PerfOracle | None, memo: dict) -> tuple:
+        """``memo``'s entry for ``job``'s spec: (spec, samples/s or None, -class, steps,
+        global batch, step time), the spec's parts the keys read."""
+        spec = job.spec
+        row = memo[id(spec)] = (spec, requested_throughput(job, perf), -spec.priority, spec.steps, spec.global_batch,
+                                spec.step_time)
+        return row
+
+    def throughput(self, job: JobView, perf: PerfOracle | None) -> float | None:
+        memo = self._memo_for(perf)
+        if memo is None:
+            return requested_throughput(job, perf)
         spec = job.spec
         hit = memo.get(id(spec))
         if hit is not None and hit[0] is spec:
             return hit[1]
-        thr = requested_throughput(job, perf)
-        memo[id(spec)] = (spec, thr)
-        return thr
+        return self._row(job, perf, memo)[1]
 
     def srtf_key(self, job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
         """``srtf_key``, with the remembered speed."""
         return (seconds_left(job, self.throughput(job, perf)), job.submitted_at, job.job_id)
+
+
+class SrtfKey(RequestSpeeds):
+    """``RequestSpeeds.srtf_key`` as an ordering key of its own, which also answers for
+    every job of a round at once (``many_by_class``, ``protocols.ClassedBatchKey``): the
+    oracle's ``answers_token`` read once for them all (its answers do not change while
+    a policy asks them), each job's key computed inline, the same numbers from the
+    same float expressions as ``seconds_left``."""
+
+    def __call__(self, job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
+        return self.srtf_key(job, now, perf)
+
+    def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]:
+        """``[by_class(self)(j, now, perf) for j in jobs]``: (-class, seconds left,
+        submitted at, job id)."""
+        memo = self._memo_for(perf)
+        if memo is None:
+            return [(-j.spec.priority, seconds_left(j, requested_throughput(j, perf)), j.submitted_at, j.job_id)
+                    for j in jobs]
+        get, row = memo.get, self._row
+        # each job's memo entry (spec, samples/s, -class, steps, global batch, step time)
+        rows = [hit if (hit := get(id(spec := j.spec))) is not None and hit[0] is spec else row(j, perf, memo)
+                for j in jobs]
+        # left = JobView.remaining_steps, max(0.0, steps - steps done); then seconds_left's expressions
+        return [(h[2], (left if (left := h[3] - j.steps_done) > 0.0 else 0.0) * h[4] / h[1], j.submitted_at, j.job_id)
+                if h[1] else (h[2], self._no_speed(j, h), j.submitted_at, j.job_id) for j, h in zip(jobs, rows)]
+
+    @staticmethod
+    def _no_speed(j: JobView, h: tuple) -> float:
+        """``seconds_left`` of a job whose speed is not known (memo entry ``h``)."""
+        left = h[3] - j.steps_done
+        if not left > 0.0:
+            left = 0.0
+        return left * h[5] if h[5] else left
 
 
 class TiresiasQueues:

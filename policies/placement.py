@@ -163,17 +163,19 @@ class Ledger:
 
     def _place_spread(self, gpus: int, cpus_per_gpu: int, prefer: tuple[str, ...],
                       unit: int = 1) -> tuple[Placement, ...] | None:
-        def room(n: str) -> int:
-            g = min(self.free_g[n], self.free_c[n] // cpus_per_gpu if cpus_per_gpu else self.free_g[n])
-            return g - g % unit
-
-        order = sorted(self.free_g, key=lambda n: (n not in prefer, -room(n), self.order[n]))
+        rooms = {}
+        for n, fg in self.free_g.items():
+            g = min(fg, self.free_c[n] // cpus_per_gpu if cpus_per_gpu else fg)
+            rooms[n] = g - g % unit
+        if sum(r for r in rooms.values() if r > 0) < gpus:  # the walk below would not place them all
+            return None
+        order = sorted(self.free_g, key=lambda n: (n not in prefer, -rooms[n], self.order[n]))
         out: list[Placement] = []
         left = gpus
         for n in order:
             if left == 0:
                 break
-            g = min(room(n), left)
+            g = min(rooms[n], left)
             if g > 0:
                 out.append(Placement(n, g, g * cpus_per_gpu, self.types[n]))
                 left -= g

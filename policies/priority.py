@@ -18,8 +18,9 @@ from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import by_class
-from gearshift.policies.ordering import RequestSpeeds, TiresiasQueues, fifo_key, las_key
+from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.protocols import BatchOrderKey, supports
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 
@@ -51,21 +52,29 @@ class PriorityPolicy:
         # blocked job hold ``job`` back? (None: everything behind it waits).
         self.victim_ok = victim_ok
         self.blocks = blocks
+        self._kept: dict[str, JobDecision] = {}  # last round's "kept" decisions, by job
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         key = self.key
-        keys = [key(j, now, perf) for j in jobs]
+        # sharing.Shared may put a plain key in place of by_class's
+        keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
         order = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]  # = sorted(jobs, key=...)
-        rank = {j.job_id: i for i, j in enumerate(order)}
         ledger = Ledger(nodes)
         free_g, free_c = ledger.free_g, ledger.free_c
         holding: dict[str, JobView] = {}
         for j in order:  # running jobs keep what they hold while it fits (ledger.fits, take; inlined)
             held = j.placement
-            if held:
+            if len(held) == 1:  # one node: the same test and take, without the loops
+                p = held[0]
+                node = p.node
+                if node in free_g and free_g[node] >= p.gpus and free_c[node] >= p.cpus:
+                    free_g[node] -= p.gpus
+                    free_c[node] -= p.cpus
+                    holding[j.job_id] = j
+            elif held:
                 for p in held:
                     if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
                         break
@@ -78,15 +87,26 @@ class PriorityPolicy:
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
         behind: dict[str, str] = {}  # the same words for every job behind the blocked one
-        for j in order:
+        describe_key, waiting = self.describe_key, decision.waiting
+        for at, j in enumerate(order):
             if j.job_id in holding:
                 continue
-            why = self.describe_key(j)
-            if blocked is not None and self.head_of_line and (self.blocks is None or self.blocks(blocked, j)):
+            if blocked is not None and self.head_of_line and self.blocks is None:
+                # everything after the blocked job waits behind it: the rest of the walk, in its order
+                for j in order[at:]:
+                    if j.job_id not in holding:
+                        why = describe_key(j)
+                        msg = behind.get(why)
+                        if msg is None:
+                            msg = behind[why] = f"waiting: behind {blocked.job_id} in {self.name} order{why}"
+                        waiting[j.job_id] = msg
+                break
+            why = describe_key(j)
+            if blocked is not None and self.head_of_line and self.blocks(blocked, j):
                 msg = behind.get(why)
                 if msg is None:
                     msg = behind[why] = f"waiting: behind {blocked.job_id} in {self.name} order{why}"
-                decision.waiting[j.job_id] = msg
+                waiting[j.job_id] = msg
                 continue
             cpg = j.spec.cpus_per_gpu or self.default_cpus_per_gpu
             plan = default_plan(j.spec)
@@ -95,12 +115,14 @@ class PriorityPolicy:
             placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
             victims: list[JobView] = []
             if placement is None and self.preemptive:
-                lower = [v for v in reversed(order) if v.job_id in holding and rank[v.job_id] > rank[j.job_id]]
-                for v in lower:
-                    if self.victim_ok is not None:
-                        if not self.victim_ok(v, j):
+                victim_ok, min_run = self.victim_ok, self.min_run_time
+                for v in order[:at:-1]:  # running jobs after j in the order, from the bottom
+                    if v.job_id not in holding:  # (only those already passed leave holding here)
+                        continue
+                    if victim_ok is not None:
+                        if not victim_ok(v, j):
                             continue
-                    elif self._protected(v, now):
+                    elif (since := v.switched_at) is not None and now - since < min_run:  # _protected, inlined
                         continue
                     ledger.give(v.placement)
                     del holding[v.job_id]
@@ -129,8 +151,15 @@ class PriorityPolicy:
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
             )
         kept = f"{self.name}: kept"
+        allocs, last, now_kept = decision.allocations, self._kept, {}
         for jid, j in holding.items():
-            decision.allocations[jid] = JobDecision(j.placement, j.plan or default_plan(j.spec), kept)
+            # last round's decision for a job that keeps the same placement and plan is this
+            # round's too (the same values; nothing changes a JobDecision once made)
+            d = last.get(jid)
+            if d is None or d.placement is not j.placement or d.plan is not j.plan or d.reason != kept:
+                d = JobDecision(j.placement, j.plan or default_plan(j.spec), kept)
+            allocs[jid] = now_kept[jid] = d
+        self._kept = now_kept
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
@@ -147,7 +176,7 @@ def make_las(**kw) -> PriorityPolicy:
 
 def make_srtf(**kw) -> PriorityPolicy:
     # srtf_key, each job's requested speed remembered while the oracle's answers stand
-    return PriorityPolicy("srtf", RequestSpeeds().srtf_key, **kw)
+    return PriorityPolicy("srtf", SrtfKey(), **kw)
 
 
 class Tiresias(PriorityPolicy):

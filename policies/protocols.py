@@ -15,11 +15,12 @@ an attribute by its name:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from gearshift.bus_schema.messages import JobSpec, Plan
-from gearshift.policies.api import JobView, Placement
-from gearshift.policies.classes import OrderKey
+from gearshift.policies.api import JobView, PerfOracle, Placement
+
+OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]  # smaller runs first
 
 
 # ---------------------------------------------------------------- oracles
@@ -73,6 +74,25 @@ class MemoryModel(Protocol):
     """Tells a plan's memory parts (GiB), so an OOM rules out the plans that need more."""
 
     def memory_parts(self, spec: JobSpec, plans: list[Plan]) -> Any: ...
+
+
+# ---------------------------------------------------------------- ordering keys
+@runtime_checkable
+class BatchOrderKey(Protocol):
+    """An ordering key that also answers for many jobs at once: ``many(jobs, now, perf)``
+    is ``[key(j, now, perf) for j in jobs]``, the same tuples (``classes.by_class``'s
+    keys; ``policies.priority`` asks it once per round)."""
+
+    def many(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]: ...
+
+
+@runtime_checkable
+class ClassedBatchKey(Protocol):
+    """A base ordering key that answers for many jobs with the class already in front:
+    ``many_by_class(jobs, now, perf)`` is ``[by_class(key)(j, now, perf) for j in jobs]``,
+    the same tuples (``ordering.SrtfKey``: the oracle's token read once per round)."""
+
+    def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]: ...
 
 
 # ---------------------------------------------------------------- policies
