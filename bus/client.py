@@ -26,6 +26,7 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
 ERROR_HEADER = "Nats-Service-Error"
 
+
 def server_url(explicit: str | None = None) -> str:
     return explicit or os.environ.get("GEARSHIFT_NATS_URL") or DEFAULT_URL
 

@@ -135,6 +135,7 @@ ARTEFACT_REASONS = {
     ),
 }
 
+
 def is_artefact_row(row) -> bool:
     """A row of a cell marked as a data artefact (kept out of the shipped fit)."""
     return (row.model, family_of_label(row.label), row.multi_node) in ARTEFACT_CELLS

@@ -346,7 +346,6 @@ class ByType:
         return out
 
 
-
 class BudgetedByType(ByType):
     """``ByType`` over a policy that plans within tenant budgets (``protocols.BudgetedPolicy``):
     the budget goes to every instance, present and future (``ByType.__setattr__``), each

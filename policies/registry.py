@@ -29,6 +29,7 @@ def make_policy(name: str, **options) -> Policy:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}") from None
     if backfill is not None and name not in ("fifo", "fifo-easy"):
         raise ValueError(f"backfill: only the FIFO family backfills, not {name!r}")
+
     def build():
         if name == "fifo" and (backfill is not None or sharing is not None):
             # the key-ordered FIFO (same strict head-of-line order) so sharing can rank its queue

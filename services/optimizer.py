@@ -509,5 +509,6 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load(OptimizerConfig, argv)  # flags, GEARSHIFT_OPTIMIZER_<FIELD>, --config FILE
     run_service(lambda stop: amain(stop, cfg))
 
+
 if __name__ == "__main__":
     main()

@@ -229,7 +229,6 @@ class LiveModels:
             return False
         return self.oracle.observe(rec.spec, plan, placement, step_time=(r.ts - t0) / (steps - s0))
 
-
     def observe_progress(self, job_id: str, generation: int, ts: float, steps: int) -> bool:
         """A progress line of a generation that reported STEPPED: the step time since
         its first step (what the simulator tells its oracle once a job trains)."""

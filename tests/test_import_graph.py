@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
+import json
 from collections import defaultdict
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = ("gearshift", "bus", "bus_schema", "services", "agent", "perfmodel", "policies", "sim")
@@ -116,11 +120,6 @@ def test_every_module_a_shipped_command_runs_is_importable():
     """Job commands in the shipped workloads and examples name modules under the
     import root (the demo's torch job named ``agent.reference.train`` after the move,
     and failed): every ``-m MODULE`` resolves from outside the checkout."""
-    import importlib.util
-    import json
-
-    import yaml
-
     specs = [j["spec"] for j in yaml.safe_load((ROOT / "workloads" / "demo.yaml").read_text())["jobs"]]
     specs += [json.loads(p.read_text()) for p in (ROOT / "examples").glob("*.json")]
     modules = [cmd[cmd.index("-m") + 1] for s in specs if (cmd := s.get("command")) and "-m" in cmd]
