@@ -105,3 +105,16 @@ def test_llama_switches_zero3_tp_pp_through_dcp_and_keeps_its_trajectory(tmp_pat
     codes, err = torchplan.run_local("llama", {"dp": 1}, 7, 16, ck, extra_args=ARGS, generation=10)
     assert codes == [0] and "refused checkpoint step-00000099: another model (gpt2" in err, err[-2000:]
     assert json.loads((ck / "manifest.json").read_text())["step"] == 7
+
+
+@needs_torch
+def test_a_profiling_run_reports_its_step_time_and_writes_no_checkpoint(tmp_path):
+    prog = tmp_path / "progress.json"
+    env = {**os.environ, "GEARSHIFT_PLAN": json.dumps({"dp": 1, "ga": 2}), "GEARSHIFT_STEPS": "100",
+           "GEARSHIFT_GLOBAL_BATCH": "16", "GEARSHIFT_CKPT_DIR": str(tmp_path / "ck"), "GEARSHIFT_PROFILE_STEPS": "2",
+           "GEARSHIFT_PROGRESS_FILE": str(prog), "MASTER_PORT": str(torchplan.free_port())}
+    r = subprocess.run(torchplan.command(*ARGS), env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(prog.read_text())
+    assert got["profiled"] == 2 and got["phases"]["iteration"] > 0 and got["step"] == 4
+    assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())

@@ -89,7 +89,9 @@ def load(par: Any, folder: Path, want_fingerprint: str) -> dict:
             state[rng_key] = torch.get_rng_state()
         dcp.load(state, checkpoint_id=str(folder))
     except (Exception, CheckpointException) as exc:  # a corrupt or truncated DCP folder (a BaseException)
-        raise CheckpointRefused(f"checkpoint {Path(folder).name}: corrupt ({type(exc).__name__})") from None
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = (lines[-1] if lines else "")[:300]
+        raise CheckpointRefused(f"checkpoint {Path(folder).name}: corrupt ({type(exc).__name__}: {why})") from None
     set_state_dict(par.top, par.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if f"rng.{_rank()}" in state:
         torch.set_rng_state(state[f"rng.{_rank()}"])

@@ -145,6 +145,11 @@ def build(name: str, seed: int = 1234, dtype: str = "float64", layers: int = LAY
     torch.manual_seed(seed)
     cls = {"llama": tf.LlamaForCausalLM, "gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM}[name]
     model = cls(cfg).to(getattr(torch, dtype))
+    if name == "bert":
+        # cls.predictions.bias: unused by forward (the decoder has its own), so it never gets a gradient:
+        # a plain Adam keeps no state for it, FSDP2's does, and one plan's checkpoint would not load
+        # under the other's; drop it
+        model.cls.predictions._parameters.pop("bias", None)
     model.train()
     return model
 

@@ -9,6 +9,9 @@ index: the same samples in the same order under every plan), checkpoints on
 SIGTERM (exit 143), SIGUSR1, every ``ckpt_every`` steps and at the end, and
 reports progress (restore broken down by part, the DCP load and save among them).
 
+``GEARSHIFT_PROFILE_STEPS=n`` makes it a profiling run (``profile``): no
+checkpoint read or written, the step time's quantile reported as ``phases``.
+
 Testing hooks: ``GEARSHIFT_LOSS_LOG`` (rank 0 appends step, loss and a hash
 of the step's sample indices), ``GEARSHIFT_HOLD_AT`` (wait at those steps for
 a stop request, see ``loadtest/switch_check``).
@@ -32,12 +35,17 @@ from gearshift.agent.worker import (
     EXIT_PLAN_REFUSED,
     EXIT_TEMPFAIL,
     CheckpointWriter,
+    PhaseTimer,
     ProgressReporter,
     StopSignal,
     WorkerEnv,
     latest_manifest,
     write_manifest,
 )
+
+
+PROFILE_WARMUP = 2
+PROFILE_QUANTILE = 0.25  # as the reference workload: other processes only ever add time
 
 
 @dataclass
@@ -81,12 +89,17 @@ def run(model: Model, *, steps: int | None = None, global_batch: int | None = No
 
     marks["import"] = time.time()
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-                            world_size=env.world_size)
+    # CUDA + NCCL where a GPU is visible (GEARSHIFT_DEVICE=cpu forces CPU + gloo): the same code
+    cuda = torch.cuda.is_available() and os.environ.get("GEARSHIFT_DEVICE", "auto") != "cpu"
+    if cuda:
+        torch.cuda.set_device(0 if os.environ.get("CUDA_VISIBLE_DEVICES") else env.local_rank)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                            rank=env.rank, world_size=env.world_size)
     try:
         marks["rendezvous"] = time.time()
         try:
-            job = Job(model, env, stop, plan, steps, B, marks, ckpt_every, hold_timeout)
+            job = Job(model, env, stop, plan, steps, B, marks, ckpt_every, hold_timeout, device)
         except CheckpointRefused as exc:
             log(str(exc))
             return 1
@@ -104,7 +117,7 @@ def run(model: Model, *, steps: int | None = None, global_batch: int | None = No
 class Job:
     """One rank: build, restore, step, checkpoint, report."""
 
-    def __init__(self, model: Model, env, stop, plan, steps, B, marks, ckpt_every, hold_timeout):
+    def __init__(self, model: Model, env, stop, plan, steps, B, marks, ckpt_every, hold_timeout, device):
         import torch
 
         from gearshift.agent.torchplan import ckpt
@@ -113,19 +126,22 @@ class Job:
         self.model, self.env, self.stop, self.plan, self.steps, self.B = model, env, stop, plan, steps, B
         self.torch, self.rank, self.marks = torch, env.rank, marks
         self.ckpt_every, self.hold_timeout = ckpt_every, hold_timeout
-        self.X, self.Y = model.dataset()
-        self.n = model.samples or len(self.X)
+        self.device = device
+        X, Y = model.dataset()
+        self.n = model.samples or len(X)
+        self.X, self.Y = X.to(device), Y.to(device)
         if self.n % B:
             raise PlanRefused("global_batch", f"{B} does not divide the data set of {self.n}")
         module = model.build()
         self.fingerprint = ckpt.fingerprint(model.name, module)
-        self.par = Parallel(module, plan, loss_fn=model.loss_fn, lr=model.lr, fam=model.family,
-                            tp_plan=model.tp_plan)
+        self.par = Parallel(module.to(device), plan, loss_fn=model.loss_fn, lr=model.lr, fam=model.family,
+                            tp_plan=model.tp_plan, device=device)
         marks["build"] = time.time()
         self.writer = CheckpointWriter(env.ckpt_dir)
         self.step, self.loss_val, self.done, self.load_s = 0, None, False, 0.0
         t = time.time()
-        meta = ckpt.load_latest(self.par, env.ckpt_dir, latest_manifest(env.ckpt_dir), self.fingerprint,
+        self.profiling = env.profile_steps > 0  # a profiling run: from the initial model, no checkpoint
+        meta = None if self.profiling else ckpt.load_latest(self.par, env.ckpt_dir, latest_manifest(env.ckpt_dir), self.fingerprint,
                                 log if self.rank == 0 else (lambda m: None))
         if meta is not None:
             self.load_s = time.time() - t
@@ -145,7 +161,7 @@ class Job:
         if self.loss_log:
             self.samples = hashlib.sha1(idx.numpy().tobytes()).hexdigest()[:12]
         mb, off = p["micro_batch"], self.par.dp_rank * (B // p["dp"])
-        parts = [idx[off + k * mb: off + (k + 1) * mb] for k in range(p["ga"])]
+        parts = [idx[off + k * mb: off + (k + 1) * mb].to(self.device) for k in range(p["ga"])]
         return [self.X[i] for i in parts], [self.Y[i] for i in parts]
 
     def checkpoint(self, done: bool = False) -> float:
@@ -187,6 +203,26 @@ class Job:
         return dict(start_step=start_step, restore_s=ready - env.launched_at if env.launched_at else None,
                     restore_parts=parts)
 
+    def profile(self, reporter, common: dict) -> int:
+        """``GEARSHIFT_PROFILE_STEPS=n`` (the profiler's contract): ``PROFILE_WARMUP``
+        steps, then n measured ones; the per-step time's quantile in the progress file."""
+        timer = PhaseTimer()
+        for i in range(PROFILE_WARMUP + self.env.profile_steps):
+            if i == PROFILE_WARMUP:
+                timer.reset()
+            timer.start_step()
+            with timer("step"):
+                xs, ys = self.micro_batches()
+                loss = self.par.train_step(xs, ys)
+                self.torch.distributed.all_reduce(loss)
+            timer.end_step()
+            self.step += 1
+        ph = timer.quantile_ms(PROFILE_QUANTILE)
+        ph.pop("step", None)
+        reporter.report(self.step, loss=float(loss.item()) / self.plan["dp"], phases=ph, force=True,
+                        profiled=timer.steps, **common)
+        return EXIT_DONE
+
     def run(self) -> int:
         torch, env = self.torch, self.env
         dist = torch.distributed
@@ -196,7 +232,9 @@ class Job:
         start_step, ready = self.step, time.time()
         common = self._common(start_step, ready)
         reporter.report(self.step, loss=self.loss_val, force=True, **common)
-        flags = torch.zeros(2, dtype=torch.int64)
+        if self.profiling:
+            return self.profile(reporter, common)
+        flags = torch.zeros(2, dtype=torch.int64, device=self.device)
         last_tick, last_tick_step = time.monotonic(), self.step
         while self.step < self.steps:
             flags[0], flags[1] = self.stop.flags()  # one decision for all ranks

@@ -5,7 +5,7 @@
 | dp (zero 0) | ``DistributedDataParallel``; FSDP2 without resharding when combined with tp or pp |
 | zero 1 | ``ZeroRedundancyOptimizer`` over DDP (optimizer state sharded, parameters and gradients not) |
 | zero 2 / 3 | ``fully_shard`` per layer and at the top, ``reshard_after_forward`` off / on |
-| offload | ``CPUOffloadPolicy(pin_memory=False)`` (pinning needs a GPU) |
+| offload | ``CPUOffloadPolicy`` (``pin_memory`` only on CUDA: pinning needs a GPU) |
 | tp | DTensor ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` per layer |
 | pp | ``torch.distributed.pipelining``: a ``PipelineStage`` per rank (contiguous layers), ``ScheduleGPipe`` or ``Schedule1F1B`` over ``ga`` micro-batches |
 | ga | ``no_sync`` (DDP) / ``set_requires_gradient_sync`` (FSDP2) on all but the last micro-batch |
@@ -176,7 +176,7 @@ class Parallel:
 
             mesh = init_device_mesh(self.device.type, (1,))
         kw = dict(mesh=mesh, reshard_after_forward=reshard,
-                  offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy())
+                  offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload else OffloadPolicy())
         if fam is not None:
             for _, layer in self._layer_items(fam):
                 fully_shard(layer, **kw)
@@ -205,7 +205,7 @@ class Parallel:
     def train_step(self, xs: list, ys: list) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; the mean loss
         over them on a counting rank, 0 elsewhere (sum over ranks / dp = batch mean)."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.schedule is not None:
             x, y = torch.cat(xs), torch.cat(ys)
             losses: list = []
