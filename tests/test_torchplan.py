@@ -118,3 +118,22 @@ def test_a_profiling_run_reports_its_step_time_and_writes_no_checkpoint(tmp_path
     got = json.loads(prog.read_text())
     assert got["profiled"] == 2 and got["phases"]["iteration"] > 0 and got["step"] == 4
     assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").iterdir())
+
+
+def test_switch_check_schedules_what_each_model_supports_and_catches_other_samples():
+    from loadtest.switch_check import SCHEDULE, compare, schedule_for
+
+    assert schedule_for("torchref") == SCHEDULE
+    for model in ("llama", "gpt2", "bert"):
+        plans = [p for p, _, _ in schedule_for(model)]
+        shape = families.shape(model)
+        for p in plans:  # every switch is in the model's plan space
+            check_plan({k: v for k, v in __import__("msgspec").structs.asdict(p).items() if v is not None}, shape)
+        assert any(p.offload and p.zero == 3 for p in plans)
+        assert any(p.tp > 1 for p in plans) == (model != "gpt2") and any(p.pp > 1 for p in plans)
+    base = [{"step": s, "loss": 1.0 / s, "samples": f"h{s}"} for s in range(1, 5)]
+    holds = [1, 2, 3, 4, 5, 6, 7]
+    assert compare(base, base, base, holds)["ok"]
+    swapped = [dict(r, samples=f"h{5 - r['step']}") for r in base]
+    got = compare(swapped, base, base, holds)
+    assert got["same_samples"] is False and not got["ok"]
