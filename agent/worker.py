@@ -58,6 +58,7 @@ from typing import Any, Mapping
 EXIT_DONE = 0
 EXIT_CHECKPOINTED = 143
 EXIT_TEMPFAIL = 75
+EXIT_PLAN_REFUSED = 78  # the plan cannot run this model (sysexits EX_CONFIG)
 
 MANIFEST = "manifest.json"
 

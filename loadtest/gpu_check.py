@@ -16,7 +16,11 @@ Checks, on this host's real GPUs:
    when there is more than one rank. TP needs two GPUs; a workload without TP
    support is reported as skipped with its refusal;
 5. ``switch``: one plan switch of the reference workload through a real local
-   cluster (nats-server, services, one agent on the real GPUs).
+   cluster (nats-server, services, one agent on the real GPUs);
+6. ``hf_dp`` / ``hf_fsdp`` / ``hf_tp`` / ``hf_switch``: a tiny Hugging Face LLaMA
+   through the plan library (``agent/torchplan``) under DDP, FSDP2 ZeRO-3 and
+   DTensor TP on NCCL, and one switch DP1 -> FSDP2 through its Distributed
+   Checkpoint with the loss of an uninterrupted run.
 
 Without a usable NVIDIA driver it prints ``{"skipped": true, "reason": ...}``
 and exits 0. Exit 1 when a check failed.
@@ -185,8 +189,11 @@ async def pid_attribution(probe: NvmlProbe, gpus: list[GpuReport], mib: int = 25
             child.kill()
 
 
-async def workload(probe: NvmlProbe, name: str, plan: Plan, gpus: list[int], steps: int) -> dict[str, Any]:
-    """The reference workload as local ranks on ``gpus``, watched through NVML."""
+async def workload(probe: NvmlProbe, name: str, plan: Plan | dict[str, Any], gpus: list[int], steps: int,
+                   cmd: list[str] | None = None, batch: int = 64, ckpt: Path | None = None) -> dict[str, Any]:
+    """The reference workload (or ``cmd``) as local ranks on ``gpus``, watched through NVML."""
+    plan = plan if isinstance(plan, Plan) else Plan(**plan)
+    label = plan.label()
     world = len(gpus)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -195,9 +202,9 @@ async def workload(probe: NvmlProbe, name: str, plan: Plan, gpus: list[int], ste
     procs = []
     for r in range(world):
         env = rank_env(gpus, rank=r, world=world, plan=plan, MASTER_PORT=str(port), NCCL_DEBUG="INFO",
-                       GEARSHIFT_CKPT_DIR=str(tmp / "ckpt"), GEARSHIFT_STEPS=str(steps),
-                       GEARSHIFT_GLOBAL_BATCH="64", GEARSHIFT_PROGRESS_FILE=str(tmp / f"progress-{r}.json"))
-        procs.append(subprocess.Popen(reference.command(), env=env, stdout=open(tmp / f"rank{r}.log", "w"),
+                       GEARSHIFT_CKPT_DIR=str(ckpt or tmp / "ckpt"), GEARSHIFT_STEPS=str(steps),
+                       GEARSHIFT_GLOBAL_BATCH=str(batch), GEARSHIFT_PROGRESS_FILE=str(tmp / f"progress-{r}.json"))
+        procs.append(subprocess.Popen(cmd or reference.command(), env=env, stdout=open(tmp / f"rank{r}.log", "w"),
                                       stderr=subprocess.STDOUT))
     on_gpu: dict[int, set[int]] = {}
     deadline = time.monotonic() + 600
@@ -211,11 +218,11 @@ async def workload(probe: NvmlProbe, name: str, plan: Plan, gpus: list[int], ste
             p.kill()
     codes = [p.wait() for p in procs]
     logs = "".join((tmp / f"rank{r}.log").read_text(errors="replace") for r in range(world))
-    if 2 in codes and ("not supported" in logs or "refused" in logs):
-        return check(name, None, f"the reference workload refuses {plan.label()}: {logs.strip()[-300:]}")
+    if (2 in codes or 78 in codes) and ("not supported" in logs or "refused" in logs):
+        return check(name, None, f"the workload refuses {label}: {logs.strip()[-300:]}")
     placed = {r: sorted(on_gpu.get(p.pid, ())) for r, p in enumerate(procs)}
     nccl = "NCCL INFO" in logs
-    manifest = tmp / "ckpt" / "manifest.json"
+    manifest = (ckpt or tmp / "ckpt") / "manifest.json"
     done = json.loads(manifest.read_text()) if manifest.exists() else {}
     problems = []
     if any(codes):
@@ -226,8 +233,37 @@ async def workload(probe: NvmlProbe, name: str, plan: Plan, gpus: list[int], ste
         problems.append(f"ranks seen by NVML on GPUs {placed}, expected {gpus} (did it run on CUDA?)")
     if world > 1 and not nccl:
         problems.append("no NCCL INFO lines: not the NCCL backend")
-    return check(name, not problems, problems or f"{plan.label()} on GPUs {gpus}: {steps} steps, loss {done.get('loss')}",
+    return check(name, not problems, problems or f"{label} on GPUs {gpus}: {steps} steps, loss {done.get('loss')}",
                  nccl=nccl, ranks_on_gpus=placed)
+
+
+async def hf_checks(probe: NvmlProbe, n_gpus: int, steps: int) -> list[dict[str, Any]]:
+    """A tiny HF LLaMA through the plan library (agent/torchplan) on CUDA/NCCL:
+    DP (DDP), FSDP2 (ZeRO-3), TP (DTensor), and one switch DP -> FSDP2 through
+    its Distributed Checkpoint, whose loss must match an uninterrupted DP run."""
+    from gearshift.agent import torchplan
+
+    cmd = torchplan.command("--model", "llama", "--ckpt-every", "100000")
+    dp = min(2, n_gpus)
+    out = [await workload(probe, "hf_dp", {"dp": dp}, list(range(dp)), steps, cmd, batch=16),
+           await workload(probe, "hf_fsdp", {"dp": dp, "zero": 3}, list(range(dp)), steps, cmd, batch=16),
+           await workload(probe, "hf_tp", {"tp": 2}, [0, 1], steps, cmd, batch=16) if n_gpus >= 2
+           else check("hf_tp", None, "TP needs 2 GPUs; this machine has 1")]
+    ck = Path(tempfile.mkdtemp(prefix="gpucheck-hf-switch-"))
+    first = await workload(probe, "hf_switch", {"dp": 1}, [0], steps // 2, cmd, batch=16, ckpt=ck / "s")
+    second = await workload(probe, "hf_switch", {"dp": dp, "zero": 3}, list(range(dp)), steps, cmd, batch=16,
+                            ckpt=ck / "s")
+    base = await workload(probe, "hf_switch", {"dp": 1}, [0], steps, cmd, batch=16, ckpt=ck / "b")
+    if not (first["ok"] and second["ok"] and base["ok"]):
+        out.append(check("hf_switch", False, [c["detail"] for c in (first, second, base) if not c["ok"]]))
+        return out
+    got = json.loads((ck / "s" / "manifest.json").read_text())
+    ref = json.loads((ck / "b" / "manifest.json").read_text())
+    diff = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
+    ok = got["step"] == steps and got["format"] == "gearshift-dcp-v1" and diff < 1e-6
+    out.append(check("hf_switch", ok, f"DP1 -> DP{dp}+ZeRO-3 at step {steps // 2} through DCP: final loss "
+                                      f"{got['loss']} vs uninterrupted {ref['loss']} (rel {diff:.1e})"))
+    return out
 
 
 async def one_switch(n_gpus: int, steps: int) -> dict[str, Any]:
@@ -295,6 +331,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           else check("workload_tp", None, "TP needs 2 GPUs; this machine has 1"))
             checks.append(await one_switch(len(gpus), args.steps * 2) if not args.no_switch
                           else check("switch", None, "--no-switch"))
+            checks += await hf_checks(probe, len(gpus), args.steps)
     finally:
         await probe.close()
     failed = [c["name"] for c in checks if c["ok"] is False]

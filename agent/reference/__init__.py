@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,27 +53,11 @@ def job_spec(name: str, *, steps: int, global_batch: int = 64, gpus: int = 1, pl
 
 
 def run_local(plan: dict, steps: int, global_batch: int, ckpt_dir: str | os.PathLike, *,
-              extra_args: tuple[str, ...] = (), timeout: float = 600, port: int | None = None,
-              env: dict[str, str] | None = None) -> dict:
+              extra_args: tuple[str, ...] = (), timeout: float = 600, env: dict[str, str] | None = None) -> dict:
     """Train without the cluster (the ranks as local processes); returns the final manifest."""
-    import socket
+    from gearshift.agent.torchplan import launch_local
 
-    if port is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    world = int(plan.get("dp", 1)) * int(plan.get("tp", 1)) * int(plan.get("pp", 1))
-    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="torchref-")
-    procs = []
-    for r in range(world):
-        renv = {**os.environ, **(env or {}), "RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "GEARSHIFT_JOB_ID": "local", "GEARSHIFT_PLAN": json.dumps(plan), "GEARSHIFT_CKPT_DIR": str(ckpt_dir),
-               "GEARSHIFT_STEPS": str(steps), "GEARSHIFT_GLOBAL_BATCH": str(global_batch),
-               "GEARSHIFT_PROGRESS_FILE": os.path.join(work, f"progress-{r}.json"),
-               "GEARSHIFT_LAUNCHED_AT": repr(time.time())}
-        procs.append(subprocess.Popen(command(*extra_args), env=renv, stdout=subprocess.DEVNULL))
+    procs = launch_local(command(*extra_args), plan, steps, global_batch, ckpt_dir, env=env)
     codes = [p.wait(timeout=timeout) for p in procs]
     if any(codes):
         raise RuntimeError(f"local reference run failed: exit codes {codes}")

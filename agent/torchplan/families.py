@@ -1,0 +1,184 @@
+"""Hugging Face model families, built from a config (random init, no download).
+
+Each family says how the plan library runs it: where its layers are (what PP
+splits and GC wraps), how a pipeline stage computes (``embed`` on the first
+stage, ``block`` per layer, ``head`` on the last), which modules only the first
+or last stage keeps, and its TP plan: the model's own ``base_model_tp_plan``
+where the config has one (LLaMA), otherwise one written here per family
+(BERT); GPT-2 has none (its attention projects q, k and v with one fused
+``Conv1D`` that a column split would cut across q/k/v).
+
+Tiny sizes only (hidden 32, 4 layers, 4 heads): the point is that the same
+code runs a real model on a real GPU. Dropout is off and word embeddings are
+untied (a pipeline puts the embedding and the head on different stages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gearshift.agent.torchplan.space import ModelShape
+
+VOCAB, HIDDEN, LAYERS, HEADS, INTER, SEQ = 128, 32, 4, 4, 64, 16
+
+
+@dataclass
+class Family:
+    name: str
+    layers_path: str  # dotted path of the ModuleList PP splits
+    first_only: tuple[str, ...]  # modules only the first stage keeps
+    last_only: tuple[str, ...]
+    tp_plan: dict[str, str] = field(default_factory=dict)  # layer-relative path -> colwise/rowwise
+    why_no_tp: str = ""
+    why_no_pp: str = ""
+    masked: bool = False  # masked-LM data (BERT) instead of next-token
+
+    # ---- the stage computation (the whole model when there is one stage)
+    def embed(self, root, x):
+        raise NotImplementedError
+
+    def block(self, root, layer, h):
+        out = layer(h)
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, root, h):
+        raise NotImplementedError
+
+
+class Llama(Family):
+    def embed(self, root, x):
+        return root.model.embed_tokens(x)
+
+    def block(self, root, layer, h):
+        import torch
+
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        pe = root.model.rotary_emb(h, pos)
+        # attention_mask None + sdpa: causal (transformers' sdpa_attention_forward)
+        return layer(h, attention_mask=None, position_ids=pos, position_embeddings=pe)
+
+    def head(self, root, h):
+        return root.lm_head(root.model.norm(h))
+
+
+class GPT2(Family):
+    def embed(self, root, x):
+        import torch
+
+        pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        return root.transformer.wte(x) + root.transformer.wpe(pos)
+
+    def head(self, root, h):
+        return root.lm_head(root.transformer.ln_f(h))
+
+
+class Bert(Family):
+    def embed(self, root, x):
+        return root.bert.embeddings(input_ids=x)
+
+    def head(self, root, h):
+        return root.cls(h)
+
+
+BERT_TP = {"attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
+           "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
+
+FAMILIES: dict[str, Family] = {
+    "llama": Llama("llama", "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")),
+    "gpt2": GPT2("gpt2", "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head"),
+                 why_no_tp="its attention's q, k and v come from one fused Conv1D (c_attn)"),
+    "bert": Bert("bert", "bert.encoder.layer", ("bert.embeddings",), ("cls",), tp_plan=dict(BERT_TP), masked=True),
+}
+
+
+def config(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS) -> Any:
+    """The tiny transformers config of a family."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, tie_word_embeddings=False, attn_implementation="sdpa")
+    if name == "llama":
+        return tf.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                              num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=4 * SEQ,
+                              **common)
+    if name == "gpt2":
+        return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=4 * SEQ, resid_pdrop=0.0,
+                             embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    if name == "bert":
+        return tf.BertConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=heads, max_position_embeddings=4 * SEQ, hidden_dropout_prob=0.0,
+                             attention_probs_dropout_prob=0.0, **common)
+    raise ValueError(f"model: unknown family {name!r} (one of {', '.join(FAMILIES)})")
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"model: unknown family {name!r} (one of {', '.join(FAMILIES)})")
+    fam = FAMILIES[name]
+    if name == "llama" and not fam.tp_plan:
+        # the model's own TP plan: "layers.*.self_attn.q_proj" -> "self_attn.q_proj"
+        import transformers as tf
+
+        own = getattr(tf.LlamaConfig, "base_model_tp_plan", None) or {}
+        fam.tp_plan = {k.split("layers.*.", 1)[1]: v for k, v in own.items() if k.startswith("layers.*.")}
+    return fam
+
+
+def shape(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS) -> ModelShape:
+    """What the plan checks need (no torch, no transformers import)."""
+    fam = FAMILIES.get(name)
+    if fam is None:
+        raise ValueError(f"model: unknown family {name!r} (one of {', '.join(FAMILIES)})")
+    has_tp = name == "llama" or bool(fam.tp_plan)
+    return ModelShape(family=name, layers=layers, heads=heads, kv_heads=heads, hidden=hidden,
+                      intermediate=2 * hidden, tp=has_tp, pp=not fam.why_no_pp, why_no_tp=fam.why_no_tp,
+                      why_no_pp=fam.why_no_pp)
+
+
+def build(name: str, seed: int = 1234, dtype: str = "float64", layers: int = LAYERS, hidden: int = HIDDEN,
+          heads: int = HEADS):
+    """The model with the same random init on every rank and under every plan."""
+    import torch
+    import transformers as tf
+
+    cfg = config(name, layers, hidden, heads)
+    torch.manual_seed(seed)
+    cls = {"llama": tf.LlamaForCausalLM, "gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM}[name]
+    model = cls(cfg).to(getattr(torch, dtype))
+    if name == "bert":
+        # cls.predictions.bias: unused by forward (the decoder has its own), so it never gets a gradient:
+        # a plain Adam keeps no state for it, FSDP2's does, and one plan's checkpoint would not load
+        # under the other's; drop it
+        model.cls.predictions._parameters.pop("bias", None)
+    model.train()
+    return model
+
+
+def dataset(name: str, n: int, seed: int, seq: int = SEQ):
+    """A learnable synthetic token set: sequences of a fixed random Markov
+    chain; BERT masks 3 fixed-per-sample positions (every micro-batch then has
+    the same number of labels, so the mean of micro-batch means is the batch mean)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    nxt = torch.randint(0, VOCAB, (VOCAB, 4), generator=g)
+    toks = torch.empty(n, seq + 1, dtype=torch.long)
+    toks[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
+    for t in range(seq):
+        toks[:, t + 1] = nxt[toks[:, t], torch.randint(0, 4, (n,), generator=g)]
+    if not FAMILIES[name].masked:
+        return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
+    x = toks[:, :-1].clone()
+    y = torch.full_like(x, -100)
+    pos = torch.stack([torch.randperm(seq, generator=g)[:3] for _ in range(n)])
+    rows = torch.arange(n).unsqueeze(1)
+    y[rows, pos] = x[rows, pos]
+    x[rows, pos] = 0  # the mask token
+    return x, y
+
+
+def loss_fn(logits, target):
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
+                                             ignore_index=-100)
