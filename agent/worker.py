@@ -22,8 +22,11 @@ checkpoint at the next step boundary and an exit with ``EXIT_CHECKPOINTED``
 (143); SIGUSR1 (what the agent sends for a ``gs.agent.<node>.checkpoint`` bus
 command) asks for a checkpoint at the next step boundary and keeps training;
 0 means the job is done; ``EXIT_TEMPFAIL`` (75) a checkpoint that failed but
-may be retried; anything else is a crash (the optimizer retries the job from
-its last checkpoint up to a limit).
+may be retried; ``EXIT_PLAN_REFUSED`` (78) "this plan cannot run this model":
+the job goes back to the plan it last ran steps under and the refused plan is
+never chosen for it again (a job declares the plans it supports up front in
+``JobSpec.plan_support``); anything else is a crash (the optimizer retries the
+job from its last checkpoint up to a limit).
 
 Agreement: a signal reaches the ranks at slightly different times, so a
 multi-rank script turns its local flags into one decision per step with a
@@ -58,6 +61,7 @@ from typing import Any, Mapping
 EXIT_DONE = 0
 EXIT_CHECKPOINTED = 143
 EXIT_TEMPFAIL = 75
+EXIT_PLAN_REFUSED = 78  # the plan cannot run this model (sysexits EX_CONFIG)
 
 MANIFEST = "manifest.json"
 

@@ -95,6 +95,24 @@ class Plan(_Input, kw_only=True, frozen=True):
         return "-".join(parts)
 
 
+class PlanSupport(_Input, kw_only=True, frozen=True):
+    """Which plans a job's script can run (``JobSpec.plan_support``); a field
+    left out allows every value, so an absent declaration keeps every plan.
+    Policies (through the plan space they search), the profiler and
+    ``reconfigure`` honour it (``bus_schema.plan_support.plan_refusal``)."""
+
+    dp_max: Annotated[int, Meta(ge=1, le=MAX_GPUS)] | None = None
+    # tuples, not lists: a spec is hashed (policies' caches key on it)
+    tp: Annotated[tuple[Annotated[int, Meta(ge=1, le=64)], ...], Meta(min_length=1, max_length=16)] | None = None
+    pp: Annotated[tuple[Annotated[int, Meta(ge=1, le=512)], ...], Meta(min_length=1, max_length=16)] | None = None
+    zero: Annotated[tuple[Annotated[int, Meta(ge=0, le=3)], ...], Meta(min_length=1, max_length=4)] | None = None
+    offload: bool = True
+    ga_max: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    grad_ckpt: bool = True
+    # plans the script refused (it exited EXIT_PLAN_REFUSED under them), or declared unrunnable
+    exclude: Annotated[tuple[Plan, ...], Meta(max_length=64)] | None = None
+
+
 class JobSpec(_Input, kw_only=True, frozen=True):
     name: Name
     model: ModelSpec
@@ -115,6 +133,8 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     # GPU types the job may run on (bus_schema.gputypes.GPU_TYPES); absent or empty = any.
     # A job always runs on nodes of one type.
     gpu_types: Annotated[tuple[GpuTypeName, ...], Meta(max_length=16)] | None = None
+    # The plan dimensions and values the job's script supports; absent: all of them.
+    plan_support: PlanSupport | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):
@@ -191,6 +211,9 @@ class PinnedPlan(_Msg, kw_only=True, frozen=True):
     plan: "Plan"
     placement: list[NodeShare] = []  # empty: first fit
     reason: str = ""
+    # set by the scheduler itself (back to the last good plan after a refusal):
+    # cleared once the job ran steps under it
+    until_stepped: bool = False
 
 
 class SwitchTiming(_Msg, kw_only=True, frozen=True):
@@ -282,6 +305,10 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     # allocations that ended. Defaults keep older records decodable.
     last_switch_at: float | None = None
     attained_gpu_s: NonNegFloat = 0.0
+    # The plan it last ran steps under (rank 0 reported its first step), and the
+    # plans its script refused (exit EXIT_PLAN_REFUSED): never chosen again.
+    last_good_plan: "Plan | None" = None
+    refused_plans: list["Plan"] = []
 
     @property
     def terminal(self) -> bool:
@@ -605,6 +632,17 @@ class JobSwitched(JobEvent, tag="job.switched", kw_only=True, frozen=True):
     steps_lost: int = 0  # reached by the old generation but not in its checkpoint
 
 
+class JobPlanRefused(JobEvent, tag="job.plan_refused", kw_only=True, frozen=True):
+    """The job's script exited EXIT_PLAN_REFUSED (78) under ``plan``: the plan is
+    remembered as refused (``JobRecord.refused_plans``) and the job goes back to
+    ``back_to``, the plan it last ran steps under (None: the policy picks among
+    the plans left)."""
+
+    plan: Plan
+    back_to: Plan | None = None
+    reason: str = ""
+
+
 class JobProfiled(JobEvent, tag="job.profiled", kw_only=True, frozen=True):
     model_key: str = ""
     plans: int = 0
@@ -644,12 +682,13 @@ AnyJobEvent = (
     | JobRequeued
     | JobSwitched
     | JobProfiled
+    | JobPlanRefused
 )
 AnyEvent = AnyJobEvent | NodeJoined | NodeLost | RoundCompleted
 
 JOB_EVENT_TYPES: tuple[type[JobEvent], ...] = (
     JobSubmitted, JobScheduled, JobReconfigured, JobPreempted, JobRunning, JobCompleted, JobFailed,
-    JobCancelRequested, JobCancelled, JobRequeued, JobSwitched, JobProfiled,
+    JobCancelRequested, JobCancelled, JobRequeued, JobSwitched, JobProfiled, JobPlanRefused,
 )
 EVENT_TYPES: tuple[type[Event], ...] = (*JOB_EVENT_TYPES, NodeJoined, NodeLost, RoundCompleted)
 

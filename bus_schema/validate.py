@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gearshift.bus_schema.gputypes import check_gpu_types
-from gearshift.bus_schema.messages import JobSpec
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.bus_schema.plan_support import plan_refusal
 
 
 @dataclass
@@ -57,6 +58,13 @@ def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node:
             raise SpecError(
                 "plan.ga", f"global_batch = {spec.global_batch} is not divisible by dp*ga = {p.dp * p.ga}"
             )
+    if spec.plan_support is not None:
+        # the plan the job starts with must be one its script runs
+        got = plan_refusal(spec.plan_support, p if p is not None else Plan(dp=spec.gpus))
+        if got is not None:
+            field, message = got
+            raise SpecError(field if p is not None else "plan", message if p is not None else
+                            f"no plan given and the default DP{spec.gpus} is not supported: {message}")
     if spec.gpu_types:
         bad = check_gpu_types(spec.gpu_types)
         if bad is not None:

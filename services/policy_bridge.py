@@ -15,8 +15,10 @@ from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
 from gearshift.bus_schema.messages import JobRecord, JobState
+from gearshift.bus_schema.plan_support import with_refused
 from gearshift.policies import Decision, JobView, Placement, check_decision
 from gearshift.policies.api import make_job_view
+from gearshift.policies.decision import refuse_unsupported
 from gearshift.policies.views import KeptViews
 from gearshift.services import capacity
 
@@ -30,7 +32,8 @@ def job_view(rec: JobRecord, now: float, progress: float | None = None) -> JobVi
     # records written before last_switch_at existed: the first scheduling time
     switch = rec.last_switch_at if rec.last_switch_at is not None else rec.scheduled_at
     steps = max(rec.steps_done, progress) if running and progress is not None else rec.steps_done
-    return make_job_view(rec.job_id, rec.spec, rec.submitted_at, now, steps_done=steps,
+    # the plans its script refused leave the plan space the policy searches
+    return make_job_view(rec.job_id, with_refused(rec.spec, rec.refused_plans), rec.submitted_at, now, steps_done=steps,
                          placement=placement, plan=rec.plan if running else None,
                          attained_before=rec.attained_gpu_s, restarts=rec.restarts,
                          last_switch_at=switch, started_at=rec.started_at)
@@ -114,8 +117,10 @@ class PolicyStep:
         t_policy = time.perf_counter() - t_policy
         if self.queues is not None:
             await self.queues.save_usage(self.policy.memory())
+        by_id = {v.job_id: v for v in views}
+        refuse_unsupported(decision, by_id)
         capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
-        check_decision(decision, node_states, {v.job_id: v for v in views})
+        check_decision(decision, node_states, by_id)
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
         return decision, views, t_policy

@@ -51,6 +51,7 @@ from gearshift.bus_schema.messages import (
     JobRecord,
     NodeReport,
     Plan,
+    PlanSupport,
     ProfileCommand,
     ProfileResult,
 )
@@ -61,6 +62,7 @@ from gearshift.bus_schema.perfmodel import (
     ProfileSample,
     ResourceSpec,
 )
+from gearshift.bus_schema.plan_support import plan_refusal
 from gearshift.bus_schema.profiler import (
     DEFAULT_PROFILE_STEPS,
     PROFILER_PROFILE,
@@ -89,12 +91,23 @@ DEFAULT_STEPS = DEFAULT_PROFILE_STEPS
 
 
 def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS, *, heads: int = 0,
-                    layers: int = 0) -> list[Plan]:
+                    layers: int = 0, support: PlanSupport | None = None) -> list[Plan]:
     """At most ``limit`` plans that together identify the model: every plan
     is valid for the global batch (dp * ga divides it). With ``heads``
     (divisible by 2) and ``layers`` (>= 2) given and 2 GPUs on a node, TP2,
     PP2 and PP2+GA4 replace three of the data-parallel cross-checks, so the
-    3D terms are fitted from the job's own runs."""
+    3D terms are fitted from the job's own runs. Only plans the job's script
+    runs (``support``, its ``JobSpec.plan_support``); a script without TP or PP
+    gets the data-parallel set."""
+    if support is not None:
+        wide = _profiling_plans(global_batch, max_dp, 2 * limit, heads=heads, layers=layers)
+        if not all(plan_refusal(support, p) is None for p in wide if p.tp > 1 or p.pp > 1):
+            wide = _profiling_plans(global_batch, max_dp, 2 * limit)  # without TP/PP
+        return [p for p in wide if plan_refusal(support, p) is None][:limit]
+    return _profiling_plans(global_batch, max_dp, limit, heads=heads, layers=layers)
+
+
+def _profiling_plans(global_batch: int, max_dp: int, limit: int, *, heads: int = 0, layers: int = 0) -> list[Plan]:
     if max_dp >= 2 and heads and heads % 2 == 0 and layers >= 2:
         wanted = [
             Plan(dp=1),
@@ -202,7 +215,11 @@ class Profiler:
                 max_dp = req.max_dp or self.max_dp or max([g for _, _, g in nodes] or [1])
                 shape = shape_from_spec(req.model)
                 plans = req.plans or profiling_plans(req.global_batch, max_dp, heads=shape.n_heads,
-                                                     layers=shape.layers)
+                                                     layers=shape.layers, support=req.plan_support)
+                for p in plans if req.plans else ():
+                    refused = plan_refusal(req.plan_support, p)
+                    if refused is not None:
+                        raise bad_request(f"plans: {p.label()}: {refused[1]}", refused[0])
                 if len(plans) > MAX_PLANS and req.fit:
                     raise bad_request(f"{len(plans)} plans: at most {MAX_PLANS}", "plans")
                 results: list[ProfileResult] = []
@@ -273,7 +290,8 @@ class Profiler:
             spec = first.spec
             req = ProfileRequest(model=spec.model, global_batch=spec.global_batch, command=spec.command,
                                  env=spec.env, step_time=(spec.step_time or 0.1) * spec.gpus, steps=self.steps,
-                                 max_dp=min(spec.gpus, self.max_dp or spec.gpus) if spec.gpus > 1 else 2)
+                                 max_dp=min(spec.gpus, self.max_dp or spec.gpus) if spec.gpus > 1 else 2,
+                                 plan_support=spec.plan_support)
             log.info("profiling", model_key=key, jobs=[r.job_id for r in recs])
             try:
                 reply = await self.profile(req)
