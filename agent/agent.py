@@ -313,7 +313,9 @@ class Agent:
         run.advance(RunPhase.EXITED)
         self.probe.release(run.gpus)
         self.runs.pop(run.job_id, None)
-        code = next((c for c in run.exit_codes if c != 0), 0)
+        code = core.launcher_exit_code(next((c for c in run.exit_codes if c != 0), 0),
+                                       launcher=launch.is_launcher(run.alloc.command), stop_sent_at=run.stop_sent_at,
+                                       manifest=self.runner.manifest(run) if run.stop_sent_at else None)
         self.log.info("exited", job_id=run.job_id, generation=run.generation, exit_code=code, reason=run.reason)
         await self._report_exit(run, code)
         self._dirty.set()
