@@ -28,7 +28,7 @@ import msgspec
 
 from gearshift.agent import launch
 from gearshift.agent import worker as wk
-from gearshift.agent.warm import WarmPool
+from gearshift.agent.warm import WARM_SCRIPT, WarmPool
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import Allocation
 
@@ -87,11 +87,11 @@ class SubprocessRunner:
 
     @classmethod
     def with_warm_pool(cls, workdir: Path, log: Any, prewarm: list[str]) -> "SubprocessRunner":
-        async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
+        async def spawn(argv: list[str], env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
             with open(workdir / "warm.log", "ab") as out:
                 return await asyncio.create_subprocess_exec(
                     *argv, cwd=workdir, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=out,
-                    start_new_session=True, preexec_fn=_die_with_agent)
+                    env={**os.environ, **env} if env else None, start_new_session=True, preexec_fn=_die_with_agent)
 
         return cls(WarmPool(1, spawn=spawn, log=log, status_file=workdir / "warm.json", prewarm=prewarm))
 
@@ -212,7 +212,8 @@ def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
     # a warm worker (agent/warm.py) keeps the agent's environment: it moved into the run's folder
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            warm = b"gearshift.agent.warm" in f.read()
+            cmdline = f.read()
+            warm = b"gearshift.agent.warm" in cmdline or WARM_SCRIPT.encode() in cmdline
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
     except OSError:
         return False
