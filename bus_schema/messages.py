@@ -647,6 +647,9 @@ class JobProfiled(JobEvent, tag="job.profiled", kw_only=True, frozen=True):
     model_key: str = ""
     plans: int = 0
     train_error: float | None = None
+    # every profiling run failed, yet the script runs: it is scheduled on the prior
+    # model (the nearest Rubick model, scaled) and this says why
+    error: str = ""
 
 
 class NodeJoined(Event, tag="node.joined", kw_only=True, frozen=True):

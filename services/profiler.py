@@ -47,8 +47,10 @@ from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
     Allocation,
+    JobFailed,
     JobProfiled,
     JobRecord,
+    JobState,
     NodeReport,
     Plan,
     PlanSupport,
@@ -61,6 +63,7 @@ from gearshift.bus_schema.perfmodel import (
     FitRequest,
     ProfileSample,
     ResourceSpec,
+    model_kv_key,
 )
 from gearshift.bus_schema.plan_support import plan_refusal
 from gearshift.bus_schema.profiler import (
@@ -71,7 +74,7 @@ from gearshift.bus_schema.profiler import (
     ProfileRequest,
     ProfilerStatus,
 )
-from gearshift.perfmodel.catalog import shape_from_spec
+from gearshift.perfmodel.catalog import params_for_shape, shape_from_spec
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.perfmodel_service import unmodelled_jobs
 
@@ -135,6 +138,20 @@ def _profiling_plans(global_batch: int, max_dp: int, limit: int, *, heads: int =
         if p.dp <= max_dp and global_batch % (p.dp * p.ga) == 0 and p not in out:
             out.append(p)
     return out[:limit]
+
+
+class ProfilingFailed(RequestError):
+    """Every profiling run failed; ``results`` says how each did."""
+
+    def __init__(self, message: str, results: list[ProfileResult]):
+        super().__init__("500", message)
+        self.results = results
+
+
+def crashed(results: list[ProfileResult]) -> bool:
+    """Did every run fail because the script itself failed (a non-zero exit,
+    no program)? Not when it ignored the contract or ran out of time."""
+    return bool(results) and all(r.error.startswith(("exit codes", "launch failed")) for r in results)
 
 
 class Profiler:
@@ -241,8 +258,8 @@ class Profiler:
                 fit = None
                 if req.fit:
                     if not samples:
-                        raise RequestError("500", "every profiling run failed: " +
-                                               "; ".join(r.error for r in results if r.error))
+                        raise ProfilingFailed("every profiling run failed: " +
+                                              "; ".join(dict.fromkeys(r.error for r in results if r.error)), results)
                     fit = await call(self.nc, PERFMODEL_FIT,
                                      FitRequest(model=req.model, global_batch=req.global_batch, samples=samples),
                                      FitReply, timeout=900)
@@ -298,6 +315,7 @@ class Profiler:
             except Exception as exc:
                 self.failed[key] = str(exc)
                 log.error("profiling failed", model_key=key, error=str(exc))
+                await self._after_failure(key, recs, spec, str(exc), getattr(exc, "results", []))
                 continue
             ts = time.time()
             for rec in recs:
@@ -305,6 +323,29 @@ class Profiler:
                     r, JobProfiled, ts=ts, model_key=reply.model_key, plans=len(reply.samples),
                     train_error=reply.fit.train_error if reply.fit else None) if not r.terminal else None)
             await self.nc.publish(subj.OPTIMIZER_KICK, b"")
+
+    async def _after_failure(self, key: str, recs: list[JobRecord], spec: Any, why: str,
+                             results: list[ProfileResult]) -> None:
+        """No job stays pending on a model nobody could profile: when every
+        run crashed the script cannot run, and its jobs fail with the reason;
+        otherwise (it ignored the profiling contract, timed out, or its timings
+        fit nothing) the prior model is stored for its key and its jobs are
+        scheduled on it, the reason in their ``job.profiled`` event."""
+        ts = time.time()
+        if crashed(results):
+            reason = f"profiling: {why}"
+            for rec in recs:
+                await self.store.update(rec.job_id, lambda r: with_event(msgspec.structs.replace(
+                    r, state=JobState.FAILED, finished_at=ts, reason=reason), JobFailed, ts=ts, reason=reason)
+                    if r.state == JobState.PENDING else None)
+            await self.nc.publish(subj.OPTIMIZER_KICK, b"")
+            return
+        prior = params_for_shape(shape_from_spec(spec.model)).to_dict()
+        await self.models_kv.put(model_kv_key(key), msgspec.json.encode({**prior, "source": "prior", "error": why}))
+        for rec in recs:
+            await self.store.update(rec.job_id, lambda r: with_event(
+                r, JobProfiled, ts=ts, model_key=key, plans=0, error=why) if not r.terminal else None)
+        await self.nc.publish(subj.OPTIMIZER_KICK, b"")
 
     async def status(self, _: None) -> ProfilerStatus:
         return ProfilerStatus(busy=self.busy, done=list(self.done), failed=dict(self.failed))
