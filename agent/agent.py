@@ -339,10 +339,12 @@ class Agent:
         for proc in run.procs:
             if proc.returncode is None:
                 self.runner.signal(proc, signal.SIGTERM)
+        grace = run.alloc.grace if run.alloc.grace is not None else self.grace  # the job's, bounded at submit
         try:
-            await asyncio.wait_for(run.done.wait(), self.grace)
+            await asyncio.wait_for(run.done.wait(), grace)
         except asyncio.TimeoutError:
-            self.log.warning("grace period over, killing", job_id=run.job_id, grace=self.grace)
+            self.log.warning("grace period over, killing", job_id=run.job_id, grace=grace)
+            run.grace_expired = True
             for proc in run.procs:
                 if proc.returncode is None:
                     self.runner.signal(proc, signal.SIGKILL)

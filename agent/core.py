@@ -59,6 +59,7 @@ class Run:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     launched_at: float | None = None
     stop_sent_at: float | None = None
+    grace_expired: bool = False  # SIGKILLed when the grace after SIGTERM ran out
     stepped: bool = False  # STEPPED reported
 
     @property

@@ -135,6 +135,10 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     gpu_types: Annotated[tuple[GpuTypeName, ...], Meta(max_length=16)] | None = None
     # The plan dimensions and values the job's script supports; absent: all of them.
     plan_support: PlanSupport | None = None
+    # Seconds from SIGTERM (checkpoint and leave) to SIGKILL when the job is
+    # preempted or switched; absent: the agent's --grace. At most the cluster's
+    # maximum (admission's max_checkpoint_grace).
+    checkpoint_grace: Annotated[float, Meta(gt=0, le=86_400)] | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):
@@ -228,6 +232,7 @@ class SwitchTiming(_Msg, kw_only=True, frozen=True):
     checkpoint_step: NonNegInt = 0
     progress_step: NonNegInt = 0  # furthest step the old generation reached
     drained: float | None = None  # every rank of the old generation exited
+    grace_expired: bool = False  # its ranks were SIGKILLed at the grace (the loss counts there)
     released: float | None = None  # allocation of the new generation written
     launched: float | None = None  # processes of the new generation started (rank 0's node)
 
@@ -258,6 +263,7 @@ class Allocation(_Msg, kw_only=True, frozen=True):
     step_time: float | None = None
     steps: int = 0
     global_batch: int = 0
+    grace: float | None = None  # the job's checkpoint grace (None: the agent's own)
 
     @property
     def gpus(self) -> int:
@@ -397,6 +403,7 @@ class RunReport(_Msg, kw_only=True, frozen=True):
     checkpoint_at: float | None = None  # wall time the checkpoint was complete
     progress_step: int = 0
     stop_sent_at: float | None = None  # when the agent sent SIGTERM
+    grace_expired: bool = False  # a rank outlived the grace after SIGTERM and was SIGKILLed
     # STARTED / STEPPED: timings of the new generation
     launched_at: float | None = None  # processes spawned
     start_step: int = 0
@@ -415,6 +422,9 @@ class JobProgress(_Msg, kw_only=True, frozen=True):
     steps: NonNegInt = 0
     samples_per_s: NonNegFloat = 0.0
     loss: float | None = None
+    # the job's latest complete checkpoint (its manifest): step and wall time
+    checkpoint_step: int | None = None
+    checkpoint_at: float | None = None
 
 
 class StopCommand(_Input, kw_only=True, frozen=True):
@@ -630,6 +640,19 @@ class JobSwitched(JobEvent, tag="job.switched", kw_only=True, frozen=True):
     checkpoint_step: int = 0
     resumed_step: int = 0
     steps_lost: int = 0  # reached by the old generation but not in its checkpoint
+    grace_expired: bool = False  # it lost them because the grace ran out (counted under that cause)
+
+
+class JobGraceExpired(JobEvent, tag="job.grace_expired", kw_only=True, frozen=True):
+    """A stopped generation (preempted, switched, cancelled) outlived its
+    checkpoint grace and was SIGKILLed: the steps it ran since its last
+    checkpoint are lost (``gearshift_steps_lost_total{cause="grace_expired"}``)."""
+
+    node: str = ""
+    grace: float | None = None
+    checkpoint_step: int = 0
+    progress_step: int = 0
+    steps_lost: int = 0
 
 
 class JobPlanRefused(JobEvent, tag="job.plan_refused", kw_only=True, frozen=True):
@@ -686,12 +709,14 @@ AnyJobEvent = (
     | JobSwitched
     | JobProfiled
     | JobPlanRefused
+    | JobGraceExpired
 )
 AnyEvent = AnyJobEvent | NodeJoined | NodeLost | RoundCompleted
 
 JOB_EVENT_TYPES: tuple[type[JobEvent], ...] = (
     JobSubmitted, JobScheduled, JobReconfigured, JobPreempted, JobRunning, JobCompleted, JobFailed,
     JobCancelRequested, JobCancelled, JobRequeued, JobSwitched, JobProfiled, JobPlanRefused,
+    JobGraceExpired,
 )
 EVENT_TYPES: tuple[type[Event], ...] = (*JOB_EVENT_TYPES, NodeJoined, NodeLost, RoundCompleted)
 

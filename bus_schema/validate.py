@@ -30,10 +30,17 @@ RESERVED_ENV = frozenset({
 })
 
 
-def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node: int | None = None) -> None:
+DEFAULT_MAX_CHECKPOINT_GRACE_S = 600.0  # the cluster's bound on JobSpec.checkpoint_grace unless configured
+
+
+def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node: int | None = None,
+               max_grace: float = DEFAULT_MAX_CHECKPOINT_GRACE_S) -> None:
     """Raise SpecError naming the first field that is wrong."""
     if max_gpus is not None and spec.gpus > max_gpus:
         raise SpecError("gpus", f"{spec.gpus} GPUs requested but the cluster has at most {max_gpus}")
+    if spec.checkpoint_grace is not None and spec.checkpoint_grace > max_grace:
+        raise SpecError("checkpoint_grace", f"{spec.checkpoint_grace:g} s is more than this cluster's maximum "
+                                            f"of {max_grace:g} s")
     p = spec.plan
     if p is not None:
         if p.dp * p.tp * p.pp != spec.gpus:

@@ -23,6 +23,7 @@ from gearshift.bus_schema.messages import (
     JobCancelled,
     JobCompleted,
     JobFailed,
+    JobGraceExpired,
     JobPlanRefused,
     JobReconfigured,
     JobRecord,
@@ -208,7 +209,15 @@ def drained(rec: JobRecord, nodes: list[str], r: RunReport | None, ts: float) ->
     new = msgspec.structs.replace(rec, draining=left, drain_started=rec.drain_started if left else None)
     if r is not None and r.checkpoint_step is not None:
         new = msgspec.structs.replace(new, checkpoint_step=max(rec.checkpoint_step, r.checkpoint_step))
+    expired = r is not None and r.grace_expired and r.rank0
+    if expired:  # rank 0 was SIGKILLed at the grace: what it ran since its last checkpoint is lost
+        assert r is not None
+        new = with_event(new, JobGraceExpired, ts=r.ts, node=r.node, grace=rec.spec.checkpoint_grace,
+                         checkpoint_step=r.checkpoint_step or 0, progress_step=r.progress_step,
+                         steps_lost=max(0, r.progress_step - (r.checkpoint_step or 0)))
     sw = rec.switch
+    if sw is not None and expired:
+        sw = msgspec.structs.replace(sw, grace_expired=True)
     if sw is not None and r is not None:
         ck = sw.checkpointed
         if r.checkpoint_at is not None and r.checkpoint_at >= sw.started - 1:
@@ -250,7 +259,7 @@ def switched(rec: JobRecord, r: RunReport) -> JobRecord:
         checkpoint_s=max(0.0, ckpt - started), teardown_s=max(0.0, released - ckpt),
         launch_s=max(0.0, launched - released), restore_s=restore, first_step_s=first,
         total_s=max(0.0, done_at - started), checkpoint_step=sw.checkpoint_step, resumed_step=r.start_step,
-        steps_lost=max(0, sw.progress_step - sw.checkpoint_step),
+        steps_lost=max(0, sw.progress_step - sw.checkpoint_step), grace_expired=sw.grace_expired,
     )
 
 

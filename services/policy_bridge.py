@@ -80,6 +80,7 @@ class PolicyStep:
         self.queues: Any = None  # services.queues.QueueStore for a sharing policy
         self.share_base: Any = None
         self.progress: dict[str, tuple[int, int]] = {}  # job -> (generation, steps) from JobProgress
+        self.checkpoints: dict[str, float] = {}  # job -> wall time of its latest checkpoint (JobProgress)
         self.cache = JobViews()
 
     def on_progress(self, p: Any) -> None:
@@ -87,10 +88,15 @@ class PolicyStep:
         if got is None or (p.generation, p.steps_done) > got:
             self.progress[p.job_id] = (p.generation, p.steps_done)
             self.models.observe_progress(p.job_id, p.generation, p.ts, p.steps_done)  # speed, once it trains
+        ck = getattr(p, "checkpoint_at", None)
+        if ck is not None and ck > self.checkpoints.get(p.job_id, float("-inf")):
+            self.checkpoints[p.job_id] = ck
 
     def view(self, rec: JobRecord, now: float) -> JobView:
         got = self.progress.get(rec.job_id)
-        return self.cache.view(rec, now, got[1] if got is not None and got[0] == rec.generation else None)
+        v = self.cache.view(rec, now, got[1] if got is not None and got[0] == rec.generation else None)
+        v.checkpoint_at = self.checkpoints.get(rec.job_id)  # moves with progress, as steps do: set in place
+        return v
 
     def views(self, records: dict[str, JobRecord], alive: set[str], now: float, skip: Any = ()) -> list[JobView]:
         """The views of pending and active jobs but those in ``skip`` and those on nodes not alive."""
@@ -99,6 +105,8 @@ class PolicyStep:
         live = {v.job_id for v in views}
         if len(self.progress) > len(views):  # forget jobs that ended
             self.progress = {k: v for k, v in self.progress.items() if k in live}
+        if len(self.checkpoints) > len(views):
+            self.checkpoints = {k: v for k, v in self.checkpoints.items() if k in live}
         self.cache.keep(live)
         return views
 

@@ -161,7 +161,9 @@ class RecordWriter:
         for rec in records.values():
             if not rec.draining:
                 continue
-            timed_out = rec.drain_started is not None and t - rec.drain_started > self.drain_timeout
+            # a job's own checkpoint grace may be longer than the default wait
+            wait = max(self.drain_timeout, (rec.spec.checkpoint_grace or 0.0) + 10.0)
+            timed_out = rec.drain_started is not None and t - rec.drain_started > wait
             gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
             if gone:
                 updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
