@@ -149,3 +149,33 @@ async def test_loadtest_preemption_passes_with_a_short_grace(tmp_path):
     assert out["passed"], out
     assert out["victims"] == out["least_work_since_checkpoint"] == ["often", "deaf"]
     assert out["jobs"]["deaf"]["steps_lost"] == out["steps_lost_grace_expired_total"]
+
+
+def _sim(checkpoint_interval, checkpoint_time=20.0):
+    from gearshift.bus_schema.messages import ModelSpec
+    from gearshift.sim.engine import SimConfig, simulate
+    from gearshift.sim.trace import Trace, TraceJob, parse_cluster
+
+    def job(jid, submit, prio, grace=None):
+        s = JobSpec(name=jid, model=ModelSpec(name="toy", params=10, layers=2, hidden=64, seq_len=16), global_batch=8,
+                    steps=1000, gpus=2, plan=Plan(dp=2), step_time=1.0, priority=prio, checkpoint_grace=grace)
+        return TraceJob(jid, submit, s)
+
+    t = Trace("grace", [job("A", 0, 0, grace=5.0), job("B", 12, 0), job("H", 100, 10)], parse_cluster("1x4"))
+    cfg = SimConfig(restart_cost=0, noise=0, interval=1000, checkpoint_interval=checkpoint_interval,
+                    checkpoint_time=checkpoint_time, learn=False)
+    res = simulate(t, make_policy("srtf", min_run_time=0.0), config=cfg)
+    return {r.job.job_id: r for r in res.records}
+
+
+def test_the_simulator_models_the_same_grace_loss_and_victim_choice():
+    # at t=100: A (from 0) checkpointed at 90, B (from 12) at 72: A loses least (10 steps vs 28),
+    # though SRTF's own order would stop B (more remaining); A's checkpoint (20 s) outlasts its 5 s grace
+    recs = _sim(30.0)
+    assert recs["A"].preemptions == 1 and recs["B"].preemptions == 0
+    assert recs["A"].steps_lost == pytest.approx(10.0) and recs["A"].grace_expired == 1
+    assert recs["A"].steps_done == 1000 and recs["A"].finish > recs["H"].finish  # the lost steps were run again
+    within = _sim(30.0, checkpoint_time=1.0)  # checkpoints inside the grace: nothing lost
+    assert within["A"].preemptions == 1 and within["A"].steps_lost == 0
+    plain = _sim(None)  # no checkpoint model: the policy's own victim, nothing lost, as before
+    assert plain["B"].preemptions == 1 and plain["A"].preemptions == 0 and plain["B"].steps_lost == 0
