@@ -162,7 +162,8 @@ class SubprocessRunner:
         die of it. Groups seen once are remembered, so a SIGKILL after the
         launcher exited still reaches its workers."""
         groups = self._groups.setdefault(rank.pid, set())
-        groups.update(descendant_groups(rank.pid))
+        if rank.returncode is None:  # not reaped: its pid is still its own (no reuse)
+            groups.update(descendant_groups(rank.pid))
         if not (sig == signal.SIGUSR1 and rank.pid in self._launchers):
             signal_group(rank.pid, sig)
         for g in groups:

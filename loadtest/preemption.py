@@ -12,8 +12,8 @@ the agents' own default grace is shorter (5 s), so a kill at the job's grace
 shows the job's grace was used.
 
 Two nodes x 4 GPUs hold four 2-GPU jobs of priority 0, submitted in this order:
-- ``often``: checkpoints every 0.5 s, leaves on SIGTERM;
-- ``deaf``: checkpoints every 2 s and ignores SIGTERM;
+- ``often``: checkpoints every 0.25 s, leaves on SIGTERM;
+- ``deaf``: checkpoints every 3 s and ignores SIGTERM;
 - ``rare1``, ``rare2``: checkpoint every 1000 s (never, here), leave on SIGTERM.
 Then two 2-GPU jobs of priority 10 arrive one after the other. SRTF's own
 victim order among the four is by remaining steps (all started together:
@@ -31,7 +31,7 @@ most what it ran since its last checkpoint before the SIGTERM (the manifest it
 reported last; ``often`` loses 0: it checkpoints on SIGTERM); ``deaf`` exits
 137 with ``grace_expired`` no sooner than the grace after its SIGTERM and
 within a few seconds of it, and loses at most one checkpoint interval of
-steps (2 s / 0.05 s + 1); the counter equals its ``job.grace_expired``
+steps (3 s / 0.05 s + 1); the counter equals its ``job.grace_expired``
 event's steps lost, which equals the loss its exit report shows. What it
 compares is measured in one run, never an absolute time; the only wall-clock
 bound is the grace itself, which the agent enforces.
@@ -68,8 +68,9 @@ from loadtest.fleet import Fleet
 
 MODEL = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
 STEP_TIME = 0.05
-LOW = {"often": {"WORKER_CKPT_INTERVAL": "0.5"},
-       "deaf": {"WORKER_CKPT_INTERVAL": "2", "WORKER_IGNORE_SIGTERM": "1"},
+# checkpoint ages far apart (0.25 s, 3 s, never), so a loaded machine's report lag cannot swap them
+LOW = {"often": {"WORKER_CKPT_INTERVAL": "0.25"},
+       "deaf": {"WORKER_CKPT_INTERVAL": "3", "WORKER_IGNORE_SIGTERM": "1"},
        "rare1": {"WORKER_CKPT_INTERVAL": "1000"},
        "rare2": {"WORKER_CKPT_INTERVAL": "1000"}}
 
@@ -157,7 +158,7 @@ async def scenario(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                                                         for n, j in ids.items())
 
         await until(all_running, 60, "four low-priority jobs running")
-        await asyncio.sleep(3.0)  # 'rare' jobs accumulate work since their start; the others checkpoint
+        await asyncio.sleep(6.0)  # 'rare' jobs accumulate work since their start; the others checkpoint
         by_id = {v: k for k, v in ids.items()}
         victims: list[str] = []
         least: list[str] = []
