@@ -11,15 +11,18 @@ with scripted checkpoint behaviour (``WORKER_CKPT_INTERVAL``,
 the agents' own default grace is shorter (5 s), so a kill at the job's grace
 shows the job's grace was used.
 
-Two nodes x 4 GPUs hold four 2-GPU jobs of priority 0, submitted in this order:
+Two nodes x 4 GPUs hold 2-GPU jobs of priority 0 (the equals):
 - ``often``: checkpoints every 0.25 s, leaves on SIGTERM;
-- ``deaf``: checkpoints every 3 s and ignores SIGTERM;
-- ``rare1``, ``rare2``: checkpoint every 1000 s (never, here), leave on SIGTERM.
-Then two 2-GPU jobs of priority 10 arrive one after the other. SRTF's own
-victim order among the four is by remaining steps (all started together:
-nearly equal); among equal priority the shared victim order
-(``policies.victims``) takes the least work since the last checkpoint:
-``often`` for the first, ``deaf`` for the second. ``deaf`` is
+- ``rare1``, ``rare2``: checkpoint every 1000 s (never, here), leave on SIGTERM;
+- later ``deaf``: checkpoints every 3 s and ignores SIGTERM;
+and a ``filler`` of priority 5 that makes room for ``deaf`` when cancelled. A
+2-GPU job of priority 10 arrives; the shared victim order
+(``policies.victims``) takes, among the equals, the least work since the last
+checkpoint: ``often`` (SRTF's own order would take whichever has the most
+steps left). ``often`` is then cancelled, ``deaf`` takes the filler's GPUs, and
+a second priority-10 job arrives: ``deaf`` again loses least (its checkpoint
+is at most 3 s old, the rare jobs' start 20 s or more), and is SIGKILLed at the
+grace. ``deaf`` is
 SIGKILLed at the grace and loses what it ran since its last periodic
 checkpoint, counted as ``gearshift_steps_lost_total{cause="grace_expired"}``.
 
@@ -68,7 +71,7 @@ from loadtest.fleet import Fleet
 
 MODEL = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
 STEP_TIME = 0.05
-# checkpoint ages far apart (0.25 s, 3 s, never), so a loaded machine's report lag cannot swap them
+# checkpoint ages far apart (0.25 s or 3 s against never), so a loaded machine's report lag cannot swap them
 LOW = {"often": {"WORKER_CKPT_INTERVAL": "0.25"},
        "deaf": {"WORKER_CKPT_INTERVAL": "3", "WORKER_IGNORE_SIGTERM": "1"},
        "rare1": {"WORKER_CKPT_INTERVAL": "1000"},
@@ -147,45 +150,59 @@ async def scenario(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         async def get(job: str) -> JobRecord:
             return await call(nc, subj.ADMISSION_GET, {"job_id": job}, JobRecord)
 
+        async def cancel(job: str) -> None:
+            await call(nc, subj.ADMISSION_CANCEL, {"job_id": job}, JobRecord)
+
+        async def running(*jobs: str) -> bool:
+            recs = [await get(j) for j in jobs]
+            return all(r.state.value == "running" for r in recs)
+
         ids: dict[str, str] = {}
-        for name, env in LOW.items():  # in order: fifo's own victim would be the newest
-            ids[name] = await submit(name, 0, env)
-
-        async def all_running() -> bool:
-            recs = [await get(j) for j in ids.values()]
-            return all(r.state.value == "running" for r in recs) and all(j in watch.last_ckpt or
-                                                                        LOW[n]["WORKER_CKPT_INTERVAL"] == "1000"
-                                                                        for n, j in ids.items())
-
-        await until(all_running, 60, "four low-priority jobs running")
-        await asyncio.sleep(6.0)  # 'rare' jobs accumulate work since their start; the others checkpoint
+        for name in ("often", "rare1", "rare2"):
+            ids[name] = await submit(name, 0, LOW[name])
+        filler = await submit("filler", 5)  # a higher class: never among the equals; it makes room for deaf
+        await until(lambda: running(*ids.values(), filler), 60, "three low-priority jobs and the filler running")
         by_id = {v: k for k, v in ids.items()}
         victims: list[str] = []
         least: list[str] = []
         work_seen: list[dict[str, float]] = []
-        before: dict[str, tuple[int, float] | None] = {}
-        high = []
-        for i in range(2):
+        before: dict[str, tuple[tuple[int, float] | None, int]] = {}
+
+        async def preempt_once(i: int) -> None:
+            """A priority-10 job arrives; the victim's preempted generation ends."""
             seen = {e.job_id for e in watch.of(JobPreempted)}
             snapshot = dict(watch.last_ckpt)
             now = time.time()
             work = {}
-            for name, job in ids.items():  # GPU-seconds since the last checkpoint, of those still running
+            for name, job in ids.items():  # GPU-seconds since the last checkpoint, of the equals still running
                 rec = await get(job)
                 if rec.state.value == "running":
                     since = max(snapshot[job][1] if job in snapshot else 0.0, rec.last_switch_at or 0.0)
                     work[name] = round(2 * (now - since), 2)
             work_seen.append(work)
             least.append(min(work, key=work.__getitem__))
-            high.append(await submit(f"high{i}", 10))
+            await submit(f"high{i}", 10)
             ev = await until(lambda: asyncio.sleep(0, [e for e in watch.of(JobPreempted) if e.job_id not in seen]),
                              30, f"a victim for high{i}")
-            victims += [by_id.get(e.job_id, e.job_id) for e in ev]
+            victims.extend(by_id.get(e.job_id, e.job_id) for e in ev)
             for e in ev:
                 before[e.job_id] = (snapshot.get(e.job_id), e.generation)
             for e in ev:  # the victim's rank 0 reports how the preempted generation ended
                 await until(lambda: asyncio.sleep(0, watch.exited(e.job_id, e.generation)), a.grace + 30,
                             f"{by_id.get(e.job_id)} exited")
+
+        await until(lambda: asyncio.sleep(0, ids["often"] in watch.last_ckpt), 30, "often's first checkpoint")
+        await asyncio.sleep(3.0)  # the rare jobs accumulate work since their start; often checkpoints
+        await preempt_once(0)  # often (~0.5 GPU-s) against rare1/rare2 (>= 6)
+        # deaf takes the filler's GPUs (often, done with, is cancelled so it does not take them back)
+        await cancel(ids["often"])
+        ids["deaf"] = await submit("deaf", 0, LOW["deaf"])
+        by_id[ids["deaf"]] = "deaf"
+        await cancel(filler)
+        await until(lambda: running(ids["deaf"]), 60, "deaf running")
+        await until(lambda: asyncio.sleep(0, ids["deaf"] in watch.last_ckpt), 30, "deaf's first checkpoint")
+        await asyncio.sleep(1.0)  # past its checkpoint: steps it will lose
+        await preempt_once(1)  # deaf (<= ~7 GPU-s) against rare1/rare2 (>= 30)
         await asyncio.sleep(1.0)  # the last exit's events reach the stream
         out_jobs = {}
         ok = victims == least == ["often", "deaf"]
