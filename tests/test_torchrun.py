@@ -81,8 +81,9 @@ async def test_a_torchrun_job_checkpoints_and_switches_within_the_grace(nc, stac
 
 
 
-STUBBORN = ("import signal, time\n"
+STUBBORN = ("import os, signal, time\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # never checkpoints, never leaves\n"
+            "open(f\"deaf-{os.environ['RANK']}\", 'w').close()  # only now is it deaf\n"
             "while True:\n"
             "    time.sleep(0.1)\n")
 
@@ -97,6 +98,8 @@ async def test_a_torchrun_job_that_ignores_sigterm_is_killed_at_the_grace_with_i
     job = await submit(nc, "stubborn", gpus=2, steps=100, plan={"dp": 2}, command=torchrun(str(script)))
     run_dir = tmp_path / "work" / "a" / "run" / job / "g1"
     await eventually(lambda: asyncio.sleep(0, len(_workers_in(run_dir)) == 2), timeout=90)
+    # a SIGTERM before a rank ignores it would end that rank at once: wait until both are deaf
+    await eventually(lambda: asyncio.sleep(0, len(list(run_dir.glob("deaf-*"))) == 2), timeout=90)
     await call(nc, subj.ADMISSION_CANCEL, {"job_id": job}, JobRecord)
     await eventually(lambda: state(nc, job, JobState.CANCELLED), timeout=60)
     exited = await eventually(lambda: asyncio.sleep(0, rec.report(RunReportKind.EXITED, 1, "a")), timeout=10)
