@@ -313,7 +313,9 @@ class Agent:
         run.advance(RunPhase.EXITED)
         self.probe.release(run.gpus)
         self.runs.pop(run.job_id, None)
-        code = next((c for c in run.exit_codes if c != 0), 0)
+        code = core.launcher_exit_code(next((c for c in run.exit_codes if c != 0), 0),
+                                       launcher=launch.is_launcher(run.alloc.command), stop_sent_at=run.stop_sent_at,
+                                       manifest=self.runner.manifest(run) if run.stop_sent_at else None)
         self.log.info("exited", job_id=run.job_id, generation=run.generation, exit_code=code, reason=run.reason)
         await self._report_exit(run, code)
         self._dirty.set()
@@ -337,10 +339,12 @@ class Agent:
         for proc in run.procs:
             if proc.returncode is None:
                 self.runner.signal(proc, signal.SIGTERM)
+        grace = run.alloc.grace if run.alloc.grace is not None else self.grace  # the job's, bounded at submit
         try:
-            await asyncio.wait_for(run.done.wait(), self.grace)
+            await asyncio.wait_for(run.done.wait(), grace)
         except asyncio.TimeoutError:
-            self.log.warning("grace period over, killing", job_id=run.job_id, grace=self.grace)
+            self.log.warning("grace period over, killing", job_id=run.job_id, grace=grace)
+            run.grace_expired = True
             for proc in run.procs:
                 if proc.returncode is None:
                     self.runner.signal(proc, signal.SIGKILL)

@@ -59,6 +59,7 @@ class Run:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     launched_at: float | None = None
     stop_sent_at: float | None = None
+    grace_expired: bool = False  # SIGKILLed when the grace after SIGTERM ran out
     stepped: bool = False  # STEPPED reported
 
     @property
@@ -140,3 +141,15 @@ def leftover_exit_code(manifest: Mapping[str, Any] | None, job_id: str, killed: 
     if manifest and manifest.get("done") and manifest.get("job_id") == job_id:
         return 0
     return 137 if killed else 143
+
+
+def launcher_exit_code(code: int, *, launcher: bool, stop_sent_at: float | None,
+                       manifest: Mapping[str, Any] | None) -> int:
+    """How a run under a launcher ended. torchrun forwards our SIGTERM to its
+    ranks, waits for them, then exits 1 (its ``SignalException``): with a
+    checkpoint written since the SIGTERM, the ranks did what was asked, and
+    that reads as 143 (checkpointed), as it does without a launcher."""
+    if not launcher or code != 1 or stop_sent_at is None or not manifest:
+        return code
+    written = manifest.get("wall_time")
+    return 143 if isinstance(written, (int, float)) and written >= stop_sent_at - 1.0 else code

@@ -7,6 +7,13 @@ a file or a wake-up per step: progress is computed from the clock when it is
 read, and a rank sleeps until its last step or a signal. Checkpoints live in
 one ``CheckpointStore`` shared by every agent of the fleet, as shared storage
 would be on a cluster.
+
+Scripted checkpoint behaviour, from the job's env as the worker's own knobs:
+``WORKER_CKPT_INTERVAL`` (seconds between periodic checkpoints, default 5;
+each is in the store, with the time it was made, once anything reads the
+manifest after it), and ``WORKER_IGNORE_SIGTERM=1`` (a rank that neither
+checkpoints nor leaves on SIGTERM: only the SIGKILL at the grace ends it, and
+it keeps only its last periodic checkpoint).
 """
 
 from __future__ import annotations
@@ -36,12 +43,15 @@ class CheckpointStore:
     def latest(self, ckpt_dir: Path) -> dict | None:
         return self.manifests.get(str(ckpt_dir))
 
-    def write(self, ckpt_dir: Path, **manifest: Any) -> None:
+    def write(self, ckpt_dir: Path, wall_time: float | None = None, **manifest: Any) -> None:
         key = str(ckpt_dir)
         old = self.manifests.get(key)
         if old is not None and old.get("step", 0) > manifest["step"] and not manifest.get("done"):
             return  # never go back
-        self.manifests[key] = {**manifest, "wall_time": time.time()}
+        if old is not None and old.get("step", 0) == manifest["step"] and not manifest.get("done") \
+                and wall_time is not None:
+            return  # a periodic checkpoint already there
+        self.manifests[key] = {**manifest, "wall_time": time.time() if wall_time is None else wall_time}
         if manifest.get("done"):
             self.done_event(ckpt_dir).set()
 
@@ -62,6 +72,8 @@ class EmulatedRank:
         self.steps = run.alloc.steps
         self.step_time = max(1e-6, float(env.get("GEARSHIFT_STEP_TIME") or run.alloc.step_time or 0.1))
         self.profile_steps = int(env.get("GEARSHIFT_PROFILE_STEPS") or 0)
+        self.ckpt_interval = float(env.get("WORKER_CKPT_INTERVAL") or CKPT_INTERVAL_S)
+        self.ignore_sigterm = env.get("WORKER_IGNORE_SIGTERM") == "1"
         self.launched_at = time.time()
         manifest = store.latest(self.ckpt_dir) or {}
         self.start_step = int(manifest.get("step", 0)) if manifest.get("job_id") == self.job_id else 0
@@ -91,16 +103,20 @@ class EmulatedRank:
             out["first_step_s"] = self.step_time
         return out
 
-    def _checkpoint(self, step: int, done: bool = False) -> None:
-        self.store.write(self.ckpt_dir, job_id=self.job_id, generation=self.generation, step=step, done=done)
+    def _checkpoint(self, step: int, done: bool = False, wall_time: float | None = None) -> None:
+        self.store.write(self.ckpt_dir, job_id=self.job_id, generation=self.generation, step=step, done=done,
+                         wall_time=wall_time)
 
-    def _periodic_checkpoint(self) -> None:
-        """What the periodic checkpoints would have saved by now."""
+    def periodic_checkpoint(self) -> None:
+        """What the periodic checkpoints would have saved by now, stamped with
+        the time each was made."""
+        if self.returncode is not None or self.rank != 0 or self.profile_steps:
+            return
         elapsed = time.monotonic() - self.t0
-        at = math.floor(elapsed / CKPT_INTERVAL_S) * CKPT_INTERVAL_S
+        at = math.floor(elapsed / self.ckpt_interval) * self.ckpt_interval
         step = min(self.steps, self.start_step + int(at / self.step_time))
         if step > self.start_step:
-            self._checkpoint(step)
+            self._checkpoint(step, wall_time=self.launched_at + at)
 
     async def _main(self) -> None:
         if self.rank != 0:
@@ -132,12 +148,14 @@ class EmulatedRank:
             if sig == signal.SIGUSR1:
                 self._checkpoint(self.step())
                 continue
-            step = self.step()
-            self.ended_step = step
+            if sig != signal.SIGKILL and self.ignore_sigterm:
+                continue  # scripted: deaf to SIGTERM, the grace runs out
             if sig == signal.SIGKILL:
-                self._periodic_checkpoint()
+                self.periodic_checkpoint()
+                self.ended_step = self.step()
                 self.returncode = -signal.SIGKILL
             else:  # SIGTERM: checkpoint at the step reached, then leave
+                step = self.ended_step = self.step()
                 self._checkpoint(step)
                 self.returncode = on_term
             return
@@ -185,6 +203,9 @@ class EmulatedRunner:
         return None if rank is None else rank.progress()
 
     def manifest(self, run: Any) -> dict | None:
+        rank = getattr(run, "emulated_rank0", None)
+        if rank is not None:
+            rank.periodic_checkpoint()  # the checkpoints made since it was last read
         return self.store.latest(run.ckpt_dir)
 
     async def reap(self, run_root: Path, grace: float, log: Any) -> list:

@@ -48,17 +48,32 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def is_launcher(cmd: list[str] | tuple[str, ...] | None) -> bool:
+    """Does ``cmd`` start the ranks itself (``torchrun``, ``python -m
+    torch.distributed.run``)? Then the agent starts it once per node and tells
+    it the gang's layout through its ``PET_*`` variables."""
+    if not cmd:
+        return False
+    if os.path.basename(cmd[0]) == "torchrun":
+        return True
+    return len(cmd) >= 3 and cmd[1] == "-m" and cmd[2] in LAUNCHER_MODULES
+
+
 def rank_specs(alloc: Allocation, node: str) -> list[RankSpec]:
     """The processes ``node`` starts: one per GPU slot (torchrun style; a node
     placed without GPUs counts as one slot), or a single one for the emulated
-    worker, which stands for all the node's slots to spare CPUs. Global ranks
-    follow the placement order, so rank 0 is on the first node."""
+    worker, which stands for all the node's slots to spare CPUs, and for a
+    launcher (``is_launcher``), which starts the node's ranks itself. Global
+    ranks follow the placement order, so rank 0 is on the first node."""
     slots = [max(1, len(p.gpus)) for p in alloc.placement]
     node_rank = alloc.nodes().index(node)
     gpus = tuple(alloc.placement[node_rank].gpus)
     first, local = sum(slots[:node_rank]), slots[node_rank]
     common = dict(world_size=sum(slots), local_world_size=local, node_rank=node_rank, nnodes=len(slots))
-    if alloc.command is None:
+    if alloc.command is None or is_launcher(alloc.command):
         return [RankSpec(rank=first, local_rank=0, gpus=gpus, **common)]
     return [RankSpec(rank=first + i, local_rank=i, gpus=gpus[i: i + 1], **common) for i in range(local)]
 
@@ -107,4 +122,10 @@ def environment(
         # UUIDs from the node's NVML probe (indices when its GPUs are emulated)
         CUDA_VISIBLE_DEVICES=cuda_visible_devices(spec.gpus),
     )
+    if is_launcher(alloc.command):
+        # torchrun reads each option's default from PET_<OPTION>; what the job's
+        # command line sets itself still wins
+        env.update(PET_NPROC_PER_NODE=str(spec.local_world_size), PET_NNODES=str(spec.nnodes),
+                   PET_NODE_RANK=str(spec.node_rank), PET_MASTER_ADDR=master_addr,
+                   PET_MASTER_PORT=env["MASTER_PORT"])
     return env

@@ -2,7 +2,14 @@
 allocation or other profiling run of this node uses, and reply with the
 per-phase means (ms per step) from rank 0's progress file. Those GPUs show as
 ``reserved`` in the heartbeats while it runs, so the optimizer does not hand
-them out."""
+them out.
+
+The profiling contract (``agent/worker.py``): with ``GEARSHIFT_PROFILE_STEPS=N``
+set, the script measures N steps, reports ``phases`` (ms per step) in its
+progress file and exits 0. A script that ignores it is caught while it runs
+(``profile_verdict``): once its progress passes N by ``IGNORED_SLACK`` steps
+without phase times, or it exits without them, the run ends at once and says
+so, instead of training until the timeout."""
 
 from __future__ import annotations
 
@@ -31,6 +38,32 @@ def free_gpus(node: str, count: int, reserved: Iterable[int], runs: Iterable[Run
             if p.node == node:
                 busy.update(p.gpus)
     return [i for i in range(count) if i not in busy]
+
+
+IGNORED_SLACK = 10  # steps past GEARSHIFT_PROFILE_STEPS before a run counts as ignoring it
+POLL_S = 0.2
+IGNORED = "the script ignores GEARSHIFT_PROFILE_STEPS"
+
+
+def profile_verdict(prog: Mapping | None, steps: int, elapsed: float, timeout: float,
+                    codes: list[int] | None) -> str | None:
+    """Is a profiling run over? None: not yet; "": it delivered its phase
+    times; else why it failed. ``codes``: the ranks' exit statuses once all
+    ended, else None. Pure (the caller's clock gives ``elapsed``)."""
+    prog = prog or {}
+    phases = prog.get("phases") or {}
+    if codes is not None:
+        if any(codes):
+            return f"exit codes {codes}"
+        if "iteration" not in phases:
+            return f"{IGNORED}: it exited without reporting phase times (at step {int(prog.get('step') or 0)})"
+        return ""
+    step = int(prog.get("step") or 0)
+    if "iteration" not in phases and step > steps + IGNORED_SLACK:
+        return f"{IGNORED}: it ran {step} steps, {steps} asked, and reported no phase times"
+    if elapsed > timeout:
+        return f"timed out after {timeout:g} s at step {step} (GEARSHIFT_PROFILE_STEPS={steps})"
+    return None
 
 
 async def profile(agent: "Agent", cmd: ProfileCommand) -> ProfileResult:
@@ -62,16 +95,19 @@ async def profile(agent: "Agent", cmd: ProfileCommand) -> ProfileResult:
         except (OSError, ValueError) as exc:  # no such program, name too long, NUL byte (tests/test_fuzz.py)
             return failed(f"launch failed: {exc}")
         waits = [asyncio.create_task(p.wait()) for p in run.procs]
-        done, pending = await asyncio.wait(waits, timeout=cmd.timeout)
-        codes = [launch.exit_status(p.returncode) for p in run.procs if p.returncode is not None]
-        if pending or any(codes):
-            why = "timed out" if pending else f"exit codes {codes}"
+        while True:
+            done, pending = await asyncio.wait(waits, timeout=POLL_S)
+            codes = None if pending else [launch.exit_status(p.returncode) for p in run.procs]
+            prog = agent.runner.progress(run) or {}
+            why = profile_verdict(prog, cmd.steps, time.monotonic() - t0, cmd.timeout, codes)
+            if why is not None:
+                break
+        for w in waits:
+            w.cancel()
+        if why:
             log.warning("profiling run failed", error=why)
             return failed(why)
-        prog = agent.runner.progress(run) or {}
         ph = prog.get("phases") or {}
-        if "iteration" not in ph:
-            return failed("the run reported no phase times")
         log.info("profiled", iter_ms=round(ph["iteration"], 2))
         return ProfileResult(
             ok=True, node=node, plan=cmd.plan, gpus=gpus, steps=int(prog.get("profiled") or cmd.steps),

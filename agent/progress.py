@@ -64,7 +64,11 @@ class ProgressPublisher:
             prev_step, prev_ts = self._last[key]
             rate = max(0, step - prev_step) * run.alloc.global_batch / (now - prev_ts)
         self._last[key] = (step, now)
+        manifest = self.runner.manifest(run) or {}  # each checkpoint's step and time, as it is made
+        ours = manifest.get("job_id") == run.job_id and "step" in manifest
         return JobProgress(
             job_id=run.job_id, generation=run.generation, node=self.node, ts=now, steps_done=step,
             steps=run.alloc.steps, samples_per_s=float(rate or 0.0), loss=prog.get("loss"),
+            checkpoint_step=int(manifest["step"]) if ours else None,
+            checkpoint_at=manifest.get("wall_time") if ours else None,
         )

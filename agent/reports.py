@@ -52,7 +52,8 @@ class Reporter:
             if manifest.get("job_id") == run.job_id and "step" in manifest:
                 extra.update(checkpoint_step=int(manifest["step"]), checkpoint_at=manifest.get("wall_time"))
             prog = self.runner.progress(run) or {}
-            extra.update(progress_step=int(prog.get("step", 0)), stop_sent_at=run.stop_sent_at)
+            extra.update(progress_step=int(prog.get("step", 0)), stop_sent_at=run.stop_sent_at,
+                         grace_expired=run.grace_expired)
             if run.node_rank == 0 and prog.get("first_step_s") is not None:
                 # also here: a STEPPED report may land after this one, or never
                 extra.setdefault("start_step", int(prog.get("start_step") or 0))

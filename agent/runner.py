@@ -28,7 +28,7 @@ import msgspec
 
 from gearshift.agent import launch
 from gearshift.agent import worker as wk
-from gearshift.agent.warm import WarmPool
+from gearshift.agent.warm import WARM_SCRIPT, WarmPool
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import Allocation
 
@@ -82,14 +82,16 @@ class SubprocessRunner:
         self.warm = warm
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
+        self._launchers: set[int] = set()  # pids of launchers (torchrun): a checkpoint signal skips them
+        self._groups: dict[int, set[int]] = {}  # rank pid -> process groups of its descendants seen
 
     @classmethod
     def with_warm_pool(cls, workdir: Path, log: Any, prewarm: list[str]) -> "SubprocessRunner":
-        async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
+        async def spawn(argv: list[str], env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
             with open(workdir / "warm.log", "ab") as out:
                 return await asyncio.create_subprocess_exec(
                     *argv, cwd=workdir, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=out,
-                    start_new_session=True, preexec_fn=_die_with_agent)
+                    env={**os.environ, **env} if env else None, start_new_session=True, preexec_fn=_die_with_agent)
 
         return cls(WarmPool(1, spawn=spawn, log=log, status_file=workdir / "warm.json", prewarm=prewarm))
 
@@ -147,10 +149,28 @@ class SubprocessRunner:
                     preexec_fn=_die_with_agent,  # no orphan outlives a crashed agent
                 )
         _remember_pid(run.run_dir, proc.pid)
+        if launch.is_launcher(cmd):
+            self._launchers.add(proc.pid)
         return proc
 
     def signal(self, rank: Rank, sig: int) -> None:
-        signal_group(rank.pid, sig)
+        """``sig`` to the rank's process group and to every group its
+        descendants started: torchrun starts each worker in a session of its
+        own, so a signal to torchrun's group alone reaches no rank, and a
+        SIGKILL at the grace left the workers running. SIGUSR1 (checkpoint,
+        go on) skips a launcher itself: torchrun does not handle it and would
+        die of it. Groups seen once are remembered, so a SIGKILL after the
+        launcher exited still reaches its workers."""
+        groups = self._groups.setdefault(rank.pid, set())
+        if rank.returncode is None:  # not reaped: its pid is still its own (no reuse)
+            groups.update(descendant_groups(rank.pid))
+        if not (sig == signal.SIGUSR1 and rank.pid in self._launchers):
+            signal_group(rank.pid, sig)
+        for g in groups:
+            signal_group(g, sig)
+        if sig == signal.SIGKILL and rank.returncode is not None:
+            self._groups.pop(rank.pid, None)
+            self._launchers.discard(rank.pid)
 
     def progress(self, run: Any) -> dict | None:
         return wk.read_json(run.progress_file)
@@ -193,7 +213,8 @@ def _is_our_process(pid: int, job_id: str, generation: str) -> bool:
     # a warm worker (agent/warm.py) keeps the agent's environment: it moved into the run's folder
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            warm = b"gearshift.agent.warm" in f.read()
+            cmdline = f.read()
+            warm = b"gearshift.agent.warm" in cmdline or WARM_SCRIPT.encode() in cmdline
         cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
     except OSError:
         return False
@@ -269,6 +290,25 @@ def _die_with_agent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
     except Exception:
         pass  # not Linux: the next agent's _reap_orphans stops them
+
+
+def descendant_groups(pid: int) -> set[int]:
+    """Process groups of ``pid``'s descendants other than its own (psutil)."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return set()
+    out = set()
+    for c in children:
+        try:
+            g = os.getpgid(c.pid)
+        except OSError:
+            continue
+        if g != pid and g == c.pid:  # a leader of a group of its own (start_new_session)
+            out.add(g)
+    return out
 
 
 def signal_group(pid: int, sig: int) -> None:

@@ -19,12 +19,16 @@ first) a busy machine starved them for minutes, so the agent starts them
 after a new generation's first step instead, not while it starts up.
 
 The agent side (``WarmPool``) keeps up to ``size`` warm workers per
-(interpreter, module): for modules named in ``$GEARSHIFT_WARM`` from the
-start, and for any other ``python -m`` command once a job launched it. Only a
-command ``[python, "-m", module, ...]`` whose job environment does not
-change how Python imports (``PYTHON*``, ``LD_*`` variables) is started
-warm; anything else is started cold, as before. Warm workers get the same
-process group and parent-death signal as cold ones.
+(interpreter, module, the job's variables that change how Python imports:
+``PYTHON*``, ``LD_*``, ``VIRTUAL_ENV``): for modules named in
+``$GEARSHIFT_WARM`` from the start, and for any other ``python -m`` command
+once a job launched it. A job whose env sets ``PYTHONPATH``, or whose command
+names a venv's python, gets warm workers started with exactly those variables
+and that interpreter, so what they imported is what the job would import; a
+worker for another interpreter runs this file by its path (that interpreter
+need not have gearshift installed: this file needs only the standard library).
+Anything but ``[python, "-m", module, ...]`` is started cold, as before. Warm
+workers get the same process group and parent-death signal as cold ones.
 """
 
 from __future__ import annotations
@@ -37,16 +41,30 @@ import runpy
 import sys
 from typing import Any, Callable, Mapping, Sequence
 
-IMPORT_VARS = ("PYTHON", "LD_")  # prefixes of variables that change what an import does
+IMPORT_VARS = ("PYTHON", "LD_", "VIRTUAL_ENV")  # prefixes of variables that change what an import does
+WARM_SCRIPT = os.path.abspath(__file__)
 
 
-def warm_key(cmd: Sequence[str], job_env: Mapping[str, str] | None) -> tuple[str, str] | None:
-    """(python, module) when ``cmd`` can run in a warm worker, else None."""
+def import_env(job_env: Mapping[str, str] | None) -> dict[str, str]:
+    """The job's variables that change what an import does."""
+    return {k: v for k, v in (job_env or {}).items() if k.startswith(IMPORT_VARS)}
+
+
+def warm_key(cmd: Sequence[str], job_env: Mapping[str, str] | None) -> tuple | None:
+    """``(python, module)``, plus the job's import variables (sorted pairs)
+    when it sets any, when ``cmd`` can run in a warm worker, else None."""
     if len(cmd) < 3 or cmd[1] != "-m" or not os.path.isabs(cmd[0]):
         return None
-    if any(k.startswith(IMPORT_VARS) for k in (job_env or {})):
-        return None
-    return cmd[0], cmd[2]
+    extra = import_env(job_env)
+    return (cmd[0], cmd[2], tuple(sorted(extra.items()))) if extra else (cmd[0], cmd[2])
+
+
+def warm_argv(key: tuple) -> list[str]:
+    """How a warm worker of ``key`` starts: ``-m`` under the agent's own
+    interpreter, this file by its path under any other."""
+    if key[0] == sys.executable:
+        return [key[0], "-m", "gearshift.agent.warm", key[1]]
+    return [key[0], WARM_SCRIPT, key[1]]
 
 
 class WarmPool:
@@ -61,11 +79,12 @@ class WarmPool:
                  status_file: Any = None):
         self.size = max(1, size)
         self.status_file = status_file  # {"ready": {module: n}}, rewritten on every change (tools read it)
-        self._spawn = spawn  # async (argv) -> asyncio.subprocess.Process with stdin and stdout pipes
+        # async (argv[, env=the job's import variables]) -> asyncio.subprocess.Process with stdin and stdout pipes
+        self._spawn = spawn
         self.log = log
-        self.ready: dict[tuple[str, str], list[Any]] = {}
-        self.starting: dict[tuple[str, str], int] = {}
-        self.refused: set[tuple[str, str]] = set()
+        self.ready: dict[tuple, list[Any]] = {}  # by warm_key
+        self.starting: dict[tuple, int] = {}
+        self.refused: set[tuple] = set()
         self._idle: set[Any] = set()  # every warm worker not handed to a job yet
         self._closed = False
         for module in prewarm:
@@ -80,7 +99,9 @@ class WarmPool:
             while not self._closed and key not in self.refused and \
                     len(self.ready[key]) + self.starting.get(key, 0) < self.size:
                 try:
-                    proc = await self._spawn([key[0], "-m", "gearshift.agent.warm", key[1]])
+                    extra = dict(key[2]) if len(key) > 2 else {}
+                    argv = warm_argv(key)
+                    proc = await (self._spawn(argv, env=extra) if extra else self._spawn(argv))
                 except OSError as exc:
                     self.log.warning("warm worker did not start", module=key[1], error=str(exc))
                     self.refused.add(key)
@@ -90,7 +111,7 @@ class WarmPool:
                 waits.append(self._await_ready(key, proc))
         await asyncio.gather(*waits)
 
-    async def _await_ready(self, key: tuple[str, str], proc: Any) -> None:
+    async def _await_ready(self, key: tuple, proc: Any) -> None:
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), self.READY_TIMEOUT_S)
         except (asyncio.TimeoutError, OSError):
@@ -178,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m gearshift.agent.warm MODULE", file=sys.stderr)
         return 2
     module = argv[0]
+    by_path = bool(sys.path) and os.path.abspath(sys.path[0]) == os.path.dirname(WARM_SCRIPT)
+    if by_path:
+        sys.path.pop(0)  # run by its path: its own folder must not shadow the job's imports
     try:
         mod = importlib.import_module(module)
         heavy = getattr(mod, "WARM_IMPORTS", ())
@@ -207,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(spec["cwd"])
     os.environ.clear()
     os.environ.update(spec["env"])
-    sys.path[0] = spec["cwd"]  # as `python -m` puts the working folder first
+    if by_path:  # as `python -m` puts the working folder first
+        sys.path.insert(0, spec["cwd"])
+    else:
+        sys.path[0] = spec["cwd"]
     sys.argv = [module, *spec["argv"]]
     sys.modules.pop(module, None)  # run it afresh as __main__ (its imports stay loaded)
     runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -8,7 +8,24 @@ Environment (set by the agent for every process it launches)::
     GEARSHIFT_CKPT_DIR        per job, the same across generations
     GEARSHIFT_PROGRESS_FILE   where this process reports progress
     GEARSHIFT_STEPS GEARSHIFT_GLOBAL_BATCH GEARSHIFT_STEP_TIME (emulated worker)
+    GEARSHIFT_PROFILE_STEPS   set only for a profiling run (below)
     CUDA_VISIBLE_DEVICES CUDA_DEVICE_ORDER=PCI_BUS_ID
+
+Profiling contract: a model nobody profiled yet is first run for a few steps
+under up to 7 plans (``services/profiler.py``), each with
+``GEARSHIFT_PROFILE_STEPS=N``. The script then trains N steps under
+``GEARSHIFT_PLAN`` (after a warm-up step or two of its own choosing), writes
+``phases`` -- ms per step: ``forward``, ``backward`` (backward + gradient
+sync), ``optimizer``, ``iteration`` (``PhaseTimer``) -- and ``profiled: N``
+into its progress file (``ProgressReporter.report(..., phases=...,
+force=True)``), and exits 0 without writing a checkpoint. A script that
+ignores the variable is caught (``agent/profiling.py``): once its progress
+passes N by 10 steps without phase times, or it exits without them, the run
+ends and says "the script ignores GEARSHIFT_PROFILE_STEPS". If every run of a
+model fails, its jobs do not wait: a script that crashed every run fails them
+with the reason; one that ran but gave no timings is scheduled on the prior
+model (the nearest Rubick model, scaled), the reason in its ``job.profiled``
+event. A plan the script cannot run exits ``EXIT_PLAN_REFUSED`` there too.
 
 Progress channel: the worker rewrites a small JSON file atomically (temp file
 + ``os.replace``) and the agent reads it about once a second. A file, not a
@@ -22,8 +39,11 @@ checkpoint at the next step boundary and an exit with ``EXIT_CHECKPOINTED``
 (143); SIGUSR1 (what the agent sends for a ``gs.agent.<node>.checkpoint`` bus
 command) asks for a checkpoint at the next step boundary and keeps training;
 0 means the job is done; ``EXIT_TEMPFAIL`` (75) a checkpoint that failed but
-may be retried; anything else is a crash (the optimizer retries the job from
-its last checkpoint up to a limit).
+may be retried; ``EXIT_PLAN_REFUSED`` (78) "this plan cannot run this model":
+the job goes back to the plan it last ran steps under and the refused plan is
+never chosen for it again (a job declares the plans it supports up front in
+``JobSpec.plan_support``); anything else is a crash (the optimizer retries the
+job from its last checkpoint up to a limit).
 
 Agreement: a signal reaches the ranks at slightly different times, so a
 multi-rank script turns its local flags into one decision per step with a

@@ -59,7 +59,7 @@ SWITCH_SECONDS = Histogram("gearshift_switch_duration_seconds",
                            "Plan switches: seconds by phase (checkpoint, teardown, launch, restore, first_step, total)",
                            ["phase"], buckets=_SWITCH, registry=None)
 STEPS_LOST = Counter("gearshift_steps_lost_total",
-                     "Training steps done but not in the checkpoint resumed from, by cause (switch, requeue)",
+                     "Training steps done but not in the checkpoint resumed from, by cause (switch, requeue, grace_expired)",
                      ["cause"], registry=None)
 LEADER = Gauge("gearshift_optimizer_leader", "1 while this optimizer holds the leader lease", registry=None)
 JOB_EVENTS = Counter("gearshift_job_events_total", "Job events this process published, by kind", ["kind"],
@@ -129,7 +129,10 @@ def job_events(rec: Any, events: Iterable[Any]) -> None:
         elif short == "switched":
             for phase in ("checkpoint", "teardown", "launch", "restore", "first_step", "total"):
                 SWITCH_SECONDS.labels(phase).observe(max(0.0, getattr(ev, f"{phase}_s")))
-            STEPS_LOST.labels("switch").inc(max(0, ev.steps_lost))
+            if not getattr(ev, "grace_expired", False):  # else counted by its job.grace_expired event
+                STEPS_LOST.labels("switch").inc(max(0, ev.steps_lost))
+        elif short == "grace_expired":
+            STEPS_LOST.labels("grace_expired").inc(max(0, ev.steps_lost))
         elif short == "requeued":
             # resumes from its checkpoint: what it had done past it is redone
             STEPS_LOST.labels("requeue").inc(max(0, rec.steps_done - ev.checkpoint_step))

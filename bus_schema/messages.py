@@ -95,6 +95,24 @@ class Plan(_Input, kw_only=True, frozen=True):
         return "-".join(parts)
 
 
+class PlanSupport(_Input, kw_only=True, frozen=True):
+    """Which plans a job's script can run (``JobSpec.plan_support``); a field
+    left out allows every value, so an absent declaration keeps every plan.
+    Policies (through the plan space they search), the profiler and
+    ``reconfigure`` honour it (``bus_schema.plan_support.plan_refusal``)."""
+
+    dp_max: Annotated[int, Meta(ge=1, le=MAX_GPUS)] | None = None
+    # tuples, not lists: a spec is hashed (policies' caches key on it)
+    tp: Annotated[tuple[Annotated[int, Meta(ge=1, le=64)], ...], Meta(min_length=1, max_length=16)] | None = None
+    pp: Annotated[tuple[Annotated[int, Meta(ge=1, le=512)], ...], Meta(min_length=1, max_length=16)] | None = None
+    zero: Annotated[tuple[Annotated[int, Meta(ge=0, le=3)], ...], Meta(min_length=1, max_length=4)] | None = None
+    offload: bool = True
+    ga_max: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    grad_ckpt: bool = True
+    # plans the script refused (it exited EXIT_PLAN_REFUSED under them), or declared unrunnable
+    exclude: Annotated[tuple[Plan, ...], Meta(max_length=64)] | None = None
+
+
 class JobSpec(_Input, kw_only=True, frozen=True):
     name: Name
     model: ModelSpec
@@ -115,6 +133,12 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     # GPU types the job may run on (bus_schema.gputypes.GPU_TYPES); absent or empty = any.
     # A job always runs on nodes of one type.
     gpu_types: Annotated[tuple[GpuTypeName, ...], Meta(max_length=16)] | None = None
+    # The plan dimensions and values the job's script supports; absent: all of them.
+    plan_support: PlanSupport | None = None
+    # Seconds from SIGTERM (checkpoint and leave) to SIGKILL when the job is
+    # preempted or switched; absent: the agent's --grace. At most the cluster's
+    # maximum (admission's max_checkpoint_grace).
+    checkpoint_grace: Annotated[float, Meta(gt=0, le=86_400)] | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):
@@ -191,6 +215,9 @@ class PinnedPlan(_Msg, kw_only=True, frozen=True):
     plan: "Plan"
     placement: list[NodeShare] = []  # empty: first fit
     reason: str = ""
+    # set by the scheduler itself (back to the last good plan after a refusal):
+    # cleared once the job ran steps under it
+    until_stepped: bool = False
 
 
 class SwitchTiming(_Msg, kw_only=True, frozen=True):
@@ -205,6 +232,7 @@ class SwitchTiming(_Msg, kw_only=True, frozen=True):
     checkpoint_step: NonNegInt = 0
     progress_step: NonNegInt = 0  # furthest step the old generation reached
     drained: float | None = None  # every rank of the old generation exited
+    grace_expired: bool = False  # its ranks were SIGKILLed at the grace (the loss counts there)
     released: float | None = None  # allocation of the new generation written
     launched: float | None = None  # processes of the new generation started (rank 0's node)
 
@@ -235,6 +263,7 @@ class Allocation(_Msg, kw_only=True, frozen=True):
     step_time: float | None = None
     steps: int = 0
     global_batch: int = 0
+    grace: float | None = None  # the job's checkpoint grace (None: the agent's own)
 
     @property
     def gpus(self) -> int:
@@ -282,6 +311,10 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     # allocations that ended. Defaults keep older records decodable.
     last_switch_at: float | None = None
     attained_gpu_s: NonNegFloat = 0.0
+    # The plan it last ran steps under (rank 0 reported its first step), and the
+    # plans its script refused (exit EXIT_PLAN_REFUSED): never chosen again.
+    last_good_plan: "Plan | None" = None
+    refused_plans: list["Plan"] = []
 
     @property
     def terminal(self) -> bool:
@@ -370,6 +403,7 @@ class RunReport(_Msg, kw_only=True, frozen=True):
     checkpoint_at: float | None = None  # wall time the checkpoint was complete
     progress_step: int = 0
     stop_sent_at: float | None = None  # when the agent sent SIGTERM
+    grace_expired: bool = False  # a rank outlived the grace after SIGTERM and was SIGKILLed
     # STARTED / STEPPED: timings of the new generation
     launched_at: float | None = None  # processes spawned
     start_step: int = 0
@@ -388,6 +422,9 @@ class JobProgress(_Msg, kw_only=True, frozen=True):
     steps: NonNegInt = 0
     samples_per_s: NonNegFloat = 0.0
     loss: float | None = None
+    # the job's latest complete checkpoint (its manifest): step and wall time
+    checkpoint_step: int | None = None
+    checkpoint_at: float | None = None
 
 
 class StopCommand(_Input, kw_only=True, frozen=True):
@@ -603,12 +640,39 @@ class JobSwitched(JobEvent, tag="job.switched", kw_only=True, frozen=True):
     checkpoint_step: int = 0
     resumed_step: int = 0
     steps_lost: int = 0  # reached by the old generation but not in its checkpoint
+    grace_expired: bool = False  # it lost them because the grace ran out (counted under that cause)
+
+
+class JobGraceExpired(JobEvent, tag="job.grace_expired", kw_only=True, frozen=True):
+    """A stopped generation (preempted, switched, cancelled) outlived its
+    checkpoint grace and was SIGKILLed: the steps it ran since its last
+    checkpoint are lost (``gearshift_steps_lost_total{cause="grace_expired"}``)."""
+
+    node: str = ""
+    grace: float | None = None
+    checkpoint_step: int = 0
+    progress_step: int = 0
+    steps_lost: int = 0
+
+
+class JobPlanRefused(JobEvent, tag="job.plan_refused", kw_only=True, frozen=True):
+    """The job's script exited EXIT_PLAN_REFUSED (78) under ``plan``: the plan is
+    remembered as refused (``JobRecord.refused_plans``) and the job goes back to
+    ``back_to``, the plan it last ran steps under (None: the policy picks among
+    the plans left)."""
+
+    plan: Plan
+    back_to: Plan | None = None
+    reason: str = ""
 
 
 class JobProfiled(JobEvent, tag="job.profiled", kw_only=True, frozen=True):
     model_key: str = ""
     plans: int = 0
     train_error: float | None = None
+    # every profiling run failed, yet the script runs: it is scheduled on the prior
+    # model (the nearest Rubick model, scaled) and this says why
+    error: str = ""
 
 
 class NodeJoined(Event, tag="node.joined", kw_only=True, frozen=True):
@@ -644,12 +708,15 @@ AnyJobEvent = (
     | JobRequeued
     | JobSwitched
     | JobProfiled
+    | JobPlanRefused
+    | JobGraceExpired
 )
 AnyEvent = AnyJobEvent | NodeJoined | NodeLost | RoundCompleted
 
 JOB_EVENT_TYPES: tuple[type[JobEvent], ...] = (
     JobSubmitted, JobScheduled, JobReconfigured, JobPreempted, JobRunning, JobCompleted, JobFailed,
-    JobCancelRequested, JobCancelled, JobRequeued, JobSwitched, JobProfiled,
+    JobCancelRequested, JobCancelled, JobRequeued, JobSwitched, JobProfiled, JobPlanRefused,
+    JobGraceExpired,
 )
 EVENT_TYPES: tuple[type[Event], ...] = (*JOB_EVENT_TYPES, NodeJoined, NodeLost, RoundCompleted)
 

@@ -7,7 +7,7 @@ from typing import Annotated
 from msgspec import Meta, Struct
 
 from gearshift.bus_schema import subjects as _subj
-from gearshift.bus_schema.messages import ModelSpec, Plan, ProfileResult
+from gearshift.bus_schema.messages import ModelSpec, Plan, PlanSupport, ProfileResult
 from gearshift.bus_schema.perfmodel import FitReply, ProfileSample
 
 PROFILER_PROFILE = f"{_subj.PROFILER}.profile"
@@ -29,6 +29,8 @@ class ProfileRequest(Struct, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     fit: bool = True
     # runs per plan, round-robin over the plans; the fastest counts (other load only ever adds time)
     repeats: Annotated[int, Meta(ge=1, le=5)] = 1
+    # the job's declaration (JobSpec.plan_support): only plans its script runs are profiled
+    plan_support: PlanSupport | None = None
 
 
 class ProfileReply(Struct, kw_only=True, frozen=True):

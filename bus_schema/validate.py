@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gearshift.bus_schema.gputypes import check_gpu_types
-from gearshift.bus_schema.messages import JobSpec
+from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.bus_schema.plan_support import plan_refusal
 
 
 @dataclass
@@ -29,10 +30,17 @@ RESERVED_ENV = frozenset({
 })
 
 
-def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node: int | None = None) -> None:
+DEFAULT_MAX_CHECKPOINT_GRACE_S = 600.0  # the cluster's bound on JobSpec.checkpoint_grace unless configured
+
+
+def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node: int | None = None,
+               max_grace: float = DEFAULT_MAX_CHECKPOINT_GRACE_S) -> None:
     """Raise SpecError naming the first field that is wrong."""
     if max_gpus is not None and spec.gpus > max_gpus:
         raise SpecError("gpus", f"{spec.gpus} GPUs requested but the cluster has at most {max_gpus}")
+    if spec.checkpoint_grace is not None and spec.checkpoint_grace > max_grace:
+        raise SpecError("checkpoint_grace", f"{spec.checkpoint_grace:g} s is more than this cluster's maximum "
+                                            f"of {max_grace:g} s")
     p = spec.plan
     if p is not None:
         if p.dp * p.tp * p.pp != spec.gpus:
@@ -57,6 +65,13 @@ def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node:
             raise SpecError(
                 "plan.ga", f"global_batch = {spec.global_batch} is not divisible by dp*ga = {p.dp * p.ga}"
             )
+    if spec.plan_support is not None:
+        # the plan the job starts with must be one its script runs
+        got = plan_refusal(spec.plan_support, p if p is not None else Plan(dp=spec.gpus))
+        if got is not None:
+            field, message = got
+            raise SpecError(field if p is not None else "plan", message if p is not None else
+                            f"no plan given and the default DP{spec.gpus} is not supported: {message}")
     if spec.gpu_types:
         bad = check_gpu_types(spec.gpu_types)
         if bad is not None:

@@ -113,6 +113,9 @@ class JobView:
     # Guaranteed jobs: promised samples/s (None: the oracle's prediction of the
     # requested plan on the requested GPUs, compactly placed).
     target_throughput: float | None = None
+    # Wall time of its latest checkpoint, as its agents report it (None: none
+    # known); what a preemption would lose (``policies.victims``).
+    checkpoint_at: float | None = None
 
     @property
     def running(self) -> bool:
@@ -168,7 +171,7 @@ def attained_service(before: float, placement: tuple[Placement, ...], last_switc
 def make_job_view(job_id: str, spec: JobSpec, submitted_at: float, now: float, *, steps_done: float = 0.0,
                   placement: tuple[Placement, ...] = (), plan: Plan | None = None, attained_before: float = 0.0,
                   restarts: int = 0, last_switch_at: float | None = None, started_at: float | None = None,
-                  target_throughput: float | None = None) -> JobView:
+                  target_throughput: float | None = None, checkpoint_at: float | None = None) -> JobView:
     """The one way a ``JobView`` is made, live (``services.policy_bridge``) and in the
     simulator: attained service = GPU-seconds of finished allocations
     (``attained_before``) + the current one's GPUs x time since it started."""
@@ -176,7 +179,7 @@ def make_job_view(job_id: str, spec: JobSpec, submitted_at: float, now: float, *
     return JobView(job_id=job_id, spec=spec, submitted_at=submitted_at, steps_done=steps_done,
                    placement=placement, plan=plan if placement else None, attained_service=attained,
                    restarts=restarts, last_switch_at=last_switch_at, started_at=started_at,
-                   target_throughput=target_throughput)
+                   target_throughput=target_throughput, checkpoint_at=checkpoint_at)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gearshift.bus_schema.messages import Plan
+from gearshift.bus_schema.plan_support import supported
 from gearshift.policies.api import JobView, PerfOracle, Placement, default_plan
 from gearshift.policies.placement import symmetric_shape
 from gearshift.policies.plans import candidate_plans, scaled_user_plan
@@ -149,7 +150,7 @@ class CandidateCache:
         else:
             s = job.spec  # what the candidate grid itself depends on, besides speed
             o = own_key[0] if own_key else perf.spec_key(s)
-            k = ("oracle", o, s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable)
+            k = ("oracle", o, s.gpus, s.plan, s.cpus_per_gpu, s.reconfigurable, s.plan_support)
         return k if own_key else (k, o)
 
     def sweep(self) -> bool:
@@ -179,7 +180,7 @@ def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, shape: tup
     gpus = sum(p.gpus for p in shape)
     if not space.vary_plan or not job.spec.reconfigurable:
         p = scaled_user_plan(job.spec, gpus)
-        return [p] if p is not None else []
+        return [p] if p is not None and supported(job.spec, p) else []
     if supports(perf, PlanningOracle):
         plans = list(perf.plans(job, shape))
     else:
@@ -187,7 +188,8 @@ def _plans_for(job: JobView, perf: PerfOracle, space: CandidateSpace, shape: tup
         plans = list(candidate_plans(job.spec.global_batch, job.spec.model.layers, gpus, share))
     # A plan must use exactly the shape's GPUs (the simulator and the service
     # refuse a plan/placement mismatch); never trust an enumerator on this.
-    return [p for p in plans if p.gpus == gpus]
+    # Nor a plan the job's script does not run (JobSpec.plan_support).
+    return [p for p in plans if p.gpus == gpus and supported(job.spec, p)]
 
 
 def _evaluate(job: JobView, perf: PerfOracle, plans: list[Plan], shape: tuple[Placement, ...]) -> list[float]:

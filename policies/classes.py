@@ -26,6 +26,7 @@ from gearshift.policies import typed_place
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.placement import Ledger, describe
 from gearshift.policies.protocols import ClassedBatchKey, OrderKey, supports
+from gearshift.policies.victims import any_checkpoint, work_since_checkpoint
 
 
 def class_rank(job: JobView) -> int:
@@ -95,7 +96,8 @@ def enforce(now: float, nodes: list[NodeState], jobs: list[JobView], decision: D
         if spot is None:
             cands = [by_id[jid] for jid in decision.allocations
                      if by_id[jid].spec.priority < j.spec.priority and not (by_id[jid].running and protected(by_id[jid]))]
-            cands.sort(key=lambda v: (v.running, v.spec.priority, -(v.switched_at or 0.0), v.job_id))
+            lost = work_since_checkpoint if any_checkpoint(cands) else (lambda v, now: 0.0)  # policies.victims
+            cands.sort(key=lambda v: (v.running, v.spec.priority, lost(v, now), -(v.switched_at or 0.0), v.job_id))
             for v in cands:
                 d = decision.allocations[v.job_id]
                 ledger.give(d.placement)

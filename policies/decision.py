@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gearshift.bus_schema.messages import JobSpec, Plan
+from gearshift.bus_schema.plan_support import plan_refusal
 from gearshift.policies.api import AllocationError, Decision, JobDecision, NodeState, Placement, accepts
 
 
@@ -186,3 +187,19 @@ def check_decision(decision: Decision, nodes: list[NodeState], jobs: Mapping[str
     """
     cap = NodeCapacity.of(nodes)
     cap.check(decision, jobs, cap.gpus, cap.cpus)
+
+
+def refuse_unsupported(decision: Decision, jobs: Mapping[str, HasSpec]) -> list[str]:
+    """Take out of ``decision`` every allocation whose plan the job's script does
+    not run (``JobSpec.plan_support``: policies that keep the user's plan scale
+    its DP degree past a declared bound); the job waits, the field named. The
+    jobs it took out."""
+    out = []
+    for job_id, d in list(decision.allocations.items()):
+        job = jobs.get(job_id)
+        got = plan_refusal(job.spec.plan_support, d.plan) if job is not None else None
+        if got is not None:
+            del decision.allocations[job_id]
+            decision.waiting[job_id] = f"plan {d.plan.label()} not supported by the job: {got[1]}"
+            out.append(job_id)
+    return out

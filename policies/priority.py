@@ -21,6 +21,7 @@ from gearshift.policies.classes import by_class
 from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledger, describe
 from gearshift.policies.protocols import BatchOrderKey, supports
+from gearshift.policies.victims import victim_order
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 
@@ -114,9 +115,12 @@ class PriorityPolicy:
             prefer = tuple(p.node for p in j.placement)
             placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
             victims: list[JobView] = []
-            if placement is None and self.preemptive:
+            # a job preempted this round does not preempt its peers to come back (with victims taken
+            # from the bottom of the order nothing is below them; policies.victims may take them higher)
+            if placement is None and self.preemptive and j.job_id not in preempted:
                 victim_ok, min_run = self.victim_ok, self.min_run_time
-                for v in order[:at:-1]:  # running jobs after j in the order, from the bottom
+                # running jobs after j in the order, from the bottom; among equals, least work lost first
+                for v in victim_order(order[:at:-1], now):
                     if v.job_id not in holding:  # (only those already passed leave holding here)
                         continue
                     if victim_ok is not None:

@@ -50,7 +50,7 @@ from gearshift.bus_schema.messages import (
     SubmitReply,
     SubmitRequest,
 )
-from gearshift.bus_schema.validate import SpecError, check_spec
+from gearshift.bus_schema.validate import DEFAULT_MAX_CHECKPOINT_GRACE_S, SpecError, check_spec
 from gearshift.policies.queues import ShareConfig
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.outbox import OutboxFlusher
@@ -63,6 +63,8 @@ class AdmissionConfig(ServiceConfig):
 
     service: ClassVar[str] = "admission"
     max_gpus: Annotated[PosInt | None, option("largest job the cluster could ever hold")] = None
+    max_checkpoint_grace: Annotated[float, option(
+        "longest checkpoint grace (s, SIGTERM to SIGKILL) a job may ask for")] = DEFAULT_MAX_CHECKPOINT_GRACE_S
     max_jobs_per_tenant: Annotated[PosInt, option(
         "live (not finished) jobs a tenant may have; more are refused with 429",
         env="GEARSHIFT_MAX_JOBS_PER_TENANT")] = 1000
@@ -88,12 +90,13 @@ _D = defaults(AdmissionConfig)  # the keyword defaults below are the config's, w
 
 class Admission:
     def __init__(self, nc: Any, *, max_gpus: int | None = _D.max_gpus, max_jobs_per_tenant: int = _D.max_jobs_per_tenant,
-                 clock: Clock = SYSTEM):
+                 clock: Clock = SYSTEM, max_checkpoint_grace: float = _D.max_checkpoint_grace):
         self.nc = nc
         self.clock = clock  # stamps submitted_at / finished_at
         self.store = JobStore(nc)
         self.max_gpus = max_gpus
         self.max_jobs_per_tenant = max_jobs_per_tenant
+        self.max_checkpoint_grace = max_checkpoint_grace
         self.jobs_view: JobsView | None = None
         self.nodes_view: NodesView | None = None
         self._created: dict[str, set[str]] = {}  # tenant -> ids created here, not yet in the view
@@ -178,7 +181,7 @@ class Admission:
         spec = req.spec
         max_gpus, per_node = await self._capacity()
         try:
-            check_spec(spec, max_gpus=max_gpus, max_gpus_per_node=per_node)
+            check_spec(spec, max_gpus=max_gpus, max_gpus_per_node=per_node, max_grace=self.max_checkpoint_grace)
         except SpecError as err:
             raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
         await self._check_quota(spec)
@@ -369,10 +372,12 @@ async def start_admission(nc: Any, **options: Any) -> tuple[Admission, Any]:
 
 
 async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | None = _D.max_gpus,
-                max_jobs_per_tenant: int = _D.max_jobs_per_tenant) -> None:
+                max_jobs_per_tenant: int = _D.max_jobs_per_tenant,
+                max_checkpoint_grace: float = _D.max_checkpoint_grace) -> None:
     nc = await connect(url, name="gearshift-admission")
     obs = await observe.serve_http("admission", "admission", nc)
-    adm, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant)
+    adm, svc = await start_admission(nc, max_gpus=max_gpus, max_jobs_per_tenant=max_jobs_per_tenant,
+                                     max_checkpoint_grace=max_checkpoint_grace)
     obs.set_ready()
     log.info("admission ready", url=nc.connected_url.geturl() if nc.connected_url else url)
     await stop.wait()
@@ -384,7 +389,7 @@ async def amain(stop: asyncio.Event, url: str | None = None, max_gpus: int | Non
 
 def main(argv: list[str] | None = None) -> None:
     cfg = load(AdmissionConfig, argv)  # flags, GEARSHIFT_ADMISSION_<FIELD>, --config FILE
-    run_service(lambda stop: amain(stop, cfg.server, cfg.max_gpus, cfg.max_jobs_per_tenant))
+    run_service(lambda stop: amain(stop, cfg.server, cfg.max_gpus, cfg.max_jobs_per_tenant, cfg.max_checkpoint_grace))
 
 
 if __name__ == "__main__":

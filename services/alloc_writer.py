@@ -43,6 +43,7 @@ def allocation_for(rec: JobRecord, clock: Clock = SYSTEM) -> Allocation:
         job_id=rec.job_id, generation=rec.generation, plan=rec.plan, placement=rec.placement, reason=rec.reason,
         created_at=clock.now(), command=rec.spec.command, env=rec.spec.env,
         step_time=emulated_step_time(rec, rec.plan), steps=rec.spec.steps, global_batch=rec.spec.global_batch,
+        grace=rec.spec.checkpoint_grace,
     )
 
 

@@ -15,12 +15,20 @@ from gearshift.policies.decision import Held
 ACTIVE = ACTIVE_STATES
 
 
-def held_gpus(records: Iterable[JobRecord], nodes: Iterable[NodeReport]) -> dict[str, set[int]]:
+def held_gpus(records: Iterable[JobRecord], nodes: Iterable[NodeReport], *,
+              for_policy: bool = False) -> dict[str, set[int]]:
     """GPU indices that are not free although no decision holds them: what
     cancelling and draining jobs hold until their processes exited, the GPUs
-    agents profile on, and unhealthy GPUs."""
+    agents profile on, and unhealthy GPUs. ``for_policy``: what the policy
+    counts as taken, which leaves out a preempted job's draining GPUs -- they
+    are on their way to whoever preempted it, and a job written onto them waits
+    until they are free (``assign`` reads the full set); counting them taken
+    made every round of a long checkpoint grace pick another victim for the
+    same job."""
     held: dict[str, set[int]] = {}
     for rec in records:
+        if for_policy and rec.state == JobState.PENDING:
+            continue
         if rec.state == JobState.CANCELLING:
             for p in rec.placement:
                 held.setdefault(p.node, set()).update(p.gpus)

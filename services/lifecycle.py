@@ -23,6 +23,8 @@ from gearshift.bus_schema.messages import (
     JobCancelled,
     JobCompleted,
     JobFailed,
+    JobGraceExpired,
+    JobPlanRefused,
     JobReconfigured,
     JobRecord,
     JobRequeued,
@@ -30,10 +32,13 @@ from gearshift.bus_schema.messages import (
     JobScheduled,
     JobState,
     JobSwitched,
+    PinnedPlan,
+    Plan,
     RunReport,
     RunReportKind,
     SwitchTiming,
 )
+from gearshift.bus_schema.plan_support import EXIT_PLAN_REFUSED, MAX_REFUSED_PLANS, plan_shape, supported, with_refused
 from gearshift.services.jobstore import with_event
 from gearshift.services.policy_bridge import segment_gpu_s
 
@@ -81,9 +86,12 @@ def apply_report(rec: JobRecord, r: RunReport, *, max_retries: int, now: float) 
             return Outcome(with_event(new, JobRunning, ts=ts, nodes=[p.node for p in rec.placement]))
         return Outcome(new if new is not rec else None)
     if r.kind == RunReportKind.STEPPED:
-        if rec.switch is None or rec.switch.to_generation != r.generation or not r.rank0:
+        if not r.rank0:
             return Outcome()
-        return Outcome(switched(rec, r))
+        new = stepped_under(rec)
+        if rec.switch is not None and rec.switch.to_generation == r.generation:
+            new = switched(new, r)
+        return Outcome(new if new is not rec else None)
     if r.kind != RunReportKind.EXITED:
         return Outcome()
     steps = max(rec.steps_done, r.steps_done)
@@ -109,6 +117,8 @@ def apply_report(rec: JobRecord, r: RunReport, *, max_retries: int, now: float) 
     why = f"process on {r.node} exited with code {r.exit_code}" + (f": {r.message}" if r.message else "")
     others = [p for p in rec.placement if p.node != r.node]
     drain = dict(draining=others, drain_generation=rec.generation, drain_started=now if others else None)
+    if r.exit_code == EXIT_PLAN_REFUSED and rec.plan is not None:
+        return plan_refused(rec, r, steps, drain)
     if rec.failures < max_retries:
         # retry from the last checkpoint; the other nodes' ranks drain first
         retry = rec.failures + 1
@@ -125,6 +135,54 @@ def apply_report(rec: JobRecord, r: RunReport, *, max_retries: int, now: float) 
         switch=None, **drain,
     )
     return Outcome(with_event(new, JobFailed, ts=ts, reason=why, exit_code=r.exit_code), ended=True)
+
+
+def stepped_under(rec: JobRecord) -> JobRecord:
+    """Rank 0 ran a step under the current plan: it is the job's last good plan,
+    and a pin the scheduler set to get back to it has done its work."""
+    new = rec
+    if rec.plan is not None and rec.last_good_plan != rec.plan:
+        new = msgspec.structs.replace(new, last_good_plan=rec.plan)
+    pin = rec.pinned
+    if pin is not None and pin.until_stepped and rec.plan is not None and plan_shape(pin.plan) == plan_shape(rec.plan):
+        new = msgspec.structs.replace(new, pinned=None)
+    return new
+
+
+def plan_refused(rec: JobRecord, r: RunReport, steps: int, drain: dict[str, Any]) -> Outcome:
+    """The script exited EXIT_PLAN_REFUSED under ``rec.plan``: not a crash. The
+    plan joins ``refused_plans`` (the policies never see it again) and the job
+    goes back to its last good plan (pinned until it runs steps there; an
+    operator's pin of the refused plan becomes a pin of the last good one);
+    without one the policy picks among the plans left. It fails only when no
+    plan can be left: its own plan refused and nothing else to run."""
+    assert rec.plan is not None
+    ts = r.ts
+    refused = [*rec.refused_plans, rec.plan] if all(
+        plan_shape(p) != plan_shape(rec.plan) for p in rec.refused_plans) else list(rec.refused_plans)
+    spec = with_refused(rec.spec, refused)
+    back = rec.last_good_plan if rec.last_good_plan is not None and supported(spec, rec.last_good_plan) else None
+    label = rec.plan.label()
+    operator_pin = rec.pinned is not None and not rec.pinned.until_stepped
+    pin = rec.pinned if rec.pinned is not None and supported(spec, rec.pinned.plan) else None
+    if back is not None and (pin is None or pin.until_stepped):
+        pin = PinnedPlan(plan=back, reason=f"back to the last good plan: {label} refused",
+                         until_stepped=not operator_pin)
+    own = plan_shape(rec.spec.plan or Plan(dp=rec.spec.gpus)) == plan_shape(rec.plan)
+    stuck = back is None and pin is None and (own and not rec.spec.reconfigurable or len(refused) > MAX_REFUSED_PLANS)
+    why = f"plan {label} refused by the job's script on {r.node} (exit {EXIT_PLAN_REFUSED})"
+    if stuck:
+        why += ": no other plan to run"
+        new = msgspec.structs.replace(rec, state=JobState.FAILED, finished_at=ts, steps_done=steps,
+                                      exit_code=r.exit_code, reason=why, switch=None, refused_plans=refused, **drain)
+        return Outcome(with_event(new, JobFailed, ts=ts, reason=why, exit_code=r.exit_code), ended=True)
+    why += f": back to {back.label()}" if back is not None else ": another plan"
+    new = msgspec.structs.replace(
+        rec, state=JobState.PENDING, placement=[], steps_done=steps, pinned=pin, refused_plans=refused,
+        attained_gpu_s=rec.attained_gpu_s + segment_gpu_s(rec, ts), restarts=rec.restarts + 1, switch=None,
+        reason=why, **drain,
+    )
+    return Outcome(with_event(new, JobPlanRefused, ts=ts, plan=rec.plan, back_to=back, reason=why), ended=True)
 
 
 def cancel_unreported(rec: JobRecord, alive: set[str], waiting_s: float, timeout: float,
@@ -151,7 +209,15 @@ def drained(rec: JobRecord, nodes: list[str], r: RunReport | None, ts: float) ->
     new = msgspec.structs.replace(rec, draining=left, drain_started=rec.drain_started if left else None)
     if r is not None and r.checkpoint_step is not None:
         new = msgspec.structs.replace(new, checkpoint_step=max(rec.checkpoint_step, r.checkpoint_step))
+    expired = r is not None and r.grace_expired and r.rank0
+    if expired:  # rank 0 was SIGKILLed at the grace: what it ran since its last checkpoint is lost
+        assert r is not None
+        new = with_event(new, JobGraceExpired, ts=r.ts, node=r.node, grace=rec.spec.checkpoint_grace,
+                         checkpoint_step=r.checkpoint_step or 0, progress_step=r.progress_step,
+                         steps_lost=max(0, r.progress_step - (r.checkpoint_step or 0)))
     sw = rec.switch
+    if sw is not None and expired:
+        sw = msgspec.structs.replace(sw, grace_expired=True)
     if sw is not None and r is not None:
         ck = sw.checkpointed
         if r.checkpoint_at is not None and r.checkpoint_at >= sw.started - 1:
@@ -193,7 +259,7 @@ def switched(rec: JobRecord, r: RunReport) -> JobRecord:
         checkpoint_s=max(0.0, ckpt - started), teardown_s=max(0.0, released - ckpt),
         launch_s=max(0.0, launched - released), restore_s=restore, first_step_s=first,
         total_s=max(0.0, done_at - started), checkpoint_step=sw.checkpoint_step, resumed_step=r.start_step,
-        steps_lost=max(0, sw.progress_step - sw.checkpoint_step),
+        steps_lost=max(0, sw.progress_step - sw.checkpoint_step), grace_expired=sw.grace_expired,
     )
 
 

@@ -401,9 +401,11 @@ class Optimizer:
         self.records_seen = records
 
         held = capacity.held_gpus(records.values(), nodes)
+        seen_held = capacity.held_gpus(records.values(), nodes, for_policy=True)
         for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
             held.setdefault(node, set()).update(gpus)
-        node_states = capacity.node_states(nodes, held)
+            seen_held.setdefault(node, set()).update(gpus)
+        node_states = capacity.node_states(nodes, seen_held)
         self.models.node_type = {n.name: n.gpu_type for n in node_states}  # what ran teaches the oracle per GPU type
         decision, views, t_policy = await self.policy_step.decide(records, node_states, alive)
         if _pause_requested():

@@ -15,8 +15,10 @@ from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
 from gearshift.bus_schema.messages import JobRecord, JobState
+from gearshift.bus_schema.plan_support import with_refused
 from gearshift.policies import Decision, JobView, Placement, check_decision
 from gearshift.policies.api import make_job_view
+from gearshift.policies.decision import refuse_unsupported
 from gearshift.policies.views import KeptViews
 from gearshift.services import capacity
 
@@ -30,7 +32,8 @@ def job_view(rec: JobRecord, now: float, progress: float | None = None) -> JobVi
     # records written before last_switch_at existed: the first scheduling time
     switch = rec.last_switch_at if rec.last_switch_at is not None else rec.scheduled_at
     steps = max(rec.steps_done, progress) if running and progress is not None else rec.steps_done
-    return make_job_view(rec.job_id, rec.spec, rec.submitted_at, now, steps_done=steps,
+    # the plans its script refused leave the plan space the policy searches
+    return make_job_view(rec.job_id, with_refused(rec.spec, rec.refused_plans), rec.submitted_at, now, steps_done=steps,
                          placement=placement, plan=rec.plan if running else None,
                          attained_before=rec.attained_gpu_s, restarts=rec.restarts,
                          last_switch_at=switch, started_at=rec.started_at)
@@ -77,6 +80,7 @@ class PolicyStep:
         self.queues: Any = None  # services.queues.QueueStore for a sharing policy
         self.share_base: Any = None
         self.progress: dict[str, tuple[int, int]] = {}  # job -> (generation, steps) from JobProgress
+        self.checkpoints: dict[str, float] = {}  # job -> wall time of its latest checkpoint (JobProgress)
         self.cache = JobViews()
 
     def on_progress(self, p: Any) -> None:
@@ -84,10 +88,15 @@ class PolicyStep:
         if got is None or (p.generation, p.steps_done) > got:
             self.progress[p.job_id] = (p.generation, p.steps_done)
             self.models.observe_progress(p.job_id, p.generation, p.ts, p.steps_done)  # speed, once it trains
+        ck = getattr(p, "checkpoint_at", None)
+        if ck is not None and ck > self.checkpoints.get(p.job_id, float("-inf")):
+            self.checkpoints[p.job_id] = ck
 
     def view(self, rec: JobRecord, now: float) -> JobView:
         got = self.progress.get(rec.job_id)
-        return self.cache.view(rec, now, got[1] if got is not None and got[0] == rec.generation else None)
+        v = self.cache.view(rec, now, got[1] if got is not None and got[0] == rec.generation else None)
+        v.checkpoint_at = self.checkpoints.get(rec.job_id)  # moves with progress, as steps do: set in place
+        return v
 
     def views(self, records: dict[str, JobRecord], alive: set[str], now: float, skip: Any = ()) -> list[JobView]:
         """The views of pending and active jobs but those in ``skip`` and those on nodes not alive."""
@@ -96,6 +105,8 @@ class PolicyStep:
         live = {v.job_id for v in views}
         if len(self.progress) > len(views):  # forget jobs that ended
             self.progress = {k: v for k, v in self.progress.items() if k in live}
+        if len(self.checkpoints) > len(views):
+            self.checkpoints = {k: v for k, v in self.checkpoints.items() if k in live}
         self.cache.keep(live)
         return views
 
@@ -114,8 +125,10 @@ class PolicyStep:
         t_policy = time.perf_counter() - t_policy
         if self.queues is not None:
             await self.queues.save_usage(self.policy.memory())
+        by_id = {v.job_id: v for v in views}
+        refuse_unsupported(decision, by_id)
         capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
-        check_decision(decision, node_states, {v.job_id: v for v in views})
+        check_decision(decision, node_states, by_id)
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
         return decision, views, t_policy

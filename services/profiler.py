@@ -47,10 +47,13 @@ from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
     Allocation,
+    JobFailed,
     JobProfiled,
     JobRecord,
+    JobState,
     NodeReport,
     Plan,
+    PlanSupport,
     ProfileCommand,
     ProfileResult,
 )
@@ -60,7 +63,9 @@ from gearshift.bus_schema.perfmodel import (
     FitRequest,
     ProfileSample,
     ResourceSpec,
+    model_kv_key,
 )
+from gearshift.bus_schema.plan_support import plan_refusal
 from gearshift.bus_schema.profiler import (
     DEFAULT_PROFILE_STEPS,
     PROFILER_PROFILE,
@@ -69,7 +74,7 @@ from gearshift.bus_schema.profiler import (
     ProfileRequest,
     ProfilerStatus,
 )
-from gearshift.perfmodel.catalog import shape_from_spec
+from gearshift.perfmodel.catalog import params_for_shape, shape_from_spec
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.perfmodel_service import unmodelled_jobs
 
@@ -89,12 +94,23 @@ DEFAULT_STEPS = DEFAULT_PROFILE_STEPS
 
 
 def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS, *, heads: int = 0,
-                    layers: int = 0) -> list[Plan]:
+                    layers: int = 0, support: PlanSupport | None = None) -> list[Plan]:
     """At most ``limit`` plans that together identify the model: every plan
     is valid for the global batch (dp * ga divides it). With ``heads``
     (divisible by 2) and ``layers`` (>= 2) given and 2 GPUs on a node, TP2,
     PP2 and PP2+GA4 replace three of the data-parallel cross-checks, so the
-    3D terms are fitted from the job's own runs."""
+    3D terms are fitted from the job's own runs. Only plans the job's script
+    runs (``support``, its ``JobSpec.plan_support``); a script without TP or PP
+    gets the data-parallel set."""
+    if support is not None:
+        wide = _profiling_plans(global_batch, max_dp, 2 * limit, heads=heads, layers=layers)
+        if not all(plan_refusal(support, p) is None for p in wide if p.tp > 1 or p.pp > 1):
+            wide = _profiling_plans(global_batch, max_dp, 2 * limit)  # without TP/PP
+        return [p for p in wide if plan_refusal(support, p) is None][:limit]
+    return _profiling_plans(global_batch, max_dp, limit, heads=heads, layers=layers)
+
+
+def _profiling_plans(global_batch: int, max_dp: int, limit: int, *, heads: int = 0, layers: int = 0) -> list[Plan]:
     if max_dp >= 2 and heads and heads % 2 == 0 and layers >= 2:
         wanted = [
             Plan(dp=1),
@@ -122,6 +138,20 @@ def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS, *, h
         if p.dp <= max_dp and global_batch % (p.dp * p.ga) == 0 and p not in out:
             out.append(p)
     return out[:limit]
+
+
+class ProfilingFailed(RequestError):
+    """Every profiling run failed; ``results`` says how each did."""
+
+    def __init__(self, message: str, results: list[ProfileResult]):
+        super().__init__("500", message)
+        self.results = results
+
+
+def crashed(results: list[ProfileResult]) -> bool:
+    """Did every run fail because the script itself failed (a non-zero exit,
+    no program)? Not when it ignored the contract or ran out of time."""
+    return bool(results) and all(r.error.startswith(("exit codes", "launch failed")) for r in results)
 
 
 class Profiler:
@@ -202,7 +232,11 @@ class Profiler:
                 max_dp = req.max_dp or self.max_dp or max([g for _, _, g in nodes] or [1])
                 shape = shape_from_spec(req.model)
                 plans = req.plans or profiling_plans(req.global_batch, max_dp, heads=shape.n_heads,
-                                                     layers=shape.layers)
+                                                     layers=shape.layers, support=req.plan_support)
+                for p in plans if req.plans else ():
+                    refused = plan_refusal(req.plan_support, p)
+                    if refused is not None:
+                        raise bad_request(f"plans: {p.label()}: {refused[1]}", refused[0])
                 if len(plans) > MAX_PLANS and req.fit:
                     raise bad_request(f"{len(plans)} plans: at most {MAX_PLANS}", "plans")
                 results: list[ProfileResult] = []
@@ -224,8 +258,8 @@ class Profiler:
                 fit = None
                 if req.fit:
                     if not samples:
-                        raise RequestError("500", "every profiling run failed: " +
-                                               "; ".join(r.error for r in results if r.error))
+                        raise ProfilingFailed("every profiling run failed: " +
+                                              "; ".join(dict.fromkeys(r.error for r in results if r.error)), results)
                     fit = await call(self.nc, PERFMODEL_FIT,
                                      FitRequest(model=req.model, global_batch=req.global_batch, samples=samples),
                                      FitReply, timeout=900)
@@ -273,13 +307,15 @@ class Profiler:
             spec = first.spec
             req = ProfileRequest(model=spec.model, global_batch=spec.global_batch, command=spec.command,
                                  env=spec.env, step_time=(spec.step_time or 0.1) * spec.gpus, steps=self.steps,
-                                 max_dp=min(spec.gpus, self.max_dp or spec.gpus) if spec.gpus > 1 else 2)
+                                 max_dp=min(spec.gpus, self.max_dp or spec.gpus) if spec.gpus > 1 else 2,
+                                 plan_support=spec.plan_support)
             log.info("profiling", model_key=key, jobs=[r.job_id for r in recs])
             try:
                 reply = await self.profile(req)
             except Exception as exc:
                 self.failed[key] = str(exc)
                 log.error("profiling failed", model_key=key, error=str(exc))
+                await self._after_failure(key, recs, spec, str(exc), getattr(exc, "results", []))
                 continue
             ts = time.time()
             for rec in recs:
@@ -287,6 +323,29 @@ class Profiler:
                     r, JobProfiled, ts=ts, model_key=reply.model_key, plans=len(reply.samples),
                     train_error=reply.fit.train_error if reply.fit else None) if not r.terminal else None)
             await self.nc.publish(subj.OPTIMIZER_KICK, b"")
+
+    async def _after_failure(self, key: str, recs: list[JobRecord], spec: Any, why: str,
+                             results: list[ProfileResult]) -> None:
+        """No job stays pending on a model nobody could profile: when every
+        run crashed the script cannot run, and its jobs fail with the reason;
+        otherwise (it ignored the profiling contract, timed out, or its timings
+        fit nothing) the prior model is stored for its key and its jobs are
+        scheduled on it, the reason in their ``job.profiled`` event."""
+        ts = time.time()
+        if crashed(results):
+            reason = f"profiling: {why}"
+            for rec in recs:
+                await self.store.update(rec.job_id, lambda r: with_event(msgspec.structs.replace(
+                    r, state=JobState.FAILED, finished_at=ts, reason=reason), JobFailed, ts=ts, reason=reason)
+                    if r.state == JobState.PENDING else None)
+            await self.nc.publish(subj.OPTIMIZER_KICK, b"")
+            return
+        prior = params_for_shape(shape_from_spec(spec.model)).to_dict()
+        await self.models_kv.put(model_kv_key(key), msgspec.json.encode({**prior, "source": "prior", "error": why}))
+        for rec in recs:
+            await self.store.update(rec.job_id, lambda r: with_event(
+                r, JobProfiled, ts=ts, model_key=key, plans=0, error=why) if not r.terminal else None)
+        await self.nc.publish(subj.OPTIMIZER_KICK, b"")
 
     async def status(self, _: None) -> ProfilerStatus:
         return ProfilerStatus(busy=self.busy, done=list(self.done), failed=dict(self.failed))

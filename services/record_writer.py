@@ -26,6 +26,7 @@ from gearshift.bus_schema.messages import (
     ReconfigureReply,
     ReconfigureRequest,
 )
+from gearshift.bus_schema.plan_support import plan_refusal, with_refused
 from gearshift.policies import Decision
 from gearshift.policies.decision import diff
 from gearshift.services import capacity, lifecycle
@@ -160,7 +161,9 @@ class RecordWriter:
         for rec in records.values():
             if not rec.draining:
                 continue
-            timed_out = rec.drain_started is not None and t - rec.drain_started > self.drain_timeout
+            # a job's own checkpoint grace may be longer than the default wait
+            wait = max(self.drain_timeout, (rec.spec.checkpoint_grace or 0.0) + 10.0)
+            timed_out = rec.drain_started is not None and t - rec.drain_started > wait
             gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
             if gone:
                 updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
@@ -233,6 +236,10 @@ class RecordWriter:
         got = await self.store.get(req.job_id)
         if got is None:
             raise RequestError("404", f"no job {req.job_id}", "job_id")
+        if req.plan is not None:  # a plan the job's script cannot run changes nothing
+            refused = plan_refusal(with_refused(got[0].spec, got[0].refused_plans).plan_support, req.plan)
+            if refused is not None:
+                raise bad_request(f"plan {req.plan.label()}: {refused[1]}", refused[0])
         new = await self.store.update(req.job_id, change)
         if new is None:
             raise RequestError("409", f"job {req.job_id} has ended", "job_id")

@@ -14,7 +14,14 @@ Model of a job (and why):
   (re)start, resume after preemption and reconfiguration pays ``restart_cost`` seconds
   holding its GPUs without progress (Rubick's artifact charges 260 s).
 - Preemption and reconfiguration keep the steps done (checkpoint on SIGTERM, as
-  gearshift's agent does); the lost time is the restart.
+  gearshift's agent does); the lost time is the restart. With a checkpoint model
+  (``SimConfig.checkpoint_interval``) the grace is modelled as live: a job whose
+  checkpoint on SIGTERM takes longer than its grace (``JobSpec.checkpoint_grace``,
+  else ``SimConfig.grace``) is killed and keeps only its last periodic checkpoint,
+  losing the steps since (``SimJob.steps_lost``); policies see each running job's
+  last checkpoint (``JobView.checkpoint_at``) and choose victims by it
+  (``policies.victims``). One difference: live, the victim holds its GPUs during
+  the grace; here they are free at once.
 - It finishes exactly when its steps are done (not at the next round boundary, which is
   where Blox observes completions).
 
@@ -92,6 +99,12 @@ class SimConfig:
     headroom: float = 0.10  # extended truth: OOM when the memory estimate leaves less free
     # Policies' oracle learns from what runs (policies.learning.LearningOracle).
     learn: bool = True
+    # Preemption with a grace period (issue 23): seconds between a running job's periodic
+    # checkpoints (None: no checkpoint model; a stopped job keeps every step, as before),
+    # the seconds a checkpoint on SIGTERM takes, and the grace of a job without its own.
+    checkpoint_interval: float | None = None
+    checkpoint_time: float = 0.0
+    grace: float = 10.0
 
 
 @dataclass(slots=True)
@@ -131,6 +144,8 @@ class SimJob:
     request_step_time: float = 0.0
     observed: bool = True  # the current allocation's speed was told to the oracle
     attained_before: float = 0.0  # GPU-seconds of finished allocations
+    steps_lost: float = 0.0  # steps since the last checkpoint, lost when a stop outlasted the grace
+    grace_expired: int = 0  # stops that outlasted the grace
 
     @property
     def spec(self):
@@ -163,6 +178,32 @@ class SimResult:
 
 
 # ------------------------------------------------------------ a job's progress (pure functions of its record)
+def last_checkpoint_at(r: SimJob, t: float, interval: float) -> float | None:
+    """When running job ``r`` made its latest periodic checkpoint by ``t`` (None:
+    none since its allocation began training)."""
+    start = r.productive_from
+    if t < start + interval:
+        return None
+    return start + math.floor((t - start) / interval) * interval
+
+
+def lose_past_grace(r: SimJob, t: float, cfg: SimConfig) -> float:
+    """Stop ``r`` at ``t`` (progress accounted to ``t``): if its checkpoint on
+    SIGTERM outlasts its grace it is killed and keeps only its last periodic
+    checkpoint; the steps since are lost. Returns them."""
+    assert cfg.checkpoint_interval is not None
+    grace = r.job.spec.checkpoint_grace or cfg.grace
+    if cfg.checkpoint_time <= grace or r.rate <= 0:
+        return 0.0
+    ck = last_checkpoint_at(r, t, cfg.checkpoint_interval)
+    since = ck if ck is not None else r.productive_from
+    lost = min(r.steps_done, max(0.0, t - since) * r.rate)
+    r.steps_done -= lost
+    r.steps_lost += lost
+    r.grace_expired += 1
+    return lost
+
+
 def advance(r: SimJob, t: float, check: bool = True) -> None:
     """Account progress of running job ``r`` up to time ``t``."""
     if check and r.state != RUNNING:
@@ -362,6 +403,10 @@ class Simulator:
         if self.cfg.learn:
             self._observe(t)
         views = self.views.views(t)
+        if self.cfg.checkpoint_interval is not None:  # what agents report live (JobProgress)
+            for v in views:
+                r = self.running.get(v.job_id)
+                v.checkpoint_at = last_checkpoint_at(r, t, self.cfg.checkpoint_interval) if r is not None else None
         nodes = self._nodes()
         decision = self.policy.schedule(t, nodes, views, self.oracle)
         if self.cfg.full_check:
@@ -371,6 +416,9 @@ class Simulator:
         change = diff(self.running, decision)
         self.capacity.check(decision, self.live, self.free_g, self.free_c, self.running, change.keep)
         running = self.running
+        if self.cfg.checkpoint_interval is not None:
+            for jid in (*change.preempt, *change.reconfigure):
+                lose_past_grace(running[jid], t, self.cfg)
         for jid in change.preempt:
             r = running[jid]
             self._release(r, t)

@@ -93,6 +93,7 @@ def summarize(res: SimResult) -> dict:
         "restarts": sum(max(0, r.starts - 1) for r in recs),
         "restart_lost_s": sum(r.restart_lost for r in recs),
         "restart_lost_gpu_h": sum(r.restart_gpu_seconds for r in recs) / 3600,
+        "steps_lost_grace_expired": sum(r.steps_lost for r in recs),
         "stalled_allocations": sum(r.stalled for r in recs),
         "guaranteed_jobs": len(guar),
         "guaranteed_accepted": len(accepted),

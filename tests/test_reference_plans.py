@@ -32,7 +32,8 @@ def test_warm_key_only_for_python_m_without_import_variables():
     assert warm_key([sys.executable, "-m", "gearshift.agent.reference.train", "--x"], {}) == (sys.executable, "gearshift.agent.reference.train")
     assert warm_key([sys.executable, "train.py"], {}) is None
     assert warm_key(["python", "-m", "m"], {}) is None  # not an absolute interpreter path
-    assert warm_key([sys.executable, "-m", "m"], {"PYTHONPATH": "/elsewhere"}) is None
+    # a job's import variables are part of the key (tests/test_warm_env.py)
+    assert warm_key([sys.executable, "-m", "m"], {"PYTHONPATH": "/elsewhere"}) == (sys.executable, "m", (("PYTHONPATH", "/elsewhere"),))
 
 
 @needs_torch
