@@ -113,18 +113,21 @@ def _policy_options(text: str) -> dict:
     return value
 
 
-def make_named_policy(name: str, seed: int, restart_cost: float, options: dict | None = None):
+def make_named_policy(name: str, seed: int, restart_cost: float, options: dict | None = None, restart_model=None):
     """``policies.registry.make_policy`` with the run's restart cost and seed, for the
-    policies that take them (a policy that charges restarts must know their price),
+    policies that take them (a policy that charges restarts must know their price;
+    ``restart_model``, JobSpec -> s, tells those that charge each job its own),
     plus ``options`` (``--policy-options``: sharing, backfill)."""
     from gearshift.policies.registry import make_policy
 
     opts = {"restart_cost": restart_cost, "seed": seed, **(options or {})}
+    if restart_model is not None:
+        opts["restart_model"] = restart_model
     while True:
         try:
             return make_policy(name, **opts)
         except TypeError as e:
-            dropped = [k for k in opts if (repr(k) in str(e) or f"'{k}'" in str(e)) and k in ("restart_cost", "seed")]
+            dropped = [k for k in opts if (repr(k) in str(e) or f"'{k}'" in str(e)) and k in ("restart_cost", "seed", "restart_model")]
             if not dropped:
                 raise
             for k in dropped:
@@ -225,7 +228,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     tty = sys.stderr.isatty() and not args.no_progress
     results = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        policy = make_named_policy(name, args.seed, restart_cost, args.policy_options)
+        policy = make_named_policy(name, args.seed, restart_cost, args.policy_options, restart_model)
         res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None,
                        truth_predictor=truth_predictor)
         res.policy = name
