@@ -104,6 +104,9 @@ class Rubick:
         resume_charge: bool = True,
         guarantee_wait_bound: bool = False,
         use_numba: bool = True,
+        restart_model=None,
+        own_restart: bool = True,
+        monotone_utility: bool = True,
     ):
         self.name = name
         self.vary_plan = vary_plan
@@ -120,6 +123,13 @@ class Rubick:
         self.resume_charge = resume_charge
         self.guarantee_wait_bound = guarantee_wait_bound
         self.use_numba = use_numba
+        # each job's own restart (JobSpec -> s, perfmodel.restart) when the run has one;
+        # own_restart=False charges every job restart_cost (the trace mean), as before
+        self.restart_model = restart_model
+        self.own_restart = own_restart
+        # rubick_utility.py: the utility never falls for a faster allocation (False: the
+        # earlier (thr/ref)^alpha x f/f1, for ablation)
+        self.monotone_utility = monotone_utility
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
         self._fallback = AnalyticOracle()
         self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
@@ -141,6 +151,11 @@ class Rubick:
             vary_plan=self.vary_plan, vary_cpu=self.vary_cpu, vary_locality=self.vary_locality,
             max_scale=self.max_scale,
         )
+
+    def restart_of(self, j: JobView) -> float:
+        if self.restart_model is not None and self.own_restart:
+            return float(self.restart_model(j.spec))
+        return float(self.restart_cost)
 
     def _pinned(self, j: JobView, now: float) -> bool:
         return j.running and j.switched_at is not None and now - j.switched_at < self.min_run_time

@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 from typing import Sequence
 
@@ -239,10 +241,34 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     return results, summaries, ratios(summaries)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr(on: bool):
+    """While policies run, what native code writes to file descriptor 1 goes to stderr:
+    HiGHS (Sia's MILP) prints solver notes there whatever ``disp`` says, and ``-o json``
+    must be JSON alone."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (embedded): nothing to protect
+        yield
+        return
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        results, summaries, rat = run(args)
+        with _stdout_to_stderr(args.output == "json"):
+            results, summaries, rat = run(args)
     except (ValueError, OSError) as e:
         print(f"gearshift simulate: {e}", file=sys.stderr)
         return 2
