@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extended truth: slower by this per unit of distance from measured configurations (0.10)")
     p.add_argument("--headroom", type=_fraction, default=0.10,
                    help="extended truth: out of memory when the independent estimate leaves less of the GPU free (0.10)")
+    p.add_argument("--declared-noise", type=_at_least_one, default=1.0, metavar="K",
+                   help="declared steps become an upper bound: true x a seeded log-uniform factor in [1, K); "
+                        "policies see the declaration, jobs finish at their true steps (default 1: exact)")
     p.add_argument("--no-learning", action="store_true",
                    help="policies' oracle does not learn from what runs (ablation)")
     p.add_argument("--measured-targets", action="store_true",
@@ -83,6 +86,13 @@ def _nonneg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return v
+
+
+def _at_least_one(text: str) -> float:
+    v = _nonneg(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
     return v
 
 
@@ -222,7 +232,8 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
                     seed=args.seed, noise=args.noise,
                     horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, measured_targets=args.measured_targets, round_on_arrival=not args.no_event_rounds,
                     round_on_completion=not args.no_event_rounds, regime=args.regime, systematic=args.systematic,
-                    distance_slowdown=args.distance_slowdown, headroom=args.headroom, learn=not args.no_learning)
+                    distance_slowdown=args.distance_slowdown, headroom=args.headroom, learn=not args.no_learning,
+                    declared_noise=args.declared_noise)
     from gearshift.sim.perfmodel_bridge import find_predictor
 
     predictor = find_predictor(cluster.gpus_per_node) if args.perfmodel == "auto" else None
@@ -289,7 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "unmeasured_slowdown": args.unmeasured_slowdown, "perfmodel": args.perfmodel,
                        "regime": args.regime, "systematic": args.systematic,
                        "distance_slowdown": args.distance_slowdown, "headroom": args.headroom,
-                       "learning": not args.no_learning, "policy_options": args.policy_options},
+                       "learning": not args.no_learning, "policy_options": args.policy_options,
+                       "declared_noise": args.declared_noise},
             "results": summaries,
             "ratios_vs_best_baseline": rat,
         }
