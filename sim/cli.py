@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Sequence
 
+from gearshift.sim.compare import compare
 from gearshift.sim.engine import SimConfig, SimResult, simulate
 from gearshift.sim.loaders import FORMATS, load_named, load_trace_file, trace_names
 from gearshift.sim.metrics import summarize, write_per_job_csv
@@ -304,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "declared_noise": args.declared_noise},
             "results": summaries,
             "ratios_vs_best_baseline": rat,
+            # per policy against the best baseline: averages, medians, per-job geometric mean,
+            # per model class, makespan (sim/compare.py)
+            "vs_best_baseline": compare(results, summaries),
         }
         print(json.dumps(_clean(doc), indent=2))
     else:
