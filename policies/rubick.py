@@ -82,6 +82,7 @@ from gearshift.policies.classes import enforce
 from gearshift.policies.kernels import greedy_allocate
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import describe
+from gearshift.policies.rubick_declared import DeclaredSteps
 from gearshift.policies.rubick_problem import Problem, ProblemBuilder
 
 
@@ -107,6 +108,7 @@ class Rubick:
         restart_model=None,
         own_restart: bool = True,
         monotone_utility: bool = True,
+        learn_steps: bool = True,
     ):
         self.name = name
         self.vary_plan = vary_plan
@@ -130,6 +132,9 @@ class Rubick:
         # rubick_utility.py: the utility never falls for a faster allocation (False: the
         # earlier (thr/ref)^alpha x f/f1, for ablation)
         self.monotone_utility = monotone_utility
+        # rubick_declared.py: steps left learned from finished jobs (declared steps may be an
+        # upper bound); False: the declaration as it is
+        self.declared = DeclaredSteps() if learn_steps else None
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
         self._fallback = AnalyticOracle()
         self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
@@ -172,6 +177,8 @@ class Rubick:
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         if not nodes:  # every node gone (the kernel cannot size an empty cluster): all wait
             return Decision(waiting={j.job_id: f"{self.name}: no live node" for j in jobs})
+        if self.declared is not None:
+            self.declared.observe(now, jobs, self.restart_of)
         pb = self.build_problem(now, nodes, jobs, perf)
         level, out_nodes = self.solve(pb)
         if self._preempted:
@@ -181,7 +188,14 @@ class Rubick:
             self._preempted[jobs[i].job_id] = now
         self.last_stats = {"jobs": len(jobs), "candidates": int(pb.nk.sum()), "objective": pb.objective(level)}
         d = self._decide(jobs, nodes, pb, level, out_nodes, now)
-        return enforce(now, nodes, jobs, d, min_run_time=self.min_run_time, name=self.name)  # priority classes
+        d = enforce(now, nodes, jobs, d, min_run_time=self.min_run_time, name=self.name)  # priority classes
+        if self.declared is not None:
+            self.declared.remember(now, jobs, d)
+        return d
+
+    def steps_left(self, j: JobView) -> float:
+        """Belief of the steps left: learned from finished jobs (``rubick_declared``), else declared."""
+        return self.declared.remaining(j) if self.declared is not None else j.remaining_steps
 
     def solve(self, pb: "Problem"):
         return greedy_allocate(*pb.kernel_args(), use_numba=self.use_numba)

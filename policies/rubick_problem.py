@@ -239,7 +239,7 @@ class ProblemBuilder:
             got.append(r)
             if r.stay_at is None and not r.spec.guaranteed:
                 held[i] = pol._held_out(j, now)
-            left[i] = max(j.remaining_steps, 1.0) * j.spec.global_batch
+            left[i] = max(pol.steps_left(j), 1.0) * j.spec.global_batch
         self.rows = rows_now
         restarts = np.array([pol.restart_of(j) for j in jobs], float)
         return _assemble(pol, now, jobs, got, np.array(held, bool), np.array(left, float), node_ix, nodes, restarts)
