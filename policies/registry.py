@@ -96,6 +96,8 @@ def _builtin() -> None:
         from gearshift.policies.synergy import Synergy
 
         register("synergy", Synergy)
+        # the SRTF base order, as the Synergy paper evaluates it (issue 21)
+        register("synergy-srtf", lambda **kw: Synergy(**{"order": "srtf", "name": "synergy-srtf", **kw}))
     except ImportError:
         pass
     try:

@@ -82,6 +82,7 @@ from gearshift.policies.classes import enforce
 from gearshift.policies.kernels import greedy_allocate
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import describe
+from gearshift.policies.rubick_declared import DeclaredSteps
 from gearshift.policies.rubick_problem import Problem, ProblemBuilder
 
 
@@ -104,6 +105,10 @@ class Rubick:
         resume_charge: bool = True,
         guarantee_wait_bound: bool = False,
         use_numba: bool = True,
+        restart_model=None,
+        own_restart: bool = True,
+        monotone_utility: bool = True,
+        learn_steps: bool = True,
     ):
         self.name = name
         self.vary_plan = vary_plan
@@ -120,6 +125,16 @@ class Rubick:
         self.resume_charge = resume_charge
         self.guarantee_wait_bound = guarantee_wait_bound
         self.use_numba = use_numba
+        # each job's own restart (JobSpec -> s, perfmodel.restart) when the run has one;
+        # own_restart=False charges every job restart_cost (the trace mean), as before
+        self.restart_model = restart_model
+        self.own_restart = own_restart
+        # rubick_utility.py: the utility never falls for a faster allocation (False: the
+        # earlier (thr/ref)^alpha x f/f1, for ablation)
+        self.monotone_utility = monotone_utility
+        # rubick_declared.py: steps left learned from finished jobs (declared steps may be an
+        # upper bound); False: the declaration as it is
+        self.declared = DeclaredSteps() if learn_steps else None
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
         self._fallback = AnalyticOracle()
         self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
@@ -142,6 +157,11 @@ class Rubick:
             max_scale=self.max_scale,
         )
 
+    def restart_of(self, j: JobView) -> float:
+        if self.restart_model is not None and self.own_restart:
+            return float(self.restart_model(j.spec))
+        return float(self.restart_cost)
+
     def _pinned(self, j: JobView, now: float) -> bool:
         return j.running and j.switched_at is not None and now - j.switched_at < self.min_run_time
 
@@ -157,6 +177,8 @@ class Rubick:
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         if not nodes:  # every node gone (the kernel cannot size an empty cluster): all wait
             return Decision(waiting={j.job_id: f"{self.name}: no live node" for j in jobs})
+        if self.declared is not None:
+            self.declared.observe(now, jobs, self.restart_of)
         pb = self.build_problem(now, nodes, jobs, perf)
         level, out_nodes = self.solve(pb)
         if self._preempted:
@@ -166,7 +188,14 @@ class Rubick:
             self._preempted[jobs[i].job_id] = now
         self.last_stats = {"jobs": len(jobs), "candidates": int(pb.nk.sum()), "objective": pb.objective(level)}
         d = self._decide(jobs, nodes, pb, level, out_nodes, now)
-        return enforce(now, nodes, jobs, d, min_run_time=self.min_run_time, name=self.name)  # priority classes
+        d = enforce(now, nodes, jobs, d, min_run_time=self.min_run_time, name=self.name)  # priority classes
+        if self.declared is not None:
+            self.declared.remember(now, jobs, d)
+        return d
+
+    def steps_left(self, j: JobView) -> float:
+        """Belief of the steps left: learned from finished jobs (``rubick_declared``), else declared."""
+        return self.declared.remaining(j) if self.declared is not None else j.remaining_steps
 
     def solve(self, pb: "Problem"):
         return greedy_allocate(*pb.kernel_args(), use_numba=self.use_numba)

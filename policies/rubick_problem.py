@@ -25,6 +25,7 @@ from gearshift.policies.api import JobView, NodeState, PerfOracle, Placement, de
 from gearshift.policies.candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
 from gearshift.policies.placement import compact_shape, symmetric_shape
 from gearshift.policies.rubick_rules import resume_weights, seed_groups
+from gearshift.policies.rubick_utility import restart_speed_utility
 
 
 @dataclass(slots=True)
@@ -238,13 +239,14 @@ class ProblemBuilder:
             got.append(r)
             if r.stay_at is None and not r.spec.guaranteed:
                 held[i] = pol._held_out(j, now)
-            left[i] = max(j.remaining_steps, 1.0) * j.spec.global_batch
+            left[i] = max(pol.steps_left(j), 1.0) * j.spec.global_batch
         self.rows = rows_now
-        return _assemble(pol, now, jobs, got, np.array(held, bool), np.array(left, float), node_ix, nodes)
+        restarts = np.array([pol.restart_of(j) for j in jobs], float)
+        return _assemble(pol, now, jobs, got, np.array(held, bool), np.array(left, float), node_ix, nodes, restarts)
 
 
 def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.ndarray, left: np.ndarray,
-              node_ix: dict[str, int], nodes: list[NodeState]) -> "Problem":
+              node_ix: dict[str, int], nodes: list[NodeState], restarts: np.ndarray) -> "Problem":
     """The arrays of one round from its jobs' rows (see ``kernels.py`` for the fields)."""
     J = len(jobs)
     nrows = np.array([len(r.rows) for r in got], np.int64)
@@ -262,25 +264,28 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
     guar = np.array([r.spec.guaranteed for r in got], bool)
     running = np.array([r.stay_at is not None for r in got], bool)
     thr = table[:, :, 3].copy()
+    R = restarts  # pol.restart_of: its own, or the flat cost
     with np.errstate(divide="ignore", invalid="ignore"):
-        u = (thr / refs[:, None]) ** pol.alpha
-        R = pol.restart_cost
         T1 = left / refs  # seconds left at the request's predicted speed
-        if R > 0:  # average speed over the rest of the run, restart included
-            T = left[:, None] / thr
-            f = T / (T + R)
-            if pol.start_unavoidable:
-                # A job that does not run pays the restart whenever it starts: it
-                # cannot decide *whether* it runs first, only which allocation
-                # (a short job gains little from growing when the restart dominates).
-                f1 = T1 / (T1 + R)
-                f = np.where(~running[:, None], f / f1[:, None], f)
-            u = u * f
+        if pol.monotone_utility:  # rubick_utility.py: never lower for a faster allocation
+            u = restart_speed_utility(thr, refs, left, R, running, pol.alpha, pol.start_unavoidable)
+        else:
+            u = (thr / refs[:, None]) ** pol.alpha
+            if pol.restart_cost > 0:  # average speed over the rest of the run, restart included
+                T = left[:, None] / thr
+                f = T / (T + R[:, None])
+                if pol.start_unavoidable:
+                    # A job that does not run pays the restart whenever it starts: it
+                    # cannot decide *whether* it runs first, only which allocation
+                    # (a short job gains little from growing when the restart dominates).
+                    f1 = T1 / (T1 + R)
+                    f = np.where(~running[:, None], f / f1[:, None], f)
+                u = u * f
         # Completion weight (off by default): a job's utilities scale with its
         # completion rate at its request, 1 / (time left + restart), relative to
         # the restart cost: among equal normalised gains the job closer to done
         # goes first (Smith's rule per unit of resource).
-        R0 = max(R, 60.0)
+        R0 = np.maximum(R, 60.0)
         w = (R0 / (T1 + R0)) ** pol.completion_weight if pol.completion_weight else np.ones(J)
         if pol.resume_charge:  # a preempted job pays the restart again (rubick_rules.py)
             w = w * resume_weights(running, T1, R)

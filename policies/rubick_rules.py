@@ -49,12 +49,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def resume_weights(running: np.ndarray, seconds_left_at_request: np.ndarray, restart_cost: float) -> np.ndarray:
-    """Per job: (T1 + R) / T1 for a running job, 1 for a pending one."""
+def resume_weights(running: np.ndarray, seconds_left_at_request: np.ndarray, restart_cost) -> np.ndarray:
+    """Per job: (T1 + R) / T1 for a running job, 1 for a pending one (R: one cost, or one per job)."""
     t1 = np.maximum(np.asarray(seconds_left_at_request, float), 1e-9)
-    if restart_cost <= 0:
-        return np.ones(len(t1))
-    return np.where(np.asarray(running, bool), (t1 + restart_cost) / t1, 1.0)
+    R = np.broadcast_to(np.asarray(restart_cost, float), t1.shape)
+    return np.where(np.asarray(running, bool) & (R > 0), (t1 + R) / t1, 1.0)
 
 
 def seed_groups(groups: list[list[int]], waited: list[float], min_run_time: float, *, evicts: bool,

@@ -5,11 +5,11 @@ Faithful to Sia's ILP (``sia-simulator/sia.py``) on one GPU type:
 - configurations: 1, 2, 4, ... GPUs on one node (powers of two up to a node)
   and whole nodes (k x GPUs-per-node); at most ``max_scale`` x the request
   (and at least a node), and never below the smallest the plan allows;
-- utility A[j,c] = (goodput(j,c) / goodput(j,min config))^p with p = -0.5,
-  minimised; an unallocated job costs lambda_n = 1.1; changing a running
-  job's configuration costs lambda_a = 0.01 and scales its goodput by Sia's
-  re-allocation factor (age - restarts x delta) / (age + delta), delta =
-  restart cost;
+- utility A[j,c] = (normalised goodput(j,c) x re-allocation factor)^p with p = -0.5,
+  minimised; an unallocated job costs lambda_n = 1.1. Normalisation, re-allocation
+  factor (with each job's own restart), the pin while a job restores from its
+  checkpoint and the absence of an allocation-change term follow Sia's simulator
+  line by line (``policies.sia_rules`` cites the code);
 - total GPUs <= capacity; then a greedy placement that keeps running jobs on
   their nodes and places the rest largest first; a job that does not fit
   falls back to the largest smaller configuration that does.
@@ -19,8 +19,8 @@ Adaptations, as Rubick ran Sia: the job's own plan is kept and only its data
 parallel degree scales with the GPUs (``plans.scaled_user_plan``); the global
 batch is fixed, so goodput = predicted throughput (no statistical-efficiency
 term); CPUs are the job's requested CPUs per GPU. Jobs still restoring from
-their last restart (started less than the restart cost ago) are pinned, as
-Sia pins jobs in checkpoint-restore.
+their last restart (started less than their own restart ago) are pinned, as
+Sia pins jobs in checkpoint-restore (``scaling_underway``).
 """
 
 from __future__ import annotations
@@ -42,21 +42,25 @@ from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import Ledger, describe, symmetric_shape
 from gearshift.policies.plans import scaled_user_plan
 from gearshift.policies.sia_hetero import HeteroSia
+from gearshift.policies.sia_rules import normalised, realloc_factor, restart_of, restoring, utility
 
 
 class Sia(HeteroSia):
     hetero = True  # models GPU types itself (sia_hetero.py; policies.hetero does not wrap it)
 
-    def __init__(self, p: float = -0.5, lambda_n: float = 1.1, lambda_a: float = 0.01, max_scale: float = 2.0,
+    def __init__(self, p: float = -0.5, lambda_n: float = 1.1, max_scale: float = 2.0,
                  restart_cost: float = DEFAULT_RESTART_COST, min_run_time: float | None = None,
-                 time_limit: float = 10.0):
+                 time_limit: float = 10.0, restart_model=None):
         self.name = "sia"
         self.p = p
         self.lambda_n = lambda_n
-        self.lambda_a = lambda_a
+        # per-job restart (JobSpec -> s, e.g. perfmodel.restart.restart_seconds); None: restart_cost
+        self.restart_model = restart_model
         self.max_scale = max_scale
         self.restart_cost = restart_cost
-        self.pin_time = restart_cost if min_run_time is None else min_run_time
+        self.pin_time = restart_cost if min_run_time is None else min_run_time  # priority classes' pin
+        # an operator's minimum run time (gearshift's option, not Sia's) pins too; None: Sia's rule alone
+        self.min_run_time = min_run_time or 0.0
         self.time_limit = time_limit
         self._thr: dict = {}
 
@@ -104,7 +108,8 @@ class Sia(HeteroSia):
         pinned: dict[int, int] = {}
         for i, j in enumerate(jobs):
             cur = j.gpus if j.running else 0
-            if j.running and j.switched_at is not None and now - j.switched_at < self.pin_time:
+            restart = restart_of(j, self.restart_cost, self.restart_model)
+            if restoring(j, now, max(restart, self.min_run_time)):
                 pinned[i] = cur
             opts = []
             for g in self.configs(j, gpn, total):
@@ -118,18 +123,15 @@ class Sia(HeteroSia):
             if not opts:
                 d.waiting[j.job_id] = "waiting: no configuration of its plan is feasible on this cluster"
                 continue
-            base = min(opts, key=lambda o: o[0])[2]
-            age = max(now - j.submitted_at, 0.0)
-            factor = (age - j.restarts * self.restart_cost) / (age + self.restart_cost) if self.restart_cost else 1.0
-            for g, plan, t in opts:
+            norm = normalised([o[2] for o in opts], [o[1].tp * o[1].pp for o in opts], [o[0] for o in opts])
+            factor = 1.0 if i in pinned else realloc_factor(max(now - j.submitted_at, 0.0), j.restarts, restart)
+            for (g, plan, t), n in zip(opts, norm):
                 if i in pinned and g != pinned[i]:
                     continue
-                # Only re-allocating a running job pays the restart factor; a first start does not.
-                eff = t if (not cur or g == cur) else t * max(factor, 1e-3)
-                a = min((eff / base) ** self.p, 3000.0)
-                c = a - self.lambda_n + (self.lambda_a if (cur and g != cur) else 0.0)
+                # every configuration but the one it holds pays the factor; a first start does not
+                a = utility(n, factor if (cur and g != cur) else 1.0, self.p)
                 var.append((i, g, plan, t))
-                cost.append(c)
+                cost.append(a - self.lambda_n)
         chosen = self._solve(jobs, var, np.array(cost), total, pinned)
         self._place(now, nodes, jobs, var, chosen, d, gpn)
         # priority classes: a waiting higher class takes lower classes' GPUs (policies.classes)

@@ -7,9 +7,10 @@ types, as ``sia-simulator/sia.py`` does with its per-type goodput estimates.
 - goodput(j, k, n) from the oracle for the job's plan scaled in data parallelism on n
   GPUs of type k (Sia's throughput model per GPU type; the global batch is fixed, so
   goodput = throughput);
-- utility (goodput / the job's smallest goodput over all its configurations) ^ p,
-  p = -0.5, minimised, an unallocated job costing lambda_n; changing a running job's
-  type or count costs lambda_a and scales its goodput by the re-allocation factor;
+- utility (goodput / the job's smallest goodput over all its configurations x the
+  scale unit there; a rigid job: its GPU count on the slowest type) ^ p, p = -0.5,
+  minimised, an unallocated job costing lambda_n; changing a running job's type or
+  count scales its goodput by the re-allocation factor (``policies.sia_rules``);
 - one constraint per type: the GPUs chosen on k <= GPUs of k;
 - placement per type (running jobs kept on their nodes, the rest largest first,
   falling back to smaller configurations of the same type).
@@ -27,6 +28,7 @@ from gearshift.policies.hetero import node_types, typed_oracle
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import Ledger, describe, symmetric_shape
 from gearshift.policies.plans import scaled_user_plan
+from gearshift.policies.sia_rules import normalised, realloc_factor, restart_of, restoring, utility
 
 
 class HeteroSia:
@@ -60,7 +62,8 @@ class HeteroSia:
         for i, j in enumerate(jobs):
             cur_t = by_node.get(j.placement[0].node) if j.running else None
             cur = (cur_t, j.gpus) if cur_t is not None else None
-            if cur and j.switched_at is not None and now - j.switched_at < self.pin_time:
+            restart = restart_of(j, self.restart_cost, self.restart_model)
+            if cur and restoring(j, now, max(restart, self.min_run_time)):
                 pinned[i] = cur
             opts = []
             for t in types:
@@ -78,17 +81,14 @@ class HeteroSia:
             if not opts:
                 d.waiting[j.job_id] = "waiting: no configuration of its plan is feasible on the GPU types it accepts"
                 continue
-            base = min(o[3] for o in opts)
-            age = max(now - j.submitted_at, 0.0)
-            factor = (age - j.restarts * self.restart_cost) / (age + self.restart_cost) if self.restart_cost else 1.0
-            for t, g, plan, thr in opts:
+            norm = normalised([o[3] for o in opts], [o[2].tp * o[2].pp for o in opts], [o[1] for o in opts])
+            factor = 1.0 if i in pinned else realloc_factor(max(now - j.submitted_at, 0.0), j.restarts, restart)
+            for (t, g, plan, thr), n in zip(opts, norm):
                 if i in pinned and (t, g) != pinned[i]:
                     continue
                 moved = cur is not None and (t, g) != cur
-                eff = thr * max(factor, 1e-3) if moved else thr
-                a = min((eff / base) ** self.p, 3000.0)
                 var.append((i, t, g, plan, thr))
-                cost.append(a - self.lambda_n + (self.lambda_a if moved else 0.0))
+                cost.append(utility(n, factor if moved else 1.0, self.p) - self.lambda_n)
         chosen = self._solve_typed(var, np.array(cost), cap, types, pinned)
         self._place_typed(nodes, jobs, var, chosen, d, gpn, by_node)
         return d

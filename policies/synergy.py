@@ -1,7 +1,8 @@
 """Synergy (OSDI'22) with Synergy-TUNE, as a gearshift policy.
 
 Parts: a base ordering (FIFO by default, as Rubick ran it; LAS or SRTF by
-option) and TUNE placement. Like Synergy's round-based scheduler, jobs are
+option; ``synergy-srtf`` is the SRTF order the Synergy paper also evaluates, its
+remaining work read from the job's declared steps) and TUNE placement. Like Synergy's round-based scheduler, jobs are
 taken in order and a job whose GPUs do not fit is skipped (backfill). GPU
 count and plan are the user's. CPUs:
 1. give the job its best-case CPU demand (the fewest CPU threads per GPU
@@ -32,8 +33,8 @@ ORDERS = {"fifo": fifo_key, "las": las_key, "srtf": srtf_key}
 
 class Synergy:
     def __init__(self, order: str = "fifo", cpu_levels: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24),
-                 restart_cost: float = 0.0, min_run_time: float = 0.0):
-        self.name = "synergy"
+                 restart_cost: float = 0.0, min_run_time: float = 0.0, name: str = "synergy"):
+        self.name = name
         self.key = by_class(ORDERS[order])  # priority classes first
         self.cpu_levels = cpu_levels
         self._best: dict = {}

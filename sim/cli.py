@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 from typing import Sequence
 
+from gearshift.sim.compare import compare
 from gearshift.sim.engine import SimConfig, SimResult, simulate
 from gearshift.sim.loaders import FORMATS, load_named, load_trace_file, trace_names
 from gearshift.sim.metrics import summarize, write_per_job_csv
@@ -45,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extended truth: slower by this per unit of distance from measured configurations (0.10)")
     p.add_argument("--headroom", type=_fraction, default=0.10,
                    help="extended truth: out of memory when the independent estimate leaves less of the GPU free (0.10)")
+    p.add_argument("--declared-noise", type=_at_least_one, default=1.0, metavar="K",
+                   help="declared steps become an upper bound: true x a seeded log-uniform factor in [1, K); "
+                        "policies see the declaration, jobs finish at their true steps (default 1: exact)")
     p.add_argument("--no-learning", action="store_true",
                    help="policies' oracle does not learn from what runs (ablation)")
     p.add_argument("--measured-targets", action="store_true",
@@ -84,6 +90,13 @@ def _nonneg(text: str) -> float:
     return v
 
 
+def _at_least_one(text: str) -> float:
+    v = _nonneg(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1")
+    return v
+
+
 def _fraction(text: str) -> float:
     v = _nonneg(text)
     if v >= 1:
@@ -113,18 +126,21 @@ def _policy_options(text: str) -> dict:
     return value
 
 
-def make_named_policy(name: str, seed: int, restart_cost: float, options: dict | None = None):
+def make_named_policy(name: str, seed: int, restart_cost: float, options: dict | None = None, restart_model=None):
     """``policies.registry.make_policy`` with the run's restart cost and seed, for the
-    policies that take them (a policy that charges restarts must know their price),
+    policies that take them (a policy that charges restarts must know their price;
+    ``restart_model``, JobSpec -> s, tells those that charge each job its own),
     plus ``options`` (``--policy-options``: sharing, backfill)."""
     from gearshift.policies.registry import make_policy
 
     opts = {"restart_cost": restart_cost, "seed": seed, **(options or {})}
+    if restart_model is not None:
+        opts["restart_model"] = restart_model
     while True:
         try:
             return make_policy(name, **opts)
         except TypeError as e:
-            dropped = [k for k in opts if (repr(k) in str(e) or f"'{k}'" in str(e)) and k in ("restart_cost", "seed")]
+            dropped = [k for k in opts if (repr(k) in str(e) or f"'{k}'" in str(e)) and k in ("restart_cost", "seed", "restart_model")]
             if not dropped:
                 raise
             for k in dropped:
@@ -217,7 +233,8 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
                     seed=args.seed, noise=args.noise,
                     horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, measured_targets=args.measured_targets, round_on_arrival=not args.no_event_rounds,
                     round_on_completion=not args.no_event_rounds, regime=args.regime, systematic=args.systematic,
-                    distance_slowdown=args.distance_slowdown, headroom=args.headroom, learn=not args.no_learning)
+                    distance_slowdown=args.distance_slowdown, headroom=args.headroom, learn=not args.no_learning,
+                    declared_noise=args.declared_noise)
     from gearshift.sim.perfmodel_bridge import find_predictor
 
     predictor = find_predictor(cluster.gpus_per_node) if args.perfmodel == "auto" else None
@@ -225,7 +242,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     tty = sys.stderr.isatty() and not args.no_progress
     results = []
     for name in [p.strip() for p in args.policies.split(",") if p.strip()]:
-        policy = make_named_policy(name, args.seed, restart_cost, args.policy_options)
+        policy = make_named_policy(name, args.seed, restart_cost, args.policy_options, restart_model)
         res = simulate(trace, policy, cluster, cfg, predictor, _progress_printer(name, len(trace.jobs)) if tty else None,
                        truth_predictor=truth_predictor)
         res.policy = name
@@ -236,10 +253,34 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
     return results, summaries, ratios(summaries)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr(on: bool):
+    """While policies run, what native code writes to file descriptor 1 goes to stderr:
+    HiGHS (Sia's MILP) prints solver notes there whatever ``disp`` says, and ``-o json``
+    must be JSON alone."""
+    if not on:
+        yield
+        return
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no descriptor 1 (embedded): nothing to protect
+        yield
+        return
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        results, summaries, rat = run(args)
+        with _stdout_to_stderr(args.output == "json"):
+            results, summaries, rat = run(args)
     except (ValueError, OSError) as e:
         print(f"gearshift simulate: {e}", file=sys.stderr)
         return 2
@@ -260,9 +301,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "unmeasured_slowdown": args.unmeasured_slowdown, "perfmodel": args.perfmodel,
                        "regime": args.regime, "systematic": args.systematic,
                        "distance_slowdown": args.distance_slowdown, "headroom": args.headroom,
-                       "learning": not args.no_learning, "policy_options": args.policy_options},
+                       "learning": not args.no_learning, "policy_options": args.policy_options,
+                       "declared_noise": args.declared_noise},
             "results": summaries,
             "ratios_vs_best_baseline": rat,
+            # per policy against the best baseline: averages, medians, per-job geometric mean,
+            # per model class, makespan (sim/compare.py)
+            "vs_best_baseline": compare(results, summaries),
         }
         print(json.dumps(_clean(doc), indent=2))
     else:

@@ -43,6 +43,7 @@ from gearshift.bus_schema.messages import ALLOWED_TRANSITIONS, InvalidTransition
 from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, with_type
 from gearshift.policies.decision import NodeCapacity, check_decision, diff
 from gearshift.policies.learning import LearningOracle
+from gearshift.sim.declared import declared_spec
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
 from gearshift.sim.views import SimViews
@@ -105,6 +106,9 @@ class SimConfig:
     checkpoint_interval: float | None = None
     checkpoint_time: float = 0.0
     grace: float = 10.0
+    # Declared steps = true x a seeded log-uniform factor in [1, this) (sim.declared); policies
+    # see the declaration, the job finishes at its true steps. 1: declared = true.
+    declared_noise: float = 1.0
 
 
 @dataclass(slots=True)
@@ -303,7 +307,8 @@ class Simulator:
         self.free_g = self.cap_g.copy()
         self.free_c = self.cap_c.copy()
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c)
-        self.records = [SimJob(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
+        self.records = [SimJob(j, JobView(job_id=j.job_id, spec=declared_spec(j.spec, cfg.declared_noise, cfg.seed, j.job_id),
+                                          submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
         self.live: dict[str, SimJob] = {}  # pending + running, in arrival order
         self.running: dict[str, SimJob] = {}

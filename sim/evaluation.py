@@ -5,8 +5,9 @@
 Each run is exactly a ``gearshift simulate`` command (``sim.cli.run`` on the parsed
 arguments), printed beside its table so it can be repeated from outside:
 
-1. the *measured* regime on rubick-base, rubick-bp, rubick-mt (rubick, sia, synergy,
-   antman): every policy may choose only measured configurations or the job's request;
+1. the *measured* regime on rubick-base, rubick-bp, rubick-mt (rubick and the best-of
+   baselines, ``sim.baselines``: sia, synergy, synergy-srtf, antman, pollux where
+   registered): every policy may choose only measured configurations or the job's request;
 2. the *extended* regime at its defaults on the same traces;
 3. a sweep of the extended regime's knobs on rubick-base (rubick and sia);
 4. a held-out workload nobody tuned on: rubick-base resampled with seed 1, both regimes;
@@ -22,8 +23,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-PEERS = ("sia", "synergy", "antman")
-POLICIES = "rubick,sia,synergy,antman"
+from gearshift.sim.baselines import best_baselines  # noqa: E402
+
+PEERS = tuple(best_baselines())  # the baselines a user could pick (issue 21)
+POLICIES = ",".join(("rubick", *PEERS))
+MEASURED_FLOOR = 1.3  # issue 21's floors: measured 1.3x, extended 1.5x
+EXTENDED_FLOOR = 1.5
 TRACES = ("rubick-base", "rubick-bp", "rubick-mt")
 HELD_OUT = "rubick-base:resample=1"
 SWEEP = [("--systematic", "0"), ("--systematic", "0.3"), ("--distance-slowdown", "0"),
@@ -57,6 +62,9 @@ def _run(argv: list[str]):
     args = build_parser().parse_args(argv)
     t0 = time.time()
     results, summaries, rat = run(args)
+    from gearshift.sim.compare import compare
+
+    vs_best = compare(results, summaries)
     per_model = {}
     for res in results:
         by: dict[str, list[tuple[float, float]]] = {}
@@ -66,7 +74,7 @@ def _run(argv: list[str]):
                     (r.finish - r.job.submit, r.first_start - r.job.submit))
         per_model[res.policy] = {m: (sum(x for x, _ in v) / len(v), len(v), sum(q for _, q in v) / len(v))
                                  for m, v in by.items()}
-    return argv, summaries, rat, per_model, time.time() - t0
+    return argv, summaries, rat, per_model, time.time() - t0, vs_best
 
 
 def _slug(argv: list[str]) -> str:
@@ -147,7 +155,7 @@ def _floor_row(t: str, regime: str, r) -> str:
     summaries, rat, _ = r
     by = {s["policy"]: s for s in summaries}
     ru = by["rubick"]
-    floor = 1.15 if regime == "measured" else 1.5
+    floor = MEASURED_FLOOR if regime == "measured" else EXTENDED_FLOOR
     jx, mx = rat["rubick"]["jct_x"], rat["rubick"]["makespan_x"]
     unf = ", ".join(f"{p} {s['unfinished']}" for p, s in by.items())
     g = f"{ru['guarantees_kept']}/{ru['guaranteed_accepted']}" if ru["guaranteed_jobs"] else "-"
@@ -160,7 +168,7 @@ def _floor_row(t: str, regime: str, r) -> str:
 
 
 def _summary(res) -> list[str]:
-    rows = ["## Summary: rubick against the best of sia, synergy and antman", "",
+    rows = [f"## Summary: rubick against the best of {', '.join(PEERS[:-1])} and {PEERS[-1]}", "",
             "| trace | regime | rubick avg JCT vs best | makespan vs best | unfinished jobs | rubick guarantees kept "
             "| allocations that ran measured | floor |", "|---|---|---:|---:|---|---:|---|---|"]
     for regime in ("measured", "extended"):
@@ -369,12 +377,12 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
     if json_dir is not None:
         json_dir.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=workers) as ex:
-        for argv, summaries, rat, per_model, wall in ex.map(_run, runs):
+        for argv, summaries, rat, per_model, wall, vs_best in ex.map(_run, runs):
             got[tuple(argv)] = (summaries, rat, per_model)
             print(f"  {_cmd(argv)}: rubick {_x(rat.get('rubick', {}).get('jct_x'))} ({wall:.0f} s)", flush=True)
             if json_dir is not None:  # what `gearshift simulate ... -o json` prints, plus the per-model means
                 doc = {"command": _cmd(argv), "wall_s": round(wall, 1), "results": summaries,
-                       "ratios_vs_best_baseline": rat,
+                       "ratios_vs_best_baseline": rat, "vs_best_baseline": vs_best,
                        "per_model": {p: {m: {"avg_jct_s": v[0], "jobs": v[1], "avg_queue_s": v[2]}
                                          for m, v in pm.items()} for p, pm in per_model.items()}}
                 (json_dir / f"{_slug(argv)}.json").write_text(json.dumps(_clean(doc), indent=1))
@@ -417,7 +425,7 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
            "backfill (issue 10, defect 7): on rubick-base it gives exactly synergy's numbers (\"best of three\" "
            "is the best of two), on rubick-bp it differs from synergy only by the CPUs per GPU (synergy sizes "
            "them, antman keeps the request's).", ""]
-    for regime, floor in (("measured", 1.15), ("extended", 1.5)):
+    for regime, floor in (("measured", MEASURED_FLOOR), ("extended", EXTENDED_FLOOR)):
         doc += [f"## {regime.capitalize()} regime", ""]
         for t in TRACES:
             argv = command(t, regime)
@@ -496,7 +504,7 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
         r = res(argv)
         if r is not None:
             doc += [f"### {regime}", "", f"`{_cmd(argv)}`", "", _table(r[0], r[1]), "",
-                    _verdict(r[0], r[1], 1.15 if regime == "measured" else 1.5), ""]
+                    _verdict(r[0], r[1], MEASURED_FLOOR if regime == "measured" else EXTENDED_FLOOR), ""]
     text = "\n".join(doc) + "\n"
     out.write_text(text)
     return text

@@ -329,4 +329,6 @@ def test_rubick_budget_is_split_across_types_so_the_parts_add_up():
     assert sum(p.gpus for a in d.allocations.values() for p in a.placement) == 2
     assert len(d.allocations) == 2  # one GPU each: both still run
     unbudgeted = make_policy("rubick", min_run_time=0).schedule(10.0, two_types(), jobs, SpeedOracle())
-    assert sum(p.gpus for a in unbudgeted.allocations.values() for p in a.placement) == 3
+    # unbudgeted they take more (their requests, 3, and, since issue 21's utility grows jobs
+    # into idle GPUs, what else is free)
+    assert sum(p.gpus for a in unbudgeted.allocations.values() for p in a.placement) >= 3

@@ -288,15 +288,24 @@ def test_a_pending_short_job_is_not_deferred_behind_a_long_one():
     assert "short" in d.allocations and "long" in d.waiting
 
 
-def test_a_short_pending_job_does_not_grow_when_the_restart_dominates():
+def test_a_short_pending_job_grows_into_idle_gpus_when_the_restart_dominates():
+    """Issue 21: the earlier utility (thr/ref)^a x f/f1 fell as a restart-dominated job got
+    faster, so a short job started at its request and never grew while GPUs sat idle.
+    The restart-inclusive speed (rubick_utility.py) never falls with speed: the short job
+    takes idle GPUs (4x saves 240 s of its 580 s), and next to a long one the node is full."""
     ns = nodes(1)
     perf = CurveOracle({"lin": LIN})
     short = job("short", 2, curve="lin", steps=10)  # 320 s at its request: growing 4x saves 240 s of 580
     long = job("long", 2, curve="lin", steps=10**6)
     d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [short], perf)
-    assert d.allocations["short"].plan.gpus == 2
+    assert d.allocations["short"].plan.gpus > 2
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, monotone_utility=False), 10_000.0, ns, [short],
+               perf)
+    assert d.allocations["short"].plan.gpus == 2  # the earlier form, kept as an option for ablation
     d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [long], perf)
     assert d.allocations["long"].plan.gpus == 8
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [short, long], perf)
+    assert sum(a.plan.gpus for a in d.allocations.values()) == 8 and set(d.allocations) == {"short", "long"}
 
 
 def test_a_running_job_near_its_end_is_not_preempted_for_a_start():
@@ -317,7 +326,13 @@ def test_a_running_job_near_its_end_is_not_preempted_for_a_start():
     d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, resume_charge=False), 10_000.0, ns,
                [near, new], perf)
     assert "near" in d.waiting and "new" in d.allocations
-    # a job with days left still yields (the charge is 1 + R / T1, ~1 for it)
+    # a job with days left (its charge is 1 + R / T1, ~1) yielded under the earlier utility,
+    # whose 1.33 for "new" came from its start factor rising as "new" ran slower
     far = job("far", 8, curve="whole", steps=10**6, running_on=(Placement("n0", 8, 16),), since=0)
-    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [far, new], perf)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, monotone_utility=False), 10_000.0, ns,
+               [far, new], perf)
     assert "far" in d.waiting and "new" in d.allocations
+    # restart included (rubick_utility.py), "new" on 8 GPUs is ((4.44 + 260) / (8 + 260))^0.5 = 0.993 of
+    # its request's speed, below the 1.0 "far" keeps: no restart is spent for a slower start
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [far, new], perf)
+    assert d.allocations["far"].placement == far.placement and "new" in d.waiting
