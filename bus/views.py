@@ -98,6 +98,7 @@ class KvView(Generic[T]):
                 if old is not None:
                     del self.entries[key]
                     self.removed(key, old[0])
+                self.tombstone(key, seq)
             else:
                 try:
                     value = self.decode(msg.data)
@@ -112,6 +113,10 @@ class KvView(Generic[T]):
     def changed(self, key: str, old: T | None, new: T) -> None: ...
 
     def removed(self, key: str, old: T) -> None: ...
+
+    def tombstone(self, key: str, seq: int) -> None:
+        """A delete of ``key`` at stream sequence ``seq``, seen live or (the last
+        value of a deleted key) when the view starts."""
 
     async def sync(self, timeout: float = 10.0) -> int:
         """Wait until every write made before this call is applied."""

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from gearshift.bus.clock import SYSTEM, Clock
+from gearshift.bus.alloc_watch import node_key
 from gearshift.bus.log import get_logger
 from gearshift.bus.server import RequestError, bad_request
 from gearshift.bus.views import JobsView
@@ -22,6 +23,7 @@ from gearshift.bus_schema.messages import (
     JobRecord,
     JobRequeued,
     JobState,
+    NodeReport,
     PinnedPlan,
     ReconfigureReply,
     ReconfigureRequest,
@@ -48,6 +50,7 @@ class RecordWriter:
         self.drain_timeout = drain_timeout
         self.archive_after = archive_after
         self._cancelling_since: dict[str, float] = {}  # this leader's first sight of each cancelling job
+        self._agent_at_drain: dict[tuple[str, str], float] = {}  # (job, node) -> agent started_at at first sight
 
     async def archive(self, most: int = 2000) -> int:
         """Finished jobs leave ``gs_jobs`` for the history store ``archive_after``
@@ -152,19 +155,43 @@ class RecordWriter:
                 log.warning("job requeued", job_id=rec.job_id, reason=why)
         return new
 
-    async def settle_drains(self, records: dict[str, JobRecord], alive: set[str]) -> int:
-        """End drains that cannot finish: nodes that are gone, or a drain older
-        than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
+    async def settle_drains(self, records: dict[str, JobRecord], alive: set[str],
+                            nodes: dict[str, NodeReport] | None = None) -> int:
+        """End drains that cannot finish: nodes that are gone, nodes whose agent
+        restarted and has nothing of the job (``restarted_without``), or a drain
+        older than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
         t = self.clock.now()
         updates = []
+        agents, self._agent_at_drain = self._agent_at_drain, {}
         for rec in records.values():
             if not rec.draining:
                 continue
             timed_out = rec.drain_started is not None and t - rec.drain_started > self.drain_timeout
             gone = [p.node for p in rec.draining if timed_out or p.node not in alive]
+            if not gone and nodes is not None:
+                gone = [p.node for p in rec.draining if self.restarted_without(rec, p.node, nodes.get(p.node), agents)]
             if gone:
                 updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
         return await self.changed(records, updates) + await self.settle_cancels(records, alive)
+
+    def restarted_without(self, rec: JobRecord, node: str, hb: NodeReport | None, seen: dict) -> bool:
+        """Has ``node``'s agent restarted since this leader saw the drain begin,
+        acted on the withdrawal of the job's allocation there (its heartbeat's
+        ``alloc_rev`` is past the delete), and runs nothing of the old
+        generations? Then no report will come -- an allocation written and
+        withdrawn while the agent was down was never launched -- and the drain
+        of that node is over. An agent that stayed up reports its run's exit."""
+        if hb is None:
+            return False
+        first = seen.get((rec.job_id, node), hb.started_at)
+        self._agent_at_drain[(rec.job_id, node)] = first  # the incarnation the drain began under
+        if hb.started_at == first:
+            return False
+        withdrawn = self.writer.view.withdrawn.get(node_key(node, rec.job_id))
+        if withdrawn is None or hb.alloc_rev < withdrawn or node_key(node, rec.job_id) in self.writer.view.entries:
+            return False
+        prefix = rec.job_id + "@"
+        return not any(r.startswith(prefix) and int(r[len(prefix):]) < rec.generation for r in hb.running)
 
     async def settle_cancels(self, records: dict[str, JobRecord], alive: set[str]) -> int:
         """End cancels that no report will end (``lifecycle.cancel_unreported``)."""
