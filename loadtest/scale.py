@@ -127,7 +127,12 @@ class Procs:
         self.peak: dict[str, int] = {}
         self._task: asyncio.Task | None = None
 
-    def start(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
+    def start(self, name: str, args: list[str], env: dict[str, str], log: Path, profile: str | None = None) -> None:
+        """``python -m args``; with ``profile`` (a folder) under cProfile, its stats
+        written to ``<profile>/<name>.prof`` when the process ends."""
+        if profile:
+            Path(profile).mkdir(parents=True, exist_ok=True)
+            args = ["loadtest.profiled", str(Path(profile) / f"{name}.prof"), *args]
         with open(log, "wb") as out:
             self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=out, stderr=out)
 
@@ -377,14 +382,14 @@ class Run:
             nc = await connect(server.url, name="scale", retry_for=10)
             await ensure_infra(nc)
             procs.start("admission", ["gearshift.services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
-                        self.workdir / "admission.log")
+                        self.workdir / "admission.log", a.profile)
             procs.start("optimizer", ["gearshift.services.optimizer", "--policy", a.policy, "--interval", str(a.interval),
                                       *(["--policy-options", a.policy_options] if a.policy_options else []),
                                       "--node-timeout", str(a.node_timeout), "--archive-after", "10"], env,
-                        self.workdir / "optimizer.log")
+                        self.workdir / "optimizer.log", a.profile)
             procs.start("perfmodel", ["gearshift.services.perfmodel_service"], env, self.workdir / "perfmodel.log")
             procs.start("fleet", ["loadtest.fleet", "--nodes", str(self.nodes), "--gpus-per-node", str(a.gpus_per_node),
-                                  "--heartbeat", str(a.heartbeat)], env, self.workdir / "fleet.log")
+                                  "--heartbeat", str(a.heartbeat)], env, self.workdir / "fleet.log", a.profile)
             procs.watch({"nats-server": server.proc.pid})
             view = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
             t = time.monotonic()
@@ -658,6 +663,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="WARNING", help="services' log level")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workdir", default=None, help="keep the services' logs and data here")
+    ap.add_argument("--profile", default=None,
+                    help="run admission, optimizer and the fleet under cProfile; their stats go to this folder")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
