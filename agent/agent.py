@@ -164,6 +164,7 @@ class Agent:
         except asyncio.TimeoutError:
             self.log.warning("allocations not read in time: judging a predecessor's runs on what arrived")
         by_alloc = {(x.alloc.job_id, x.alloc.generation): x for x in leftovers}
+        reports = []
         for alloc in core.ended_leftovers([x.alloc for x in leftovers], self.desired):
             self.launched[alloc.job_id] = max(self.launched.get(alloc.job_id, 0), alloc.generation)
             left = by_alloc[(alloc.job_id, alloc.generation)]
@@ -175,7 +176,8 @@ class Agent:
             code = core.leftover_exit_code(self.runner.manifest(run), alloc.job_id, left.killed)
             self.log.info("reporting a run the previous agent left", job_id=alloc.job_id,
                           generation=alloc.generation, exit_code=code)
-            self._spawn(self._report_exit(run, code))
+            reports.append(self._report_exit(run, code))
+        await asyncio.gather(*reports, return_exceptions=True)  # before alloc_rev moves: the drain ends on these
 
     async def stop(self) -> None:
         """Stop every job process (checkpoint grace included), then leave."""
@@ -220,12 +222,13 @@ class Agent:
             if entry is None:  # "initial values done" marker
                 self._synced.set()
                 continue
-            self._apply_entry(entry.key, entry.value, entry.operation)
+            self._apply_entry(entry.key, entry.value, entry.operation, entry.revision)
 
-    def _apply_entry(self, key: str, value: bytes | None, op: str | None) -> None:
+    def _apply_entry(self, key: str, value: bytes | None, op: str | None, revision: int = 0) -> None:
+        self.heartbeat.applied_rev = max(self.heartbeat.applied_rev, revision)
         if op in ("DEL", "PURGE") or not value:
-            if self.desired.pop(key, None) is not None:
-                self._dirty.set()
+            self.desired.pop(key, None)
+            self._dirty.set()  # even for a key it never had (a tombstone): the heartbeat's alloc_rev follows
             return
         try:
             alloc = codec.decode(value, Allocation)
@@ -249,6 +252,7 @@ class Agent:
                 self.log.exception("reconcile failed")
 
     async def _reconcile_once(self) -> None:
+        rev = self.heartbeat.applied_rev  # what this pass acts on: the heartbeat's alloc_rev once it has
         todo = core.reconcile(dict(self.desired), self.runs, self.launched)
         for job_id, reason in todo.stop:
             want = self.desired.get(job_id)
@@ -261,6 +265,7 @@ class Agent:
             if want.job_id in self.runs or want.generation <= self.launched.get(want.job_id, 0):
                 continue  # changed while an earlier launch of this pass awaited
             await self._launch(want)
+        self.heartbeat.alloc_rev = max(self.heartbeat.alloc_rev, rev)
 
     # ------------------------------------------------------------ launching
     def _new_run(self, alloc: Allocation, run_dir: Path | None = None) -> Run:

@@ -35,6 +35,9 @@ class Heartbeat:
         # (total, used) host memory; the fleet emulator shares one sample among its agents
         self.memory = memory or host_memory
         self.started_at = time.time()
+        # set by the agent: the highest gs_alloc sequence applied to its desired state, and
+        # acted on by a reconcile pass (NodeReport.alloc_rev)
+        self.applied_rev = self.alloc_rev = 0
 
     async def report(self) -> NodeReport:
         mem_total, mem_used = self.memory()
@@ -53,6 +56,7 @@ class Heartbeat:
             agent_version=VERSION,
             started_at=self.started_at,
             address=self.address,
+            alloc_rev=self.alloc_rev,
         )
 
     async def beat(self) -> None:

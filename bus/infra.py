@@ -12,7 +12,7 @@ from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import MAX_MESSAGE_BYTES
 
 STREAMS = {
-    subj.EVENTS_STREAM: dict(subjects=[subj.EVENTS_SUBJECTS], duplicate_window=3600.0),
+    subj.EVENTS_STREAM: dict(subjects=[subj.EVENTS_SUBJECTS, subj.EVENTS_FENCE_PREFIX + ".>"], duplicate_window=3600.0),
     subj.REPORTS_STREAM: dict(subjects=[subj.REPORTS_SUBJECTS], duplicate_window=3600.0),
 }
 BUCKETS = {

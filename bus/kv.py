@@ -15,8 +15,13 @@ def event_msg_id(ev: AnyJobEvent) -> str:
     return f"{ev.job_id}:{ev.seq}"
 
 
-async def publish_event(js: Any, ev: Event, msg_id: str, subject: str) -> None:
-    await js.publish(subject, codec.encode(ev), headers={Header.MSG_ID: msg_id})
+async def publish_event(js: Any, ev: Event, msg_id: str, subject: str, fence: Any = None) -> None:
+    """Publish ``ev`` with its message id; through ``fence`` (``services.fencing.Fence``)
+    when a leader publishes, so the server refuses it once another leader took over."""
+    if fence is not None:
+        await fence.publish(subject, codec.encode(ev), msg_id)
+    else:
+        await js.publish(subject, codec.encode(ev), headers={Header.MSG_ID: msg_id})
 
 
 async def kv_snapshot(kv: Any, keys: str = ">") -> dict[str, tuple[bytes, int]]:

@@ -119,6 +119,8 @@ ROUTES: tuple[Route, ...] = (
           receivers=_EVENT_READERS, stream=s.EVENTS_STREAM, doc="node joined / lost"),
     Route("gs.evt.round.<kind>", STREAM, m.RoundCompleted, senders=("optimizer",), receivers=_EVENT_READERS,
           stream=s.EVENTS_STREAM, doc="a scheduling round that changed something"),
+    Route(f"{s.EVENTS_FENCE_PREFIX}.<service>", STREAM, "<holder id>", senders=("optimizer",), stream=s.EVENTS_STREAM,
+          doc="a leader's epoch mark: its events expect it as the last message here (services.fencing)"),
     # state (KV buckets; permissions on these are the buckets', see services.auth)
     Route(f"$KV.{s.JOBS_BUCKET}.<job>", KV, m.JobRecord, senders=("admission", "optimizer", "profiler"),
           receivers=("dashboard",), doc="the authoritative job record"),

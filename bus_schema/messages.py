@@ -374,6 +374,10 @@ class NodeReport(_Msg, kw_only=True, frozen=True):
     started_at: float = 0.0
     address: str = ""  # where other nodes reach this one (MASTER_ADDR when it holds rank 0)
     gpu_type: str = ""  # normalised NVML type of its GPUs (bus_schema.gputypes); "" unknown
+    # the highest gs_alloc sequence of this node's keys the agent has applied and acted on (every
+    # launch and stop it implied begun; a restarted agent's reports of what it reaped sent): with
+    # ``running`` it tells the optimizer a withdrawn allocation has nothing left here (issue 24)
+    alloc_rev: NonNegInt = 0
 
 
 # ---------------------------------------------------------------- agent <-> services
@@ -693,6 +697,8 @@ class RoundCompleted(Event, tag="round.completed", kw_only=True, frozen=True):
     running: int
     changes: int
     duration_ms: float
+    cpu_ms: float = 0.0  # the optimizer process's CPU time over the round (time.process_time, all threads)
+    changed_jobs: int = 0  # live jobs whose record moved since the last round began, or that this round wrote
 
 
 AnyJobEvent = (

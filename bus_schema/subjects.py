@@ -7,6 +7,7 @@ import re
 # JetStream
 EVENTS_STREAM = "GS_EVENTS"
 EVENTS_SUBJECTS = "gs.evt.>"
+EVENTS_FENCE_PREFIX = "gs.fence"  # leaders' epoch marks, also in GS_EVENTS, outside what event readers read
 REPORTS_STREAM = "GS_REPORTS"
 REPORTS_SUBJECTS = "gs.report.>"
 
@@ -56,6 +57,11 @@ def job_event(job_id: str, kind: str) -> str:
 
 def node_event(node: str, kind: str) -> str:
     return f"gs.evt.node.{token(node)}.{kind.split('.', 1)[1]}"
+
+
+def events_fence(writer: str) -> str:
+    """The subject of a leader's epoch mark in GS_EVENTS (``services.fencing``)."""
+    return f"{EVENTS_FENCE_PREFIX}.{token(writer)}"
 
 
 def round_event(kind: str) -> str:

@@ -90,7 +90,12 @@ from loadtest.optimality_gap import BATCH, MODELS
 # "min_run_time": 20}) rubick regrows them, but at 2,000 nodes it then reconfigures
 # thousands of jobs again and again (26 restarts per job in the last 5%), and the
 # switches, not the jobs, set the pace: 4,624 of 20,000 still unfinished after 900 s.
-FLOORS = {"submit_p99_ms": 50.0, "round_p99_ms": 2000.0, "round_live_jobs": 5000, "heartbeat_lag_p99_s": 1.0}
+FLOORS = {"submit_p99_ms": 50.0, "round_p99_ms": 1000.0, "round_live_jobs": 5000, "heartbeat_lag_p99_s": 1.0,
+          # issue 24: what the control plane costs. CPU time, not wall time: stable on a shared machine
+          "control_plane_cpu_ms_per_job": 1.5,  # admission + optimizer + nats-server, while submitting
+          "round_cpu_ms_per_changed_job": 1.0, "round_cpu_ms_per_live_job": 0.02,  # a round's budget
+          "round_cpu_within_budget_share": 0.99}  # rounds (with changes) that keep to it
+CONTROL_PLANE = ("admission", "optimizer", "nats-server")
 
 
 class _Stamp(msgspec.Struct):
@@ -122,7 +127,12 @@ class Procs:
         self.peak: dict[str, int] = {}
         self._task: asyncio.Task | None = None
 
-    def start(self, name: str, args: list[str], env: dict[str, str], log: Path) -> None:
+    def start(self, name: str, args: list[str], env: dict[str, str], log: Path, profile: str | None = None) -> None:
+        """``python -m args``; with ``profile`` (a folder) under cProfile, its stats
+        written to ``<profile>/<name>.prof`` when the process ends."""
+        if profile:
+            Path(profile).mkdir(parents=True, exist_ok=True)
+            args = ["loadtest.profiled", str(Path(profile) / f"{name}.prof"), *args]
         with open(log, "wb") as out:
             self.procs[name] = subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=out, stderr=out)
 
@@ -218,6 +228,7 @@ class Run:
         self.finished: set[str] = set()
         self.failed: set[str] = set()
         self.rounds: list[tuple[float, int]] = []  # (duration ms, live jobs)
+        self.round_cpu: list[tuple[float, int, int]] = []  # (optimizer CPU ms, changed jobs, live jobs)
         self.hb_lag: list[float] = []
         self.loop_lag: list[float] = []  # this process's event-loop delay, s
         self.max_live = 0
@@ -253,6 +264,7 @@ class Run:
         live = ev.pending + ev.running
         self.max_live = max(self.max_live, live)
         self.rounds.append((ev.duration_ms, live))
+        self.round_cpu.append((ev.cpu_ms, ev.changed_jobs, live))
 
     async def _on_beat(self, msg: Any) -> None:
         self.hb_lag.append(time.time() - codec.decode(msg.data, _Stamp).ts)
@@ -370,13 +382,14 @@ class Run:
             nc = await connect(server.url, name="scale", retry_for=10)
             await ensure_infra(nc)
             procs.start("admission", ["gearshift.services.admission", "--max-jobs-per-tenant", str(10 * a.jobs)], env,
-                        self.workdir / "admission.log")
+                        self.workdir / "admission.log", a.profile)
             procs.start("optimizer", ["gearshift.services.optimizer", "--policy", a.policy, "--interval", str(a.interval),
                                       *(["--policy-options", a.policy_options] if a.policy_options else []),
                                       "--node-timeout", str(a.node_timeout), "--archive-after", "10"], env,
-                        self.workdir / "optimizer.log")
+                        self.workdir / "optimizer.log", a.profile)
+            procs.start("perfmodel", ["gearshift.services.perfmodel_service"], env, self.workdir / "perfmodel.log")
             procs.start("fleet", ["loadtest.fleet", "--nodes", str(self.nodes), "--gpus-per-node", str(a.gpus_per_node),
-                                  "--heartbeat", str(a.heartbeat)], env, self.workdir / "fleet.log")
+                                  "--heartbeat", str(a.heartbeat)], env, self.workdir / "fleet.log", a.profile)
             procs.watch({"nats-server": server.proc.pid})
             view = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
             t = time.monotonic()
@@ -427,6 +440,8 @@ class Run:
                 "machine": round(busy / dt, 2), "machine_cores": psutil.cpu_count()}
             # every acknowledged job must finish
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
+            cpu2 = procs.cpu_seconds(pids)  # the main run's jobs' whole life: submit to the last finish
+            out["cpu"] = cpu_cost(cpu0, cpu1, cpu2, len(self.sent) or a.jobs)
             main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])
@@ -448,6 +463,7 @@ class Run:
             failed = [j for j in self.sent if states.get(j) in ("failed", "cancelled")]
             out["unfinished_detail"] = unfinished_detail([j for j in listed if j["job_id"] in set(unfinished)])
             out["tail"] = tail_detail([j for j in listed if j["job_id"] in main_jobs])
+            out["round_cpu"] = round_cpu_summary(self.round_cpu)
             rounds = [d for d, _ in self.rounds]
             big = [d for d, live in self.rounds if live >= FLOORS["round_live_jobs"]]
             out |= {
@@ -478,19 +494,66 @@ class Run:
             out["floors"] = {
                 "submit_p99_le_50ms_at_rate": bool(out["submit"]["sustained"]
                                                    and (out["submit"]["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]),
-                "round_p99_le_2s_with_5000_live": p99_big is not None and p99_big <= FLOORS["round_p99_ms"],
+                # None: no round saw 5,000 live jobs (a small run), so not measured here
+                "round_p99_le_1s_with_5000_live": None if p99_big is None else p99_big <= FLOORS["round_p99_ms"],
+                "control_plane_cpu_le_1_5ms_per_job_submitting":
+                    out["cpu"]["control_plane_ms_per_job_submitting"] <= FLOORS["control_plane_cpu_ms_per_job"],
+                "round_cpu_le_1ms_per_changed_plus_20us_per_live":
+                    out["round_cpu"]["within_budget_share"] is not None
+                    and out["round_cpu"]["within_budget_share"] >= FLOORS["round_cpu_within_budget_share"],
                 "heartbeat_lag_p99_le_1s": (out["heartbeat_lag_p99_s"] or 1e9) <= FLOORS["heartbeat_lag_p99_s"],
                 "no_lost_jobs": not lost and out["acked"] == a.jobs + sum(p["asked"] for p in out.get("probes", [])),
                 "all_completed": not unfinished and not failed,
                 "cli_pages_through_all": len(listed) >= len(self.sent) and cli.returncode == 0,
             }
-            out["passed"] = all(out["floors"].values())
+            out["passed"] = all(v is not False for v in out["floors"].values())
             return out
         finally:
             procs.stop()
             if nc is not None:
                 await nc.close()
             server.stop()
+
+
+def cpu_cost(cpu0: dict[str, float], cpu1: dict[str, float], cpu2: dict[str, float], jobs: int) -> dict:
+    """CPU-seconds per 1,000 jobs of each process, over the submit phase
+    (``cpu0`` -> ``cpu1``) and over the jobs' whole life (``cpu0`` -> ``cpu2``:
+    submit to the last finish), and the control plane's (admission + optimizer
+    + nats-server) milliseconds per job while submitting."""
+    def per_k(a: dict, b: dict) -> dict:
+        return {n: round((b[n] - a[n]) / jobs * 1e3, 3) for n in sorted(b) if n in a}
+
+    sub, life = per_k(cpu0, cpu1), per_k(cpu0, cpu2)
+    return {"jobs": jobs, "cpu_s_per_1000_jobs_submitting": sub, "cpu_s_per_1000_jobs_whole_life": life,
+            "control_plane_ms_per_job_submitting": round(sum(sub.get(n, 0.0) for n in CONTROL_PLANE), 3),
+            "control_plane_ms_per_job_whole_life": round(sum(life.get(n, 0.0) for n in CONTROL_PLANE), 3)}
+
+
+def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
+    """The optimizer's CPU per round (its own ``time.process_time`` delta, from
+    ``round.completed``) against the live jobs and the jobs that changed: the
+    share of rounds within the budget (1 ms per changed job + 20 us per live
+    one), the worst round against its budget, and a least-squares fit
+    ``cpu_ms = a * changed + b * live`` (through 0) -- what a round costs per
+    changed and per live job."""
+    if not rows:
+        return {"rounds": 0, "within_budget_share": None}
+    budget = [FLOORS["round_cpu_ms_per_changed_job"] * c + FLOORS["round_cpu_ms_per_live_job"] * n for _, c, n in rows]
+    ratio = [cpu / max(b, 1e-9) for (cpu, _, _), b in zip(rows, budget)]
+    sxx = sum(c * c for _, c, _ in rows)
+    sxy = sum(c * n for _, c, n in rows)
+    syy = sum(n * n for _, _, n in rows)
+    bx = sum(cpu * c for cpu, c, _ in rows)
+    by = sum(cpu * n for cpu, _, n in rows)
+    det = sxx * syy - sxy * sxy
+    fit = None if det <= 0 else {"ms_per_changed_job": round((bx * syy - by * sxy) / det, 4),
+                                 "ms_per_live_job": round((sxx * by - sxy * bx) / det, 5)}
+    cpus = [cpu for cpu, _, _ in rows]
+    return {"rounds": len(rows), "cpu_ms_p50": r(pct(cpus, 50), 2), "cpu_ms_p99": r(pct(cpus, 99), 2),
+            "changed_jobs_p50": pct([c for _, c, _ in rows], 50), "live_jobs_max": max(n for *_, n in rows),
+            "within_budget_share": round(sum(1 for x in ratio if x <= 1.0) / len(rows), 4),
+            "worst_against_budget": r(max(ratio), 2), "fit": fit,
+            "cpu_ms_per_live_job_p50": r(pct([cpu / max(1, n) for cpu, _, n in rows], 50), 4)}
 
 
 def unfinished_detail(rows: list[dict]) -> dict:
@@ -547,7 +610,29 @@ def growth_row(x: dict) -> dict:
             "submit_to_running_p50_s": x.get("submit_to_running_p50_s"),
             "submit_to_running_p99_s": x.get("submit_to_running_p99_s"),
             "heartbeat_lag_p99_s": x.get("heartbeat_lag_p99_s"), "peak_rss_mb": x.get("peak_rss_mb"),
-            "lost_jobs": x.get("lost_jobs"), "load_average_end": x.get("load_average_end"), "error": x.get("error")}
+            "lost_jobs": x.get("lost_jobs"), "load_average_end": x.get("load_average_end"),
+            "control_plane_ms_per_job_submitting": (x.get("cpu") or {}).get("control_plane_ms_per_job_submitting"),
+            "cpu_s_per_1000_jobs_submitting": (x.get("cpu") or {}).get("cpu_s_per_1000_jobs_submitting"),
+            "cpu_s_per_1000_jobs_whole_life": (x.get("cpu") or {}).get("cpu_s_per_1000_jobs_whole_life"),
+            "round_cpu_ms_p50": (x.get("round_cpu") or {}).get("cpu_ms_p50"),
+            "round_cpu_ms_per_live_job_p50": (x.get("round_cpu") or {}).get("cpu_ms_per_live_job_p50"),
+            "round_cpu_fit": (x.get("round_cpu") or {}).get("fit"), "error": x.get("error")}
+
+
+def growth_check(rows: list[dict]) -> dict:
+    """How each cost grows with the nodes: the control plane's CPU per job
+    (flat: within 1.5x from the smallest to the largest size), and the
+    optimizer's CPU per round per live job (a round grows no faster than the
+    live jobs: its cost per live job stays within 1.5x too)."""
+    def spread(key: str) -> float | None:
+        xs = [row[key] for row in rows if row.get(key)]
+        return None if len(xs) < 2 else round(max(xs) / min(xs), 2)
+
+    per_job, per_live = spread("control_plane_ms_per_job_submitting"), spread("round_cpu_ms_per_live_job_p50")
+    return {"nodes": [row["nodes"] for row in rows], "cpu_per_job_max_over_min": per_job,
+            "round_cpu_per_live_job_max_over_min": per_live,
+            "cpu_per_job_flat": per_job is not None and per_job <= 1.5,
+            "round_cpu_grows_no_faster_than_live": per_live is not None and per_live <= 1.5}
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -578,6 +663,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-level", default="WARNING", help="services' log level")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workdir", default=None, help="keep the services' logs and data here")
+    ap.add_argument("--profile", default=None,
+                    help="run admission, optimizer and the fleet under cProfile; their stats go to this folder")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
@@ -604,8 +691,14 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(asyncio.run(Run(a, n, work).go()))
             except Exception as exc:
                 runs.append({"nodes": n, "error": f"{type(exc).__name__}: {exc}", "passed": False})
-    result: dict[str, Any] = runs[0] if len(runs) == 1 else {
-        "growth": [growth_row(x) for x in runs], "runs": runs, "passed": all(x.get("passed") for x in runs)}
+    if len(runs) == 1:
+        result: dict[str, Any] = runs[0]
+    else:
+        rows = [growth_row(x) for x in runs]
+        check = growth_check(rows)
+        result = {"growth": rows, "growth_check": check, "runs": runs,
+                  "passed": all(x.get("passed") for x in runs) and check["cpu_per_job_flat"]
+                  and check["round_cpu_grows_no_faster_than_live"]}
     if a.json:
         print(json.dumps(result, indent=1))
     else:

@@ -29,7 +29,7 @@ from gearshift.bus.infra import ensure_infra
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus.server import Endpoint, RequestError, bad_request, serve
-from gearshift.bus.views import JobsView, KvView, NodesView
+from gearshift.bus.views import JobsView, KvView, NodeCapacityView
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
@@ -98,7 +98,7 @@ class Admission:
         self.max_jobs_per_tenant = max_jobs_per_tenant
         self.max_checkpoint_grace = max_checkpoint_grace
         self.jobs_view: JobsView | None = None
-        self.nodes_view: NodesView | None = None
+        self.nodes_view: NodeCapacityView | None = None
         self._created: dict[str, set[str]] = {}  # tenant -> ids created here, not yet in the view
         # job -> its latest progress report (running jobs only; see with_live)
         self.progress: dict[str, JobProgress] = {}
@@ -113,7 +113,7 @@ class Admission:
         await self.queues.open()
         js = self.nc.jetstream()
         self.jobs_view = await JobsView(js, subj.JOBS_BUCKET).start()
-        self.nodes_view = await NodesView(js, subj.NODES_BUCKET).start()
+        self.nodes_view = await NodeCapacityView(js, subj.NODES_BUCKET).start()  # GPU counts, not whole reports
         self.queues_view = await KvView(js, subj.QUEUES_BUCKET, lambda b: codec.decode(b, QueueSpec),
                                         skip=lambda k: k.startswith("_") or "." in k).start()
         self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
@@ -155,7 +155,7 @@ class Admission:
 
     async def nodes(self) -> list[NodeReport]:
         assert self.nodes_view is not None
-        return sorted(self.nodes_view.values(), key=lambda n: n.node)
+        return sorted(self.nodes_view.reports(), key=lambda n: n.node)
 
     async def _capacity(self) -> tuple[int | None, int | None]:
         """(most GPUs a job could ever get, GPUs per node) from config and registered nodes."""

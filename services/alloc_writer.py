@@ -60,10 +60,22 @@ class AllocView(KvView[Allocation]):
     def __init__(self, js: Any):
         super().__init__(js, subj.ALLOC_BUCKET, _decode)
         self.copies: dict[str, set[str]] = {}
+        # node copy key -> the sequence of its delete: an agent whose heartbeat says it acted
+        # on that (``NodeReport.alloc_rev``) and runs nothing of the job has none of it left
+        self.withdrawn: dict[str, int] = {}
 
     def changed(self, key: str, old: Allocation | None, new: Allocation) -> None:
         if "." in key:
             self.copies.setdefault(key.split(".", 1)[1], set()).add(key)
+            self.withdrawn.pop(key, None)
+
+    def tombstone(self, key: str, seq: int) -> None:
+        if "." in key:
+            self.withdrawn[key] = seq
+
+    def forget_withdrawn(self, live_jobs: Any) -> None:
+        """Drop the deletes of jobs no longer live (no drain of theirs is left to settle)."""
+        self.withdrawn = {k: s for k, s in self.withdrawn.items() if k.split(".", 1)[1] in live_jobs}
 
     def removed(self, key: str, old: Allocation) -> None:
         if "." in key:
@@ -159,6 +171,7 @@ class AllocWriter:
         if not copies:
             await bounded(todo, self.parallel)
             return len(todo)
+        self.view.forget_withdrawn({subj.token(j) for j in live})
         # node copies that disagree with their job key
         for key, (alloc, _, _) in list(self.view.entries.items()):
             if "." not in key:

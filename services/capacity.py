@@ -5,6 +5,8 @@ No I/O; the optimizer's round calls these on its materialised views."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
+from types import SimpleNamespace
 
 from gearshift.bus_schema.gputypes import node_gpu_type
 from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodePlacement, NodeReport
@@ -52,8 +54,15 @@ def node_states(nodes: Iterable[NodeReport], held: dict[str, set[int]]) -> list[
     for n in nodes:
         gpus = len(n.gpus) - len(held.get(n.node, ()))
         out.append(NodeState(name=n.node, gpus_total=gpus, gpus_free=gpus, cpus_total=n.cpus, cpus_free=n.cpus,
-                             gpu_type=n.gpu_type or node_gpu_type(n.gpus)))
+                             gpu_type=n.gpu_type or _type_of_names(tuple(g.name for g in n.gpus))))
     return out
+
+
+@lru_cache(maxsize=256)
+def _type_of_names(names: tuple[str, ...]) -> str:
+    """``node_gpu_type`` of GPUs with these names (a report without ``gpu_type``):
+    every node every round, the same few answers."""
+    return node_gpu_type([SimpleNamespace(name=n) for n in names])
 
 
 def in_use(records: Iterable[JobRecord], held: dict[str, set[int]]) -> dict[str, set[int]]:

@@ -20,6 +20,12 @@ the same expected-sequence subject is still being proposed, and every fenced
 write checks ``_epoch``. So a refusal is a deposition only if ``_epoch``
 really moved; otherwise the write is retried (put, delete) or reported as a
 conflict on the key (update: the caller re-reads and tries again).
+
+Events are fenced the same way. A stream cannot check another stream's
+sequence, so the leader's epoch for its events lives in ``GS_EVENTS`` itself,
+under ``gs.fence.<writer>`` (a subject outside ``gs.evt.>``: no event reader
+sees it): ``take`` publishes the mark, and every event the leader publishes
+(``publish``) expects it to be that mark's sequence.
 """
 
 from __future__ import annotations
@@ -29,7 +35,10 @@ import json
 import uuid
 from typing import Any
 
+from nats.js.api import Header
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
+
+from gearshift.bus_schema import subjects as subj
 
 EPOCH_KEY = "_epoch"
 CHECK_KEY = "_fence"
@@ -57,21 +66,55 @@ async def enable_atomic(nc: Any, stream: str) -> None:
 
 
 class Fence:
-    def __init__(self, nc: Any, buckets: list[str], holder: str):
+    def __init__(self, nc: Any, buckets: list[str], holder: str, events: str | None = None):
         self.nc = nc
         self.js = nc.jetstream()
         self.buckets = buckets
         self.holder = holder
         self.epochs: dict[str, int] = {}
+        # the subject of this writer's epoch mark in GS_EVENTS (``subjects.events_fence``);
+        # None: its events are not fenced
+        self.events = events
+        self.event_epoch: int | None = None
         self.refused = 0  # writes the server refused because we were deposed
 
     async def take(self) -> dict[str, int]:
-        """Become the writer: bump the epoch of every bucket."""
+        """Become the writer: bump the epoch of every bucket, and of the events."""
         for bucket in self.buckets:
             await enable_atomic(self.nc, f"KV_{bucket}")
             ack = await self.js.publish(f"$KV.{bucket}.{EPOCH_KEY}", self.holder.encode())
             self.epochs[bucket] = ack.seq
+        if self.events is not None:
+            self.event_epoch = (await self.js.publish(self.events, self.holder.encode())).seq
         return dict(self.epochs)
+
+    async def _event_epoch_moved(self) -> bool:
+        try:
+            return (await self.js.get_last_msg(subj.EVENTS_STREAM, self.events)).seq != self.event_epoch
+        except Exception:
+            return True
+
+    async def publish(self, subject: str, data: bytes, msg_id: str) -> None:
+        """Publish an event (deduplicated by ``msg_id``) into GS_EVENTS, refused by
+        the server once another writer published a newer epoch mark (``Deposed``)."""
+        headers = {Header.MSG_ID: msg_id}
+        if self.events is None or self.event_epoch is None:
+            await self.js.publish(subject, data, headers=headers)
+            return
+        headers |= {"Nats-Expected-Last-Subject-Sequence": str(self.event_epoch),
+                    "Nats-Expected-Last-Subject-Sequence-Subject": self.events}
+        for attempt in range(RETRIES):
+            try:
+                await self.js.publish(subject, data, headers=headers)
+                return
+            except BadRequestError as exc:
+                if exc.err_code not in WRONG_LAST:
+                    raise
+                if await self._event_epoch_moved():
+                    self.refused += 1
+                    raise Deposed(f"event {msg_id} on {subject} refused: a newer leader holds the events") from None
+                await asyncio.sleep(0.005 * (attempt + 1))  # another fenced publish was in flight (R3)
+        raise RuntimeError(f"event {msg_id} on {subject}: refused {RETRIES} times while the epoch did not move")
 
     def _headers(self, bucket: str) -> dict[str, str]:
         return {

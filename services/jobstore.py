@@ -208,8 +208,8 @@ class JobStore:
         todo = [ev for ev in rec.outbox if ev.seq > done]
         if not todo:
             return
-        await asyncio.gather(*(publish_event(self.js, ev, event_msg_id(ev), subj.job_event(ev.job_id, event_kind(ev)))
-                               for ev in todo))
+        await asyncio.gather(*(publish_event(self.js, ev, event_msg_id(ev), subj.job_event(ev.job_id, event_kind(ev)),
+                                             self.fence) for ev in todo))  # a leader's: fenced
         observe.job_events(rec, todo)
         if todo[-1].seq > self.published.get(rec.job_id, 0):
             self.published[rec.job_id] = todo[-1].seq

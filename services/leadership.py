@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gearshift.bus.log import get_logger
+from gearshift.bus_schema import subjects as subj
 from gearshift.services.fencing import Deposed, Fence
 from gearshift.services.lease import Lease
 
@@ -25,7 +26,7 @@ class Leadership:
         self.instance = instance
         self.ttl = ttl
         self.lease = Lease(lease_kv, name, instance, ttl=ttl, renew=ttl / 4)
-        self.fence = Fence(nc, buckets, instance)
+        self.fence = Fence(nc, buckets, instance, events=subj.events_fence(name))  # its events are fenced too
         self.lost: asyncio.Event | None = None
         self._hold: asyncio.Task | None = None
 

@@ -23,6 +23,7 @@ class NodeLiveness:
         self.clock = clock  # stamps the node.lost event only; who is alive is the server's clock's call
         self.node_timeout = node_timeout
         self.lost: set[str] = set()
+        self.fence: Any = None  # services.fencing.Fence of the leader: its node.lost events are fenced
 
     def grace_over(self, leader_since: float | None) -> bool:
         """A new leader (since ``leader_since``, monotonic) gives agents one timeout to be heard."""
@@ -39,7 +40,7 @@ class NodeLiveness:
                 self.lost.add(n.node)
                 await publish_event(
                     self.js, NodeLost(ts=self.clock.now(), node=n.node, reason=f"no heartbeat for {age:.0f}s"),
-                    f"node:{n.node}:lost:{n.ts:.3f}", subj.node_event(n.node, "node.lost"),
+                    f"node:{n.node}:lost:{n.ts:.3f}", subj.node_event(n.node, "node.lost"), self.fence,
                 )
                 log.warning("node lost", node=n.node, silent_s=round(age, 1))
         return alive

@@ -198,6 +198,7 @@ class Optimizer:
         self.is_leader = False
         self.leader_since: float | None = None
         self.records_seen: dict[str, JobRecord] = {}  # the last round's records
+        self._live_before: dict[str, JobRecord] = {}  # the jobs view's live records as the last round began
         self.reconcile_every = 10.0  # seconds between full gs_alloc reconciliations while nothing failed
         self._reconcile_at = 0.0  # monotonic time the next one is due (0: the first round as leader)
         self.operator = OperatorActions(self)
@@ -224,6 +225,7 @@ class Optimizer:
             buckets=[subj.JOBS_BUCKET, subj.ALLOC_BUCKET],
         )
         self.lease = self.leadership.lease
+        self.liveness.fence = self.leadership.fence  # its node.lost events are the leader's, fenced
         self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel, clock=self.clock)
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
                                     drain_timeout=self.drain_timeout, archive_after=self.archive_after, clock=self.clock)
@@ -384,15 +386,16 @@ class Optimizer:
             return await self._round()
 
     async def _round(self) -> RoundReply:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         gc_before, conflicts_before = GcClock.total, self.store.conflicts
         self.round_no += 1
         await self.jobs.sync()
-        records = dict(self.jobs.live)  # O(live jobs): finished ones are not here
+        live_now = dict(self.jobs.live)  # O(live jobs): finished ones are not here
+        records, before, self._live_before = dict(live_now), self._live_before, live_now
         nodes = await self.live_nodes()
         alive = {n.node for n in nodes}
         changes = await self.records.requeue_lost(records, alive) if self._grace_over() else 0
-        changes += await self.records.settle_drains(records, alive)
+        changes += await self.records.settle_drains(records, alive, {n.node: n for n in nodes})
         # Operators' cordons and drains (services.node_modes).
         modes = await node_modes.read_modes(self.modes_kv)
         changes += await self.records.changed(records, [
@@ -432,19 +435,26 @@ class Optimizer:
         if self._reconcile_at == float("inf"):
             self._reconcile_at = time.monotonic() + self.reconcile_every
         pending = sum(1 for v in views if v.job_id not in decision.allocations)
+        # what changed: records that moved since the last round began (a new object
+        # per KV revision), and those this round wrote -- the cost's unit (loadtest.scale)
+        changed_jobs = sum(1 for j, r in records.items() if before.get(j) is not r or live_now.get(j) is not r)
         ms = (time.perf_counter() - started) * 1e3
+        cpu_ms = (time.process_time() - cpu_started) * 1e3
         observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
         log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
                   write_ms=round(t_write * 1e3, 1), after_ms=round(t_rest * 1e3, 1),
                   gc_ms=round((GcClock.total - gc_before) * 1e3, 1), cas_conflicts=self.store.conflicts - conflicts_before,
+                  cpu_ms=round(cpu_ms, 1), changed_jobs=changed_jobs,
                   live=len(records), nodes=len(nodes), changes=changes)
         observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
         if changes:
             ev = RoundCompleted(
                 ts=self.clock.now(), round=self.round_no, policy=self.policy.name, pending=pending,
-                running=len(decision.allocations), changes=changes, duration_ms=ms,
+                running=len(decision.allocations), changes=changes, duration_ms=ms, cpu_ms=cpu_ms,
+                changed_jobs=changed_jobs,
             )
-            await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}", subj.round_event(ev.__struct_config__.tag))
+            await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}",
+                                subj.round_event(ev.__struct_config__.tag), self.leadership.fence)
         return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
 
 

@@ -42,6 +42,35 @@ async def test_fence_refuses_puts_and_cas_of_an_old_epoch(nc):
     assert (await kv.get("k")).value == b"4"
 
 
+async def _events_on(js, subject: str) -> list[bytes]:
+    sub = await js.subscribe(subject, stream=subj.EVENTS_STREAM, ordered_consumer=True)
+    out = []
+    try:
+        while True:
+            try:
+                out.append((await sub.next_msg(timeout=0.5)).data)
+            except Exception:
+                return out
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_a_deposed_leaders_events_are_refused_and_event_readers_never_see_the_marks(nc):
+    js = nc.jetstream()
+    fence = subj.events_fence("optimizer")
+    old, new = (Fence(nc, [subj.ALLOC_BUCKET], who, events=fence) for who in ("old", "new"))
+    await old.take()
+    await old.publish("gs.evt.round.completed", b"old-1", "round:old:1")
+    await old.publish("gs.evt.round.completed", b"old-1", "round:old:1")  # a retry: the stream drops it
+    await new.take()
+    with pytest.raises(Deposed):
+        await old.publish("gs.evt.round.completed", b"old-2", "round:old:2")
+    await new.publish("gs.evt.round.completed", b"new-1", "round:new:1")
+    assert old.refused == 1
+    assert await _events_on(js, "gs.evt.>") == [b"old-1", b"new-1"]  # no epoch mark among the events
+    assert len(await _events_on(js, "gs.fence.>")) == 2  # one mark per leader
+
+
 async def test_leader_paused_mid_round_is_deposed_and_its_writes_refused(nc, nats_url, tmp_path):
     """The leader decides a round, is stopped (SIGSTOP) before writing, a
     standby takes over; when it continues, the server refuses its writes:
@@ -148,6 +177,16 @@ async def test_fence_on_a_replicated_bucket(tmp_path):
         with pytest.raises(Deposed):
             await old.update(subj.ALLOC_BUCKET, "k0", b"3", rev)
         assert old.refused == 2 and (await kv.get("k0")).revision == rev
+        # events: one leader's concurrent fenced publishes all land on R3; a deposed one's are refused
+        fence = subj.events_fence("optimizer")
+        ev_old, ev_new = (Fence(nc, [subj.ALLOC_BUCKET], who, events=fence) for who in ("old", "new"))
+        await ev_old.take()
+        await asyncio.gather(*[ev_old.publish(f"gs.evt.job.j{i}.submitted", b"e", f"j{i}:1") for i in range(20)])
+        assert ev_old.refused == 0 and len(await _events_on(nc.jetstream(), "gs.evt.>")) == 20
+        await ev_new.take()
+        with pytest.raises(Deposed):
+            await ev_old.publish("gs.evt.round.completed", b"late", "round:old:9")
+        assert len(await _events_on(nc.jetstream(), "gs.evt.>")) == 20
     finally:
         if nc is not None:
             await nc.close()

@@ -113,3 +113,38 @@ def test_what_unfinished_and_tail_jobs_were_doing():
     t = tail_detail(done)
     assert t["last_5pct"]["jobs"] == 5 and t["last_5pct"]["ended_on_fewer_gpus_share"] == 1.0
     assert t["all_finished"]["ended_on_fewer_gpus_share"] == 0.05
+
+
+def test_cpu_cost_is_per_thousand_jobs_and_the_control_plane_sums_its_three_processes():
+    from loadtest.scale import cpu_cost
+
+    c0 = {"admission": 1.0, "optimizer": 2.0, "nats-server": 0.5, "fleet": 3.0}
+    c1 = {"admission": 2.0, "optimizer": 4.0, "nats-server": 1.0, "fleet": 3.5}
+    c2 = {"admission": 2.5, "optimizer": 7.0, "nats-server": 1.5, "fleet": 9.0}
+    got = cpu_cost(c0, c1, c2, 2000)
+    assert got["cpu_s_per_1000_jobs_submitting"] == {"admission": 0.5, "fleet": 0.25, "nats-server": 0.25,
+                                                     "optimizer": 1.0}
+    assert got["control_plane_ms_per_job_submitting"] == 1.75  # 3.5 s over 2,000 jobs, the fleet not counted
+    assert got["cpu_s_per_1000_jobs_whole_life"]["fleet"] == 3.0
+
+
+def test_round_cpu_is_judged_against_changed_and_live_jobs_and_fitted():
+    from loadtest.scale import round_cpu_summary
+
+    # rounds costing exactly 0.5 ms per changed job + 0.01 ms per live job: all within budget, the fit finds both
+    rows = [(0.5 * c + 0.01 * n, c, n) for c, n in [(10, 1000), (100, 1000), (10, 5000), (200, 8000)]]
+    got = round_cpu_summary(rows)
+    assert got["within_budget_share"] == 1.0 and got["rounds"] == 4
+    assert abs(got["fit"]["ms_per_changed_job"] - 0.5) < 1e-3 and abs(got["fit"]["ms_per_live_job"] - 0.01) < 1e-4
+    over = round_cpu_summary(rows + [(500.0, 10, 1000)])  # 500 ms for a round whose budget is 30 ms
+    assert over["within_budget_share"] == 0.8 and over["worst_against_budget"] > 10
+
+
+def test_growth_check_says_whether_per_job_cpu_stays_flat():
+    from loadtest.scale import growth_check
+
+    rows = [{"nodes": n, "control_plane_ms_per_job_submitting": c, "round_cpu_ms_per_live_job_p50": p}
+            for n, c, p in [(250, 1.0, 0.01), (4000, 1.4, 0.012)]]
+    assert growth_check(rows)["cpu_per_job_flat"] and growth_check(rows)["round_cpu_grows_no_faster_than_live"]
+    rows[1]["control_plane_ms_per_job_submitting"] = 2.0
+    assert not growth_check(rows)["cpu_per_job_flat"]

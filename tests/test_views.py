@@ -53,3 +53,30 @@ async def test_the_fast_reply_parser_agrees_with_nats_py(nc):
             assert _seq_and_ts(msg) == (md.sequence.stream, pytest.approx(md.timestamp.timestamp(), abs=1e-5))
     finally:
         await sub.unsubscribe()
+
+
+async def test_the_admissions_capacity_view_counts_gpus_as_the_full_view_does(nc):
+    from gearshift.bus.views import NodeCapacityView
+
+    kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
+
+    def report(node: str, gpus: int) -> bytes:
+        return codec.encode(NodeReport(node=node, ts=time.time(), cpus=8,
+                                       gpus=[GpuReport(index=i, uuid=f"{node}-{i}", name="NVIDIA A100")
+                                             for i in range(gpus)]))
+
+    await kv.put("n1", report("n1", 8))
+    await kv.put("n2", report("n2", 4))
+    full = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
+    light = await NodeCapacityView(nc.jetstream(), subj.NODES_BUCKET).start()
+    try:
+        assert light.capacity() == full.capacity() == (12, 8)
+        await kv.put("n2", report("n2", 16))  # a node that grew
+        await kv.delete("n1")
+        await full.sync()
+        await light.sync()
+        assert light.capacity() == full.capacity() == (16, 16)
+        assert [r.node for r in light.reports()] == ["n2"] and len(light.reports()[0].gpus) == 16
+    finally:
+        await full.stop()
+        await light.stop()
