@@ -185,28 +185,6 @@ def advance(r: SimJob, t: float, check: bool = True) -> None:
     r.updated_at = t
 
 
-def advance_all(running: dict[str, SimJob], t: float, check: bool = True) -> None:
-    """``advance`` for every running job, written out again on purpose: this runs every
-    round over every running job, and a call per job was a measurable part of it."""
-    for r in running.values():
-        dt = t - r.updated_at
-        if dt <= 0:
-            continue
-        start = r.productive_from if r.productive_from > r.updated_at else r.updated_at
-        if t > start and r.rate > 0:
-            r.steps_done += (t - start) * r.rate
-            steps = r.job.spec.steps
-            if r.steps_done > steps:
-                if check and r.steps_done > steps * (1 + 1e-6) + 1e-6:
-                    raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
-                r.steps_done = float(steps)
-        g = dt * r.gpus_held
-        r.attained += g
-        r.gpu_seconds += g
-        r.run_time += dt
-        r.updated_at = t
-
-
 def finish_time(r: SimJob) -> float:
     """When ``r`` finishes at its current rate (or fails, if its plan does not fit)."""
     if r.rate <= 0:
@@ -267,7 +245,8 @@ class Simulator:
         self.live: dict[str, SimJob] = {}  # pending + running, in arrival order
         self.running: dict[str, SimJob] = {}
         self._unobserved: list[tuple[SimJob, int]] = []  # grants not yet told to the oracle (_observe)
-        self.views = SimViews(self.live, self.running)  # the policy's views, kept across rounds
+        # the policy's views, kept across rounds; they account the running jobs' progress at each round
+        self.views = SimViews(self.live, self.running, cfg.check_invariants, InvariantError)
         self.heap: list[tuple[float, int, int]] = []  # (finish time, version, record index)
         self.index = {id(r): i for i, r in enumerate(self.records)}
         self.timeline: list[tuple[float, int, int, int]] = []
@@ -358,10 +337,9 @@ class Simulator:
     def _round(self, t: float) -> bool:
         """Run the policy and apply its decision. True if any allocation changed."""
         self.rounds += 1
-        advance_all(self.running, t, self.cfg.check_invariants)
         if self.cfg.learn:
             self._observe(t)
-        views = self.views.views(t)
+        views = self.views.views(t)  # every running job's progress accounted to t, too (SimViews.views)
         nodes = self._nodes()
         decision = self.policy.schedule(t, nodes, views, self.oracle)
         if self.cfg.full_check:
@@ -369,7 +347,7 @@ class Simulator:
         # Refuse a decision the cluster cannot hold before applying any of it;
         # unchanged allocations were checked when granted.
         change = diff(self.running, decision)
-        self.capacity.check(decision, self.live, self.free_g, self.free_c, self.running, change.keep)
+        self.capacity.check(decision, self.live, self.free_g, self.free_c, self.running, change=change)
         running = self.running
         for jid in change.preempt:
             r = running[jid]
