@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import math
 import time as _time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,16 +193,32 @@ def finish_time(r: SimJob) -> float:
     return max(r.updated_at, r.productive_from) + left / r.rate
 
 
-def check_capacity(sim: "Simulator") -> None:
-    """The invariant: no node holds more than it has, and free + held = capacity."""
-    used_g = [0] * len(sim.node_names)
-    used_c = [0] * len(sim.node_names)
-    for r in sim.running.values():
-        for p in r.placement:
-            i = sim.node_index[p.node]
-            used_g[i] += p.gpus
-            used_c[i] += p.cpus
-    for i in range(len(sim.node_names)):
+def check_capacity(sim: "Simulator", nodes: Iterable[int] | None = None) -> None:
+    """The invariant: no node holds more than it has, and free + held = capacity.
+    ``nodes``: the indices of the nodes to check (those whose holdings changed; what
+    they hold is summed from the placements of the jobs on them, ``Simulator.on_node``);
+    None: every node, from every running job's placement."""
+    n = len(sim.node_names)
+    used_g = [0] * n
+    used_c = [0] * n
+    if nodes is None:
+        nodes = range(n)
+        for r in sim.running.values():
+            for p in r.placement:
+                i = sim.node_index[p.node]
+                used_g[i] += p.gpus
+                used_c[i] += p.cpus
+    else:
+        for i in nodes:
+            name = sim.node_names[i]
+            for r in sim.on_node[i].values():
+                if r.state != RUNNING:
+                    raise InvariantError(f"node {name}: job {r.job.job_id} holds GPUs there without running")
+                for p in r.placement:
+                    if p.node == name:
+                        used_g[i] += p.gpus
+                        used_c[i] += p.cpus
+    for i in nodes:
         if used_g[i] > sim.cap_g[i] or used_c[i] > sim.cap_c[i]:
             raise InvariantError(f"node {sim.node_names[i]} holds {used_g[i]} GPUs / {used_c[i]} CPUs")
         if used_g[i] + sim.free_g[i] != sim.cap_g[i] or used_c[i] + sim.free_c[i] != sim.cap_c[i]:
@@ -239,6 +255,8 @@ class Simulator:
         self.node_index = {n: i for i, n in enumerate(self.node_names)}
         self.free_g = self.cap_g.copy()
         self.free_c = self.cap_c.copy()
+        self.on_node: list[dict[str, SimJob]] = [{} for _ in self.node_names]  # the running jobs on each node
+        self._touched: set[int] = set()  # nodes whose holdings changed since the last capacity check
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c)
         self.records = [SimJob(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
@@ -273,10 +291,13 @@ class Simulator:
         r.restart_lost += lost
         r.restart_gpu_seconds += lost * r.gpus_held
         self.alloc_gpus -= r.gpus_held
+        jid = r.job.job_id
         for p in r.placement:
             i = self.node_index[p.node]
             self.free_g[i] += p.gpus
             self.free_c[i] += p.cpus
+            self.on_node[i].pop(jid, None)
+            self._touched.add(i)
         r.version += 1
         r.gpus_held = 0
         if r.rate > 0:
@@ -287,10 +308,13 @@ class Simulator:
     def _grant(self, r: SimJob, placement: tuple[Placement, ...], plan: Plan, t: float) -> None:
         # the nodes' own type, whatever the decision said (truth and learning read it)
         placement = with_type(placement, self.node_types[self.node_index[placement[0].node]])
+        jid = r.job.job_id
         for p in placement:
             i = self.node_index[p.node]
             self.free_g[i] -= p.gpus
             self.free_c[i] -= p.cpus
+            self.on_node[i][jid] = r
+            self._touched.add(i)
             if self.cfg.check_invariants and (self.free_g[i] < 0 or self.free_c[i] < 0):
                 raise InvariantError(f"node {p.node} over capacity after granting {r.job.job_id}")
         step_time, source = self.truth.step_time(r.job, plan, placement)
@@ -372,7 +396,10 @@ class Simulator:
             self._grant(live[jid], tuple(d.placement), d.plan, t)
         changed = bool(change.preempt or change.changed)
         if changed and self.cfg.check_invariants:
-            check_capacity(self)
+            check_capacity(self, self._touched)  # the nodes whose holdings changed since the last check
+            self._touched.clear()
+        elif not self.cfg.check_invariants:
+            self._touched.clear()
         return changed
 
     def _observe(self, t: float) -> None:
