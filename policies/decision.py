@@ -117,24 +117,33 @@ class NodeCapacity:
                    [n.cpus_total for n in nodes])
 
     def check(self, decision: Decision, jobs: Mapping[str, HasSpec], free_g: Sequence[int], free_c: Sequence[int],
-              holding: Mapping[str, Holding] | None = None, keep: Collection[str] = frozenset()) -> None:
+              holding: Mapping[str, Holding] | None = None, keep: Collection[str] = frozenset(),
+              change: Diff | None = None) -> None:
         """Refuse ``decision`` unless the cluster can hold it. ``free_g``/``free_c``:
         free per node now (not changed); ``holding``: what running jobs hold (their
         GPUs count as free unless the job is in ``keep``); jobs in ``keep`` hold the
-        same allocation already, checked when it was granted, and are skipped."""
+        same allocation already, checked when it was granted, and are skipped.
+        ``change``: ``diff(holding, decision)``, when the caller has it: its ``keep``
+        is ``keep``, and only its ``changed`` allocations are looked at one by one
+        (the same checks, in the same order; the kept ones only for being known)."""
         free_g = list(free_g)
         free_c = list(free_c)
         idx = self.index
+        allocs = decision.allocations
+        if change is not None:
+            keep = change.keep
+            if not allocs.keys() <= jobs.keys():  # a job not known: the full walk finds which first
+                change = None
         if holding:
-            for jid, h in holding.items():
-                if jid in keep:
+            for jid in holding.keys() - keep if change is not None else holding:
+                if change is None and jid in keep:
                     continue
-                for p in h.placement:
+                for p in holding[jid].placement:
                     i = idx[p.node]
                     free_g[i] += p.gpus
                     free_c[i] += p.cpus
         waiting = decision.waiting
-        for jid, d in decision.allocations.items():
+        for jid in change.changed if change is not None else allocs:
             job = jobs.get(jid)
             if job is None:
                 raise AllocationError(f"decision names unknown or finished job {jid!r}")
@@ -142,7 +151,7 @@ class NodeCapacity:
                 continue
             if jid in waiting:
                 raise AllocationError(f"job {jid}: both allocated and waiting")
-            self._take(jid, d, job.spec, free_g, free_c)
+            self._take(jid, allocs[jid], job.spec, free_g, free_c)
         for i, name in enumerate(self.names):
             if free_g[i] < 0:
                 raise AllocationError(f"node {name}: {self.gpus[i] - free_g[i]} GPUs allocated, it has {self.gpus[i]}")

@@ -119,13 +119,13 @@ class LearningOracle:
         if step_time is None or not step_time > 0 or not math.isfinite(step_time):
             return False
         relaxed = self._mem.ran(spec, tm, pkey, plan)  # it fits, and so does what needs no more
-        view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
-        predicted = float(self.base.throughput(view, plan, placement))
         observed = spec.global_batch / step_time
         ck = (model, pkey, per_node, gt)
         old = self._exact.get(ck)
-        if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:
+        if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:  # (the prediction is not needed then)
             return self._bump(model) if relaxed else False
+        view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
+        predicted = float(self.base.throughput(view, plan, placement))
         self._exact[ck] = self._exact_at.setdefault((model, per_node, gt), {})[pkey] = (observed, predicted)
         if predicted > 0:  # the model's error here refits the family's scale
             fk = (model, plan_family(plan), gt)

@@ -76,13 +76,14 @@ class Ledger:
 
     def __init__(self, nodes: list[NodeState]):
         self.nodes = nodes
-        self.order = {n.name: i for i, n in enumerate(nodes)}
-        self.domain = {n.name: n.domain for n in nodes}
-        self.types = {n.name: n.gpu_type for n in nodes}
-        self.free_g = {n.name: n.gpus_total for n in nodes}
-        self.free_c = {n.name: n.cpus_total for n in nodes}
-        self.res_g = {n.name: 0 for n in nodes}
-        self.res_c = {n.name: 0 for n in nodes}
+        names = [n.name for n in nodes]  # the same dicts as {n.name: ... for n in nodes}, built from one pass
+        self.order = dict(zip(names, range(len(names))))
+        self.domain = dict(zip(names, [n.domain for n in nodes]))
+        self.types = dict(zip(names, [n.gpu_type for n in nodes]))
+        self.free_g = dict(zip(names, [n.gpus_total for n in nodes]))
+        self.free_c = dict(zip(names, [n.cpus_total for n in nodes]))
+        self.res_g = dict.fromkeys(names, 0)
+        self.res_c = dict.fromkeys(names, 0)
 
     # ---- bookkeeping
     def reserve(self, placement: tuple[Placement, ...], sign: int = 1) -> None:

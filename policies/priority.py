@@ -14,6 +14,7 @@ less than a round; with shorter rounds this keeps the same guarantee).
 
 from __future__ import annotations
 
+from heapq import heappop, heappush
 from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
@@ -21,7 +22,7 @@ from gearshift.policies.classes import by_class
 from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledger, describe
 from gearshift.policies.protocols import BatchOrderKey, supports
-from gearshift.policies.victims import victim_order
+from gearshift.policies.victims import any_checkpoint, work_since_checkpoint
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 
@@ -54,6 +55,8 @@ class PriorityPolicy:
         self.victim_ok = victim_ok
         self.blocks = blocks
         self._kept: dict[str, JobDecision] = {}  # last round's "kept" decisions, by job
+        self._kept_for: str | None = None  # the name _kept_reason was made for
+        self._kept_reason = ""
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -62,39 +65,64 @@ class PriorityPolicy:
         key = self.key
         # sharing.Shared may put a plain key in place of by_class's
         keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
-        order = [jobs[i] for i in sorted(range(len(jobs)), key=keys.__getitem__)]  # = sorted(jobs, key=...)
+        order = [jobs[i] for i in _sorted_by(keys)]  # = sorted(jobs, key=...)
         ledger = Ledger(nodes)
         free_g, free_c = ledger.free_g, ledger.free_c
-        holding: dict[str, JobView] = {}
-        for j in order:  # running jobs keep what they hold while it fits (ledger.fits, take; inlined)
+        kept = self._kept_words()
+        last = self._kept
+        # One pass over the order: running jobs keep what they hold while it fits (ledger.fits,
+        # take; inlined), each with its decision made here (last round's for a job that keeps the
+        # same placement and plan: the same values, and nothing changes a JobDecision once made);
+        # the positions of the others are what the walk below visits.
+        holding: dict[str, JobDecision] = {}
+        held_at: list[int] = []  # positions of the kept jobs: preemption's candidates
+        walk: list[int] = []  # positions of the jobs not kept, in order (a heap: victims join it)
+        for at, j in enumerate(order):
             held = j.placement
+            if not held:
+                walk.append(at)
+                continue
             if len(held) == 1:  # one node: the same test and take, without the loops
                 p = held[0]
                 node = p.node
                 if node in free_g and free_g[node] >= p.gpus and free_c[node] >= p.cpus:
                     free_g[node] -= p.gpus
                     free_c[node] -= p.cpus
-                    holding[j.job_id] = j
-            elif held:
+                else:
+                    walk.append(at)
+                    continue
+            else:
+                fits = True
                 for p in held:
                     if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
+                        fits = False
                         break
-                else:
-                    for p in held:
-                        free_g[p.node] -= p.gpus
-                        free_c[p.node] -= p.cpus
-                    holding[j.job_id] = j
+                if not fits:
+                    walk.append(at)
+                    continue
+                for p in held:
+                    free_g[p.node] -= p.gpus
+                    free_c[p.node] -= p.cpus
+            jid = j.job_id
+            d = last.get(jid)
+            if d is None or d.placement is not held or d.plan is not j.plan or d.reason != kept:
+                d = JobDecision(held, j.plan or default_plan(j.spec), kept)
+            holding[jid] = d
+            held_at.append(at)
         decision = Decision()
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
         behind: dict[str, str] = {}  # the same words for every job behind the blocked one
         describe_key, waiting = self.describe_key, decision.waiting
-        for at, j in enumerate(order):
+        while walk:
+            at = heappop(walk)
+            j = order[at]
             if j.job_id in holding:
                 continue
             if blocked is not None and self.head_of_line and self.blocks is None:
                 # everything after the blocked job waits behind it: the rest of the walk, in its order
-                for j in order[at:]:
+                for at in (at, *sorted(walk)):
+                    j = order[at]
                     if j.job_id not in holding:
                         why = describe_key(j)
                         msg = behind.get(why)
@@ -114,13 +142,20 @@ class PriorityPolicy:
             gpus = plan.gpus
             prefer = tuple(p.node for p in j.placement)
             placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
-            victims: list[JobView] = []
+            victims: list[tuple[int, JobView, JobDecision]] = []
             # a job preempted this round does not preempt its peers to come back (with victims taken
             # from the bottom of the order nothing is below them; policies.victims may take them higher)
             if placement is None and self.preemptive and j.job_id not in preempted:
                 victim_ok, min_run = self.victim_ok, self.min_run_time
-                # running jobs after j in the order, from the bottom; among equals, least work lost first
-                for v in victim_order(order[:at:-1], now):
+                cands: list[int] = []  # running jobs after j in the order, from the bottom
+                for vat in reversed(held_at):
+                    if vat <= at:
+                        break
+                    cands.append(vat)
+                if any_checkpoint(order[at + 1:]):  # among equals, least work lost first (victim_order)
+                    cands.sort(key=lambda vat: (order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
+                for vat in cands:
+                    v = order[vat]
                     if v.job_id not in holding:  # (only those already passed leave holding here)
                         continue
                     if victim_ok is not None:
@@ -129,15 +164,14 @@ class PriorityPolicy:
                     elif (since := v.switched_at) is not None and now - since < min_run:  # _protected, inlined
                         continue
                     ledger.give(v.placement)
-                    del holding[v.job_id]
-                    victims.append(v)
+                    victims.append((vat, v, holding.pop(v.job_id)))
                     placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
                     if placement is not None:
                         break
                 if placement is None:  # preempting did not help: undo
-                    for v in victims:
+                    for _, v, d in victims:
                         ledger.take(v.placement)
-                        holding[v.job_id] = v
+                        holding[v.job_id] = d
                     victims = []
             if placement is None:
                 decision.waiting[j.job_id] = (
@@ -148,26 +182,44 @@ class PriorityPolicy:
                     blocked = j
                 continue
             ledger.take(placement)
-            for v in victims:
+            for vat, v, _ in victims:
                 preempted[v.job_id] = f"preempted by {j.job_id}, ahead in {self.name} order{self.describe_key(v)}"
+                heappush(walk, vat)  # it is walked in its turn, as a job not kept
             verb = "moved to" if j.running else "started on"
             decision.allocations[j.job_id] = JobDecision(
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
             )
-        kept = f"{self.name}: kept"
-        allocs, last, now_kept = decision.allocations, self._kept, {}
-        for jid, j in holding.items():
-            # last round's decision for a job that keeps the same placement and plan is this
-            # round's too (the same values; nothing changes a JobDecision once made)
-            d = last.get(jid)
-            if d is None or d.placement is not j.placement or d.plan is not j.plan or d.reason != kept:
-                d = JobDecision(j.placement, j.plan or default_plan(j.spec), kept)
-            allocs[jid] = now_kept[jid] = d
-        self._kept = now_kept
+        decision.allocations.update(holding)  # the kept jobs after those the walk placed, in order
+        self._kept = holding
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
         return decision
+
+    def _kept_words(self) -> str:
+        """A kept job's reason, made once per name (its decisions carry the same string)."""
+        if self._kept_for is not self.name:
+            self._kept_for, self._kept_reason = self.name, f"{self.name}: kept"
+        return self._kept_reason
+
+
+def _sorted_by(keys: list) -> list[int]:
+    """``sorted(range(len(keys)), key=keys.__getitem__)``, faster for many tuple keys whose
+    second parts are numbers (the class first, then the ordering's own: seconds left,
+    attained service, arrival): a stable sort on those numbers alone (cheap comparisons)
+    first, and the full sort then finds its input nearly in order. The same result:
+    the second sort is the whole one and stable, and the first keeps the input's order
+    among equal numbers, so among equal keys too. Not for NaN (no order to agree on)."""
+    idx = range(len(keys))
+    if len(keys) > 16 and type(keys[0]) is tuple:
+        try:
+            second = [k[1] for k in keys]
+            total = sum(second)  # TypeError if they are not numbers; NaN if one is (or inf - inf)
+        except (TypeError, IndexError):
+            second, total = None, None
+        if second is not None and total == total:
+            idx = sorted(idx, key=second.__getitem__)
+    return sorted(idx, key=keys.__getitem__)
 
 
 def make_fifo_priority(**kw) -> PriorityPolicy:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import heapq
 import math
 import time as _time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -230,28 +230,6 @@ def advance(r: SimJob, t: float, check: bool = True) -> None:
     r.updated_at = t
 
 
-def advance_all(running: dict[str, SimJob], t: float, check: bool = True) -> None:
-    """``advance`` for every running job, written out again on purpose: this runs every
-    round over every running job, and a call per job was a measurable part of it."""
-    for r in running.values():
-        dt = t - r.updated_at
-        if dt <= 0:
-            continue
-        start = r.productive_from if r.productive_from > r.updated_at else r.updated_at
-        if t > start and r.rate > 0:
-            r.steps_done += (t - start) * r.rate
-            steps = r.job.spec.steps
-            if r.steps_done > steps:
-                if check and r.steps_done > steps * (1 + 1e-6) + 1e-6:
-                    raise InvariantError(f"job {r.job.job_id}: {r.steps_done} steps done of {steps}")
-                r.steps_done = float(steps)
-        g = dt * r.gpus_held
-        r.attained += g
-        r.gpu_seconds += g
-        r.run_time += dt
-        r.updated_at = t
-
-
 def finish_time(r: SimJob) -> float:
     """When ``r`` finishes at its current rate (or fails, if its plan does not fit)."""
     if r.rate <= 0:
@@ -260,16 +238,32 @@ def finish_time(r: SimJob) -> float:
     return max(r.updated_at, r.productive_from) + left / r.rate
 
 
-def check_capacity(sim: "Simulator") -> None:
-    """The invariant: no node holds more than it has, and free + held = capacity."""
-    used_g = [0] * len(sim.node_names)
-    used_c = [0] * len(sim.node_names)
-    for r in sim.running.values():
-        for p in r.placement:
-            i = sim.node_index[p.node]
-            used_g[i] += p.gpus
-            used_c[i] += p.cpus
-    for i in range(len(sim.node_names)):
+def check_capacity(sim: "Simulator", nodes: Iterable[int] | None = None) -> None:
+    """The invariant: no node holds more than it has, and free + held = capacity.
+    ``nodes``: the indices of the nodes to check (those whose holdings changed; what
+    they hold is summed from the placements of the jobs on them, ``Simulator.on_node``);
+    None: every node, from every running job's placement."""
+    n = len(sim.node_names)
+    used_g = [0] * n
+    used_c = [0] * n
+    if nodes is None:
+        nodes = range(n)
+        for r in sim.running.values():
+            for p in r.placement:
+                i = sim.node_index[p.node]
+                used_g[i] += p.gpus
+                used_c[i] += p.cpus
+    else:
+        for i in nodes:
+            name = sim.node_names[i]
+            for r in sim.on_node[i].values():
+                if r.state != RUNNING:
+                    raise InvariantError(f"node {name}: job {r.job.job_id} holds GPUs there without running")
+                for p in r.placement:
+                    if p.node == name:
+                        used_g[i] += p.gpus
+                        used_c[i] += p.cpus
+    for i in nodes:
         if used_g[i] > sim.cap_g[i] or used_c[i] > sim.cap_c[i]:
             raise InvariantError(f"node {sim.node_names[i]} holds {used_g[i]} GPUs / {used_c[i]} CPUs")
         if used_g[i] + sim.free_g[i] != sim.cap_g[i] or used_c[i] + sim.free_c[i] != sim.cap_c[i]:
@@ -306,6 +300,8 @@ class Simulator:
         self.node_index = {n: i for i, n in enumerate(self.node_names)}
         self.free_g = self.cap_g.copy()
         self.free_c = self.cap_c.copy()
+        self.on_node: list[dict[str, SimJob]] = [{} for _ in self.node_names]  # the running jobs on each node
+        self._touched: set[int] = set()  # nodes whose holdings changed since the last capacity check
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c)
         self.records = [SimJob(j, JobView(job_id=j.job_id, spec=declared_spec(j.spec, cfg.declared_noise, cfg.seed, j.job_id),
                                           submitted_at=j.submit)) for j in trace.jobs]
@@ -313,7 +309,8 @@ class Simulator:
         self.live: dict[str, SimJob] = {}  # pending + running, in arrival order
         self.running: dict[str, SimJob] = {}
         self._unobserved: list[tuple[SimJob, int]] = []  # grants not yet told to the oracle (_observe)
-        self.views = SimViews(self.live, self.running)  # the policy's views, kept across rounds
+        # the policy's views, kept across rounds; they account the running jobs' progress at each round
+        self.views = SimViews(self.live, self.running, cfg.check_invariants, InvariantError)
         self.heap: list[tuple[float, int, int]] = []  # (finish time, version, record index)
         self.index = {id(r): i for i, r in enumerate(self.records)}
         self.timeline: list[tuple[float, int, int, int]] = []
@@ -340,10 +337,13 @@ class Simulator:
         r.restart_lost += lost
         r.restart_gpu_seconds += lost * r.gpus_held
         self.alloc_gpus -= r.gpus_held
+        jid = r.job.job_id
         for p in r.placement:
             i = self.node_index[p.node]
             self.free_g[i] += p.gpus
             self.free_c[i] += p.cpus
+            self.on_node[i].pop(jid, None)
+            self._touched.add(i)
         r.version += 1
         r.gpus_held = 0
         if r.rate > 0:
@@ -354,10 +354,13 @@ class Simulator:
     def _grant(self, r: SimJob, placement: tuple[Placement, ...], plan: Plan, t: float) -> None:
         # the nodes' own type, whatever the decision said (truth and learning read it)
         placement = with_type(placement, self.node_types[self.node_index[placement[0].node]])
+        jid = r.job.job_id
         for p in placement:
             i = self.node_index[p.node]
             self.free_g[i] -= p.gpus
             self.free_c[i] -= p.cpus
+            self.on_node[i][jid] = r
+            self._touched.add(i)
             if self.cfg.check_invariants and (self.free_g[i] < 0 or self.free_c[i] < 0):
                 raise InvariantError(f"node {p.node} over capacity after granting {r.job.job_id}")
         step_time, source = self.truth.step_time(r.job, plan, placement)
@@ -404,10 +407,9 @@ class Simulator:
     def _round(self, t: float) -> bool:
         """Run the policy and apply its decision. True if any allocation changed."""
         self.rounds += 1
-        advance_all(self.running, t, self.cfg.check_invariants)
         if self.cfg.learn:
             self._observe(t)
-        views = self.views.views(t)
+        views = self.views.views(t)  # every running job's progress accounted to t, too (SimViews.views)
         if self.cfg.checkpoint_interval is not None:  # what agents report live (JobProgress)
             for v in views:
                 r = self.running.get(v.job_id)
@@ -419,7 +421,7 @@ class Simulator:
         # Refuse a decision the cluster cannot hold before applying any of it;
         # unchanged allocations were checked when granted.
         change = diff(self.running, decision)
-        self.capacity.check(decision, self.live, self.free_g, self.free_c, self.running, change.keep)
+        self.capacity.check(decision, self.live, self.free_g, self.free_c, self.running, change=change)
         running = self.running
         if self.cfg.checkpoint_interval is not None:
             for jid in (*change.preempt, *change.reconfigure):
@@ -447,7 +449,10 @@ class Simulator:
             self._grant(live[jid], tuple(d.placement), d.plan, t)
         changed = bool(change.preempt or change.changed)
         if changed and self.cfg.check_invariants:
-            check_capacity(self)
+            check_capacity(self, self._touched)  # the nodes whose holdings changed since the last check
+            self._touched.clear()
+        elif not self.cfg.check_invariants:
+            self._touched.clear()
         return changed
 
     def _observe(self, t: float) -> None:

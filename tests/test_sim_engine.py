@@ -7,7 +7,7 @@ import pytest
 from gearshift.bus_schema.messages import JobSpec, JobState, ModelSpec, Plan
 from gearshift.policies.api import AllocationError, Decision, JobDecision, Placement
 from gearshift.policies.registry import make_policy
-from gearshift.sim.engine import InvariantError, SimConfig, Simulator, advance, simulate
+from gearshift.sim.engine import InvariantError, SimConfig, Simulator, advance, check_capacity, simulate
 from gearshift.sim.metrics import per_job_csv_text, summarize
 from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
@@ -244,3 +244,24 @@ def test_measured_targets_tell_policies_the_request_speed(measured):
     simulate(trace(job("A", 0, 2, 10, step_time=0.5, guaranteed=True)), Scripted(fn),
              config=SimConfig(restart_cost=0, noise=0, measured_targets=measured))
     assert seen[0] == (pytest.approx(8 / 0.5) if measured else None)  # global batch 8 / 0.5 s per step
+
+
+def test_capacity_invariant_checks_the_nodes_that_changed_and_catches_bad_bookkeeping():
+    # A runs on n000 and B on n001; the check of the nodes a round touched sums the jobs
+    # on them (Simulator.on_node) and agrees with the whole-cluster check...
+    sim = Simulator(trace(job("A", 0, 4, 10 ** 6), job("B", 0, 2, 10 ** 6), cluster="2x4"), make_policy("fifo"),
+                    config=SimConfig(horizon=600))
+    sim.run()
+    check_capacity(sim)
+    check_capacity(sim, range(2))
+    held = {sim.node_names[i]: sorted(sim.on_node[i]) for i in range(2)}
+    assert held == {"n000": ["A"], "n001": ["B"]}
+    # ... and refuses free-capacity bookkeeping that is off on a checked node, or a job
+    # listed on a node it no longer runs on
+    sim.free_g[1] += 1
+    with pytest.raises(InvariantError, match="n001: free-capacity bookkeeping is off"):
+        check_capacity(sim, [1])
+    sim.free_g[1] -= 1
+    sim.records[0].state = JobState.PENDING
+    with pytest.raises(InvariantError, match="job A holds GPUs there without running"):
+        check_capacity(sim, [0])
