@@ -26,6 +26,8 @@ MAX_ARG_LEN = 4096
 MAX_ENV = 64
 MAX_GPUS = 4096
 MAX_MESSAGE_BYTES = 256 * 1024
+MAX_AFTER = 256  # dependencies of one job (an array named by its id counts as one)
+MAX_ARRAY = 10_000  # jobs one array submit creates
 
 Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 Label = Annotated[str, Meta(max_length=MAX_STR)]
@@ -95,6 +97,24 @@ class Plan(_Input, kw_only=True, frozen=True):
         return "-".join(parts)
 
 
+class DependOn(str, enum.Enum):
+    """How a dependency must end for its dependent to start (Slurm's afterok /
+    afternotok / afterany)."""
+
+    COMPLETED = "completed"  # exit 0
+    FAILED = "failed"  # failed (retries used up)
+    FINISHED = "finished"  # any end: completed, failed or cancelled
+
+
+class Dependency(_Input, kw_only=True, frozen=True):
+    """``job`` must end as ``on`` says before the job that names it starts; a job
+    that ends otherwise cancels it (with the reason). ``job`` may name an array
+    (its id prefix): then every element of the array."""
+
+    job: JobId
+    on: DependOn = DependOn.COMPLETED
+
+
 class JobSpec(_Input, kw_only=True, frozen=True):
     name: Name
     model: ModelSpec
@@ -115,6 +135,10 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     # GPU types the job may run on (bus_schema.gputypes.GPU_TYPES); absent or empty = any.
     # A job always runs on nodes of one type.
     gpu_types: Annotated[tuple[GpuTypeName, ...], Meta(max_length=16)] | None = None
+    # Jobs (of the same tenant, submitted before) this one waits for (services.dependencies).
+    after: Annotated[list[Dependency], Meta(max_length=MAX_AFTER)] | None = None
+    # N jobs ``<id>-0`` .. ``<id>-<N-1>`` that differ only by GEARSHIFT_ARRAY_INDEX in their env.
+    array: Annotated[int, Meta(ge=1, le=MAX_ARRAY)] | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):
@@ -124,6 +148,9 @@ class SubmitRequest(_Input, kw_only=True, frozen=True):
 
 class JobRef(_Input, kw_only=True, frozen=True):
     job_id: JobId
+    # cancel only: the jobs that wait on this one (and theirs) are cancelled too;
+    # False: they are judged by their condition (a cancelled job counts as finished)
+    cascade: bool = True
 
 
 class ListRequest(_Input, kw_only=True, frozen=True):
@@ -139,6 +166,7 @@ class ListRequest(_Input, kw_only=True, frozen=True):
     limit: Annotated[int, Meta(ge=1, le=100_000)] = 10_000
     cursor: Annotated[str, Meta(max_length=256)] | None = None  # JobList.next_cursor of the previous page
     all: bool = False
+    array: JobId | None = None  # only the jobs of this array (its id prefix)
 
 
 # ---------------------------------------------------------------- job record
@@ -282,6 +310,18 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     # allocations that ended. Defaults keep older records decodable.
     last_switch_at: float | None = None
     attained_gpu_s: NonNegFloat = 0.0
+    # Dependencies (services.dependencies): ``spec.after`` with arrays expanded to
+    # their elements at submit, and those whose condition is met (written by the
+    # optimizer's rounds, so a new leader goes on from them). ``cascade``: this job
+    # was cancelled with cascade, its dependents are cancelled too.
+    after: list[Dependency] = []
+    after_met: list[JobId] = []
+    cascade: bool = False
+    array_index: NonNegInt | None = None  # element of the array ``spec.array`` (GEARSHIFT_ARRAY_INDEX)
+
+    @property
+    def waits_on_dependencies(self) -> bool:
+        return self.state == JobState.PENDING and len(self.after_met) < len(self.after)
 
     @property
     def terminal(self) -> bool:
@@ -461,9 +501,10 @@ class ErrorReply(_Msg, kw_only=True, frozen=True):
 
 
 class SubmitReply(_Msg, kw_only=True, frozen=True):
-    job_id: str
+    job_id: str  # an array's id prefix: its jobs are ``<job_id>-<i>``
     created: bool  # False when the token matched an earlier submission
     state: JobState
+    array: NonNegInt = 0  # jobs of the array (0: not an array)
 
 
 class JobList(_Msg, kw_only=True, frozen=True):
@@ -571,7 +612,7 @@ class JobCancelRequested(JobEvent, tag="job.cancel_requested", kw_only=True, fro
 
 
 class JobCancelled(JobEvent, tag="job.cancelled", kw_only=True, frozen=True):
-    pass
+    reason: str = ""  # "" : by user; else e.g. a dependency that ended otherwise
 
 
 class JobRequeued(JobEvent, tag="job.requeued", kw_only=True, frozen=True):

@@ -2,10 +2,10 @@
 
     gearshift up [--nodes N --gpus-per-node G --port P --policy NAME]
     gearshift submit FILE|-
-    gearshift get jobs [--state S --tenant T -w] | get job ID | get nodes | get node NAME
+    gearshift get jobs [--state S --tenant T --array ID -w] | get job ID | get nodes | get node NAME
     gearshift get queues | set queue TENANT --quota N [--weight W --cohort C --borrow-limit N --lend-limit N]
     gearshift describe job ID
-    gearshift cancel ID
+    gearshift cancel ID [--no-cascade]
     gearshift events [--follow] [--job ID] [-o json]
     gearshift explain [ID]
     gearshift reconfigure ID --plan dp=2,tp=2 [--on node0:4] | --unpin
@@ -72,7 +72,9 @@ async def cmd_submit(args: argparse.Namespace) -> int:
 
     async def go(c: Client) -> int:
         reply = await c.submit(spec, token=args.token)
-        print(reply.job_id)
+        # an array: its id prefix, then the ids of its jobs (<prefix>-0 .. <prefix>-<N-1>)
+        print(reply.job_id if not reply.array else f"{reply.job_id} ({reply.array} jobs: {reply.job_id}-0 .. "
+              f"{reply.job_id}-{reply.array - 1})")
         return 0
 
     return await _with_client(args, go)
@@ -101,7 +103,8 @@ async def cmd_get(args: argparse.Namespace) -> int:
             elif args.watch:
                 return await _watch_jobs(c, args, states)
             else:  # paged: as many requests as it takes (--all: the history store too)
-                jobs = await c.jobs(tenant=args.tenant, states=states, limit=args.limit, all=args.all, node=args.node)
+                jobs = await c.jobs(tenant=args.tenant, states=states, limit=args.limit, all=args.all, node=args.node,
+                                    **({"array": args.array} if args.array else {}))
             if args.output == "json":
                 _print_json(jobs[0] if args.name else jobs)
             else:
@@ -226,6 +229,12 @@ def describe_text(j: JobRecord) -> str:
         f"Progress:   {render.steps_done(j)}/{j.spec.steps} steps, speed {render.speed(j)}, run time "
         f"{render.run_time(j)}, restarts {j.restarts}, last checkpoint at step {j.checkpoint_step}",
     ]
+    if j.after:
+        met = set(j.after_met)
+        lines.append("Waits on:   " + ", ".join(f"{d.job} ({d.on.value}{', met' if d.job in met else ''})"
+                                                for d in j.after[:8]) + (f", +{len(j.after) - 8} more" if len(j.after) > 8 else ""))
+    if j.array_index is not None:
+        lines.append(f"Array:      element {j.array_index} of {j.spec.array} (GEARSHIFT_ARRAY_INDEX={j.array_index})")
     if j.pinned is not None:
         lines.append(f"Pinned:     {j.pinned.plan.label()}"
                      + (f" on {', '.join(f'{s.node}:{s.gpus}' for s in j.pinned.placement)}" if j.pinned.placement else "")
@@ -239,7 +248,7 @@ def describe_text(j: JobRecord) -> str:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     async def go(c: Client) -> int:
-        j = await c.cancel(args.id)
+        j = await c.cancel(args.id, cascade=not args.no_cascade)
         print(f"{j.job_id} {j.state.value}")
         return 0
 
@@ -312,6 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state", default=None,
                    help="only jobs in these states, comma-separated (pending,scheduled,running,cancelling,...)")
     g.add_argument("--node", default=None, help="only jobs placed on this node")
+    g.add_argument("--array", default=None, help="only the jobs of this array (the id its submit printed)")
     g.add_argument("--all", action="store_true", help="finished jobs moved to the history store too")
     g.add_argument("--limit", type=int, default=None, help="at most this many jobs (oldest first)")
     g.add_argument("-w", "--watch", action="store_true", help="keep watching: a line for every job that changes")
@@ -334,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = verb("cancel", "cancel a job (its processes checkpoint and stop)")
     c.add_argument("id", help="job id")
+    c.add_argument("--no-cascade", action="store_true",
+                   help="leave the jobs that wait on it to their condition (default: cancel them too)")
 
     e = verb("events", "replay the event stream from the start")
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")

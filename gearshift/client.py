@@ -180,8 +180,10 @@ class Client:
     async def job(self, job_id: str) -> JobRecord:
         return await self._call(self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, "read jobs")
 
-    async def cancel(self, job_id: str) -> JobRecord:
-        return await self._call(self._subject(subj.ADMISSION_CANCEL), {"job_id": job_id}, JobRecord, "cancel jobs")
+    async def cancel(self, job_id: str, cascade: bool = True) -> JobRecord:
+        """Cancel a job; with ``cascade`` the jobs that wait on it too (``services.dependencies``)."""
+        return await self._call(self._subject(subj.ADMISSION_CANCEL), {"job_id": job_id, "cascade": cascade},
+                                JobRecord, "cancel jobs")
 
     async def nodes(self) -> NodeList:
         return await self._call(subj.ADMISSION_NODES, None, NodeList, "list nodes")

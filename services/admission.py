@@ -52,6 +52,8 @@ from gearshift.bus_schema.messages import (
 )
 from gearshift.bus_schema.validate import SpecError, check_spec
 from gearshift.policies.queues import ShareConfig
+from gearshift.services import dependencies
+from gearshift.services.dependencies import bounded
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.paging import BadCursor, list_page
@@ -183,38 +185,61 @@ class Admission:
             raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
         await self._check_quota(spec)
         job_id = job_id_for(spec.tenant, req.token)
+        ids = dependencies.array_ids(job_id, spec.array) if spec.array else [job_id]
         if req.token is not None:
-            existing = await self.store.get(job_id)
+            existing = await self.store.get(ids[0])
             if existing is not None:
-                return self._same_submission(existing[0], req)
+                if spec.array is None:
+                    return self._same_submission(existing[0], req)
+                self._same_submission(existing[0], req)  # 409 if the token was used for another spec
+                ids = [j for j, got in zip(ids, await bounded([self.store.get(j) for j in ids], 32)) if got is None]
+                if not ids:  # a retry of a complete array
+                    return SubmitReply(job_id=job_id, created=False, state=JobState.PENDING, array=spec.array)
+        after = []
+        if spec.after:
+            try:  # the view first, then gs_jobs and the history store by key (no scan)
+                after = await dependencies.check_after(spec, job_id, ids, dependencies.finder(self.jobs_view, self.store))
+            except SpecError as err:
+                raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
         live = self._live_count(spec.tenant)
-        if live >= self.max_jobs_per_tenant:
-            raise RequestError("429", f"tenant {spec.tenant} has {live} live jobs, the limit", "spec.tenant")
+        if live + len(ids) > self.max_jobs_per_tenant:
+            raise RequestError("429", f"tenant {spec.tenant} has {live} live jobs, the limit is "
+                               f"{self.max_jobs_per_tenant}", "spec.tenant")
         # counted before the first await: submits run concurrently, and a burst
         # must not slip past the limit between the check and the write
         mine = self._created.setdefault(spec.tenant, set())
-        fresh = job_id not in mine
-        mine.add(job_id)
+        fresh = [j for j in ids if j not in mine]
+        mine.update(ids)
         ts = self.clock.now()
-        rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted")
+        try:
+            made = await bounded([self._create(j, req, ts, after, spec.array) for j in ids], 32)
+        except BaseException:
+            mine.difference_update(fresh)
+            raise
+        if spec.array is None and made[0] is not None:
+            return made[0]  # a concurrent submit with the same token won the race
+        log.info("job submitted", job_id=job_id, name=spec.name, gpus=spec.gpus, tenant=spec.tenant,
+                 array=spec.array, after=len(after))
+        return SubmitReply(job_id=job_id, created=True, state=JobState.PENDING, array=spec.array or 0)
+
+    async def _create(self, job_id: str, req: SubmitRequest, ts: float, after: list, array: int | None
+                      ) -> SubmitReply | None:
+        """Write one new record (an array's element: its index from its id);
+        None when written, else the reply of the submission that got there first."""
+        spec = req.spec
+        index = int(job_id.rsplit("-", 1)[1]) if array else None
+        rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted",
+                        after=after, array_index=index)
         rec = with_event(
             rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
         )
-        try:
-            rev = await self.store.create(rec, flush=False)
-        except BaseException:
-            if fresh:
-                mine.discard(job_id)
-            raise
+        rev = await self.store.create(rec, flush=False)
         if rev is not None:
             self.outbox.add(rec, rev)  # the event goes out in the background
-        else:
-            # a concurrent submit with the same token won the race
-            existing = await self.store.get(job_id)
-            assert existing is not None
-            return self._same_submission(existing[0], req)
-        log.info("job submitted", job_id=job_id, name=spec.name, gpus=spec.gpus, tenant=spec.tenant)
-        return SubmitReply(job_id=job_id, created=True, state=JobState.PENDING)
+            return None
+        existing = await self.store.get(job_id)  # a concurrent submit with the same token won the race
+        assert existing is not None
+        return self._same_submission(existing[0], req)
 
     @staticmethod
     def _same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
@@ -236,9 +261,11 @@ class Admission:
             if rec.state == JobState.CANCELLING:
                 return None
             if rec.state == JobState.PENDING:
-                rec = msgspec.structs.replace(rec, state=JobState.CANCELLED, finished_at=ts, reason="cancelled by user")
+                rec = msgspec.structs.replace(rec, state=JobState.CANCELLED, finished_at=ts, reason="cancelled by user",
+                                              cascade=ref.cascade)
                 return with_event(rec, JobCancelled, ts=ts)
-            rec = msgspec.structs.replace(rec, state=JobState.CANCELLING, reason="cancel requested: stopping")
+            rec = msgspec.structs.replace(rec, state=JobState.CANCELLING, reason="cancel requested: stopping",
+                                          cascade=ref.cascade)
             return with_event(rec, JobCancelRequested, ts=ts)
 
         new = await self.store.update(ref.job_id, change)
