@@ -36,6 +36,7 @@ from gearshift.bus_schema.messages import ALLOWED_TRANSITIONS, InvalidTransition
 from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, with_type
 from gearshift.policies.decision import NodeCapacity, check_decision, diff
 from gearshift.policies.learning import LearningOracle
+from gearshift.sim.dependencies import DependencyHold
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
 from gearshift.sim.views import SimViews
@@ -264,6 +265,7 @@ class Simulator:
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c)
         self.records = [SimJob(j, JobView(job_id=j.job_id, spec=j.spec, submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
+        self.holds = DependencyHold(self.records)  # a trace's ``after`` column (sim.dependencies)
         self.live: dict[str, SimJob] = {}  # pending + running, in arrival order
         self.running: dict[str, SimJob] = {}
         self._unobserved: list[tuple[SimJob, int]] = []  # grants not yet told to the oracle (_observe)
@@ -480,14 +482,18 @@ class Simulator:
                 del self.live[r.job.job_id]
                 done += 1
                 completed = True
+                for d in self.holds.completed(r.job.job_id):  # its dependents that arrived join the queue
+                    self.live[d.job.job_id] = d
+                    arrived = True
                 if tracked_left is not None:
                     tracked_left.discard(r.job.job_id)
             while nxt < n and jobs[nxt].job.submit <= t:
                 r = jobs[nxt]
                 move(r, PENDING)
-                self.live[r.job.job_id] = r
                 nxt += 1
-                arrived = True
+                if self.holds.arrive(r):
+                    self.live[r.job.job_id] = r
+                    arrived = True
             if tracked_left is not None and not tracked_left:
                 break
             run_round = t >= next_round or (arrived and cfg.round_on_arrival) or (completed and cfg.round_on_completion)
