@@ -258,3 +258,18 @@ async def test_a_new_leader_releases_what_the_old_one_saw_waiting(nc, admission)
     finally:
         stop2.set()
         await task2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_loadtest_dependencies_holds_across_a_leader_kill():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = subprocess.run([sys.executable, "-m", "loadtest.dependencies", "--json"], capture_output=True, text=True,
+                       timeout=380, cwd=Path(__file__).resolve().parent.parent)
+    first, _, rest = p.stdout.partition("\n")
+    report = json.loads(rest)
+    assert first == "ok" and p.returncode == 0, report
+    assert all(report["checks"].values()) and report["new_leader"]["pid"] != report["killed"]["pid"]
