@@ -318,6 +318,12 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     after_met: list[JobId] = []
     cascade: bool = False
     array_index: NonNegInt | None = None  # element of the array ``spec.array`` (GEARSHIFT_ARRAY_INDEX)
+    # Accounting (bus_schema.usage): plan switches done and their cost, and the
+    # steps done but not in the checkpoint resumed from, by cause (switch, requeue).
+    switches: NonNegInt = 0
+    switch_s: NonNegFloat = 0.0  # seconds, drain start -> first step of the new generation
+    switch_gpu_s: NonNegFloat = 0.0  # those seconds times the new generation's GPUs
+    steps_lost: dict[str, NonNegInt] = {}
 
     @property
     def waits_on_dependencies(self) -> bool:
@@ -551,6 +557,68 @@ class ExplainReply(_Msg, kw_only=True, frozen=True):
     policy: str
     round: int
     jobs: list[ExplainEntry]
+
+
+# ---------------------------------------------------------------- accounting (issue 23)
+class UsageRow(_Msg, kw_only=True, frozen=True):
+    """One finished job's account, on the ``GS_USAGE`` stream (``gs.usage.<tenant>``)
+    when it moves to the history store; ``bus_schema.usage.usage_row`` makes it."""
+
+    job_id: str
+    tenant: str
+    model: str
+    gpus: int = 0
+    state: str = ""
+    submitted_at: float = 0.0
+    finished_at: float | None = None  # None: still live (a live record's account so far)
+    gpu_s: float = 0.0  # GPU-seconds held
+    productive_gpu_s: float = 0.0  # held less switch downtime and the work redone
+    wait_s: float = 0.0  # submit -> first start (or -> now / the end, if it never started)
+    restarts: int = 0
+    switches: int = 0
+    switch_s: float = 0.0
+    switch_gpu_s: float = 0.0
+    steps_lost: dict[str, int] = {}
+
+
+class UsageBatch(_Msg, kw_only=True, frozen=True):
+    """Usage rows of one tenant archived together: one ``GS_USAGE`` message."""
+
+    rows: list[UsageRow]
+
+
+class UsageRequest(_Input, kw_only=True, frozen=True):
+    """``gearshift usage``: jobs that finished in ``[since, until]`` (epoch seconds;
+    ``until`` absent: now, and the live jobs' use so far), grouped ``by``."""
+
+    since: NonNegFloat
+    until: NonNegFloat | None = None
+    by: Annotated[str, Meta(pattern=r"^(tenant|job|model)$")] = "tenant"
+    tenant: Tenant | None = None
+    limit: Annotated[int, Meta(ge=1, le=100_000)] = 10_000  # groups in the reply (by job: the most GPU-hours)
+
+
+class UsageGroup(_Msg, kw_only=True, frozen=True):
+    key: str
+    jobs: int = 0
+    gpu_hours: float = 0.0
+    productive_gpu_hours: float = 0.0
+    wait_hours: float = 0.0
+    restarts: int = 0
+    switches: int = 0
+    switch_hours: float = 0.0
+    switch_gpu_hours: float = 0.0
+    steps_lost: dict[str, int] = {}
+
+
+class UsageReply(_Msg, kw_only=True, frozen=True):
+    since: float
+    until: float
+    by: str
+    groups: list[UsageGroup]
+    total: UsageGroup
+    rows_read: int = 0  # usage rows read from the stream (the window's, no more)
+    live: int = 0  # live records counted
 
 
 # ---------------------------------------------------------------- events

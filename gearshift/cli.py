@@ -7,6 +7,7 @@
     gearshift describe job ID
     gearshift cancel ID [--no-cascade]
     gearshift events [--follow] [--job ID] [-o json]
+    gearshift usage [--since T] [--until T] [--by tenant|job|model] [-o json|csv]
     gearshift explain [ID]
     gearshift reconfigure ID --plan dp=2,tp=2 [--on node0:4] | --unpin
     gearshift cordon|drain|uncordon NODE
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 # nats-py imports aiohttp (half a second or more) for ws:// servers only;
 # the bus verbs skip it unless a websocket URL is in play (see main)
 _NO_WEBSOCKET_VERBS = {"submit", "get", "describe", "cancel", "events", "explain", "reconfigure", "cordon", "drain",
-                       "uncordon", "logs", "top"}
+                       "uncordon", "logs", "top", "usage"}
 
 # a CLI that cannot reach its server says so fast (the issue: under 2 s)
 CONNECT_WITHIN_S = 0.5
@@ -353,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", choices=["text", "json"], default="text", help="output format")
 
     cli_ops.add_operator_verbs(verb)
+    from gearshift import cli_usage
+
+    cli_usage.add_usage(verb("usage", "GPU-hours, waits, restarts, switches and steps lost over a window (like sacct)"))
 
     verb("schema", "print the JSON Schema of every bus message and the subject table")
     sub.add_parser("perfmodel", help="performance model tools (gearshift perfmodel --help)", add_help=False)
@@ -445,8 +449,10 @@ def _main(argv: list[str]) -> int:
             return cli_ops.cmd_up(args)
         if args.cmd == "schema":
             return cmd_schema(args)
+        from gearshift.cli_usage import cmd_usage
+
         fn = {"submit": cmd_submit, "get": cmd_get, "describe": cmd_describe, "cancel": cmd_cancel,
-              "events": cmd_events, "set": cmd_set, **cli_ops.ASYNC_COMMANDS}[args.cmd]
+              "events": cmd_events, "set": cmd_set, "usage": cmd_usage, **cli_ops.ASYNC_COMMANDS}[args.cmd]
         return asyncio.run(fn(args))
     except SpecFileError as exc:
         print(f"error: {exc}", file=sys.stderr)

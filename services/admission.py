@@ -49,10 +49,13 @@ from gearshift.bus_schema.messages import (
     QueueSpec,
     SubmitReply,
     SubmitRequest,
+    UsageReply,
+    UsageRequest,
 )
 from gearshift.bus_schema.validate import SpecError, check_spec
 from gearshift.policies.queues import ShareConfig
 from gearshift.services import dependencies
+from gearshift.services.usage import usage as window_usage
 from gearshift.services.dependencies import bounded
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.outbox import OutboxFlusher
@@ -83,6 +86,32 @@ def job_id_for(tenant: str, token: str | None) -> str:
     if token is None:
         return "j" + secrets.token_hex(6)
     return "j" + hashlib.sha256(f"{tenant}\0{token}".encode()).hexdigest()[:12]
+
+
+def same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
+    """The reply to a submit whose token made ``rec`` already (409: another spec)."""
+    if rec.spec != req.spec:
+        raise RequestError("409", f"token {req.token!r} was used for a different job spec ({rec.job_id})", "token")
+    return SubmitReply(job_id=rec.job_id, created=False, state=rec.state)
+
+
+async def create_record(store: JobStore, outbox: OutboxFlusher, job_id: str, req: SubmitRequest, ts: float,
+                        after: list, array: int | None) -> SubmitReply | None:
+    """Write one new record (an array's element: its index from its id); None
+    when written, else the reply of the submission that got there first."""
+    spec = req.spec
+    index = int(job_id.rsplit("-", 1)[1]) if array else None
+    rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted",
+                    after=after, array_index=index)
+    rec = with_event(rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus,
+                     guaranteed=spec.guaranteed)
+    rev = await store.create(rec, flush=False)
+    if rev is not None:
+        outbox.add(rec, rev)  # the event goes out in the background
+        return None
+    existing = await store.get(job_id)  # a concurrent submit with the same token won the race
+    assert existing is not None
+    return same_submission(existing[0], req)
 
 
 _D = defaults(AdmissionConfig)  # the keyword defaults below are the config's, written once
@@ -190,8 +219,8 @@ class Admission:
             existing = await self.store.get(ids[0])
             if existing is not None:
                 if spec.array is None:
-                    return self._same_submission(existing[0], req)
-                self._same_submission(existing[0], req)  # 409 if the token was used for another spec
+                    return same_submission(existing[0], req)
+                same_submission(existing[0], req)  # 409 if the token was used for another spec
                 ids = [j for j, got in zip(ids, await bounded([self.store.get(j) for j in ids], 32)) if got is None]
                 if not ids:  # a retry of a complete array
                     return SubmitReply(job_id=job_id, created=False, state=JobState.PENDING, array=spec.array)
@@ -212,7 +241,7 @@ class Admission:
         mine.update(ids)
         ts = self.clock.now()
         try:
-            made = await bounded([self._create(j, req, ts, after, spec.array) for j in ids], 32)
+            made = await bounded([create_record(self.store, self.outbox, j, req, ts, after, spec.array) for j in ids], 32)
         except BaseException:
             mine.difference_update(fresh)
             raise
@@ -221,31 +250,6 @@ class Admission:
         log.info("job submitted", job_id=job_id, name=spec.name, gpus=spec.gpus, tenant=spec.tenant,
                  array=spec.array, after=len(after))
         return SubmitReply(job_id=job_id, created=True, state=JobState.PENDING, array=spec.array or 0)
-
-    async def _create(self, job_id: str, req: SubmitRequest, ts: float, after: list, array: int | None
-                      ) -> SubmitReply | None:
-        """Write one new record (an array's element: its index from its id);
-        None when written, else the reply of the submission that got there first."""
-        spec = req.spec
-        index = int(job_id.rsplit("-", 1)[1]) if array else None
-        rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted",
-                        after=after, array_index=index)
-        rec = with_event(
-            rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
-        )
-        rev = await self.store.create(rec, flush=False)
-        if rev is not None:
-            self.outbox.add(rec, rev)  # the event goes out in the background
-            return None
-        existing = await self.store.get(job_id)  # a concurrent submit with the same token won the race
-        assert existing is not None
-        return self._same_submission(existing[0], req)
-
-    @staticmethod
-    def _same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
-        if rec.spec != req.spec:
-            raise RequestError("409", f"token {req.token!r} was used for a different job spec ({rec.job_id})", "token")
-        return SubmitReply(job_id=rec.job_id, created=False, state=rec.state)
 
     async def cancel(self, ref: JobRef) -> JobRecord:
         got = await self.store.get(ref.job_id)
@@ -300,6 +304,17 @@ class Admission:
         except BadCursor as err:
             raise bad_request(str(err), "cursor") from None
         return JobList(jobs=[self.with_live(r) for r in jobs], next_cursor=cursor)
+
+    async def usage(self, req: UsageRequest) -> UsageReply:
+        if req.until is not None and req.until < req.since:
+            raise bad_request(f"until ({req.until:.0f}) is before since ({req.since:.0f})", "until")
+        return await window_usage(self.nc.jetstream(), self.jobs_view, req, self.clock.now())
+
+    async def usage_as(self, req: UsageRequest, subject: str) -> UsageReply:
+        tenant = self._tenant_of(subject)
+        if req.tenant not in (None, tenant):
+            raise RequestError("403", f"tenant {tenant} may not see the usage of tenant {req.tenant}", "tenant")
+        return await self.usage(msgspec.structs.replace(req, tenant=tenant))
 
     async def list_nodes(self, _: None) -> NodeList:
         return NodeList(nodes=await self.nodes())
@@ -378,6 +393,8 @@ class Admission:
             Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
             Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
             Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
+            Endpoint("usage", subj.ADMISSION_USAGE, UsageRequest, self.usage),
+            Endpoint("usage-tenant", subj.ADMISSION_USAGE + ".*", UsageRequest, self.usage_as, with_subject=True),
             Endpoint("queues", subj.ADMISSION_QUEUES, None, self.get_queues),
             Endpoint("setqueue", subj.ADMISSION_SET_QUEUE, QueueSpec, self.set_queue),
             Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True,

@@ -56,6 +56,8 @@ class RecordWriter:
         cutoff = self.clock.now() - self.archive_after
         done = [r for r in self.jobs.finished.values()
                 if (r.finished_at or 0) <= cutoff and not r.draining][:most]
+        if done:
+            await self.store.publish_usage(done)  # their accounts first (bus_schema.usage)
         await bounded([self.store.archive(r) for r in done], self.parallel)
         return len(done)
 
