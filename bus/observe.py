@@ -63,7 +63,7 @@ STEPS_LOST = Counter("gearshift_steps_lost_total",
                      ["cause"], registry=None)
 GPU_SECONDS = Counter("gearshift_gpu_seconds_total",
                       "GPU-seconds of finished jobs by tenant: held, and productive (held less switch downtime and "
-                      "redone steps), counted when the job's end event is published (bus_schema.usage)",
+                      "redone steps), counted as the job moves to the history store (bus_schema.usage)",
                       ["tenant", "kind"], registry=None)
 LEADER = Gauge("gearshift_optimizer_leader", "1 while this optimizer holds the leader lease", registry=None)
 JOB_EVENTS = Counter("gearshift_job_events_total", "Job events this process published, by kind", ["kind"],
@@ -94,7 +94,7 @@ DASH_ACTIONS = Counter("gearshift_dashboard_actions_total", "Actions asked from 
 
 _COMMON = [REQUESTS, REQUEST_SECONDS, BUS_ERRORS]
 ROLE_FAMILIES: dict[str, list[Any]] = {
-    "admission": [*_COMMON, JOB_EVENTS, GPU_SECONDS],
+    "admission": [*_COMMON, JOB_EVENTS],
     "optimizer": [*_COMMON, JOB_EVENTS, JOBS, ADMISSION_WAIT, ROUND_SECONDS, DECISIONS, SWITCH_SECONDS, STEPS_LOST,
                   GPU_SECONDS, LEADER],
     "perfmodel": list(_COMMON),
@@ -137,12 +137,15 @@ def job_events(rec: Any, events: Iterable[Any]) -> None:
         elif short == "requeued":
             # resumes from its checkpoint: what it had done past it is redone
             STEPS_LOST.labels("requeue").inc(max(0, rec.steps_done - ev.checkpoint_step))
-        elif short in ("completed", "failed", "cancelled") and rec.terminal:
-            from gearshift.bus_schema.usage import usage_row
 
-            row = usage_row(rec)
-            GPU_SECONDS.labels(rec.spec.tenant, "held").inc(row.gpu_s)
-            GPU_SECONDS.labels(rec.spec.tenant, "productive").inc(row.productive_gpu_s)
+
+
+def usage_rows(rows: Iterable[Any]) -> None:
+    """Count finished jobs' accounts as the archiver writes them (``JobStore.publish_usage``):
+    once per job, not per end event (a new leader publishes a dead one's events again)."""
+    for row in rows:
+        GPU_SECONDS.labels(row.tenant, "held").inc(row.gpu_s)
+        GPU_SECONDS.labels(row.tenant, "productive").inc(row.productive_gpu_s)
 
 
 def job_states(records: Iterable[Any]) -> None:

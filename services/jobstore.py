@@ -110,6 +110,7 @@ class JobStore:
                 part = rows[k:k + USAGE_BATCH]
                 await self.js.publish(subj.usage_subject(tenant), codec.encode(UsageBatch(rows=part)),
                                       headers={"Nats-Msg-Id": f"usage:{part[0].job_id}:{part[-1].job_id}:{len(part)}"})
+                observe.usage_rows(part)
 
     async def create(self, rec: JobRecord, *, flush: bool = True) -> int | None:
         """Write a new record; its revision, or None if the id exists already.
