@@ -161,3 +161,16 @@ async def test_usage_totals_agree_with_the_prometheus_counter(nc, admission):
 async def _rec(nc, job_id, state):
     rec = await call(nc, subj.ADMISSION_GET, {"job_id": job_id}, JobRecord)
     return rec if rec.state == state else None
+
+
+def test_the_scraper_reads_held_gpu_seconds_per_tenant_and_sums_lifetimes():
+    from loadtest.usage_check import CounterScraper, parse
+
+    text = ('# TYPE gearshift_gpu_seconds_total counter\n'
+            'gearshift_gpu_seconds_total{kind="held",tenant="a"} 10.5\n'
+            'gearshift_gpu_seconds_total{kind="productive",tenant="a"} 9.0\n'
+            'gearshift_gpu_seconds_total{kind="held",tenant="b"} 2.0\n')
+    assert parse(text) == {"a": 10.5, "b": 2.0}
+    s = CounterScraper(".")
+    s.last = {"http://p1": {"a": 10.5}, "http://p2": {"a": 1.5, "b": 2.0}}  # a restart starts again at 0
+    assert s.totals() == {"a": 12.0, "b": 2.0}
