@@ -5,8 +5,8 @@ A real nats-server and the admission service (its own process). For each size
 N the ``GS_USAGE`` stream gets, first, N rows of jobs that finished long
 before the window (they must not be read), then N rows of jobs that finished
 in the window (three tenants, a few models), written as the archiver writes
-them: N jobs finishing over an hour are archived by 3600/interval rounds, each
-pass one message per tenant.
+them: N jobs finishing over an hour are archived by 3600/interval rounds (at
+most one pass per ``ARCHIVE_EVERY_S``), each pass one message per tenant.
 Then ``gearshift usage --since <window start> -o json`` runs as a user would
 run it (a new process: interpreter start, connect, request, print), and the
 request alone is timed from here. Reports the seconds for each N, the ratios
@@ -33,6 +33,7 @@ from gearshift.bus.natsd import NatsServer
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import UsageBatch, UsageReply, UsageRow
+from gearshift.services.record_writer import ARCHIVE_EVERY_S
 
 TENANTS = ("vision", "nlp", "llm")
 MODELS = ("gpt2", "bert", "vit", "llama7")
@@ -70,8 +71,9 @@ async def one_size(url: str, n: int, rng: random.Random, interval: float) -> dic
     try:
         await js.purge_stream(subj.USAGE_STREAM)
         now = time.time()
-        # an hour of N finished jobs is archived in 3600/interval passes (one per round)
-        per_pass = max(1, round(n * interval / 3600))
+        # an hour of N finished jobs is archived in at most 3600/ARCHIVE_EVERY_S passes
+        # (one per round, and no two within ARCHIVE_EVERY_S)
+        per_pass = max(1, round(n * max(interval, ARCHIVE_EVERY_S) / 3600))
         await seed(js, rows(n, now - 30 * 86400, now - 29 * 86400, f"old{n}-", rng), per_pass)  # a month ago
         await asyncio.sleep(0.05)  # the window starts after the old rows were stored
         start = time.time()
