@@ -14,7 +14,18 @@ from gearshift.bus_schema.messages import MAX_MESSAGE_BYTES
 STREAMS = {
     subj.EVENTS_STREAM: dict(subjects=[subj.EVENTS_SUBJECTS, subj.EVENTS_FENCE_PREFIX + ".>"], duplicate_window=3600.0),
     subj.REPORTS_STREAM: dict(subjects=[subj.REPORTS_SUBJECTS], duplicate_window=3600.0),
+    # finished jobs' accounts, in the order they were archived: a window of time is a
+    # range of the stream (read from its start time), kept as long as the history
+    subj.USAGE_STREAM: dict(subjects=[subj.USAGE_SUBJECTS], duplicate_window=3600.0),
 }
+RETAINED = (subj.USAGE_STREAM, subj.HISTORY_BUCKET)  # what GEARSHIFT_HISTORY_RETENTION_S sets
+
+
+def retention_s() -> float:
+    """Seconds finished jobs are kept (history store and usage rows): 7 days, or
+    ``GEARSHIFT_HISTORY_RETENTION_S``. Export them before they expire
+    (``examples/export_finished_csv.py``, ``gearshift usage -o csv``)."""
+    return float(os.environ.get("GEARSHIFT_HISTORY_RETENTION_S") or subj.HISTORY_RETENTION_S)
 BUCKETS = {
     subj.JOBS_BUCKET: dict(history=5),
     subj.NODES_BUCKET: dict(history=1),
@@ -43,6 +54,7 @@ async def ensure_infra(nc: NATS, replicas: int | None = None) -> None:
             storage=StorageType.FILE,
             num_replicas=replicas,
             max_msg_size=MAX_MESSAGE_BYTES,
+            **({"max_age": retention_s()} if name in RETAINED else {}),
             **cfg,
         )
         try:
@@ -54,8 +66,9 @@ async def ensure_infra(nc: NATS, replicas: int | None = None) -> None:
             await js.key_value(bucket)
         except (BucketNotFoundError, NotFoundError):
             try:
+                extra = {"ttl": retention_s()} if bucket in RETAINED else {}
                 await js.create_key_value(
-                    KeyValueConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas, **cfg)
+                    KeyValueConfig(bucket=bucket, storage=StorageType.FILE, replicas=replicas, **{**cfg, **extra})
                 )
             except BadRequestError:
                 pass  # another service created it first

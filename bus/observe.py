@@ -61,6 +61,10 @@ SWITCH_SECONDS = Histogram("gearshift_switch_duration_seconds",
 STEPS_LOST = Counter("gearshift_steps_lost_total",
                      "Training steps done but not in the checkpoint resumed from, by cause (switch, requeue, grace_expired)",
                      ["cause"], registry=None)
+GPU_SECONDS = Counter("gearshift_gpu_seconds_total",
+                      "GPU-seconds of finished jobs by tenant: held, and productive (held less switch downtime and "
+                      "redone steps), counted as the job moves to the history store (bus_schema.usage)",
+                      ["tenant", "kind"], registry=None)
 LEADER = Gauge("gearshift_optimizer_leader", "1 while this optimizer holds the leader lease", registry=None)
 JOB_EVENTS = Counter("gearshift_job_events_total", "Job events this process published, by kind", ["kind"],
                      registry=None)
@@ -92,7 +96,7 @@ _COMMON = [REQUESTS, REQUEST_SECONDS, BUS_ERRORS]
 ROLE_FAMILIES: dict[str, list[Any]] = {
     "admission": [*_COMMON, JOB_EVENTS],
     "optimizer": [*_COMMON, JOB_EVENTS, JOBS, ADMISSION_WAIT, ROUND_SECONDS, DECISIONS, SWITCH_SECONDS, STEPS_LOST,
-                  LEADER],
+                  GPU_SECONDS, LEADER],
     "perfmodel": list(_COMMON),
     "profiler": [*_COMMON, JOB_EVENTS, PROFILE_RUNS],
     "agent": [*_COMMON, GPU_UTIL, FB_USED, FB_FREE, GPU_PROCS, RECONCILE_LAG, AGENT_RUNS],
@@ -136,6 +140,15 @@ def job_events(rec: Any, events: Iterable[Any]) -> None:
         elif short == "requeued":
             # resumes from its checkpoint: what it had done past it is redone
             STEPS_LOST.labels("requeue").inc(max(0, rec.steps_done - ev.checkpoint_step))
+
+
+
+def usage_rows(rows: Iterable[Any]) -> None:
+    """Count finished jobs' accounts as the archiver writes them (``JobStore.publish_usage``):
+    once per job, not per end event (a new leader publishes a dead one's events again)."""
+    for row in rows:
+        GPU_SECONDS.labels(row.tenant, "held").inc(row.gpu_s)
+        GPU_SECONDS.labels(row.tenant, "productive").inc(row.productive_gpu_s)
 
 
 def job_states(records: Iterable[Any]) -> None:

@@ -75,6 +75,9 @@ ROUTES: tuple[Route, ...] = (
     _req(s.ADMISSION_GET + ".<tenant>", m.JobRef, m.JobRecord, ("tenant",), "admission", "one own job"),
     _req(s.ADMISSION_LIST + ".<tenant>", m.ListRequest, m.JobList, ("tenant",), "admission", "own jobs"),
     _req(s.ADMISSION_NODES, None, m.NodeList, (), "admission", "the nodes' last reports"),
+    _req(s.ADMISSION_USAGE, m.UsageRequest, m.UsageReply, (), "admission",
+         "GPU-hours, waits, restarts, switches and steps lost of the jobs that finished in a window (+ live ones)"),
+    _req(s.ADMISSION_USAGE + ".<tenant>", m.UsageRequest, m.UsageReply, ("tenant",), "admission", "own usage"),
     _req(s.ADMISSION_QUEUES, None, m.QueueList, (), "admission", "the tenant queues (quota, weight, cohort, usage)"),
     _req(s.ADMISSION_SET_QUEUE, m.QueueSpec, m.QueueList, (), "admission", "create or change a tenant queue"),
     # optimizer
@@ -117,6 +120,8 @@ ROUTES: tuple[Route, ...] = (
           stream=s.EVENTS_STREAM, doc="job events; Nats-Msg-Id <job>:<seq>, per job gapless"),
     Route("gs.evt.node.<node>.<kind>", STREAM, "<node event by kind>", senders=("optimizer",),
           receivers=_EVENT_READERS, stream=s.EVENTS_STREAM, doc="node joined / lost"),
+    Route(s.usage_subject("<tenant>"), STREAM, m.UsageBatch, senders=("optimizer",), receivers=("admission",),
+          stream=s.USAGE_STREAM, doc="finished jobs' accounts, written as they move to the history store"),
     Route("gs.evt.round.<kind>", STREAM, m.RoundCompleted, senders=("optimizer",), receivers=_EVENT_READERS,
           stream=s.EVENTS_STREAM, doc="a scheduling round that changed something"),
     Route(f"{s.EVENTS_FENCE_PREFIX}.<service>", STREAM, "<holder id>", senders=("optimizer",), stream=s.EVENTS_STREAM,
@@ -136,7 +141,8 @@ ROUTES: tuple[Route, ...] = (
           doc="a finished job's last record, moved out of gs_jobs (kept HISTORY_RETENTION_S)"),
 )
 
-STREAM_SUBJECTS = {s.EVENTS_STREAM: s.EVENTS_SUBJECTS, s.REPORTS_STREAM: s.REPORTS_SUBJECTS}
+STREAM_SUBJECTS = {s.EVENTS_STREAM: s.EVENTS_SUBJECTS, s.REPORTS_STREAM: s.REPORTS_SUBJECTS,
+                   s.USAGE_STREAM: s.USAGE_SUBJECTS}
 ROLES = ("admin", "tools", "dashboard", "tenant", "agent", "admission", "optimizer", "perfmodel", "profiler")
 
 _VAR = re.compile(r"<([a-z]+)>")

@@ -26,6 +26,8 @@ MAX_ARG_LEN = 4096
 MAX_ENV = 64
 MAX_GPUS = 4096
 MAX_MESSAGE_BYTES = 256 * 1024
+MAX_AFTER = 256  # dependencies of one job (an array named by its id counts as one)
+MAX_ARRAY = 10_000  # jobs one array submit creates
 
 Name = Annotated[str, Meta(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 Label = Annotated[str, Meta(max_length=MAX_STR)]
@@ -111,6 +113,22 @@ class PlanSupport(_Input, kw_only=True, frozen=True):
     grad_ckpt: bool = True
     # plans the script refused (it exited EXIT_PLAN_REFUSED under them), or declared unrunnable
     exclude: Annotated[tuple[Plan, ...], Meta(max_length=64)] | None = None
+class DependOn(str, enum.Enum):
+    """How a dependency must end for its dependent to start (Slurm's afterok /
+    afternotok / afterany)."""
+
+    COMPLETED = "completed"  # exit 0
+    FAILED = "failed"  # failed (retries used up)
+    FINISHED = "finished"  # any end: completed, failed or cancelled
+
+
+class Dependency(_Input, kw_only=True, frozen=True):
+    """``job`` must end as ``on`` says before the job that names it starts; a job
+    that ends otherwise cancels it (with the reason). ``job`` may name an array
+    (its id prefix): then every element of the array."""
+
+    job: JobId
+    on: DependOn = DependOn.COMPLETED
 
 
 class JobSpec(_Input, kw_only=True, frozen=True):
@@ -139,6 +157,10 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     # preempted or switched; absent: the agent's --grace. At most the cluster's
     # maximum (admission's max_checkpoint_grace).
     checkpoint_grace: Annotated[float, Meta(gt=0, le=86_400)] | None = None
+    # Jobs (of the same tenant, submitted before) this one waits for (services.dependencies).
+    after: Annotated[list[Dependency], Meta(max_length=MAX_AFTER)] | None = None
+    # N jobs ``<id>-0`` .. ``<id>-<N-1>`` that differ only by GEARSHIFT_ARRAY_INDEX in their env.
+    array: Annotated[int, Meta(ge=1, le=MAX_ARRAY)] | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):
@@ -148,6 +170,9 @@ class SubmitRequest(_Input, kw_only=True, frozen=True):
 
 class JobRef(_Input, kw_only=True, frozen=True):
     job_id: JobId
+    # cancel only: the jobs that wait on this one (and theirs) are cancelled too;
+    # False: they are judged by their condition (a cancelled job counts as finished)
+    cascade: bool = True
 
 
 class ListRequest(_Input, kw_only=True, frozen=True):
@@ -163,6 +188,7 @@ class ListRequest(_Input, kw_only=True, frozen=True):
     limit: Annotated[int, Meta(ge=1, le=100_000)] = 10_000
     cursor: Annotated[str, Meta(max_length=256)] | None = None  # JobList.next_cursor of the previous page
     all: bool = False
+    array: JobId | None = None  # only the jobs of this array (its id prefix)
 
 
 # ---------------------------------------------------------------- job record
@@ -315,6 +341,24 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     # plans its script refused (exit EXIT_PLAN_REFUSED): never chosen again.
     last_good_plan: "Plan | None" = None
     refused_plans: list["Plan"] = []
+    # Dependencies (services.dependencies): ``spec.after`` with arrays expanded to
+    # their elements at submit, and those whose condition is met (written by the
+    # optimizer's rounds, so a new leader goes on from them). ``cascade``: this job
+    # was cancelled with cascade, its dependents are cancelled too.
+    after: list[Dependency] = []
+    after_met: list[JobId] = []
+    cascade: bool = False
+    array_index: NonNegInt | None = None  # element of the array ``spec.array`` (GEARSHIFT_ARRAY_INDEX)
+    # Accounting (bus_schema.usage): plan switches done and their cost, and the
+    # steps done but not in the checkpoint resumed from, by cause (switch, requeue).
+    switches: NonNegInt = 0
+    switch_s: NonNegFloat = 0.0  # seconds, drain start -> first step of the new generation
+    switch_gpu_s: NonNegFloat = 0.0  # those seconds times the new generation's GPUs
+    steps_lost: dict[str, NonNegInt] = {}
+
+    @property
+    def waits_on_dependencies(self) -> bool:
+        return self.state == JobState.PENDING and len(self.after_met) < len(self.after)
 
     @property
     def terminal(self) -> bool:
@@ -502,9 +546,10 @@ class ErrorReply(_Msg, kw_only=True, frozen=True):
 
 
 class SubmitReply(_Msg, kw_only=True, frozen=True):
-    job_id: str
+    job_id: str  # an array's id prefix: its jobs are ``<job_id>-<i>``
     created: bool  # False when the token matched an earlier submission
     state: JobState
+    array: NonNegInt = 0  # jobs of the array (0: not an array)
 
 
 class JobList(_Msg, kw_only=True, frozen=True):
@@ -551,6 +596,68 @@ class ExplainReply(_Msg, kw_only=True, frozen=True):
     policy: str
     round: int
     jobs: list[ExplainEntry]
+
+
+# ---------------------------------------------------------------- accounting (issue 23)
+class UsageRow(_Msg, kw_only=True, frozen=True):
+    """One finished job's account, on the ``GS_USAGE`` stream (``gs.usage.<tenant>``)
+    when it moves to the history store; ``bus_schema.usage.usage_row`` makes it."""
+
+    job_id: str
+    tenant: str
+    model: str
+    gpus: int = 0
+    state: str = ""
+    submitted_at: float = 0.0
+    finished_at: float | None = None  # None: still live (a live record's account so far)
+    gpu_s: float = 0.0  # GPU-seconds held
+    productive_gpu_s: float = 0.0  # held less switch downtime and the work redone
+    wait_s: float = 0.0  # submit -> first start (or -> now / the end, if it never started)
+    restarts: int = 0
+    switches: int = 0
+    switch_s: float = 0.0
+    switch_gpu_s: float = 0.0
+    steps_lost: dict[str, int] = {}
+
+
+class UsageBatch(_Msg, kw_only=True, frozen=True):
+    """Usage rows of one tenant archived together: one ``GS_USAGE`` message."""
+
+    rows: list[UsageRow]
+
+
+class UsageRequest(_Input, kw_only=True, frozen=True):
+    """``gearshift usage``: jobs that finished in ``[since, until]`` (epoch seconds;
+    ``until`` absent: now, and the live jobs' use so far), grouped ``by``."""
+
+    since: NonNegFloat
+    until: NonNegFloat | None = None
+    by: Annotated[str, Meta(pattern=r"^(tenant|job|model)$")] = "tenant"
+    tenant: Tenant | None = None
+    limit: Annotated[int, Meta(ge=1, le=100_000)] = 10_000  # groups in the reply (by job: the most GPU-hours)
+
+
+class UsageGroup(_Msg, kw_only=True, frozen=True):
+    key: str
+    jobs: int = 0
+    gpu_hours: float = 0.0
+    productive_gpu_hours: float = 0.0
+    wait_hours: float = 0.0
+    restarts: int = 0
+    switches: int = 0
+    switch_hours: float = 0.0
+    switch_gpu_hours: float = 0.0
+    steps_lost: dict[str, int] = {}
+
+
+class UsageReply(_Msg, kw_only=True, frozen=True):
+    since: float
+    until: float
+    by: str
+    groups: list[UsageGroup]
+    total: UsageGroup
+    rows_read: int = 0  # usage rows read from the stream (the window's, no more)
+    live: int = 0  # live records counted
 
 
 # ---------------------------------------------------------------- events
@@ -612,7 +719,7 @@ class JobCancelRequested(JobEvent, tag="job.cancel_requested", kw_only=True, fro
 
 
 class JobCancelled(JobEvent, tag="job.cancelled", kw_only=True, frozen=True):
-    pass
+    reason: str = ""  # "" : by user; else e.g. a dependency that ended otherwise
 
 
 class JobRequeued(JobEvent, tag="job.requeued", kw_only=True, frozen=True):

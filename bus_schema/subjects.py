@@ -10,6 +10,12 @@ EVENTS_SUBJECTS = "gs.evt.>"
 EVENTS_FENCE_PREFIX = "gs.fence"  # leaders' epoch marks, also in GS_EVENTS, outside what event readers read
 REPORTS_STREAM = "GS_REPORTS"
 REPORTS_SUBJECTS = "gs.report.>"
+USAGE_STREAM = "GS_USAGE"  # one UsageRow per finished job, by the time it was archived (bus_schema.usage)
+USAGE_SUBJECTS = "gs.usage.>"
+
+
+def usage_subject(tenant: str) -> str:
+    return f"gs.usage.{tenant}"
 
 # KV buckets
 JOBS_BUCKET = "gs_jobs"
@@ -29,6 +35,7 @@ ADMISSION_CANCEL = "gs.admission.cancel"
 ADMISSION_GET = "gs.admission.get"
 ADMISSION_LIST = "gs.admission.list"
 ADMISSION_NODES = "gs.admission.nodes"
+ADMISSION_USAGE = "gs.admission.usage"
 ADMISSION_QUEUES = "gs.admission.queues"  # -> QueueList
 ADMISSION_SET_QUEUE = "gs.admission.setqueue"  # QueueSpec -> QueueList (admin only)
 OPTIMIZER = "gs.optimizer"

@@ -2,11 +2,12 @@
 
     gearshift up [--nodes N --gpus-per-node G --port P --policy NAME]
     gearshift submit FILE|-
-    gearshift get jobs [--state S --tenant T -w] | get job ID | get nodes | get node NAME
+    gearshift get jobs [--state S --tenant T --array ID -w] | get job ID | get nodes | get node NAME
     gearshift get queues | set queue TENANT --quota N [--weight W --cohort C --borrow-limit N --lend-limit N]
     gearshift describe job ID
-    gearshift cancel ID
+    gearshift cancel ID [--no-cascade]
     gearshift events [--follow] [--job ID] [-o json]
+    gearshift usage [--since T] [--until T] [--by tenant|job|model] [-o json|csv]
     gearshift explain [ID]
     gearshift reconfigure ID --plan dp=2,tp=2 [--on node0:4] | --unpin
     gearshift cordon|drain|uncordon NODE
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 # nats-py imports aiohttp (half a second or more) for ws:// servers only;
 # the bus verbs skip it unless a websocket URL is in play (see main)
 _NO_WEBSOCKET_VERBS = {"submit", "get", "describe", "cancel", "events", "explain", "reconfigure", "cordon", "drain",
-                       "uncordon", "logs", "top"}
+                       "uncordon", "logs", "top", "usage"}
 
 # a CLI that cannot reach its server says so fast (the issue: under 2 s)
 CONNECT_WITHIN_S = 0.5
@@ -72,7 +73,9 @@ async def cmd_submit(args: argparse.Namespace) -> int:
 
     async def go(c: Client) -> int:
         reply = await c.submit(spec, token=args.token)
-        print(reply.job_id)
+        # an array: its id prefix, then the ids of its jobs (<prefix>-0 .. <prefix>-<N-1>)
+        print(reply.job_id if not reply.array else f"{reply.job_id} ({reply.array} jobs: {reply.job_id}-0 .. "
+              f"{reply.job_id}-{reply.array - 1})")
         return 0
 
     return await _with_client(args, go)
@@ -101,7 +104,8 @@ async def cmd_get(args: argparse.Namespace) -> int:
             elif args.watch:
                 return await _watch_jobs(c, args, states)
             else:  # paged: as many requests as it takes (--all: the history store too)
-                jobs = await c.jobs(tenant=args.tenant, states=states, limit=args.limit, all=args.all, node=args.node)
+                jobs = await c.jobs(tenant=args.tenant, states=states, limit=args.limit, all=args.all, node=args.node,
+                                    **({"array": args.array} if args.array else {}))
             if args.output == "json":
                 _print_json(jobs[0] if args.name else jobs)
             else:
@@ -226,6 +230,12 @@ def describe_text(j: JobRecord) -> str:
         f"Progress:   {render.steps_done(j)}/{j.spec.steps} steps, speed {render.speed(j)}, run time "
         f"{render.run_time(j)}, restarts {j.restarts}, last checkpoint at step {j.checkpoint_step}",
     ]
+    if j.after:
+        met = set(j.after_met)
+        lines.append("Waits on:   " + ", ".join(f"{d.job} ({d.on.value}{', met' if d.job in met else ''})"
+                                                for d in j.after[:8]) + (f", +{len(j.after) - 8} more" if len(j.after) > 8 else ""))
+    if j.array_index is not None:
+        lines.append(f"Array:      element {j.array_index} of {j.spec.array} (GEARSHIFT_ARRAY_INDEX={j.array_index})")
     if j.pinned is not None:
         lines.append(f"Pinned:     {j.pinned.plan.label()}"
                      + (f" on {', '.join(f'{s.node}:{s.gpus}' for s in j.pinned.placement)}" if j.pinned.placement else "")
@@ -239,7 +249,7 @@ def describe_text(j: JobRecord) -> str:
 
 async def cmd_cancel(args: argparse.Namespace) -> int:
     async def go(c: Client) -> int:
-        j = await c.cancel(args.id)
+        j = await c.cancel(args.id, cascade=not args.no_cascade)
         print(f"{j.job_id} {j.state.value}")
         return 0
 
@@ -312,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--state", default=None,
                    help="only jobs in these states, comma-separated (pending,scheduled,running,cancelling,...)")
     g.add_argument("--node", default=None, help="only jobs placed on this node")
+    g.add_argument("--array", default=None, help="only the jobs of this array (the id its submit printed)")
     g.add_argument("--all", action="store_true", help="finished jobs moved to the history store too")
     g.add_argument("--limit", type=int, default=None, help="at most this many jobs (oldest first)")
     g.add_argument("-w", "--watch", action="store_true", help="keep watching: a line for every job that changes")
@@ -334,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = verb("cancel", "cancel a job (its processes checkpoint and stop)")
     c.add_argument("id", help="job id")
+    c.add_argument("--no-cascade", action="store_true",
+                   help="leave the jobs that wait on it to their condition (default: cancel them too)")
 
     e = verb("events", "replay the event stream from the start")
     e.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
@@ -341,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", choices=["text", "json"], default="text", help="output format")
 
     cli_ops.add_operator_verbs(verb)
+    from gearshift import cli_usage
+
+    cli_usage.add_usage(verb("usage", "GPU-hours, waits, restarts, switches and steps lost over a window (like sacct)"))
 
     verb("schema", "print the JSON Schema of every bus message and the subject table")
     sub.add_parser("perfmodel", help="performance model tools (gearshift perfmodel --help)", add_help=False)
@@ -433,8 +449,10 @@ def _main(argv: list[str]) -> int:
             return cli_ops.cmd_up(args)
         if args.cmd == "schema":
             return cmd_schema(args)
+        from gearshift.cli_usage import cmd_usage
+
         fn = {"submit": cmd_submit, "get": cmd_get, "describe": cmd_describe, "cancel": cmd_cancel,
-              "events": cmd_events, "set": cmd_set, **cli_ops.ASYNC_COMMANDS}[args.cmd]
+              "events": cmd_events, "set": cmd_set, "usage": cmd_usage, **cli_ops.ASYNC_COMMANDS}[args.cmd]
         return asyncio.run(fn(args))
     except SpecFileError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -52,6 +52,8 @@ from gearshift.bus_schema.messages import (
     ReconfigureRequest,
     SubmitReply,
     SubmitRequest,
+    UsageReply,
+    UsageRequest,
 )
 from gearshift.bus_schema.ops import LogsReply, LogsRequest, NodeMode, NodeModeReply, NodeModeRequest
 from gearshift.spec_file import SpecFileError, load_spec, load_spec_text
@@ -180,8 +182,16 @@ class Client:
     async def job(self, job_id: str) -> JobRecord:
         return await self._call(self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, "read jobs")
 
-    async def cancel(self, job_id: str) -> JobRecord:
-        return await self._call(self._subject(subj.ADMISSION_CANCEL), {"job_id": job_id}, JobRecord, "cancel jobs")
+    async def cancel(self, job_id: str, cascade: bool = True) -> JobRecord:
+        """Cancel a job; with ``cascade`` the jobs that wait on it too (``services.dependencies``)."""
+        return await self._call(self._subject(subj.ADMISSION_CANCEL), {"job_id": job_id, "cascade": cascade},
+                                JobRecord, "cancel jobs")
+
+    async def usage(self, since: float, until: float | None = None, by: str = "tenant",
+                    tenant: str | None = None) -> UsageReply:
+        """What jobs used: those that finished in ``[since, until]`` (and the live ones, if ``until`` is None)."""
+        req = UsageRequest(since=since, until=until, by=by, tenant=tenant)
+        return await self._call(self._subject(subj.ADMISSION_USAGE), req, UsageReply, "read usage")
 
     async def nodes(self) -> NodeList:
         return await self._call(subj.ADMISSION_NODES, None, NodeList, "list nodes")

@@ -33,6 +33,13 @@ until it has an answer, and cancels a few jobs. At the end it checks:
   duplicate, and n is the record's ``event_seq`` with an empty outbox;
 - the record's state and generation are what its events say.
 
+Accounting (``loadtest.usage_check``): the optimizer's ``/metrics`` is scraped
+every 0.25 s as Prometheus would, and once every job is archived ``gearshift
+usage --since 1h -o json`` (as the admin) must give each tenant's GPU-hours
+within 1% of ``gearshift_gpu_seconds_total`` summed over the optimizer's
+lifetimes (``accounting``, ``accounting_ok``; a counter increment made less
+than a scrape before a SIGKILL is lost, as it is to Prometheus).
+
 The JSON report counts kills, restarts, jobs, lost jobs, duplicate events,
 and says whether every fault kind was injected at least once.
 """
@@ -59,6 +66,7 @@ from typing import Any
 import msgspec
 
 from gearshift.bus.natsd import NatsServer
+from loadtest.usage_check import CounterScraper, compare, wait_archived
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
@@ -517,7 +525,9 @@ class ChaosRun:
         env.update(
             GEARSHIFT_NATS_URL=self.fleet.url, GEARSHIFT_LOG_FORMAT="json", GEARSHIFT_LOG_LEVEL="INFO",
             GEARSHIFT_REPLICAS=str(self.sc.replicas), GEARSHIFT_CHAOS_RUN=self.run_id,
-            GEARSHIFT_CKPT_INTERVAL="1",
+            GEARSHIFT_CKPT_INTERVAL="1", GEARSHIFT_METRICS_PORT="0", GEARSHIFT_OBSERVE_DIR=str(self.root / "observe"),
+            # finished jobs move to the history store (and their accounts out) during the faults too
+            GEARSHIFT_OPTIMIZER_ARCHIVE_AFTER="5",
             # cheap restarts make the policy switch plans often: the switches are what we break
             GEARSHIFT_POLICY_OPTIONS=json.dumps({"restart_cost": 1.0, "min_run_time": 2.0}),
         )
@@ -719,6 +729,9 @@ class ChaosRun:
     async def run(self) -> dict[str, Any]:
         t0 = time.monotonic()
         await self.setup()
+        scraper = CounterScraper(self.root / "observe")  # the GPU-seconds counter, as Prometheus reads it
+        scraper.start()
+        accounting: dict[str, Any] = {}
         sup = asyncio.create_task(self.supervise())
         nc = await self.client()
         try:
@@ -736,7 +749,13 @@ class ChaosRun:
             tasks[2].cancel()
             await asyncio.gather(tasks[2], return_exceptions=True)
             events = await read_events(nc)
+            if await wait_archived(nc, list(recs)):  # the accounts are written as jobs are archived
+                creds = str(self.auth.creds("admin")) if self.auth is not None else None
+                accounting = await asyncio.to_thread(compare, scraper, self.fleet.url, creds)
+            else:
+                accounting = {"ok": False, "error": "finished jobs were not all archived in time"}
         finally:
+            scraper.stop_flag.set()
             self.done = True
             self.sampler.stop_flag.set()
             await nc.close()
@@ -757,7 +776,7 @@ class ChaosRun:
             service_restarts={n: s.starts - 1 for n, s in self.services.items() if s.starts > 1},
             nats_restarts=self.fleet.restarts, nats_kills=self.fleet.kills, switches_seen=self.switches_seen,
             forced_switches=self.switches_seen, auth=self.auth is not None, notes=self.outcome.notes,
-            duration_s=round(time.monotonic() - t0, 1),
+            duration_s=round(time.monotonic() - t0, 1), accounting=accounting,
         )
         return result
 
@@ -778,6 +797,9 @@ def summarise(results: list[dict[str, Any]]) -> dict[str, Any]:
         restarts=sum(sum(r["service_restarts"].values()) for r in results) + total("nats_restarts"),
         faults=dict(faults), auth=all(r.get("auth") for r in results),
         lost_detail=[d for r in results for d in r.get("lost_detail", [])],
+        # gearshift usage --since 1h against the scraped gearshift_gpu_seconds_total, per scenario
+        accounting={r["scenario"]: r.get("accounting", {}) for r in results},
+        accounting_ok=all(r.get("accounting", {}).get("ok") for r in results),
     )
     kinds = {r["scenario"] for r in results}
     expected = [k for k in FAULT_KINDS if not (k == "restart_nats_server" and "single" not in kinds)

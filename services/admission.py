@@ -49,9 +49,14 @@ from gearshift.bus_schema.messages import (
     QueueSpec,
     SubmitReply,
     SubmitRequest,
+    UsageReply,
+    UsageRequest,
 )
 from gearshift.bus_schema.validate import DEFAULT_MAX_CHECKPOINT_GRACE_S, SpecError, check_spec
 from gearshift.policies.queues import ShareConfig
+from gearshift.services import dependencies
+from gearshift.services.usage import usage as window_usage
+from gearshift.services.dependencies import bounded
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.paging import BadCursor, list_page
@@ -83,6 +88,32 @@ def job_id_for(tenant: str, token: str | None) -> str:
     if token is None:
         return "j" + secrets.token_hex(6)
     return "j" + hashlib.sha256(f"{tenant}\0{token}".encode()).hexdigest()[:12]
+
+
+def same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
+    """The reply to a submit whose token made ``rec`` already (409: another spec)."""
+    if rec.spec != req.spec:
+        raise RequestError("409", f"token {req.token!r} was used for a different job spec ({rec.job_id})", "token")
+    return SubmitReply(job_id=rec.job_id, created=False, state=rec.state)
+
+
+async def create_record(store: JobStore, outbox: OutboxFlusher, job_id: str, req: SubmitRequest, ts: float,
+                        after: list, array: int | None) -> SubmitReply | None:
+    """Write one new record (an array's element: its index from its id); None
+    when written, else the reply of the submission that got there first."""
+    spec = req.spec
+    index = int(job_id.rsplit("-", 1)[1]) if array else None
+    rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted",
+                    after=after, array_index=index)
+    rec = with_event(rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus,
+                     guaranteed=spec.guaranteed)
+    rev = await store.create(rec, flush=False)
+    if rev is not None:
+        outbox.add(rec, rev)  # the event goes out in the background
+        return None
+    existing = await store.get(job_id)  # a concurrent submit with the same token won the race
+    assert existing is not None
+    return same_submission(existing[0], req)
 
 
 _D = defaults(AdmissionConfig)  # the keyword defaults below are the config's, written once
@@ -186,44 +217,42 @@ class Admission:
             raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
         await self._check_quota(spec)
         job_id = job_id_for(spec.tenant, req.token)
+        ids = dependencies.array_ids(job_id, spec.array) if spec.array else [job_id]
         if req.token is not None:
-            existing = await self.store.get(job_id)
+            existing = await self.store.get(ids[0])
             if existing is not None:
-                return self._same_submission(existing[0], req)
+                if spec.array is None:
+                    return same_submission(existing[0], req)
+                same_submission(existing[0], req)  # 409 if the token was used for another spec
+                ids = [j for j, got in zip(ids, await bounded([self.store.get(j) for j in ids], 32)) if got is None]
+                if not ids:  # a retry of a complete array
+                    return SubmitReply(job_id=job_id, created=False, state=JobState.PENDING, array=spec.array)
+        after = []
+        if spec.after:
+            try:  # the view first, then gs_jobs and the history store by key (no scan)
+                after = await dependencies.check_after(spec, job_id, ids, dependencies.finder(self.jobs_view, self.store))
+            except SpecError as err:
+                raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
         live = self._live_count(spec.tenant)
-        if live >= self.max_jobs_per_tenant:
-            raise RequestError("429", f"tenant {spec.tenant} has {live} live jobs, the limit", "spec.tenant")
+        if live + len(ids) > self.max_jobs_per_tenant:
+            raise RequestError("429", f"tenant {spec.tenant} has {live} live jobs, the limit is "
+                               f"{self.max_jobs_per_tenant}", "spec.tenant")
         # counted before the first await: submits run concurrently, and a burst
         # must not slip past the limit between the check and the write
         mine = self._created.setdefault(spec.tenant, set())
-        fresh = job_id not in mine
-        mine.add(job_id)
+        fresh = [j for j in ids if j not in mine]
+        mine.update(ids)
         ts = self.clock.now()
-        rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted")
-        rec = with_event(
-            rec, JobSubmitted, ts=ts, name=spec.name, tenant=spec.tenant, gpus=spec.gpus, guaranteed=spec.guaranteed
-        )
         try:
-            rev = await self.store.create(rec, flush=False)
+            made = await bounded([create_record(self.store, self.outbox, j, req, ts, after, spec.array) for j in ids], 32)
         except BaseException:
-            if fresh:
-                mine.discard(job_id)
+            mine.difference_update(fresh)
             raise
-        if rev is not None:
-            self.outbox.add(rec, rev)  # the event goes out in the background
-        else:
-            # a concurrent submit with the same token won the race
-            existing = await self.store.get(job_id)
-            assert existing is not None
-            return self._same_submission(existing[0], req)
-        log.info("job submitted", job_id=job_id, name=spec.name, gpus=spec.gpus, tenant=spec.tenant)
-        return SubmitReply(job_id=job_id, created=True, state=JobState.PENDING)
-
-    @staticmethod
-    def _same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
-        if rec.spec != req.spec:
-            raise RequestError("409", f"token {req.token!r} was used for a different job spec ({rec.job_id})", "token")
-        return SubmitReply(job_id=rec.job_id, created=False, state=rec.state)
+        if spec.array is None and made[0] is not None:
+            return made[0]  # a concurrent submit with the same token won the race
+        log.info("job submitted", job_id=job_id, name=spec.name, gpus=spec.gpus, tenant=spec.tenant,
+                 array=spec.array, after=len(after))
+        return SubmitReply(job_id=job_id, created=True, state=JobState.PENDING, array=spec.array or 0)
 
     async def cancel(self, ref: JobRef) -> JobRecord:
         got = await self.store.get(ref.job_id)
@@ -239,9 +268,11 @@ class Admission:
             if rec.state == JobState.CANCELLING:
                 return None
             if rec.state == JobState.PENDING:
-                rec = msgspec.structs.replace(rec, state=JobState.CANCELLED, finished_at=ts, reason="cancelled by user")
+                rec = msgspec.structs.replace(rec, state=JobState.CANCELLED, finished_at=ts, reason="cancelled by user",
+                                              cascade=ref.cascade)
                 return with_event(rec, JobCancelled, ts=ts)
-            rec = msgspec.structs.replace(rec, state=JobState.CANCELLING, reason="cancel requested: stopping")
+            rec = msgspec.structs.replace(rec, state=JobState.CANCELLING, reason="cancel requested: stopping",
+                                          cascade=ref.cascade)
             return with_event(rec, JobCancelRequested, ts=ts)
 
         new = await self.store.update(ref.job_id, change)
@@ -276,6 +307,17 @@ class Admission:
         except BadCursor as err:
             raise bad_request(str(err), "cursor") from None
         return JobList(jobs=[self.with_live(r) for r in jobs], next_cursor=cursor)
+
+    async def usage(self, req: UsageRequest) -> UsageReply:
+        if req.until is not None and req.until < req.since:
+            raise bad_request(f"until ({req.until:.0f}) is before since ({req.since:.0f})", "until")
+        return await window_usage(self.nc.jetstream(), self.jobs_view, req, self.clock.now())
+
+    async def usage_as(self, req: UsageRequest, subject: str) -> UsageReply:
+        tenant = self._tenant_of(subject)
+        if req.tenant not in (None, tenant):
+            raise RequestError("403", f"tenant {tenant} may not see the usage of tenant {req.tenant}", "tenant")
+        return await self.usage(msgspec.structs.replace(req, tenant=tenant))
 
     async def list_nodes(self, _: None) -> NodeList:
         return NodeList(nodes=await self.nodes())
@@ -354,6 +396,8 @@ class Admission:
             Endpoint("get", subj.ADMISSION_GET, JobRef, self.get),
             Endpoint("list", subj.ADMISSION_LIST, ListRequest, self.list),
             Endpoint("nodes", subj.ADMISSION_NODES, None, self.list_nodes),
+            Endpoint("usage", subj.ADMISSION_USAGE, UsageRequest, self.usage),
+            Endpoint("usage-tenant", subj.ADMISSION_USAGE + ".*", UsageRequest, self.usage_as, with_subject=True),
             Endpoint("queues", subj.ADMISSION_QUEUES, None, self.get_queues),
             Endpoint("setqueue", subj.ADMISSION_SET_QUEUE, QueueSpec, self.set_queue),
             Endpoint("submit-tenant", subj.ADMISSION_SUBMIT + ".*", SubmitRequest, self.submit_as, with_subject=True,

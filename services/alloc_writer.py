@@ -27,6 +27,14 @@ from gearshift.services.fencing import Fence
 
 DEFAULT_STEP_TIME = 0.1
 DEFAULT_PARALLEL = 32
+ARRAY_ENV = "GEARSHIFT_ARRAY_INDEX"  # an array element's index (services.dependencies)
+
+
+def array_env(rec: JobRecord) -> dict[str, str] | None:
+    """The job's env as launched: an array element's has its index."""
+    if rec.array_index is None:
+        return rec.spec.env
+    return {**(rec.spec.env or {}), ARRAY_ENV: str(rec.array_index)}
 
 
 def emulated_step_time(rec: JobRecord, plan: Plan) -> float:
@@ -41,7 +49,7 @@ def allocation_for(rec: JobRecord, clock: Clock = SYSTEM) -> Allocation:
     assert rec.plan is not None
     return Allocation(
         job_id=rec.job_id, generation=rec.generation, plan=rec.plan, placement=rec.placement, reason=rec.reason,
-        created_at=clock.now(), command=rec.spec.command, env=rec.spec.env,
+        created_at=clock.now(), command=rec.spec.command, env=array_env(rec),
         step_time=emulated_step_time(rec, rec.plan), steps=rec.spec.steps, global_batch=rec.spec.global_batch,
         grace=rec.spec.checkpoint_grace,
     )

@@ -30,10 +30,12 @@ from gearshift.bus import observe
 from gearshift.bus.kv import event_msg_id, kv_snapshot, publish_event
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
-from gearshift.bus_schema.messages import JobRecord, event_kind
+from gearshift.bus_schema.messages import JobRecord, UsageBatch, UsageRow, event_kind
+from gearshift.bus_schema.usage import usage_row
 from gearshift.services.alloc_writer import bounded
 
 Change = Callable[[JobRecord], JobRecord | None]
+USAGE_BATCH = 500  # usage rows per GS_USAGE message (~150 bytes each: well under the payload limit)
 
 
 def with_event(rec: JobRecord, event_type: type, *, ts: float, **fields: Any) -> JobRecord:
@@ -93,6 +95,22 @@ class JobStore:
             await self.kv.delete(rec.job_id)
         self.published.pop(rec.job_id, None)
         return True
+
+    async def publish_usage(self, recs: list[JobRecord]) -> None:
+        """The accounts of finished jobs about to be archived, on ``GS_USAGE``: one
+        message per tenant and up to ``USAGE_BATCH`` jobs (the usage verb reads a
+        window of messages, not of jobs). Written before the records move, so a
+        crash in between writes them again with the next archive pass (the reader
+        counts a job once)."""
+        by_tenant: dict[str, list[UsageRow]] = {}
+        for rec in recs:
+            by_tenant.setdefault(rec.spec.tenant, []).append(usage_row(rec))
+        for tenant, rows in by_tenant.items():
+            for k in range(0, len(rows), USAGE_BATCH):
+                part = rows[k:k + USAGE_BATCH]
+                await self.js.publish(subj.usage_subject(tenant), codec.encode(UsageBatch(rows=part)),
+                                      headers={"Nats-Msg-Id": f"usage:{part[0].job_id}:{part[-1].job_id}:{len(part)}"})
+                observe.usage_rows(part)
 
     async def create(self, rec: JobRecord, *, flush: bool = True) -> int | None:
         """Write a new record; its revision, or None if the id exists already.

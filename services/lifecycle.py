@@ -126,6 +126,7 @@ def apply_report(rec: JobRecord, r: RunReport, *, max_retries: int, now: float) 
             rec, state=JobState.PENDING, placement=[], steps_done=steps, failures=retry,
             attained_gpu_s=rec.attained_gpu_s + segment_gpu_s(rec, ts),
             restarts=rec.restarts + 1, switch=None, reason=f"retry {retry}/{max_retries}: {why}", **drain,
+            steps_lost=lost_steps(rec, "requeue", steps - rec.checkpoint_step),
         )
         return Outcome(with_event(new, JobRequeued, ts=ts, reason=new.reason, retry=retry,
                                   checkpoint_step=rec.checkpoint_step), ended=True)
@@ -252,7 +253,11 @@ def switched(rec: JobRecord, r: RunReport) -> JobRecord:
     restore = max(0.0, r.restore_s or 0.0)
     first = max(0.0, r.first_step_s or 0.0)
     done_at = launched + restore + first
-    new = msgspec.structs.replace(rec, switch=None)
+    gpus = sum(len(p.gpus) for p in rec.placement)
+    total = max(0.0, done_at - started)
+    new = msgspec.structs.replace(rec, switch=None, switches=rec.switches + 1, switch_s=rec.switch_s + total,
+                                  switch_gpu_s=rec.switch_gpu_s + total * gpus,
+                                  steps_lost=lost_steps(rec, "switch", sw.progress_step - sw.checkpoint_step))
     return with_event(
         new, JobSwitched, ts=r.ts, from_generation=sw.from_generation, from_plan=sw.from_plan, plan=rec.plan,
         from_gpus=sw.from_gpus, gpus=sum(len(p.gpus) for p in rec.placement), nodes=[p.node for p in rec.placement],
@@ -261,6 +266,14 @@ def switched(rec: JobRecord, r: RunReport) -> JobRecord:
         total_s=max(0.0, done_at - started), checkpoint_step=sw.checkpoint_step, resumed_step=r.start_step,
         steps_lost=max(0, sw.progress_step - sw.checkpoint_step), grace_expired=sw.grace_expired,
     )
+
+
+def lost_steps(rec: JobRecord, cause: str, n: int) -> dict[str, int]:
+    """``rec.steps_lost`` with ``n`` more steps (at least 0) lost to ``cause`` (what
+    ``gearshift_steps_lost_total`` counts from the events, kept in the record for accounting)."""
+    if n <= 0:
+        return rec.steps_lost
+    return {**rec.steps_lost, cause: rec.steps_lost.get(cause, 0) + n}
 
 
 def drain_fields(r: JobRecord, ts: float, alive: set[str] | None = None) -> dict[str, Any]:
@@ -287,6 +300,8 @@ def back_to_queue(r: JobRecord, rec_generation: int, why: str, event: type, ts: 
         r, state=JobState.PENDING, placement=[], reason=why, restarts=r.restarts + 1, switch=None,
         attained_gpu_s=r.attained_gpu_s + segment_gpu_s(r, ts), **drain_fields(r, ts, alive),
     )
+    if event is JobRequeued:  # resumes from its checkpoint: what it did past it is redone
+        new = msgspec.structs.replace(new, steps_lost=lost_steps(r, "requeue", r.steps_done - r.checkpoint_step))
     extra = {"checkpoint_step": r.checkpoint_step} if with_checkpoint else {}
     return with_event(new, event, ts=ts, reason=why, **extra)
 

@@ -91,6 +91,7 @@ from gearshift.policies.registry import make_policy, policy_names
 from gearshift.policies.sharing import Shared
 from gearshift.services import capacity, node_modes
 from gearshift.services.alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
+from gearshift.services.dependencies import DependencyGate
 from gearshift.services.fencing import Deposed
 from gearshift.services.jobstore import JobStore
 from gearshift.services.leadership import Leadership
@@ -229,6 +230,7 @@ class Optimizer:
         self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel, clock=self.clock)
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
                                     drain_timeout=self.drain_timeout, archive_after=self.archive_after, clock=self.clock)
+        self.deps = DependencyGate(self.store, self.jobs.entries, self.records.hint, self.clock, self.write_parallel)
         self.report_applier = ReportApplier(self.store, self.writer, self.records.hint, self.models,
                                             max_retries=lambda: self.max_retries, parallel=self.write_parallel,
                                             clock=self.clock)
@@ -410,7 +412,11 @@ class Optimizer:
             seen_held.setdefault(node, set()).update(gpus)
         node_states = capacity.node_states(nodes, seen_held)
         self.models.node_type = {n.name: n.gpu_type for n in node_states}  # what ran teaches the oracle per GPU type
-        decision, views, t_policy = await self.policy_step.decide(records, node_states, alive)
+        changes += await self.deps.gate(records)  # jobs waiting on dependencies stay out of the policy's view
+        blocked = self.deps.blocked
+        decision, views, t_policy = await self.policy_step.decide(
+            {k: r for k, r in records.items() if k not in blocked} if blocked else records, node_states, alive)
+        decision.waiting.update(blocked)
         if _pause_requested():
             self.leadership.stop_renewing()
             _pause()

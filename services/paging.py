@@ -34,9 +34,11 @@ class BadCursor(ValueError):
 
 def keep_for(req: ListRequest) -> Callable[[JobRecord], bool]:
     states = set(req.states or [])
+    prefix = None if req.array is None else req.array + "-"
 
     def keep(r: JobRecord) -> bool:
         return ((req.tenant is None or r.spec.tenant == req.tenant)
+                and (prefix is None or (r.array_index is not None and r.job_id.startswith(prefix)))
                 and (not states or r.state.value in states)
                 and (req.node is None or any(p.node == req.node for p in r.placement)))
 

@@ -44,6 +44,7 @@ from gearshift.policies.api import JobView, NodeState, Placement, Policy, accept
 from gearshift.policies.decision import NodeCapacity, check_decision, diff
 from gearshift.policies.learning import LearningOracle
 from gearshift.sim.declared import declared_spec
+from gearshift.sim.dependencies import DependencyHold
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
 from gearshift.sim.views import SimViews
@@ -306,6 +307,7 @@ class Simulator:
         self.records = [SimJob(j, JobView(job_id=j.job_id, spec=declared_spec(j.spec, cfg.declared_noise, cfg.seed, j.job_id),
                                           submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
+        self.holds = DependencyHold(self.records)  # a trace's ``after`` column (sim.dependencies)
         self.live: dict[str, SimJob] = {}  # pending + running, in arrival order
         self.running: dict[str, SimJob] = {}
         self._unobserved: list[tuple[SimJob, int]] = []  # grants not yet told to the oracle (_observe)
@@ -538,14 +540,18 @@ class Simulator:
                 del self.live[r.job.job_id]
                 done += 1
                 completed = True
+                for d in self.holds.completed(r.job.job_id):  # its dependents that arrived join the queue
+                    self.live[d.job.job_id] = d
+                    arrived = True
                 if tracked_left is not None:
                     tracked_left.discard(r.job.job_id)
             while nxt < n and jobs[nxt].job.submit <= t:
                 r = jobs[nxt]
                 move(r, PENDING)
-                self.live[r.job.job_id] = r
                 nxt += 1
-                arrived = True
+                if self.holds.arrive(r):
+                    self.live[r.job.job_id] = r
+                    arrived = True
             if tracked_left is not None and not tracked_left:
                 break
             run_round = t >= next_round or (arrived and cfg.round_on_arrival) or (completed and cfg.round_on_completion)

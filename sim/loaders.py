@@ -73,15 +73,24 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def _after(r: dict[str, str], job_id) -> list | None:
+    """A row's optional ``after`` column: the trace's ids of the jobs it starts after
+    (each completed), separated by ``;`` or spaces; ``job_id`` maps a trace id to ours."""
+    from gearshift.bus_schema.messages import Dependency
+
+    ids = (r.get("after") or "").replace(";", " ").split()
+    return [Dependency(job=job_id(i)) for i in ids] or None
+
+
 def _make(job_id, submit, model, gpus, steps, step_time, plan=None, guaranteed=False, cpg=None,
-          batch=_GENERIC_BATCH, truth_key=""):
+          batch=_GENERIC_BATCH, truth_key="", after=None):
     from gearshift.bus_schema.messages import JobSpec
 
     gpus = max(1, int(gpus))
     spec = JobSpec(
         name=job_id, model=model, global_batch=batch, steps=int(steps), gpus=gpus,
         cpus_per_gpu=cpg, plan=plan if plan is not None else Plan(dp=gpus), guaranteed=guaranteed,
-        step_time=float(step_time),
+        step_time=float(step_time), after=after,
     )
     return TraceJob(job_id=job_id, submit=float(submit), spec=spec, truth_key=truth_key)
 
@@ -110,7 +119,8 @@ def load_blox(path: str | Path, name: str = "", track: tuple[int, int] | None = 
     model = _generic_model("blox")
     for r in _rows(Path(path)):
         steps, st = _steps_for(float(r["duration_s"]))
-        jobs.append(_make(f"b{int(r['job_id'])}", float(r["arrival_time_s"]), model, int(r["num_gpus"]), steps, st))
+        jobs.append(_make(f"b{int(r['job_id'])}", float(r["arrival_time_s"]), model, int(r["num_gpus"]), steps, st,
+                          after=_after(r, lambda i: f"b{int(i)}")))
     tracked = None
     if track is not None:
         lo, hi = track
@@ -125,7 +135,7 @@ def load_tiresias(path: str | Path, name: str = "") -> Trace:
     for r in _rows(Path(path)):
         steps, st = _steps_for(float(r["duration"]), float(r.get("iterations") or 0))
         jobs.append(_make(f"t{int(r['job_id'])}", float(r["submit_time"]), _generic_model(r.get("model_name", "")),
-                          int(r["num_gpu"]), steps, st))
+                          int(r["num_gpu"]), steps, st, after=_after(r, lambda i: f"t{int(i)}")))
     return Trace(name or Path(path).stem, jobs, parse_cluster("16x4"), note="Tiresias simulator trace")
 
 

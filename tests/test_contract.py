@@ -102,7 +102,7 @@ def test_permissions_follow_the_table():
     idents = {i.user: i for i in auth.identities(["node0"], ["nlp"])}
     tenant = auth.permissions(idents["tenant-nlp"])
     assert sorted(tenant["publish"]["allow"]) == sorted(f"gs.admission.{v}.nlp" for v in ("submit", "cancel", "get",
-                                                                                          "list"))
+                                                                                          "list", "usage"))
     agent = auth.permissions(idents["agent-node0"])
     assert "gs.node.node0.heartbeat" in agent["publish"]["allow"]
     assert "gs.agent.node0.logs" in agent["subscribe"]["allow"]

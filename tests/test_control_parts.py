@@ -165,6 +165,9 @@ class FakeStore:
     async def archive(self, r: JobRecord) -> None:
         self.archived.append(r.job_id)
 
+    async def publish_usage(self, recs: list[JobRecord]) -> None:
+        self.accounted = [r.job_id for r in recs]
+
 
 class FakeAllocs:
     def __init__(self):
@@ -205,4 +208,4 @@ async def test_record_writer_stamps_its_clock_and_times_out_drains_and_archives_
     clock.advance(29.0)
     assert await w.archive() == 0 and store.archived == []
     clock.advance(1.0)
-    assert await w.archive() == 1 and store.archived == ["j1"]
+    assert await w.archive() == 1 and store.archived == ["j1"] and store.accounted == ["j1"]
