@@ -335,24 +335,7 @@ class Agent:
         run.advance(RunPhase.STOPPING)
         run.stopped_by_agent = by_agent
         run.reason = reason
-        self._spawn(self._terminate(run))
-
-    async def _terminate(self, run: Run) -> None:
-        """SIGTERM (checkpoint and exit), then SIGKILL after the grace period."""
-        self.log.info("stopping", job_id=run.job_id, generation=run.generation, reason=run.reason)
-        run.stop_sent_at = time.time()
-        for proc in run.procs:
-            if proc.returncode is None:
-                self.runner.signal(proc, signal.SIGTERM)
-        grace = run.alloc.grace if run.alloc.grace is not None else self.grace  # the job's, bounded at submit
-        try:
-            await asyncio.wait_for(run.done.wait(), grace)
-        except asyncio.TimeoutError:
-            self.log.warning("grace period over, killing", job_id=run.job_id, grace=grace)
-            run.grace_expired = True
-            for proc in run.procs:
-                if proc.returncode is None:
-                    self.runner.signal(proc, signal.SIGKILL)
+        self._spawn(terminate(self, run))
 
     # ------------------------------------------------------------ commands
     async def _on_stop(self, cmd: StopCommand) -> AgentReply:
@@ -414,3 +397,20 @@ async def _until_it_works(make: Any, what: str, wait: float = 60.0) -> Any:
             get_logger().warning("retrying", what=what, error=type(exc).__name__)
             await asyncio.sleep(0.5)
 
+
+async def terminate(agent: "Agent", run: Run) -> None:
+    """SIGTERM (checkpoint and exit), then SIGKILL after the grace period."""
+    agent.log.info("stopping", job_id=run.job_id, generation=run.generation, reason=run.reason)
+    run.stop_sent_at = time.time()
+    for proc in run.procs:
+        if proc.returncode is None:
+            agent.runner.signal(proc, signal.SIGTERM)
+    grace = run.alloc.grace if run.alloc.grace is not None else agent.grace  # the job's, bounded at submit
+    try:
+        await asyncio.wait_for(run.done.wait(), grace)
+    except asyncio.TimeoutError:
+        agent.log.warning("grace period over, killing", job_id=run.job_id, grace=grace)
+        run.grace_expired = True
+        for proc in run.procs:
+            if proc.returncode is None:
+                agent.runner.signal(proc, signal.SIGKILL)

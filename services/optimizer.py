@@ -295,7 +295,7 @@ class Optimizer:
         ]
         self._tasks = [
             asyncio.create_task(self._consume_reports()),
-            asyncio.create_task(self._round_loop()),
+            asyncio.create_task(round_loop(self)),
         ]
         stop_w = asyncio.create_task(stop.wait())
         lost_w = asyncio.create_task(lost.wait())
@@ -350,25 +350,6 @@ class Optimizer:
     @property
     def progress(self) -> dict[str, tuple[int, int]]:
         return self.policy_step.progress
-
-    async def _round_loop(self) -> None:
-        while self.is_leader:
-            try:
-                await asyncio.wait_for(self.kick.wait(), timeout=self.interval)
-            except asyncio.TimeoutError:
-                pass
-            self.kick.clear()
-            try:
-                await self.round()
-            except asyncio.CancelledError:
-                raise
-            except Deposed as exc:
-                self.leadership.deposed(exc)
-                return
-            except Exception:
-                log.exception("round failed")
-                self._reconcile_at = 0.0  # what it wrote may be half done: the next round heals it
-                await asyncio.sleep(0.5)
 
     async def _round_endpoint(self, _: None) -> RoundReply:
         return await self.round()
@@ -462,6 +443,27 @@ class Optimizer:
             await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}",
                                 subj.round_event(ev.__struct_config__.tag), self.leadership.fence)
         return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
+
+
+async def round_loop(opt: "Optimizer") -> None:
+    """The leader's rounds: on a kick or every ``interval``, until it is no longer leader."""
+    while opt.is_leader:
+        try:
+            await asyncio.wait_for(opt.kick.wait(), timeout=opt.interval)
+        except asyncio.TimeoutError:
+            pass
+        opt.kick.clear()
+        try:
+            await opt.round()
+        except asyncio.CancelledError:
+            raise
+        except Deposed as exc:
+            opt.leadership.deposed(exc)
+            return
+        except Exception:
+            log.exception("round failed")
+            opt._reconcile_at = 0.0  # what it wrote may be half done: the next round heals it
+            await asyncio.sleep(0.5)
 
 
 class OperatorActions:

@@ -310,7 +310,7 @@ class Simulator:
         self.holds = DependencyHold(self.records)  # a trace's ``after`` column (sim.dependencies)
         self.live: dict[str, SimJob] = {}  # pending + running, in arrival order
         self.running: dict[str, SimJob] = {}
-        self._unobserved: list[tuple[SimJob, int]] = []  # grants not yet told to the oracle (_observe)
+        self._unobserved: list[tuple[SimJob, int]] = []  # grants not yet told to the oracle (observe_started)
         # the policy's views, kept across rounds; they account the running jobs' progress at each round
         self.views = SimViews(self.live, self.running, cfg.check_invariants, InvariantError)
         self.heap: list[tuple[float, int, int]] = []  # (finish time, version, record index)
@@ -410,7 +410,7 @@ class Simulator:
         """Run the policy and apply its decision. True if any allocation changed."""
         self.rounds += 1
         if self.cfg.learn:
-            self._observe(t)
+            observe_started(self, t)
         views = self.views.views(t)  # every running job's progress accounted to t, too (SimViews.views)
         if self.cfg.checkpoint_interval is not None:  # what agents report live (JobProgress)
             for v in views:
@@ -456,23 +456,6 @@ class Simulator:
         elif not self.cfg.check_invariants:
             self._touched.clear()
         return changed
-
-    def _observe(self, t: float) -> None:
-        """Tell the oracle the speed of allocations that have started training (what
-        a running job's step reports reveal), once per allocation, in the order the
-        allocations were granted (the running jobs' order). Only the allocations not
-        yet told are looked at (``_unobserved``, appended by every grant; one whose
-        job was released since, its version moved, is dropped)."""
-        left = []
-        for r, version in self._unobserved:
-            if r.version != version or r.observed or r.rate <= 0:
-                continue
-            if t >= r.productive_from:
-                r.observed = True
-                self.oracle.observe(r.job.spec, r.plan, r.placement, step_time=1.0 / r.rate)
-            else:
-                left.append((r, version))
-        self._unobserved = left
 
     # ------------------------------------------------------------ the loop
     def run(self) -> SimResult:
@@ -563,7 +546,7 @@ class Simulator:
             if t >= next_round:
                 next_round = (math.floor(t / interval) + 1) * interval
             if cfg.record_timeline:
-                self._sample(t)
+                sample_timeline(self, t)
             if self.progress is not None and t - last_report > 3600:
                 last_report = t
                 self.progress(t, done, n)
@@ -573,13 +556,34 @@ class Simulator:
         return SimResult(self.policy.name, self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
                          self.rounds, self.events, _time.perf_counter() - wall0, self.timeline)
 
-    def _sample(self, t: float) -> None:
-        row = (t, self.alloc_gpus, len(self.live) - len(self.running), len(self.running))
-        tl = self.timeline
-        if tl and tl[-1][0] == t:
-            tl[-1] = row
-        elif not tl or tl[-1][1:] != row[1:]:
-            tl.append(row)
+
+
+def observe_started(sim: "Simulator", t: float) -> None:
+    """Tell the oracle the speed of allocations that have started training (what
+    a running job's step reports reveal), once per allocation, in the order the
+    allocations were granted (the running jobs' order). Only the allocations not
+    yet told are looked at (``_unobserved``, appended by every grant; one whose
+    job was released since, its version moved, is dropped)."""
+    left = []
+    for r, version in sim._unobserved:
+        if r.version != version or r.observed or r.rate <= 0:
+            continue
+        if t >= r.productive_from:
+            r.observed = True
+            sim.oracle.observe(r.job.spec, r.plan, r.placement, step_time=1.0 / r.rate)
+        else:
+            left.append((r, version))
+    sim._unobserved = left
+
+
+def sample_timeline(sim: "Simulator", t: float) -> None:
+    """One timeline row at ``t`` (allocated GPUs, waiting, running), when it changed."""
+    row = (t, sim.alloc_gpus, len(sim.live) - len(sim.running), len(sim.running))
+    tl = sim.timeline
+    if tl and tl[-1][0] == t:
+        tl[-1] = row
+    elif not tl or tl[-1][1:] != row[1:]:
+        tl.append(row)
 
 
 def simulate(trace: Trace, policy: Policy, cluster: ClusterSpec | None = None, config: SimConfig | None = None,
