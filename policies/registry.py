@@ -98,6 +98,11 @@ def _builtin() -> None:
         register("synergy", Synergy)
     except ImportError:
         pass
+    from gearshift.policies.optimus import Optimus
+    from gearshift.policies.pollux import Pollux
+
+    register("pollux", Pollux)
+    register("optimus", Optimus)
     try:
         from gearshift.policies.gavel import Gavel
 
