@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 # One BLAS thread: the throughput fits are many tiny L-BFGS-B problems, and on a loaded
-# 2-core machine a BLAS thread pool made each ~250x slower in wall time (measured: 1.95 s
+# 2-core machine a BLAS thread pool made each ~25x slower in wall time (measured: 1.95 s
 # against 0.08 s per fit). Set before numpy loads; an explicit setting wins.
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")

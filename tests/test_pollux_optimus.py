@@ -196,3 +196,13 @@ def test_replay_finishes_a_small_pollux_workload(tmp_path):
         r = run_named(name, w, generations=10)
         assert r.unfinished == 0 and len(r.jcts) == 4, name
         assert all(v > 0 for v in r.jcts.values())
+
+
+def test_baseline_fidelity_names_its_sources_and_refuses_bad_input(capsys):
+    from loadtest import baseline_fidelity as bf
+
+    for ref in bf.REFERENCES.values():
+        assert ref["avg_jct_s"] > 0 and "osdi21-artifact" in ref["source"]
+    assert bf.main(["--generations", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--generations" in err[0]
