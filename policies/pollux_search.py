@@ -27,7 +27,9 @@ One difference, said here and in docs: Pollux runs pymoo's NSGA-II with a second
 (cluster utility, used only for autoscaling, which its simulator turns off) and then picks
 the Pareto-front member with the best first objective. We run the same operators with
 binary tournaments and (mu + lambda) survival on the first objective alone, which is the
-criterion Pollux's final pick uses.
+criterion Pollux's final pick uses. Two smaller ones follow from that: pymoo drops
+duplicate offspring (NSGA-II's default) and carries its result set (the Pareto front) to
+the next round; we keep duplicates and carry the whole final population.
 """
 
 from __future__ import annotations
