@@ -100,6 +100,11 @@ def _builtin() -> None:
         register("synergy-srtf", lambda **kw: Synergy(**{"order": "srtf", "name": "synergy-srtf", **kw}))
     except ImportError:
         pass
+    from gearshift.policies.optimus import Optimus
+    from gearshift.policies.pollux import Pollux
+
+    register("pollux", Pollux)
+    register("optimus", Optimus)
     try:
         from gearshift.policies.gavel import Gavel
 
