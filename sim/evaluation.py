@@ -25,7 +25,12 @@ from pathlib import Path
 
 from gearshift.sim.baselines import best_baselines  # noqa: E402
 
-PEERS = tuple(best_baselines())  # the baselines a user could pick (issue 21)
+# The baselines a user could pick (issue 21), less Pollux for now: its genetic search costs
+# about 13x Sia's CPU per round (77 s against 6 s on rubick-base's first 40 jobs), so its
+# runs on the whole traces have not been made yet and the saved runs do not hold it.
+# `gearshift simulate --policies rubick,...,pollux` compares against it directly.
+NOT_YET = ("pollux",)
+PEERS = tuple(n for n in best_baselines() if n not in NOT_YET)
 POLICIES = ",".join(("rubick", *PEERS))
 MEASURED_FLOOR = 1.3  # issue 21's floors: measured 1.3x, extended 1.5x
 EXTENDED_FLOOR = 1.5
