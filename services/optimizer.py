@@ -352,7 +352,7 @@ class Optimizer:
         return self.policy_step.progress
 
     async def _round_endpoint(self, _: None) -> RoundReply:
-        return await self.round()
+        return await self.round(flush=True)  # asked for: its waiting reasons are in the records when it answers
 
     async def _explain_endpoint(self, _: None) -> ExplainReply:
         return ExplainReply(policy=self.policy.name, round=self.round_no, jobs=self.last_explain)
@@ -364,11 +364,11 @@ class Optimizer:
     def _grace_over(self) -> bool:
         return self.liveness.grace_over(self.leader_since)
 
-    async def round(self) -> RoundReply:
+    async def round(self, *, flush: bool = False) -> RoundReply:
         async with self._round_lock:
-            return await self._round()
+            return await self._round(flush)
 
-    async def _round(self) -> RoundReply:
+    async def _round(self, flush: bool = False) -> RoundReply:
         started, cpu_started = time.perf_counter(), time.process_time()
         gc_before, conflicts_before = GcClock.total, self.store.conflicts
         self.round_no += 1
@@ -415,7 +415,7 @@ class Optimizer:
         if full:
             self._reconcile_at = float("inf")  # until this round has ended well
         await self.writer.reconcile(records, copies=full)
-        self.last_explain = await self.records.explain(decision, records)
+        self.last_explain = await self.records.explain(decision, records, flush=flush)
         await self.records.archive()
         t_rest = time.perf_counter() - t_rest
 

@@ -7,7 +7,6 @@ try, so a write costs no read unless the record moved."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
@@ -59,7 +58,7 @@ class RecordWriter:
         self.drain_timeout = drain_timeout
         self.archive_after = archive_after
         self._cancelling_since: dict[str, float] = {}  # this leader's first sight of each cancelling job
-        self._reasons_due = 0.0  # monotonic time the next batch of waiting reasons may go out
+        self._reasons_due = float("-inf")  # clock time the next batch of waiting reasons may go out
         self._agent_at_drain: dict[tuple[str, str], float] = {}  # (job, node) -> agent started_at at first sight
         self._archived_at = float("-inf")  # when the last pass moved something
 
@@ -242,9 +241,11 @@ class RecordWriter:
                 await self.writer.put(new)
         return new
 
-    async def explain(self, decision: Decision, records: dict[str, JobRecord]) -> list[ExplainEntry]:
+    async def explain(self, decision: Decision, records: dict[str, JobRecord], *,
+                      flush: bool = False) -> list[ExplainEntry]:
         """Why each job waits or runs (the explain endpoint's entries), and the
-        waiting reasons written into records."""
+        waiting reasons written into records (``flush``: now, whatever the rate
+        limit; a round a client asked for, ``gs.optimizer.round``, writes what it decided)."""
         explain, stale = [], []
         for job_id, why in decision.waiting.items():
             rec = records[job_id]
@@ -257,10 +258,11 @@ class RecordWriter:
         # batch: a commit costs the server a disk sync, and while 64 single commits
         # synced one after the other every admission write to gs_jobs queued behind
         # them (the submit stall of issue 24: 1 submit in 20 waited ~250 ms).
-        if time.monotonic() < self._reasons_due:  # at most one batch every REASON_EVERY_S
+        now = self.clock.now()
+        if now < self._reasons_due and not flush:  # at most one batch every REASON_EVERY_S
             stale = []
-        else:
-            self._reasons_due = time.monotonic() + REASON_EVERY_S
+        elif stale:
+            self._reasons_due = now + REASON_EVERY_S
         await self.store.update_many([(
             job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
             self.hint(job_id)) for _, job_id, why in sorted(stale)[:REASON_WRITES_PER_ROUND]], parallel=self.parallel)
