@@ -182,3 +182,15 @@ def loss_fn(logits, target):
 
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                              ignore_index=-100)
+
+
+def params_m(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS) -> float:
+    """Millions of parameters of the model ``build`` makes (counted on a real instance)."""
+    model = build(name, layers=layers, hidden=hidden, heads=heads, dtype="float32")
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def model_spec(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS) -> dict[str, Any]:
+    """The job spec's ``model`` (what the performance model keys and scales by)."""
+    return {"name": f"hf-{name}", "params": round(params_m(name, layers, hidden, heads), 6), "layers": layers,
+            "hidden": hidden, "seq_len": SEQ, "heads": heads}
