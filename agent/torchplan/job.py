@@ -205,7 +205,9 @@ class Job:
 
     def profile(self, reporter, common: dict) -> int:
         """``GEARSHIFT_PROFILE_STEPS=n`` (the profiler's contract): ``PROFILE_WARMUP``
-        steps, then n measured ones; the per-step time's quantile in the progress file."""
+        steps, then n measured ones; the per-step time's quantile in the progress file
+        (``iteration``, and for a plan without pp its ``forward``, ``backward`` with the
+        gradient sync, and ``optimizer`` phases: what the performance model's fit reads)."""
         timer = PhaseTimer()
         for i in range(PROFILE_WARMUP + self.env.profile_steps):
             if i == PROFILE_WARMUP:
@@ -213,7 +215,7 @@ class Job:
             timer.start_step()
             with timer("step"):
                 xs, ys = self.micro_batches()
-                loss = self.par.train_step(xs, ys)
+                loss = self.par.train_step(xs, ys, timer if self.plan["pp"] == 1 else None)
                 self.torch.distributed.all_reduce(loss)
             timer.end_step()
             self.step += 1
