@@ -136,7 +136,7 @@ def run_spread(results) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.profile_accuracy")
     ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--model", default="torchref", choices=["torchref", "llama", "gpt2", "bert"],
+    ap.add_argument("--model", default="torchref", choices=["torchref", "llama", "gpt2", "bert", "vit"],
                     help="the reference workload, or a tiny HF model through the plan library")
     ap.add_argument("--steps", type=int, default=None,
                     help="measured steps per run (after the warm-up steps; default 30, 40 for HF models)")
