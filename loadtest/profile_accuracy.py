@@ -6,11 +6,14 @@
 through the plan library (``gearshift.agent.torchplan.train``: FSDP2, DTensor
 TP, torch.distributed.pipelining) instead of the reference workload: the same
 profiler, the same fit, the same held-out plans (the TP ones only where the
-family has a TP plan). Its profiling runs time wall clock (gloo's collectives
-and a pipeline's bubble are waiting, which thread CPU time leaves out), so on
-a loaded machine it measures more steps (``--steps``, default 40 for HF models)
-and the reported noise (``noise``: the spread between a plan's repeated runs)
-says how far apart two measurements of the same plan were.
+family has a TP plan). Its profiling runs time the ranks' thread CPU time too
+(``GEARSHIFT_PROFILE_CLOCK=cpu``): with wall clock, on this loaded 2-core box
+(load average ~15), two runs of one plan differed by 74% in the median and by
+up to 268% (``noise``: the spread between a plan's repeated runs, reported in
+every result). Thread CPU time leaves out what a rank waits for (gloo's
+collectives run on gloo's threads, a pipeline's bubble), which on dedicated
+hardware belongs in the step time: there leave the clock at wall. HF runs
+measure 40 steps by default (``--steps``).
 
 Starts a local cluster (one node, two fake GPUs: on a CPU box each "GPU" is
 one rank with one torch thread), asks the profiler (``gs.profiler.profile``)
@@ -73,7 +76,7 @@ def workload(name: str) -> tuple[dict, list[str], dict[str, str]]:
     from gearshift.agent.torchplan import families
 
     return (families.model_spec(name), [sys.executable, "-m", "gearshift.agent.torchplan.train", "--model", name],
-            {"GEARSHIFT_DEVICE": "cpu"})
+            {"GEARSHIFT_DEVICE": "cpu", "GEARSHIFT_PROFILE_CLOCK": "cpu"})
 
 
 def held_out(name: str) -> list[Plan]:

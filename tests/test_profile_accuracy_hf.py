@@ -41,3 +41,9 @@ def test_run_spread_is_the_relative_gap_between_repeats_of_a_plan():
            ProfileResult(ok=False, plan=Plan(tp=2), error="x"), ProfileResult(ok=True, plan=Plan(pp=2), iter_ms=7.0)]
     got = run_spread(res)
     assert got == {"plans": 2, "median_spread": 0.2, "max_spread": 0.2}  # DP1 20%, DP2 10%; one run of PP2
+
+
+def test_the_reference_workload_is_profiled_as_before():
+    from gearshift.agent import reference as ref
+
+    assert workload("torchref") == (ref.model_spec(), ref.command(), {"GEARSHIFT_PROFILE_CLOCK": "cpu"})

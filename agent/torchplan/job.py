@@ -208,7 +208,9 @@ class Job:
         steps, then n measured ones; the per-step time's quantile in the progress file
         (``iteration``, and for a plan without pp its ``forward``, ``backward`` with the
         gradient sync, and ``optimizer`` phases: what the performance model's fit reads)."""
-        timer = PhaseTimer()
+        # GEARSHIFT_PROFILE_CLOCK=cpu: this rank's thread CPU time (what a loaded shared box does not inflate;
+        # it leaves out waiting on gloo's threads and a pipeline's bubble), as the reference workload
+        timer = PhaseTimer(os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall"))
         for i in range(PROFILE_WARMUP + self.env.profile_steps):
             if i == PROFILE_WARMUP:
                 timer.reset()
