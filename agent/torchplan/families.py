@@ -5,7 +5,7 @@ splits and GC wraps), how a pipeline stage computes (``embed`` on the first
 stage, ``block`` per layer, ``head`` on the last), which modules only the first
 or last stage keeps, and its TP plan: the model's own ``base_model_tp_plan``
 where the config has one (LLaMA), otherwise one written here per family
-(BERT); GPT-2 has none (its attention projects q, k and v with one fused
+(BERT, ViT); GPT-2 has none (its attention projects q, k and v with one fused
 ``Conv1D`` that a column split would cut across q/k/v).
 
 Tiny sizes only (hidden 32, 4 layers, 4 heads): the point is that the same
@@ -81,14 +81,30 @@ class Bert(Family):
         return root.cls(h)
 
 
+class ViT(Family):
+    def embed(self, root, x):
+        emb = root.vit.embeddings
+        # images come as float32; the patch projection may run in float64
+        return emb(x.to(emb.patch_embeddings.projection.weight.dtype))
+
+    def head(self, root, h):
+        return root.classifier(root.vit.layernorm(h)[:, 0, :])  # the [CLS] token, as ViTForImageClassification
+
+
 BERT_TP = {"attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
            "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
+
+VIT_TP = {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
+          "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+# ViT: 8x8 one-channel images in 2x2 patches (16 tokens, as SEQ), 4 classes
+IMAGE, PATCH, CLASSES = 8, 2, 4
 
 FAMILIES: dict[str, Family] = {
     "llama": Llama("llama", "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")),
     "gpt2": GPT2("gpt2", "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head"),
                  why_no_tp="its attention's q, k and v come from one fused Conv1D (c_attn)"),
     "bert": Bert("bert", "bert.encoder.layer", ("bert.embeddings",), ("cls",), tp_plan=dict(BERT_TP), masked=True),
+    "vit": ViT("vit", "vit.layers", ("vit.embeddings",), ("vit.layernorm", "classifier"), tp_plan=dict(VIT_TP)),
 }
 
 
@@ -108,6 +124,11 @@ def config(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = H
         return tf.BertConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                              num_attention_heads=heads, max_position_embeddings=4 * SEQ, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0, **common)
+    if name == "vit":
+        return tf.ViTConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                            num_attention_heads=heads, image_size=IMAGE, patch_size=PATCH, num_channels=1,
+                            num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                            attn_implementation="sdpa")
     raise ValueError(f"model: unknown family {name!r} (one of {', '.join(FAMILIES)})")
 
 
@@ -143,7 +164,8 @@ def build(name: str, seed: int = 1234, dtype: str = "float64", layers: int = LAY
 
     cfg = config(name, layers, hidden, heads)
     torch.manual_seed(seed)
-    cls = {"llama": tf.LlamaForCausalLM, "gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM}[name]
+    cls = {"llama": tf.LlamaForCausalLM, "gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM,
+           "vit": tf.ViTForImageClassification}[name]
     model = cls(cfg).to(getattr(torch, dtype))
     if name == "bert":
         # cls.predictions.bias: unused by forward (the decoder has its own), so it never gets a gradient:
@@ -155,12 +177,18 @@ def build(name: str, seed: int = 1234, dtype: str = "float64", layers: int = LAY
 
 
 def dataset(name: str, n: int, seed: int, seq: int = SEQ):
-    """A learnable synthetic token set: sequences of a fixed random Markov
+    """A learnable synthetic set: for ViT random images labelled by their
+    brightest quadrant; otherwise sequences of a fixed random Markov
     chain; BERT masks 3 fixed-per-sample positions (every micro-batch then has
     the same number of labels, so the mean of micro-batch means is the batch mean)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
+    if name == "vit":  # the class: the brightest quadrant
+        x = torch.randn(n, 1, IMAGE, IMAGE, generator=g)
+        q = IMAGE // 2
+        quads = torch.stack([x[:, 0, :q, :q], x[:, 0, :q, q:], x[:, 0, q:, :q], x[:, 0, q:, q:]], 1)
+        return x, quads.sum((2, 3)).argmax(1)
     nxt = torch.randint(0, VOCAB, (VOCAB, 4), generator=g)
     toks = torch.empty(n, seq + 1, dtype=torch.long)
     toks[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
@@ -182,3 +210,15 @@ def loss_fn(logits, target):
 
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1),
                                              ignore_index=-100)
+
+
+def params_m(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS) -> float:
+    """Millions of parameters of the model ``build`` makes (counted on a real instance)."""
+    model = build(name, layers=layers, hidden=hidden, heads=heads, dtype="float32")
+    return sum(p.numel() for p in model.parameters()) / 1e6
+
+
+def model_spec(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = HEADS) -> dict[str, Any]:
+    """The job spec's ``model`` (what the performance model keys and scales by)."""
+    return {"name": f"hf-{name}", "params": round(params_m(name, layers, hidden, heads), 6), "layers": layers,
+            "hidden": hidden, "seq_len": SEQ, "heads": heads}

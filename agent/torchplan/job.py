@@ -205,15 +205,19 @@ class Job:
 
     def profile(self, reporter, common: dict) -> int:
         """``GEARSHIFT_PROFILE_STEPS=n`` (the profiler's contract): ``PROFILE_WARMUP``
-        steps, then n measured ones; the per-step time's quantile in the progress file."""
-        timer = PhaseTimer()
+        steps, then n measured ones; the per-step time's quantile in the progress file
+        (``iteration``, and for a plan without pp its ``forward``, ``backward`` with the
+        gradient sync, and ``optimizer`` phases: what the performance model's fit reads)."""
+        # GEARSHIFT_PROFILE_CLOCK=cpu: this rank's thread CPU time (what a loaded shared box does not inflate;
+        # it leaves out waiting on gloo's threads and a pipeline's bubble), as the reference workload
+        timer = PhaseTimer(os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall"))
         for i in range(PROFILE_WARMUP + self.env.profile_steps):
             if i == PROFILE_WARMUP:
                 timer.reset()
             timer.start_step()
             with timer("step"):
                 xs, ys = self.micro_batches()
-                loss = self.par.train_step(xs, ys)
+                loss = self.par.train_step(xs, ys, timer if self.plan["pp"] == 1 else None)
                 self.torch.distributed.all_reduce(loss)
             timer.end_step()
             self.step += 1

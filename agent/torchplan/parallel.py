@@ -202,9 +202,13 @@ class Parallel:
             return self.ddp.no_sync()
         return contextlib.nullcontext()
 
-    def train_step(self, xs: list, ys: list) -> torch.Tensor:
+    def train_step(self, xs: list, ys: list, phase: Callable | None = None) -> torch.Tensor:
         """One optimizer step over this rank's micro-batches; the mean loss
-        over them on a counting rank, 0 elsewhere (sum over ranks / dp = batch mean)."""
+        over them on a counting rank, 0 elsewhere (sum over ranks / dp = batch mean).
+        ``phase(name)`` (a ``PhaseTimer``) times ``forward``, ``backward`` (with the
+        gradient sync) and ``optimizer``; a pipeline's schedule interleaves them, so it
+        only times ``optimizer``."""
+        phase = phase or (lambda name: contextlib.nullcontext())
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.schedule is not None:
             x, y = torch.cat(xs), torch.cat(ys)
@@ -220,11 +224,14 @@ class Parallel:
         else:
             for k, (x, y) in enumerate(zip(xs, ys)):
                 with self._sync(k == len(xs) - 1):
-                    loss = self.loss_fn(logits_of(self.top(x)), y) / len(xs)
-                    loss.backward()
+                    with phase("forward"):
+                        loss = self.loss_fn(logits_of(self.top(x)), y) / len(xs)
+                    with phase("backward"):
+                        loss.backward()
                 total = total + loss.detach().to(torch.float64)
-        self.stepper.step()
-        self.stepper.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            self.stepper.step()
+            self.stepper.zero_grad(set_to_none=True)
         if not self.counts:
             total.zero_()
         return total

@@ -1,0 +1,49 @@
+"""profile_accuracy --model: an HF model through the plan library is profiled
+with the plans its family supports, keyed by its real parameter count, and
+the noise between repeated runs is reported."""
+
+from __future__ import annotations
+
+import pytest
+
+from gearshift.agent import reference
+from gearshift.bus_schema.messages import Plan, ProfileResult
+from loadtest.profile_accuracy import HELD_OUT, held_out, run_spread, workload
+
+needs_torch = pytest.mark.skipif(not reference.have_torch(), reason="torch not installed")
+
+
+@needs_torch
+def test_held_out_plans_are_those_the_family_supports():
+    llama = {p.label() for p in held_out("llama")}
+    gpt2 = {p.label() for p in held_out("gpt2")}
+    assert len(llama) == len(HELD_OUT) and any("TP" in p for p in llama) and any("PP" in p for p in llama)
+    assert not any("TP" in p for p in gpt2) and any("PP" in p for p in gpt2)  # GPT-2 has no TP plan
+    assert held_out("torchref") == HELD_OUT
+
+
+@needs_torch
+def test_an_hf_workload_runs_the_plan_library_with_its_counted_parameters():
+    import torch
+
+    from gearshift.agent.torchplan import families
+
+    spec, cmd, env = workload("llama")
+    counted = sum(p.numel() for p in families.build("llama").parameters()) / 1e6
+    assert spec["params"] == pytest.approx(counted, rel=1e-5) and spec["name"] == "hf-llama"
+    assert cmd[1:] == ["-m", "gearshift.agent.torchplan.train", "--model", "llama"]
+    assert env.get("GEARSHIFT_DEVICE") == "cpu" and torch is not None
+
+
+def test_run_spread_is_the_relative_gap_between_repeats_of_a_plan():
+    res = [ProfileResult(ok=True, plan=Plan(dp=1), iter_ms=10.0), ProfileResult(ok=True, plan=Plan(dp=1), iter_ms=12.0),
+           ProfileResult(ok=True, plan=Plan(dp=2), iter_ms=5.0), ProfileResult(ok=True, plan=Plan(dp=2), iter_ms=5.5),
+           ProfileResult(ok=False, plan=Plan(tp=2), error="x"), ProfileResult(ok=True, plan=Plan(pp=2), iter_ms=7.0)]
+    got = run_spread(res)
+    assert got == {"plans": 2, "median_spread": 0.2, "max_spread": 0.2}  # DP1 20%, DP2 10%; one run of PP2
+
+
+def test_the_reference_workload_is_profiled_as_before():
+    from gearshift.agent import reference as ref
+
+    assert workload("torchref") == (ref.model_spec(), ref.command(), {"GEARSHIFT_PROFILE_CLOCK": "cpu"})
