@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
@@ -72,3 +74,17 @@ async def ensure_infra(nc: NATS, replicas: int | None = None) -> None:
                 )
             except BadRequestError:
                 pass  # another service created it first
+
+
+async def ensure_infra_when_ready(nc: NATS, replicas: int | None = None, timeout: float = 60.0) -> None:
+    """``ensure_infra`` on a cluster that may be fresh: it elects its JetStream
+    meta leader first, and until then every stream request fails; retried every
+    0.5 s until ``timeout``, then the last error is raised."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await ensure_infra(nc, replicas)
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)

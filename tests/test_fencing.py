@@ -142,7 +142,7 @@ async def test_fence_on_a_replicated_bucket(tmp_path):
     writes of one leader all land, a stale CAS is a key conflict, and only an
     epoch that really moved is a deposition."""
     from gearshift.bus.client import connect
-    from gearshift.bus.infra import ensure_infra
+    from gearshift.bus.infra import ensure_infra_when_ready
     from loadtest.chaos import NatsFleet
 
     fleet = NatsFleet(tmp_path, 3)
@@ -150,12 +150,7 @@ async def test_fence_on_a_replicated_bucket(tmp_path):
     nc = None
     try:
         nc = await connect(fleet.url, name="test", retry_for=10)
-        for _ in range(60):  # a fresh cluster elects its JetStream meta leader first
-            try:
-                await ensure_infra(nc, replicas=3)
-                break
-            except Exception:
-                await asyncio.sleep(0.5)
+        await ensure_infra_when_ready(nc, replicas=3)
         kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
         assert (await nc.jetstream().stream_info(f"KV_{subj.ALLOC_BUCKET}")).config.num_replicas == 3
         old, new = Fence(nc, [subj.ALLOC_BUCKET], "old"), Fence(nc, [subj.ALLOC_BUCKET], "new")

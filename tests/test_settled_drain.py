@@ -15,7 +15,7 @@ import time
 from test_agent_restart import DRAIN_TIMEOUT, AgentProcess, eventually, get, submit
 
 from gearshift.bus.client import call, connect
-from gearshift.bus.infra import ensure_infra
+from gearshift.bus.infra import ensure_infra_when_ready
 from gearshift.bus.views import NodesView
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobState, ReconfigureReply
@@ -30,12 +30,7 @@ async def test_an_allocation_written_and_withdrawn_while_its_agent_was_down_sett
     nc = agent = stop = task = svc = None
     try:
         nc = await connect(fleet.url, name="test", retry_for=10)
-        for _ in range(60):  # a fresh cluster elects its JetStream meta leader first
-            try:
-                await ensure_infra(nc, replicas=3)
-                break
-            except Exception:
-                await asyncio.sleep(0.5)
+        await ensure_infra_when_ready(nc, replicas=3)
         assert (await nc.jetstream().stream_info(f"KV_{subj.ALLOC_BUCKET}")).config.num_replicas == 3
         _, svc = await start_admission(nc)
         opt = await Optimizer(nc, interval=0.3, node_timeout=60, lease_ttl=2, drain_timeout=DRAIN_TIMEOUT).open()
