@@ -45,6 +45,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from gearshift.agent import core, launch, profiling
+from gearshift.agent import worker as wk
 from gearshift.agent.core import Run, RunPhase
 from gearshift.agent.heartbeat import Heartbeat
 from gearshift.agent.logs import read_rank_logs
@@ -320,7 +321,8 @@ class Agent:
         self.runs.pop(run.job_id, None)
         code = core.launcher_exit_code(next((c for c in run.exit_codes if c != 0), 0),
                                        launcher=launch.is_launcher(run.alloc.command), stop_sent_at=run.stop_sent_at,
-                                       manifest=self.runner.manifest(run) if run.stop_sent_at else None)
+                                       manifest=self.runner.manifest(run) if run.stop_sent_at else None,
+                                       refused=wk.plan_refused_generation(run.run_dir) == run.generation)
         self.log.info("exited", job_id=run.job_id, generation=run.generation, exit_code=code, reason=run.reason)
         await self._report_exit(run, code)
         self._dirty.set()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gearshift.bus_schema.messages import Allocation
+from gearshift.bus_schema.plan_support import EXIT_PLAN_REFUSED
 
 
 class RunPhase(str, enum.Enum):
@@ -144,11 +145,16 @@ def leftover_exit_code(manifest: Mapping[str, Any] | None, job_id: str, killed: 
 
 
 def launcher_exit_code(code: int, *, launcher: bool, stop_sent_at: float | None,
-                       manifest: Mapping[str, Any] | None) -> int:
+                       manifest: Mapping[str, Any] | None, refused: bool = False) -> int:
     """How a run under a launcher ended. torchrun forwards our SIGTERM to its
     ranks, waits for them, then exits 1 (its ``SignalException``): with a
     checkpoint written since the SIGTERM, the ranks did what was asked, and
-    that reads as 143 (checkpointed), as it does without a launcher."""
+    that reads as 143 (checkpointed), as it does without a launcher. A rank's
+    exit 78 (plan refused) also comes out of torchrun as 1 (its
+    ``ChildFailedError``): ``refused`` (the rank recorded a refusal for this
+    generation, ``worker.refuse_plan``) makes it 78 again."""
+    if launcher and code == 1 and refused:
+        return EXIT_PLAN_REFUSED
     if not launcher or code != 1 or stop_sent_at is None or not manifest:
         return code
     written = manifest.get("wall_time")

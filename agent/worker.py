@@ -42,7 +42,9 @@ command) asks for a checkpoint at the next step boundary and keeps training;
 may be retried; ``EXIT_PLAN_REFUSED`` (78) "this plan cannot run this model":
 the job goes back to the plan it last ran steps under and the refused plan is
 never chosen for it again (a job declares the plans it supports up front in
-``JobSpec.plan_support``); anything else is a crash (the optimizer retries the
+``JobSpec.plan_support``; under a launcher such as torchrun, which turns a
+rank's 78 into its own 1, exit through ``refuse_plan``, which also records the
+refusal where the agent reads it); anything else is a crash (the optimizer retries the
 job from its last checkpoint up to a limit).
 
 Agreement: a signal reaches the ranks at slightly different times, so a
@@ -81,6 +83,10 @@ EXIT_TEMPFAIL = 75
 EXIT_PLAN_REFUSED = 78  # the plan cannot run this model (sysexits EX_CONFIG)
 
 MANIFEST = "manifest.json"
+#: beside the progress files: which generation's plan a rank refused. A launcher
+#: (torchrun) turns a rank's exit 78 into its own exit 1; the agent reads this
+#: file to tell "plan refused" from a crash.
+PLAN_REFUSED_FILE = "plan-refused.json"
 
 
 @dataclass(frozen=True)
@@ -153,6 +159,28 @@ class WorkerEnv:
             launched_at=float(e.get("GEARSHIFT_LAUNCHED_AT") or 0.0),
             profile_steps=int(e.get("GEARSHIFT_PROFILE_STEPS") or 0),
         )
+
+
+def refuse_plan(env: "WorkerEnv", field_name: str, reason: str) -> int:
+    """The exit status of a rank that cannot run its plan: ``EXIT_PLAN_REFUSED``,
+    after recording the refusal (field and reason, for this generation) where the
+    agent finds it even when a launcher rewrites the exit code.
+    ``sys.exit(refuse_plan(env, "tp", "4 heads are not divisible by 3"))``."""
+    if env.progress_file is not None:
+        try:
+            write_json_atomic(env.progress_file.parent / PLAN_REFUSED_FILE,
+                              {"generation": env.generation, "rank": env.rank, "field": field_name,
+                               "reason": reason, "plan": env.plan})
+        except OSError:
+            pass  # the exit status still says it without a launcher
+    return EXIT_PLAN_REFUSED
+
+
+def plan_refused_generation(run_dir: Path) -> int | None:
+    """The generation whose plan a rank refused in ``run_dir`` (``refuse_plan``), if any."""
+    rec = read_json(Path(run_dir) / PLAN_REFUSED_FILE)
+    gen = rec.get("generation") if rec else None
+    return gen if isinstance(gen, int) else None
 
 
 # ------------------------------------------------------------------ files

@@ -177,6 +177,36 @@ async def test_a_script_that_refuses_tp2_goes_back_to_its_last_good_plan(nc, sta
     assert (await get(nc, job)).generation == back.generation
 
 
+REFUSE_TP2_RECORDED = ("import json, os, runpy, sys\n"
+                       "from gearshift.agent import worker\n"
+                       "env = worker.WorkerEnv.from_env()\n"
+                       "if env.plan.get('tp', 1) == 2:\n"
+                       "    print('this script has no tensor parallelism', file=sys.stderr)\n"
+                       "    sys.exit(worker.refuse_plan(env, 'tp', 'this script has no tensor parallelism'))\n"
+                       "runpy.run_module('gearshift.agent.emulated_worker', run_name='__main__')\n")
+
+
+@pytest.mark.timeout(180)
+async def test_under_torchrun_a_refused_plan_is_still_a_refusal_not_a_crash(nc, stack, tmp_path):
+    """torchrun turns a rank's exit 78 into its own exit 1; the refusal the rank
+    recorded (``worker.refuse_plan``) makes the agent report 78 again."""
+    opt, agent, rec = stack
+    await agent("a", gpus=2)
+    script = tmp_path / "refuse_tp2.py"
+    script.write_text(REFUSE_TP2_RECORDED)
+    doc = {"name": "refuses-tp-torchrun", "model": MODEL, "global_batch": 16, "steps": 100000, "gpus": 2,
+           "plan": {"dp": 2}, "command": [sys.executable, "-m", "torch.distributed.run", str(script)]}
+    job = (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": doc}).encode(), SubmitReply)).job_id
+    await eventually(lambda: _has_good(nc, job), timeout=90)
+    before = await get(nc, job)
+    assert (await pin(nc, job, {"tp": 2})).pinned
+    ev = (await eventually(lambda: asyncio.sleep(0, [e for e in rec.of(JobPlanRefused) if e.job_id == job]),
+                           timeout=90))[0]
+    assert ev.plan.tp == 2 and ev.back_to == before.last_good_plan
+    back = await eventually(lambda: _running_under(nc, job, before.last_good_plan), timeout=90)
+    assert back.failures == 0 and [p.tp for p in back.refused_plans] == [2]
+
+
 async def _has_good(nc, job):
     r = await get(nc, job)
     return r if r.state == JobState.RUNNING and r.last_good_plan is not None else None

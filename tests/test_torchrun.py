@@ -48,6 +48,19 @@ def test_torchruns_signal_exit_after_a_checkpoint_reads_as_checkpointed():
     assert core.launcher_exit_code(1, launcher=True, stop_sent_at=110.0, manifest=m) == 1  # checkpoint is older
     assert core.launcher_exit_code(1, launcher=False, stop_sent_at=100.0, manifest=m) == 1
     assert core.launcher_exit_code(1, launcher=True, stop_sent_at=None, manifest=m) == 1  # it crashed by itself
+    # a rank refused its plan (worker.refuse_plan): 78 whether or not a stop was sent
+    assert core.launcher_exit_code(1, launcher=True, stop_sent_at=None, manifest=None, refused=True) == 78
+    assert core.launcher_exit_code(1, launcher=True, stop_sent_at=100.0, manifest=m, refused=True) == 78
+    assert core.launcher_exit_code(0, launcher=True, stop_sent_at=None, manifest=None, refused=True) == 0
+
+
+def test_a_refusal_is_recorded_for_its_generation(tmp_path):
+    from gearshift.agent import worker
+    env = worker.WorkerEnv.from_env({"GEARSHIFT_GENERATION": "3", "GEARSHIFT_PROGRESS_FILE": str(tmp_path / "progress-0.json"),
+                                     "GEARSHIFT_PLAN": '{"tp": 2}'})
+    assert worker.plan_refused_generation(tmp_path) is None
+    assert worker.refuse_plan(env, "tp", "no tensor parallelism") == worker.EXIT_PLAN_REFUSED == 78
+    assert worker.plan_refused_generation(tmp_path) == 3
 
 
 def _workers_in(run_dir) -> list[psutil.Process]:

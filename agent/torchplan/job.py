@@ -32,7 +32,6 @@ from gearshift.agent.torchplan.space import ModelShape, PlanRefused, check_plan
 from gearshift.agent.worker import (
     EXIT_CHECKPOINTED,
     EXIT_DONE,
-    EXIT_PLAN_REFUSED,
     EXIT_TEMPFAIL,
     CheckpointWriter,
     PhaseTimer,
@@ -40,6 +39,7 @@ from gearshift.agent.worker import (
     StopSignal,
     WorkerEnv,
     latest_manifest,
+    refuse_plan,
     write_manifest,
 )
 
@@ -81,7 +81,7 @@ def run(model: Model, *, steps: int | None = None, global_batch: int | None = No
         plan = check_plan(env.plan, model.shape, world_size=env.world_size, global_batch=B)
     except PlanRefused as exc:  # before any rank builds or trains
         log(f"plan refused for {model.name}: {exc}")
-        return EXIT_PLAN_REFUSED
+        return refuse_plan(env, exc.field, str(exc))
     import torch
     import torch.distributed as dist
 
@@ -105,7 +105,7 @@ def run(model: Model, *, steps: int | None = None, global_batch: int | None = No
             return 1
         except PlanRefused as exc:
             log(f"plan refused for {model.name}: {exc}")
-            return EXIT_PLAN_REFUSED
+            return refuse_plan(env, exc.field, str(exc))
         return job.run()
     finally:
         try:
