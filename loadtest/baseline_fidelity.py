@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                   f"(x{c['ratio']:.3f}, tolerance {c['tolerance']:.0%}) {'ok' if c['ok'] else 'FAIL'}")
         for c in out["unchecked"]:
             print(f"{c['check']}: avg JCT {c['avg_jct_h']:.3f} h; no reference figure here (unchecked)")
-    print("ok" if out["ok"] else "FAIL")
+        print("ok" if out["ok"] else "FAIL")
     return 0 if out["ok"] else 1
 
 

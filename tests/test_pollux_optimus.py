@@ -206,3 +206,18 @@ def test_baseline_fidelity_names_its_sources_and_refuses_bad_input(capsys):
     assert bf.main(["--generations", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--generations" in err[0]
+
+
+def test_baseline_fidelity_json_is_one_document(capsys, monkeypatch):
+    """``--json`` prints only the JSON document: outside checks parse stdout whole (a
+    trailing "ok" line once made it unparseable)."""
+    import json
+
+    from loadtest import baseline_fidelity as bf
+
+    fake = {"ok": True, "checks": [], "unchecked": [], "note": "n"}
+    monkeypatch.setattr(bf, "run", lambda generations, blox: fake)
+    assert bf.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == fake
+    assert bf.main([]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "ok"
