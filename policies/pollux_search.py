@@ -35,6 +35,7 @@ the next round; we keep duplicates and carry the whole final population.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 POP_SIZE = 100
 GENERATIONS = 100
@@ -85,6 +86,21 @@ class AllocationSearch:
         return np.where(mask, b, a), np.where(mask, a, b)
 
     def mutate(self, states: np.ndarray) -> np.ndarray:
+        # the reference's draws in the reference's order (none depends on the arithmetic
+        # between them but the last), the arithmetic in numba
+        rng = self.rng
+        k = len(states)
+        reset = rng.random((k, self.jobs)) < 0.1
+        lose = rng.random((k, self.jobs)) < 0.1
+        drop = rng.random(states.shape)
+        pick = rng.random(states.shape)
+        states, m = _mutate_kernel(np.ascontiguousarray(states, dtype=np.int64), self.base, reset, lose, drop, pick,
+                                   self.capacity)
+        raised = rng.integers(states, self.node_cap + 1)
+        return np.where(m, raised, states)
+
+    def mutate_numpy(self, states: np.ndarray) -> np.ndarray:
+        """The reference the kernel is tested against."""
         rng = self.rng
         k = len(states)
         reset = rng.random((k, self.jobs)) < 0.1
@@ -101,6 +117,13 @@ class AllocationSearch:
         return np.where(m, raised, states)
 
     def repair(self, states: np.ndarray) -> np.ndarray:
+        # the same random draw and order as :meth:`repair_numpy`; the integer passes in numba
+        shuffle = np.argsort(self.rng.random(states.shape), axis=2)
+        return _repair_kernel(np.ascontiguousarray(states, dtype=np.int64), shuffle.astype(np.int64, copy=False),
+                              self.max_replicas, self.capacity, MAX_NODES_PER_JOB)
+
+    def repair_numpy(self, states: np.ndarray) -> np.ndarray:
+        """The reference the kernel is tested against (same rules, vectorised)."""
         states = states.copy()
         # at most one distributed job per node
         distributed = np.count_nonzero(states, axis=2) > 1
@@ -149,3 +172,84 @@ def carry_population(prev: np.ndarray | None, prev_jobs: list[str], jobs: list[s
         if src is not None:
             out[:, i, :] = prev[:, src, :]
     return out
+
+
+@njit(cache=True)
+def _repair_kernel(states, shuffle, max_replicas, capacity, max_nodes):  # pragma: no cover - compiled
+    """:meth:`AllocationSearch.repair_numpy` per state, in loops (integers only, so exact)."""
+    k, jobs, nodes = states.shape
+    out = states.copy()
+    for a in range(k):
+        # at most one distributed job per node: the earliest in job order keeps it (and, as the
+        # reference's cumulative count does, every entry below a second distributed one goes)
+        dist = np.zeros(jobs, np.bool_)
+        for j in range(jobs):
+            used = 0
+            for n in range(nodes):
+                if states[a, j, n] > 0:
+                    used += 1
+            dist[j] = used > 1
+        for n in range(nodes):
+            count = 0
+            for j in range(jobs):
+                if dist[j] and states[a, j, n] > 0:
+                    count += 1
+                if count > 1:
+                    out[a, j, n] = 0
+        # at most max_replicas GPUs per job (counted before the node limit, as the reference
+        # does), then at most max_nodes nodes, in the shuffled node order
+        for j in range(jobs):
+            total = 0
+            spans = 0
+            for i in range(nodes):
+                n = shuffle[a, j, i]
+                v = out[a, j, n]
+                if v <= 0:
+                    continue
+                take = min(total + v, max_replicas[j]) - total
+                total += take
+                if take <= 0:
+                    out[a, j, n] = 0
+                    continue
+                spans += 1
+                out[a, j, n] = take if spans <= max_nodes else 0
+        # node capacity, given to jobs in order
+        for n in range(nodes):
+            held = 0
+            for j in range(jobs):
+                v = out[a, j, n]
+                take = min(held + v, capacity[n]) - min(held, capacity[n])
+                held += v
+                out[a, j, n] = take
+    return out
+
+
+@njit(cache=True)
+def _mutate_kernel(states, base, reset, lose, drop, pick, capacity):  # pragma: no cover - compiled
+    """:meth:`AllocationSearch.mutate_numpy` up to its last draw: the states after the reset
+    and the drops, and which entries are raised (the same float operations, so exact)."""
+    k, jobs, nodes = states.shape
+    out = np.empty_like(states)
+    m = np.zeros(states.shape, np.bool_)
+    for a in range(k):
+        for j in range(jobs):
+            p = 0.1 if lose[a, j] else 0.0
+            for n in range(nodes):
+                v = base[j, n] if reset[a, j] else states[a, j, n]
+                out[a, j, n] = 0 if drop[a, j, n] < p else v
+        for n in range(nodes):
+            held = 0
+            for j in range(jobs):
+                held += out[a, j, n]
+            if capacity[n] - held < 1:
+                continue  # the node is full: no job may be raised there (p1 = p2 = 0)
+            fits = jobs  # every job fits where the node has a free GPU
+            holders = 0
+            for j in range(jobs):
+                if out[a, j, n] > 0:
+                    holders += 1
+            p1 = 1.0 / max(fits, 1)
+            for j in range(jobs):
+                p2 = (1.0 / max(holders, 1)) if out[a, j, n] > 0 else 0.0
+                m[a, j, n] = pick[a, j, n] < (p1 + p2) - (p1 * p2)
+    return out, m

@@ -119,6 +119,43 @@ def test_repair_keeps_one_distributed_job_per_node_and_capacity():
     assert (out.sum(axis=0) <= 4).all()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_repair_kernel_equals_the_numpy_reference(seed):
+    """The compiled repair gives exactly the vectorised reference's states, from the same
+    random draw, on crowded random populations (distributed jobs sharing nodes, caps below
+    the rows, more than 16 nodes so the node limit bites)."""
+    gen = np.random.default_rng(100 + seed)
+    wide = seed % 2 == 1  # odd seeds: more than 16 nodes, rows dense enough to pass the limit
+    jobs, nodes = int(gen.integers(1, 30)), int(gen.integers(18, 24) if wide else gen.integers(1, 24))
+    cap = gen.integers(1, 9, size=nodes)
+    states = gen.integers(1 if wide else 0, 9, size=(20, jobs, nodes)) * (gen.random((20, jobs, nodes)) < (0.95 if wide else 0.6))
+    mk = lambda: AllocationSearch(np.zeros((jobs, nodes + 1, 9)), np.zeros((jobs, nodes), dtype=int), cap,
+                                  gen_caps, ages=np.ones(jobs), restarts=np.zeros(jobs),
+                                  rng=np.random.default_rng(seed))
+    gen_caps = gen.integers(0, 40, size=jobs) + (gen.integers(0, 2, size=jobs) * 60 if wide else 0)
+    fast, ref = mk().repair(states), mk().repair_numpy(states)
+    assert fast.dtype == ref.dtype and np.array_equal(fast, ref)
+    assert (fast.sum(axis=1) <= cap).all() and (fast.sum(axis=2) <= gen_caps).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_mutate_kernel_equals_the_numpy_reference(seed):
+    """The compiled mutation draws the same numbers in the same order and gives exactly the
+    reference's states, nodes full and free, jobs resetting to their base rows and not."""
+    gen = np.random.default_rng(200 + seed)
+    jobs, nodes = int(gen.integers(1, 30)), int(gen.integers(1, 20))
+    cap = gen.integers(1, 9, size=nodes)
+    base = np.minimum(gen.integers(0, 3, size=(jobs, nodes)), cap)
+    states = np.minimum(gen.integers(0, 5, size=(40, jobs, nodes)), cap) * (gen.random((40, jobs, nodes)) < 0.5)
+    mk = lambda: AllocationSearch(np.zeros((jobs, nodes + 1, 9)), base, cap, np.full(jobs, 64),
+                                  ages=np.ones(jobs), restarts=np.zeros(jobs), rng=np.random.default_rng(seed))
+    fast, ref = mk(), mk()
+    a, b = fast.mutate(states), ref.mutate_numpy(states)
+    assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert fast.rng.random() == ref.rng.random()  # the streams are at the same place
+    assert not np.array_equal(a, states)  # something did mutate
+
+
 # ---------------------------------------------------------------- Optimus by hand
 class SpeedOracle:
     """throughput = global batch x speed[job][GPUs]."""
