@@ -263,14 +263,55 @@ def resample(trace: Trace, seed: int) -> Trace:
     return Trace(f"{trace.name}:resample={seed}", out, trace.cluster, note=f"resample of {trace.name}, seed {seed}")
 
 
+def at_rate(trace: Trace, factor: float) -> Trace:
+    """``trace`` with arrivals ``factor`` times as frequent: every submit time divided by
+    ``factor`` (x1.5: the same jobs in two thirds of the time; x0.7: spread out)."""
+    if not factor > 0 or factor == float("inf"):
+        raise ValueError(f"trace {trace.name!r}: rate must be a positive number, got {factor!r}")
+    jobs = [TraceJob(j.job_id, j.submit / factor, j.spec, truth_key=j.truth_key) for j in trace.jobs]
+    return Trace(f"{trace.name}:rate={factor:g}", jobs, trace.cluster, trace.tracked,
+                 note=f"{trace.name} with arrivals x{factor:g} as frequent", extra=dict(trace.extra))
+
+
+def at_most(trace: Trace, gpus: int) -> Trace:
+    """``trace`` without the jobs that ask for more than ``gpus`` GPUs: what a cluster of that
+    size admits (admission refuses a request larger than the cluster)."""
+    if gpus < 1:
+        raise ValueError(f"trace {trace.name!r}: max-gpus must be at least 1, got {gpus}")
+    keep = [j for j in trace.jobs if j.spec.plan.gpus <= gpus]
+    ids = {j.job_id for j in keep}
+    tracked = None if trace.tracked is None else frozenset(trace.tracked & ids)
+    return Trace(f"{trace.name}:max-gpus={gpus}", keep, trace.cluster, tracked,
+                 note=f"{trace.name} without its {len(trace.jobs) - len(keep)} jobs above {gpus} GPUs",
+                 extra=dict(trace.extra))
+
+
+def _number(name: str, key: str, text: str, kind):
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"trace {name!r}: {key} needs {'an integer' if kind is int else 'a number'}, "
+                         f"got {text!r}") from None
+
+
+# transforms a trace name may end with, applied left to right: rubick-base:resample=1:rate=1.5
+TRANSFORMS = {"resample": (int, resample), "rate": (float, at_rate), "max-gpus": (int, at_most)}
+
+
 def load_named(name: str, seed: int = 0, **synthetic_options) -> Trace:
-    if ":resample=" in name:  # e.g. rubick-base:resample=1
-        base, _, s = name.partition(":resample=")
-        try:
-            rs = int(s)
-        except ValueError:
-            raise ValueError(f"trace {name!r}: resample needs an integer seed") from None
-        return resample(load_named(base, seed), rs)
+    head, *mods = name.split(":")
+    if head == "synthetic" and mods:
+        head = f"synthetic:{mods.pop(0)}"  # synthetic:jobs=N,rate=R,... (its own options come first)
+    if mods:
+        trace = load_named(head, seed, **synthetic_options)
+        for m in mods:
+            key, eq, text = m.partition("=")
+            if key not in TRANSFORMS or not eq:
+                raise ValueError(f"trace {name!r}: unknown transform {m!r}; known: "
+                                 + ", ".join(f"{k}=N" for k in TRANSFORMS))
+            kind, fn = TRANSFORMS[key]
+            trace = fn(trace, _number(name, key, text, kind))
+        return trace
     if name == "synthetic" or name.startswith("synthetic:"):
         from gearshift.sim.synthetic import parse_options, synthetic_trace
 
