@@ -26,7 +26,7 @@ from gearshift.cluster import LocalCluster
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "hf_trainer_train.py"
 EXAMPLE = [sys.executable, str(SCRIPT)]
-STEPS, HOLD = 12, 4
+STEPS, HOLD = 8, 3
 needs_torch = pytest.mark.skipif(not reference.have_torch(), reason="torch not installed")
 
 
