@@ -126,3 +126,30 @@ def test_trainer_job_is_refused_tp_then_pinned_to_dp1_ga2_gc_and_its_loss_contin
     assert chosen == older and refused == 2
     assert "another model (gpt2" in ex.check(other, meta["fingerprint"])
     assert ex.check(newest, meta["fingerprint"]) == f"checkpoint {newest.name}: corrupt (optimizer.pt changed)"
+
+
+@needs_torch
+@pytest.mark.slow  # ~30 s on a loaded 2-core box: three launches of transformers
+@pytest.mark.timeout(600)
+def test_trainer_job_skips_a_corrupt_and_another_models_checkpoint_and_resumes_from_the_last_good(tmp_path):
+    ck, log, base_log = tmp_path / "ck", tmp_path / "loss.jsonl", tmp_path / "base.jsonl"
+    first = torchplan.launch_local(EXAMPLE, {"dp": 2}, 8, 16, ck, env={"GEARSHIFT_LOSS_LOG": str(base_log)})
+    assert [p.wait(timeout=300) for p in first] == [0, 0], Path(first[0].stderr_path).read_text()[-2000:]
+    assert sorted(p.name for p in ck.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    (ck / "checkpoint-8" / "model.safetensors").write_bytes(b"garbage")  # the manifest's, corrupt
+    shutil.copytree(ck / "checkpoint-4", ck / "checkpoint-12")
+    meta = json.loads((ck / "checkpoint-12" / "gearshift.json").read_text())
+    (ck / "checkpoint-12" / "gearshift.json").write_text(json.dumps({**meta, "model": "gpt2", "fingerprint": "x"}))
+    again = torchplan.launch_local(EXAMPLE, {"dp": 1, "ga": 2}, 8, 16, ck, env={"GEARSHIFT_LOSS_LOG": str(log)},
+                                   generation=2)
+    assert [p.wait(timeout=300) for p in again] == [0]
+    err = Path(again[0].stderr_path).read_text()
+    refused = [ln for ln in err.splitlines() if ln.startswith("hf_trainer: refused")]
+    assert refused == ["hf_trainer: refused checkpoint checkpoint-8: corrupt (model.safetensors changed)",
+                       "hf_trainer: refused checkpoint checkpoint-12: another model (gpt2 fingerprint x, this "
+                       f"job's is {meta['fingerprint']})"], err[-2000:]
+    got, want = losses(log), {r["step"]: r["loss"] for r in losses(base_log)}
+    assert [r["step"] for r in got] == [5, 6, 7, 8]  # from checkpoint-4, the last good one
+    assert max(abs(r["loss"] - want[r["step"]]) / want[r["step"]] for r in got) < 1e-6
+    assert json.loads((ck / "manifest.json").read_text())["path"] == "checkpoint-8"  # written again, good
+    assert example_module().check(ck / "checkpoint-8", meta["fingerprint"]) is None
