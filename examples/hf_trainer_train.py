@@ -40,6 +40,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -204,7 +205,7 @@ def make_callback(env: WorkerEnv, stop: StopSignal, fingerprint: str, start_step
 
         def on_step_end(self, args, state, control, **kw):
             self.timer.end_step()
-            if profiling and self.timer.steps == PROFILE_WARMUP:
+            if profiling and state.global_step == PROFILE_WARMUP:  # measure the steps after the warm-up
                 self.timer.reset()
 
         def on_log(self, args, state, control, logs=None, **kw):
@@ -275,7 +276,8 @@ def train(env: WorkerEnv, stop: StopSignal, ckpt_every: int) -> int:
         activation_checkpointing_kwargs={"use_reentrant": False}, learning_rate=1e-3, lr_scheduler_type="constant",
         weight_decay=0.0, logging_steps=1, save_strategy="no" if profiling else "steps", save_steps=ckpt_every,
         save_total_limit=2, report_to="none", seed=SEED, data_seed=SEED, dataloader_drop_last=True,
-        ddp_backend="nccl" if cuda else "gloo", use_cpu=not cuda, ddp_find_unused_parameters=False,
+        ddp_backend=("nccl" if cuda else "gloo") if env.world_size > 1 else None, use_cpu=not cuda,
+        ddp_find_unused_parameters=False,
         disable_tqdm=True, log_level="warning")
     set_seed(SEED)
     callback = make_callback(env, stop, fingerprint, start, profiling)
@@ -284,7 +286,8 @@ def train(env: WorkerEnv, stop: StopSignal, ckpt_every: int) -> int:
         print(f"{env.job_id}@{env.generation}: {NAME} under {env.plan} on {env.world_size} ranks, resuming from "
               f"{resume.name if resume else 'scratch'}", flush=True)
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-    if profiling:
+    if profiling:  # the step time's lower quartile (other processes only ever add time), no checkpoint
+        shutil.rmtree(out, ignore_errors=True)
         callback.reporter.report(steps, phases=callback.timer.quantile_ms(0.25), profiled=callback.timer.steps,
                                  force=True)
         return EXIT_DONE

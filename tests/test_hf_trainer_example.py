@@ -86,7 +86,10 @@ def test_trainer_job_is_refused_tp_then_pinned_to_dp1_ga2_gc_and_its_loss_contin
         asyncio.run(seed())
         job_id = cli(c.url, "submit", "-", stdin=json.dumps(spec)).strip()
         wait_for(lambda: any(r["step"] >= HOLD for r in losses(log)), timeout=240)  # it holds at step HOLD
-        before = json.loads(cli(c.url, "get", "job", job_id, "-o", "json"))
+        # its progress reaches the agent and the record (the worker protocol): steps, loss, checkpoint
+        before = wait_for(lambda: (j := json.loads(cli(c.url, "get", "job", job_id, "-o", "json"))).get("live")
+                          and j["live"]["steps_done"] == HOLD and j, timeout=60)
+        assert before["live"]["loss"] == losses(log)[HOLD - 1]["loss"] and before["live"]["steps"] == STEPS
         err = cli(c.url, "reconfigure", job_id, "--plan", "dp=1,tp=2", ok=False)
         assert "plan_support.tp" in err and len(err.strip().splitlines()) == 1, err
         after = json.loads(cli(c.url, "get", "job", job_id, "-o", "json"))
@@ -96,6 +99,7 @@ def test_trainer_job_is_refused_tp_then_pinned_to_dp1_ga2_gc_and_its_loss_contin
         done = wait_for(lambda: (j := json.loads(cli(c.url, "get", "job", job_id, "-o", "json")))["state"]
                         in ("completed", "failed") and j, timeout=300)
         assert done["state"] == "completed" and (done["plan"]["dp"], done["plan"]["ga"]) == (1, 2), done
+        assert done["steps_done"] == STEPS, done
         ckpt = tmp_path / "cluster" / "ckpt" / job_id
         manifest = json.loads((ckpt / "manifest.json").read_text())
     assert [p.wait(timeout=300) for p in base] == [0, 0]
@@ -153,3 +157,16 @@ def test_trainer_job_skips_a_corrupt_and_another_models_checkpoint_and_resumes_f
     assert max(abs(r["loss"] - want[r["step"]]) / want[r["step"]] for r in got) < 1e-6
     assert json.loads((ck / "manifest.json").read_text())["path"] == "checkpoint-8"  # written again, good
     assert example_module().check(ck / "checkpoint-8", meta["fingerprint"]) is None
+
+
+@needs_torch
+@pytest.mark.slow  # one launch of transformers
+@pytest.mark.timeout(300)
+def test_a_profiling_run_reports_its_step_time_and_writes_no_checkpoint(tmp_path):
+    env = {**os.environ, "GEARSHIFT_PLAN": json.dumps({"dp": 1, "ga": 2}), "GEARSHIFT_STEPS": "8",
+           "GEARSHIFT_GLOBAL_BATCH": "16", "GEARSHIFT_CKPT_DIR": str(tmp_path / "ckpt"),
+           "GEARSHIFT_PROGRESS_FILE": str(tmp_path / "progress-0.json"), "GEARSHIFT_PROFILE_STEPS": "3"}
+    r = subprocess.run(EXAMPLE, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads((tmp_path / "progress-0.json").read_text())
+    assert got["profiled"] == 3 and got["phases"]["iteration"] > 0 and not (tmp_path / "ckpt").exists()
