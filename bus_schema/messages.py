@@ -58,6 +58,10 @@ class ModelSpec(_Input, kw_only=True, frozen=True):
     hidden: Annotated[int, Meta(ge=1, le=1 << 20)]
     seq_len: Annotated[int, Meta(ge=1, le=1 << 22)]
     heads: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    # key/value heads (grouped-query attention); absent: as many as ``heads``.
+    # With ``heads``, what admission and ``reconfigure`` check a plan's TP degree
+    # against (``bus_schema.plan_support.model_refusal``).
+    kv_heads: Annotated[int, Meta(ge=1, le=4096)] | None = None
 
 
 class Plan(_Input, kw_only=True, frozen=True):

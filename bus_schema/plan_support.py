@@ -1,4 +1,5 @@
-"""Does a job's script support a plan? (pure; ``JobSpec.plan_support``)
+"""Does a job's script support a plan (pure; ``JobSpec.plan_support``), and can
+its model run it (``model_refusal``: the model's own shape)?
 
 One function answers for every caller -- admission (the spec's own plan), the
 optimizer's pins (``gearshift reconfigure``), the policies' plan space
@@ -8,6 +9,8 @@ plan out.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -46,6 +49,35 @@ def plan_refusal(support: PlanSupport | None, plan: Plan) -> tuple[str, str] | N
     shape = plan_shape(plan)
     if any(plan_shape(x) == shape for x in s.exclude or ()):
         return "plan_support.exclude", f"plan {plan.label()} was refused by the job's script"
+    return None
+
+
+def model_refusal(model: Any, plan: Any) -> tuple[str, str] | None:
+    """``(field, message)`` when the model's own shape rules ``plan`` out, else None.
+
+    ``model``: a ``JobSpec`` (its ``model``), a ``ModelSpec`` or anything with
+    ``layers``, ``hidden``, ``heads`` and ``kv_heads`` (an absent or 0 one is
+    not checked; a ``name`` is named in the message); ``plan``: anything with ``tp`` and ``pp``. The pipeline
+    splits by layers, tensor parallelism splits the attention heads, the
+    key/value heads and the hidden size. The same check for admission (the
+    spec's plan), ``reconfigure`` (a pin) and the plan library's workers
+    (``agent.torchplan.space.check_plan``), so each says the same words.
+    """
+    model = getattr(model, "model", model)
+    of = f" of model {model.name}" if getattr(model, "name", None) else ""
+    tp, pp = int(getattr(plan, "tp", 1) or 1), int(getattr(plan, "pp", 1) or 1)
+    layers = getattr(model, "layers", None) or 0
+    if pp > 1 and layers and pp > layers:
+        return "plan.pp", f"pp {pp} is more stages than the {layers} layers{of}"
+    if tp > 1:
+        heads = getattr(model, "heads", None) or 0
+        kv = getattr(model, "kv_heads", None) or heads
+        for what, n in (("attention heads", heads), ("key/value heads", kv)):
+            if n and n % tp:
+                return "plan.tp", f"tp {tp} does not divide the {n} {what}{of}"
+        hidden = getattr(model, "hidden", None) or 0
+        if hidden and tp > hidden:
+            return "plan.tp", f"tp {tp} is more than the hidden size {hidden}{of}"
     return None
 
 

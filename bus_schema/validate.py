@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from gearshift.bus_schema.gputypes import check_gpu_types
 from gearshift.bus_schema.messages import JobSpec, Plan
-from gearshift.bus_schema.plan_support import plan_refusal
+from gearshift.bus_schema.plan_support import model_refusal, plan_refusal
 
 
 @dataclass
@@ -41,16 +41,19 @@ def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node:
     if spec.checkpoint_grace is not None and spec.checkpoint_grace > max_grace:
         raise SpecError("checkpoint_grace", f"{spec.checkpoint_grace:g} s is more than this cluster's maximum "
                                             f"of {max_grace:g} s")
+    m = spec.model
+    if m.kv_heads is not None and (m.heads is None or m.kv_heads > m.heads or m.heads % m.kv_heads):
+        raise SpecError("model.kv_heads", f"{m.kv_heads} key/value heads must divide the "
+                                          f"{m.heads if m.heads is not None else 'undeclared'} attention heads")
     p = spec.plan
     if p is not None:
         if p.dp * p.tp * p.pp != spec.gpus:
             raise SpecError(
                 "plan", f"dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {p.dp * p.tp * p.pp} differs from gpus = {spec.gpus}"
             )
-        if p.pp > spec.model.layers:
-            raise SpecError("plan.pp", f"pp = {p.pp} exceeds the model's {spec.model.layers} layers")
-        if p.tp > spec.model.hidden:
-            raise SpecError("plan.tp", f"tp = {p.tp} exceeds the model's hidden size {spec.model.hidden}")
+        got = model_refusal(spec.model, p)  # the model's own shape: layers, heads, kv_heads, hidden
+        if got is not None:
+            raise SpecError(*got)
         if max_gpus_per_node is not None and p.tp > max_gpus_per_node:
             raise SpecError("plan.tp", f"tp = {p.tp} must fit in one node ({max_gpus_per_node} GPUs per node)")
         if p.offload and p.zero == 0:

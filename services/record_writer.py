@@ -28,7 +28,7 @@ from gearshift.bus_schema.messages import (
     ReconfigureReply,
     ReconfigureRequest,
 )
-from gearshift.bus_schema.plan_support import plan_refusal, with_refused
+from gearshift.bus_schema.plan_support import model_refusal, plan_refusal, with_refused
 from gearshift.policies import Decision
 from gearshift.policies.decision import diff
 from gearshift.services import capacity, lifecycle
@@ -287,8 +287,10 @@ class RecordWriter:
         got = await self.store.get(req.job_id)
         if got is None:
             raise RequestError("404", f"no job {req.job_id}", "job_id")
-        if req.plan is not None:  # a plan the job's script cannot run changes nothing
-            refused = plan_refusal(with_refused(got[0].spec, got[0].refused_plans).plan_support, req.plan)
+        if req.plan is not None:  # a plan the job's model or script cannot run changes nothing
+            spec = got[0].spec
+            refused = (model_refusal(spec, req.plan)
+                       or plan_refusal(with_refused(spec, got[0].refused_plans).plan_support, req.plan))
             if refused is not None:
                 raise bad_request(f"plan {req.plan.label()}: {refused[1]}", refused[0])
         new = await self.store.update(req.job_id, change)

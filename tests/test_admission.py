@@ -109,6 +109,17 @@ BAD = [
     ("unknown field", {"spec": spec(gpuz=3)}, "spec", "unknown field `gpuz`"),
     ("model params", {"spec": spec(model={**SPEC["model"], "params": -1})}, "spec.model.params", "> 0"),
     ("env override", {"spec": spec(command=["python", "x.py"], env={"RANK": "3"})}, "spec.env.RANK", "set by the agent"),
+    # the model's own shape (bus_schema.plan_support.model_refusal)
+    ("tp vs heads", {"spec": spec(model={**SPEC["model"], "heads": 25}, plan={"dp": 1, "tp": 2})}, "spec.plan.tp",
+     "tp 2 does not divide the 25 attention heads of model gpt2"),
+    ("tp vs kv heads", {"spec": spec(gpus=4, model={**SPEC["model"], "heads": 16, "kv_heads": 2},
+                                     plan={"dp": 1, "tp": 4})}, "spec.plan.tp", "does not divide the 2 key/value heads"),
+    ("pp vs layers", {"spec": spec(gpus=4, model={**SPEC["model"], "layers": 2}, plan={"dp": 1, "pp": 4})},
+     "spec.plan.pp", "pp 4 is more stages than the 2 layers"),
+    ("tp vs hidden", {"spec": spec(gpus=4, model={**SPEC["model"], "hidden": 2}, plan={"dp": 1, "tp": 4})},
+     "spec.plan.tp", "more than the hidden size 2"),
+    ("kv heads vs heads", {"spec": spec(model={**SPEC["model"], "heads": 16, "kv_heads": 3})}, "spec.model.kv_heads",
+     "must divide the 16 attention heads"),
 ]
 
 
@@ -121,7 +132,7 @@ async def test_bad_input_is_rejected_and_changes_nothing(nc, admission, case, bo
         await submit(nc, body)
     assert err.value.code == "400"
     assert err.value.field == field
-    assert text in err.value.message
+    assert text in err.value.message and "\n" not in err.value.message  # one line
     assert await jobs_state(nc) == before
 
 

@@ -32,7 +32,7 @@ from gearshift.bus_schema.messages import (
     RunReportKind,
     SubmitReply,
 )
-from gearshift.bus_schema.plan_support import EXIT_PLAN_REFUSED, plan_refusal, supported, with_refused
+from gearshift.bus_schema.plan_support import EXIT_PLAN_REFUSED, model_refusal, plan_refusal, supported, with_refused
 from gearshift.bus_schema.validate import SpecError, check_spec
 from gearshift.policies.api import Decision, JobDecision, JobView, Placement
 from gearshift.policies.candidates import CandidateSpace, _plans_for
@@ -78,6 +78,38 @@ def test_submit_refuses_a_plan_the_script_cannot_run_with_the_field_named():
     check_spec(spec(plan={"dp": 2}, plan_support={"tp": [1]}))
     with pytest.raises(msgspec.ValidationError, match=r"plan_support.tp"):  # bounds by type
         spec(plan_support={"tp": [0]})
+
+
+def test_a_plan_the_model_cannot_run_is_refused_from_its_shape_naming_the_field():
+    m = spec(model={**MODEL, "heads": 12, "kv_heads": 4, "layers": 3, "hidden": 96})
+    assert model_refusal(m, Plan(tp=8, pp=3)) == ("plan.tp", "tp 8 does not divide the 12 attention heads of model gpt2")
+    assert model_refusal(m, Plan(tp=3))[0] == "plan.tp" and "4 key/value heads" in model_refusal(m, Plan(tp=3))[1]
+    assert model_refusal(m, Plan(pp=4)) == ("plan.pp", "pp 4 is more stages than the 3 layers of model gpt2")
+    assert model_refusal(m, Plan(tp=2, pp=3)) is None and model_refusal(m.model, Plan(tp=8)) is not None
+    no_heads = spec(model={**MODEL, "heads": None, "hidden": 8})  # heads unknown: only the hidden size bounds tp
+    assert model_refusal(no_heads, Plan(tp=3)) is None and model_refusal(no_heads, Plan(tp=16))[0] == "plan.tp"
+    # the plan library's worker says the same words (agent.torchplan.space)
+    from gearshift.agent.torchplan.space import ModelShape, PlanRefused, check_plan
+
+    with pytest.raises(PlanRefused) as e:
+        check_plan({"tp": 3}, ModelShape(family="x", layers=3, heads=12, kv_heads=4))
+    assert e.value.field == "tp" and "tp 3 does not divide the 4 key/value heads of x" in str(e.value)
+
+
+async def test_reconfigure_refuses_a_plan_the_model_cannot_run_and_changes_nothing(nc, stack):
+    doc = {"name": "shaped", "model": {**MODEL, "heads": 16, "kv_heads": 4, "layers": 2}, "global_batch": 16,
+           "steps": 100, "gpus": 2, "plan": {"dp": 2}}
+    job = (await call(nc, subj.ADMISSION_SUBMIT, json.dumps({"spec": doc}).encode(), SubmitReply)).job_id
+    before = await get(nc, job)
+    for plan, field, words in (({"tp": 8}, "plan.tp", "4 key/value heads"), ({"pp": 4}, "plan.pp", "2 layers"),
+                               ({"tp": 3}, "plan.tp", "16 attention heads")):
+        with pytest.raises(ServiceCallError) as e:
+            await pin(nc, job, plan)
+        assert e.value.code == "400" and e.value.field == field and words in e.value.message, e.value
+        assert "\n" not in e.value.message
+    after = await get(nc, job)
+    assert after.pinned is None and after.generation == before.generation
+    assert (await pin(nc, job, {"tp": 2, "dp": 1})).pinned  # one it can run is pinned
 
 
 def test_the_plan_space_a_policy_searches_leaves_out_unsupported_plans():

@@ -139,3 +139,57 @@ def test_switch_check_schedules_what_each_model_supports_and_catches_other_sampl
     swapped = [dict(r, samples=f"h{5 - r['step']}") for r in base]
     got = compare(swapped, base, base, holds)
     assert got["same_samples"] is False and not got["ok"]
+
+
+@needs_torch
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one rank, no process group: on purpose
+def test_a_corrupt_or_another_models_dcp_checkpoint_is_refused_at_load_and_the_last_good_one_restored(tmp_path):
+    """The fast, in-process version of the refusals above (one rank, no process
+    group): ``ckpt.load_latest`` skips another model's checkpoint and a corrupt
+    one with one line each, and restores the newest good one, tensors and step."""
+    import torch
+    from torch import nn
+
+    from gearshift.agent.torchplan import ckpt
+    from gearshift.agent.torchplan.parallel import Parallel
+    from gearshift.agent.worker import latest_manifest, write_manifest
+
+    plan = check_plan({"dp": 1}, ModelShape(family="mlp", layers=1, heads=1), world_size=1, global_batch=4)
+    x, y = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 1, dtype=torch.float64)
+
+    def model(width: int, seed: int = 0):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, 1)).double()
+        return Parallel(m, plan, loss_fn=nn.functional.mse_loss), ckpt.fingerprint("mlp", m)
+
+    def save(par, fp, step, name="mlp"):
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        ckpt.save(par, folder, {"model": name, "fingerprint": fp, "step": step})
+        write_manifest(tmp_path, job_id="j", generation=1, step=step, fmt=ckpt.FORMAT, path=folder.name)
+        return folder
+
+    par, fp = model(8)
+    par.train_step([x], [y])
+    save(par, fp, 1)
+    good = {k: v.clone() for k, v in par.root.state_dict().items()}
+    par.train_step([x], [y])
+    for f in save(par, fp, 2).glob("*.distcp"):  # the newer one corrupt
+        f.write_bytes(b"garbage")
+    other, other_fp = model(16)  # another model's, newest, and the manifest names it
+    save(other, other_fp, 3, name="mlp-wide")
+
+    fresh, _ = model(8, seed=7)
+    lines: list[str] = []
+    meta = ckpt.load_latest(fresh, tmp_path, latest_manifest(tmp_path), fp, lines.append)
+    assert meta["step"] == 1 and len(lines) == 2 and not any("\n" in ln for ln in lines), lines
+    assert lines[0].startswith("refused checkpoint step-00000003: another model (mlp-wide"), lines
+    assert lines[1].startswith("refused checkpoint step-00000002: corrupt"), lines
+    assert all(torch.equal(v, good[k]) for k, v in fresh.root.state_dict().items())
+    # nothing good left: refused with one line, nothing half-applied
+    shutil.rmtree(tmp_path / "step-00000001")
+    before = {k: v.clone() for k, v in model(8, seed=7)[0].root.state_dict().items()}
+    again, _ = model(8, seed=7)
+    with pytest.raises(ckpt.CheckpointRefused, match="no loadable checkpoint of this model"):
+        ckpt.load_latest(again, tmp_path, latest_manifest(tmp_path), fp, lambda m: None)
+    assert all(torch.equal(v, before[k]) for k, v in again.root.state_dict().items())

@@ -12,7 +12,10 @@ plan field (``PlanRefused.field``), before any rank builds anything;
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Iterator, Mapping
+
+from gearshift.bus_schema.plan_support import model_refusal
 
 PLAN_FIELDS = ("dp", "tp", "pp", "zero", "offload", "ga", "micro_batch", "grad_ckpt", "pp_schedule")
 PP_SCHEDULES = ("gpipe", "1f1b")
@@ -66,18 +69,16 @@ def check_plan(plan: Mapping[str, Any], shape: ModelShape, *, world_size: int | 
     offload = bool(plan.get("offload"))
     if world_size is not None and dp * tp * pp != world_size:
         raise PlanRefused("dp", f"dp {dp} * tp {tp} * pp {pp} = {dp * tp * pp} != world size {world_size}")
-    if tp > 1:
-        if not shape.tp:
-            raise PlanRefused("tp", f"{shape.family} has no tensor-parallel plan{': ' + shape.why_no_tp if shape.why_no_tp else ''}")
-        for what, n in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads or shape.heads),
-                        ("intermediate size", shape.intermediate or tp)):
-            if n % tp:
-                raise PlanRefused("tp", f"tp {tp} does not divide the {n} {what} of {shape.family}")
+    if tp > 1 and not shape.tp:
+        raise PlanRefused("tp", f"{shape.family} has no tensor-parallel plan{': ' + shape.why_no_tp if shape.why_no_tp else ''}")
+    if pp > 1 and not shape.pp:
+        raise PlanRefused("pp", f"{shape.family} cannot be split into pipeline stages{': ' + shape.why_no_pp if shape.why_no_pp else ''}")
+    got = model_refusal(shape, SimpleNamespace(tp=tp, pp=pp))  # layers, heads, kv heads, hidden: as admission
+    if got is not None:
+        raise PlanRefused(got[0].removeprefix("plan."), f"{got[1]} of {shape.family}")
+    if tp > 1 and shape.intermediate and shape.intermediate % tp:
+        raise PlanRefused("tp", f"tp {tp} does not divide the {shape.intermediate} intermediate size of {shape.family}")
     if pp > 1:
-        if not shape.pp:
-            raise PlanRefused("pp", f"{shape.family} cannot be split into pipeline stages{': ' + shape.why_no_pp if shape.why_no_pp else ''}")
-        if pp > shape.layers:
-            raise PlanRefused("pp", f"pp {pp} is more stages than the {shape.layers} layers of {shape.family}")
         if sched == "1f1b" and ga < pp:
             raise PlanRefused("ga", f"1F1B needs at least as many micro-batches (ga {ga}) as stages (pp {pp})")
         if zero == 1:
