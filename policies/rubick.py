@@ -50,7 +50,11 @@ One round:
    for hours on rubick-mt; but with OOM learning it preempts best-effort jobs
    more than twice as often in the extended regime: ``rubick_rules.py``).
    ``guarantee_evicts=True`` seeds them before pinned best-effort jobs (a
-   guarantee may then evict one inside the minimum run time).
+   guarantee may then evict one inside the minimum run time). While any
+   guarantee is pending, a best-effort job that has never started and has
+   waited ``starved_seed`` (1) times its own predicted run (restart included)
+   joins the pending guarantees' queue, shortest predicted run first, at its
+   cheapest allowed candidate (``rubick_rules.starved_first``; 0: off).
 5. Everything else: greedy by normalised marginal gain per unit of resource
    (GPUs plus CPUs weighed by their scarcity), along each job's curve. A
    running job competes from zero, its current allocation being its cheapest
@@ -104,6 +108,7 @@ class Rubick:
         completion_weight: float = 0.0,
         resume_charge: bool = True,
         guarantee_wait_bound: bool = False,
+        starved_seed: float = 1.0,
         use_numba: bool = True,
         restart_model=None,
         own_restart: bool = True,
@@ -124,6 +129,7 @@ class Rubick:
         self.completion_weight = completion_weight
         self.resume_charge = resume_charge
         self.guarantee_wait_bound = guarantee_wait_bound
+        self.starved_seed = starved_seed
         self.use_numba = use_numba
         # each job's own restart (JobSpec -> s, perfmodel.restart) when the run has one;
         # own_restart=False charges every job restart_cost (the trace mean), as before

@@ -24,7 +24,7 @@ import numpy as np
 from gearshift.policies.api import JobView, NodeState, PerfOracle, Placement, default_plan
 from gearshift.policies.candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
 from gearshift.policies.placement import compact_shape, symmetric_shape
-from gearshift.policies.rubick_rules import resume_weights, seed_groups
+from gearshift.policies.rubick_rules import resume_weights, seed_groups, starved_first
 from gearshift.policies.rubick_utility import restart_speed_utility
 
 
@@ -355,13 +355,19 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
     g2 = sorted(np.flatnonzero(guar & (stay < 0)).tolist(),
                 key=lambda i: (left[i] / max(targets[i], 1e-9), jobs[i].submitted_at, jobs[i].job_id))
     g2 = np.array(g2, np.int64)
+    if pol.starved_seed and len(g2):  # rubick_rules.py: only while a guarantee is pending
+        g2, seed_any = starved_first(g2, guar, stay, held, valid, left, targets, refs, R,
+                                     np.array([now - j.submitted_at for j in jobs], float), jobs,
+                                     float(pol.starved_seed))
+    else:
+        seed_any = guar.copy()
     groups = seed_groups([g0, g1, g2, g3], [now - j.submitted_at for j in jobs], pol.min_run_time,
                          evicts=pol.guarantee_evicts, bound=pol.guarantee_wait_bound)  # rubick_rules.py
     groups = [np.asarray(g, np.int64) for g in groups]
     return Problem(
         cg=cg, cc=cc, cm=cm, u=u, cost=cost, nk=nk, stay=stay, hold_ptr=hold_ptr,
         hold_node=np.array(hn, np.int64), hold_g=np.array(hg, np.int64), hold_c=np.array(hc, np.int64),
-        seed_order=np.concatenate(groups).astype(np.int64), seed=seed, seed_any=guar.copy(), pinned=pinned,
+        seed_order=np.concatenate(groups).astype(np.int64), seed=seed, seed_any=seed_any, pinned=pinned,
         cap_g=space_cap(nodes, "g"), cap_c=space_cap(nodes, "c"), rows=[r.rows for r in got], thr=thr, refs=refs,
         targets=targets, guaranteed=guar, running=running, nrows=nrows,
     )

@@ -141,8 +141,12 @@ def make_named_policy(name: str, seed: int, restart_cost: float, options: dict |
             return make_policy(name, **opts)
         except TypeError as e:
             dropped = [k for k in opts if (repr(k) in str(e) or f"'{k}'" in str(e)) and k in ("restart_cost", "seed", "restart_model")]
-            if not dropped:
-                raise
+            if not dropped:  # an option the user gave that this policy does not take
+                import re
+
+                m = re.search(r"keyword argument '([^']+)'", str(e))
+                what = f"no option {m.group(1)!r}" if m else f"these options ({e})"
+                raise ValueError(f"--policy-options: policy {name!r} takes {what}") from None
             for k in dropped:
                 opts.pop(k)
 

@@ -92,6 +92,32 @@ def test_a_guarantee_waits_at_most_min_run_time_for_pinned_best_effort_jobs():
     assert "be" in d.allocations and "g" in d.waiting
 
 
+def test_a_starved_best_effort_job_joins_the_guarantee_queue_shortest_first():
+    """Pending guarantees are seeded before best-effort jobs; a best-effort job that has
+    waited at least its own predicted run (restart included) joins their queue, shortest
+    predicted run first (rubick-mt: best-effort llama30 jobs with minutes of work waited
+    ~8 h behind the chain of 40- and 48-GPU guarantees)."""
+    ns = nodes(1)
+    perf = CurveOracle()
+    g = job("g", 8, t=9_000, guaranteed=True, steps=10**6)  # hours of work
+    old = job("b", 8, t=0.0, steps=100)  # 100 x 64 samples at 8/s: 800 s (+ 30 s restart); waited 10,000 s
+    pol = lambda **o: make_policy("rubick", restart_cost=30, min_run_time=600, **o)
+    d = decide(pol(), 10_000.0, ns, [g, old], perf)
+    assert "b" in d.allocations and "g" in d.waiting
+    d = decide(pol(starved_seed=0), 10_000.0, ns, [g, old], perf)  # the rule off: the guarantee first
+    assert "g" in d.allocations and "b" in d.waiting
+    young = job("b", 8, t=9_500, steps=100)  # waited 500 s, less than its 830 s run
+    d = decide(pol(), 10_000.0, ns, [g, young], perf)
+    assert "g" in d.allocations and "b" in d.waiting
+    started = job("b", 8, t=0.0, steps=100)
+    started.started_at = started.last_switch_at = 2_000.0  # ran once and was preempted: no second pass
+    d = decide(pol(), 10_000.0, ns, [g, started], perf)
+    assert "g" in d.allocations and "b" in d.waiting
+    short = job("g", 8, t=9_000, guaranteed=True, steps=10)  # a guarantee shorter than the starved job
+    d = decide(pol(), 10_000.0, ns, [short, old], perf)
+    assert "g" in d.allocations and "b" in d.waiting
+
+
 def test_no_switch_within_min_run_time():
     ns = nodes(1)
     perf = CurveOracle({"lin": LIN})

@@ -45,6 +45,13 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
     assert main(["--trace", "tiresias-60", "--policies", "no-such-policy", "--perfmodel", "off"]) == 2
     assert main(["--trace-file", str(tmp_path / "x.csv")]) == 2
     assert main(["--trace", "tiresias-60", "--cluster", "8by8"]) == 2
+    capsys.readouterr()
+    # an option one of the policies does not take: one line naming it, no traceback
+    assert main(["--trace", "tiresias-60", "--jobs", "3", "--perfmodel", "off", "--policies", "rubick,sia",
+                 "--policy-options", '{"starved_seed": 0}']) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--policy-options: policy 'sia' takes no option 'starved_seed'"), err
+    assert "Traceback" not in err and "\n" not in err
     with pytest.raises(SystemExit):
         main([])  # argparse: a trace is required
 
