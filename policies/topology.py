@@ -109,6 +109,11 @@ class Arranger:
             # a placement that meets its requirement is only moved to a finer level than it spans
             stop = span(d.placement, self.paths) if self._within(d.placement, req) else None
             got = self._place(d.placement, req, pref, free, tuple(p.node for p in job.placement), stop)
+            if got is None and d.plan.tp == 1 and d.plan.pp == 1 and len(d.placement) > 1:
+                # a data-parallel plan runs on any shape: its GPUs packed (an operator's pin
+                # fills nodes in name order, which no group may hold as it is)
+                got = self._place(self._packed(d.placement), req, pref, free, tuple(p.node for p in job.placement),
+                                  stop)
             if got is None and req is None:
                 got = d.placement  # a preference only: where the policy put it
             if got is None and job.placement and job.plan is not None and free.fits(job.placement) \
@@ -129,6 +134,19 @@ class Arranger:
                 changed.append(jid)
             free.add(got, -1)
         return changed
+
+    def _packed(self, placement: Sequence[Placement]) -> tuple[Placement, ...]:
+        """``placement``'s GPUs packed onto as few nodes of its type as hold them (full first)."""
+        kind = self.types.get(placement[0].node, "")
+        per_node = max((n.gpus_total for n in self.nodes if n.gpu_type == kind), default=1)
+        gpus = sum(p.gpus for p in placement)
+        cpus = sum(p.cpus for p in placement)
+        out, left = [], gpus
+        while left > 0:
+            g = min(per_node, left)
+            out.append(Placement(placement[0].node, g, cpus * g // gpus, placement[0].gpu_type))
+            left -= g
+        return tuple(out)
 
     # ---- rules
     def _within(self, placement: Sequence[Placement], level: str | None) -> bool:

@@ -293,8 +293,6 @@ class Simulator:
                                  distance_slowdown=cfg.distance_slowdown if truth_predictor else 0.0,
                                  headroom=cfg.headroom if truth_predictor else None)
         allowed = self.truth.measured_config if cfg.regime == "measured" else None
-        self.belief = BeliefOracle(self.cluster.gpus_per_node, predictor, allowed=allowed)
-        self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
         self.progress = progress
         c = self.cluster
         nodes = c.node_list()
@@ -309,6 +307,10 @@ class Simulator:
         self._touched: set[int] = set()  # nodes whose holdings changed since the last capacity check
         topo = cfg.topology
         self.topo = TopologyStep(topo, self.node_names, truth_predictor or predictor) if topo is not None else None
+        self.belief = BeliefOracle(self.cluster.gpus_per_node, predictor, allowed=allowed)
+        if self.topo is not None:
+            self.belief = self.topo.belief(self.belief, predictor)
+        self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c,
                                      topo.paths if topo is not None and topo.aware else None)
         self.records = [SimJob(j, JobView(job_id=j.job_id, spec=declared_spec(j.spec, cfg.declared_noise, cfg.seed, j.job_id),

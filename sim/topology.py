@@ -164,6 +164,10 @@ class TopologyStep:
                 n.topology = self.paths[n.name]
         return nodes
 
+    def belief(self, base: Any, predictor: Any) -> Any:
+        """The policies' oracle: priced by the level a gang spans when topology-aware."""
+        return SpanPricedOracle(base, self, predictor) if self.topo.aware and predictor is not None else base
+
     def arrange(self, decision: Decision, nodes: list[NodeState], views: Sequence[Any]) -> None:
         if self.topo.aware:
             from gearshift.policies.topology import arrange
@@ -189,3 +193,55 @@ class TopologyStep:
 
 def describe_paths(paths: Sequence[Path]) -> list[str]:
     return [format_path(p) for p in paths]
+
+
+class SpanPricedOracle:
+    """The policies' belief on a topology-aware cluster: the base oracle's answer for
+    a shape of k nodes, slowed by the fitted model's price of the level such a gang
+    needs at best (the finest level with a group of k nodes; one that no group holds
+    spans the cluster). It depends on the shape alone, as the learning oracle's
+    memory does; ``arrange`` then puts the gang in that level when it has room."""
+
+    def __init__(self, base: Any, step: TopologyStep, predictor: Any):
+        self.base = base
+        self.step = step
+        self.predictor = predictor
+        levels = levels_of(step.topo.paths)
+        self._by_nodes = []  # (level, nodes in its largest group), finest first
+        for i in range(len(levels) - 1, -1, -1):
+            sizes: dict[Path, int] = {}
+            for p in step.topo.paths:
+                sizes[p[: i + 1]] = sizes.get(p[: i + 1], 0) + 1
+            self._by_nodes.append((levels[i], max(sizes.values(), default=0)))
+        self._ratio: dict[tuple, float] = {}
+        for name in ("plans", "spec_key", "memory_parts", "answers_token"):
+            if hasattr(base, name):
+                setattr(self, name, getattr(base, name))
+        if hasattr(base, "throughput_many"):
+            self.throughput_many = self._many
+
+    def level_for(self, nodes: int) -> str:
+        if nodes <= 1:
+            return "node"
+        return next((lv for lv, size in self._by_nodes if size >= nodes), "cluster")
+
+    def _slowdown(self, spec: Any, plan: Any, placement: tuple[Placement, ...]) -> float:
+        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        f = self.step.topo.links.factor(self.level_for(len(per_node)))
+        if f == 1.0 or self.predictor is None:
+            return 1.0
+        key = (spec.model, spec.global_batch, getattr(spec, "cpus_per_gpu", None), plan, per_node, f)
+        r = self._ratio.get(key)
+        if r is None:
+            base = self.predictor(spec, plan, per_node)
+            slow = self.predictor(spec, plan, per_node, nic_scale=f) if base > 0 else 0.0
+            r = self._ratio[key] = slow / base if base > 0 and slow > 0 else 1.0
+        return r
+
+    def throughput(self, job: Any, plan: Any, placement: tuple[Placement, ...]) -> float:
+        v = self.base.throughput(job, plan, placement)
+        return v / self._slowdown(job.spec, plan, placement) if v > 0 else v
+
+    def _many(self, job: Any, plans: Sequence[Any], placement: tuple[Placement, ...]) -> list[float]:
+        got = self.base.throughput_many(job, plans, placement)
+        return [float(v) / self._slowdown(job.spec, p, placement) if v > 0 else float(v) for p, v in zip(plans, got)]
