@@ -61,6 +61,14 @@ def parse_path(text: str, field: str = "topology") -> Path:
     return tuple(out)
 
 
+def with_level(path: Path, level: str, value: str | None) -> Path:
+    """``path`` with ``level=value`` appended (finest) unless it has that level already
+    (what the operator configured wins over what the hardware says) or ``value`` is None."""
+    if value is None or any(lv == level for lv, _ in path):
+        return path
+    return path + ((level, value),)
+
+
 def format_path(path: Path) -> str:
     return "/".join(f"{lv}={v}" for lv, v in path)
 
