@@ -9,8 +9,8 @@ so no policy needs to know about topology:
   resize, a plan switch) is moved there, the finest level that has room first;
   where none has room it keeps what it holds (if that still fits and lies in one
   group), else it waits and ``Decision.waiting`` says it waits for topology;
-- a job that *prefers* a level (``preferred``; or every job, with
-  ``prefer_finest``: the simulator's topology-aware mode) is moved into the
+- a job that *prefers* a level (``preferred``; or every job, with ``prefer``:
+  the simulator's topology-aware mode) is moved into the
   finest level that has room, from the preferred one up, when the policy placed
   it wider; if none has room it keeps the policy's placement;
 - an allocation the decision keeps unchanged is not moved (it was arranged when
@@ -36,15 +36,13 @@ from gearshift.policies.decision import same_allocation
 WAITS = "waits for topology"
 
 
-def wants(spec: Any, prefer_finest: bool = False) -> tuple[str | None, str | None]:
-    """(required, preferred) level names of a job's spec; ``prefer_finest``: a job
-    without a preference prefers the finest level (returned as ``NODE``)."""
+def wants(spec: Any, default: str | None = None) -> tuple[str | None, str | None]:
+    """(required, preferred) level names of a job's spec; ``default``: what a job
+    without a preference prefers (``NODE``: the finest level)."""
     topo = getattr(spec, "topology", None)
     req = topo.required if topo is not None else None
     pref = topo.preferred if topo is not None else None
-    if pref is None and prefer_finest:
-        pref = NODE
-    return req, pref
+    return req, pref if pref is not None else default
 
 
 def span(placement: Sequence[Placement], paths: Mapping[str, Path]) -> str:
@@ -72,13 +70,13 @@ class _Free:
 class Arranger:
     """One round's topology step; see the module."""
 
-    def __init__(self, nodes: Sequence[NodeState], prefer_finest: bool = False):
+    def __init__(self, nodes: Sequence[NodeState], prefer: str | None = None):
         self.nodes = list(nodes)
         self.order = {n.name: i for i, n in enumerate(self.nodes)}
         self.paths = {n.name: tuple(n.topology) for n in self.nodes if n.topology}
         self.types = {n.name: n.gpu_type for n in self.nodes}
         self.levels = levels_of(self.paths.values())
-        self.prefer_finest = prefer_finest
+        self.prefer = prefer
 
     def arrange(self, decision: Decision, jobs: Mapping[str, Any]) -> list[str]:
         """Move (or hold back) the allocations of ``decision`` in place; the jobs changed."""
@@ -87,7 +85,7 @@ class Arranger:
             job = jobs.get(jid)
             if job is None:
                 continue
-            req, pref = wants(job.spec, self.prefer_finest)
+            req, pref = wants(job.spec, self.prefer)
             if req is None and pref is None:
                 continue
             kept = bool(job.placement) and same_allocation(d, job)
@@ -223,10 +221,12 @@ class Arranger:
 
 
 def arrange(decision: Decision, nodes: Sequence[NodeState], jobs: Mapping[str, Any], *,
-            prefer_finest: bool = False) -> list[str]:
+            prefer: str | None = None) -> list[str]:
     """Keep every gang of ``decision`` within its job's topology (see the module), in
     place; the jobs whose allocation it changed. ``jobs``: job id -> view (``spec``,
-    ``placement``, ``plan``: ``JobView`` or the simulator's record)."""
+    ``placement``, ``plan``: ``JobView`` or the simulator's record). ``prefer``: the
+    level a job without its own preference prefers (``"node"``: the finest)."""
+    prefer_finest = prefer is not None
     if not prefer_finest and not any(getattr(getattr(jobs.get(j), "spec", None), "topology", None) is not None
                                      for j in decision.allocations):
         return []
@@ -239,4 +239,4 @@ def arrange(decision: Decision, nodes: Sequence[NodeState], jobs: Mapping[str, A
                 decision.waiting[jid] = f"{WAITS}: no node reports a {req}"
                 out.append(jid)
         return out
-    return Arranger(nodes, prefer_finest).arrange(decision, jobs)
+    return Arranger(nodes, prefer).arrange(decision, jobs)

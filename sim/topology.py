@@ -17,8 +17,11 @@ model's ratio of the step with the inter-node bandwidth scaled by that level's
 factor (``bus_schema.topology.LinkFactors``; ``cluster=0.25``: across racks a
 quarter of in-rack) to the step at the fitted bandwidth (without a fitted model the
 truth is not changed). Topology-aware (the default) hands the policies each node's
-path and runs ``policies.topology.arrange`` on every decision with every job
-preferring the finest level (the same step as the optimizer's); flat
+path, a belief that prices a gang by the level it needs (``SpanPricedOracle``), and
+runs ``policies.topology.arrange`` on every decision (the same step as the
+optimizer's) with every job preferring the coarsest level whose links are as fast as
+any (``rack`` with ``cluster=0.25``: a gang is moved off slow links, not finer for
+nothing); flat
 (``topology_aware=False``) places as if there were no topology, and pays for it.
 The result counts how often each level was spanned by a grant
 (``SimTopology.spans``).
@@ -155,6 +158,11 @@ class TopologyStep:
         self.paths = dict(zip(names, topo.paths))
         self.predictor = predictor
         self.spans: dict[str, int] = {}
+        # what every job prefers when topology-aware: the coarsest level whose links are as
+        # fast as any (finer levels cost no less; a gang moved finer gains nothing)
+        levels = levels_of(topo.paths)
+        best = max((topo.links.factor(lv) for lv in levels), default=1.0)
+        self.prefer = next((lv for lv in levels if topo.links.factor(lv) >= best), "node")
         self._ratio: dict[tuple, float] = {}
 
     def nodes(self, nodes: list[NodeState]) -> list[NodeState]:
@@ -172,7 +180,7 @@ class TopologyStep:
         if self.topo.aware:
             from gearshift.policies.topology import arrange
 
-            arrange(decision, nodes, {v.job_id: v for v in views}, prefer_finest=True)
+            arrange(decision, nodes, {v.job_id: v for v in views}, prefer=self.prefer)
 
     def price(self, spec: Any, plan: Any, placement: tuple[Placement, ...], step_time: float) -> float:
         """Ground truth's step time on ``placement``, its links priced by the level it spans."""

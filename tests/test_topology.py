@@ -256,3 +256,14 @@ def test_loadtest_topology_live():
     for job in live["rack_jobs"].values():
         assert job["switches_and_resizes"] >= 5 and all(len(r) == 1 for r in job["racks"])
     assert "waits for topology" in live["wide"]["explain"]
+
+
+def test_get_nodes_shows_the_path_only_when_reported():
+    from gearshift import render
+
+    plain = NodeReport(node="a", ts=0.0, gpus=[], cpus=1)
+    placed = NodeReport(node="b", ts=0.0, gpus=[], cpus=1, topology="rack=r1/nvlink-domain=r1d0")
+    assert render.node_headers([plain]) == render.NODE_HEADERS  # unchanged without topology
+    assert render.node_headers([plain, placed])[-1] == "TOPOLOGY"
+    rows = render.node_rows([plain, placed])
+    assert rows[0][-1] == "-" and rows[1][-1] == "rack=r1/nvlink-domain=r1d0"
