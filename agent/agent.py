@@ -82,7 +82,7 @@ class Agent:
     def __init__(self, nc: NATS, node: str, probe: GpuProbe, workdir: str | os.PathLike, *, cpus: int | None = None,
                  heartbeat: float = DEFAULT_HEARTBEAT_S, grace: float = DEFAULT_GRACE_S, address: str = DEFAULT_ADDRESS,
                  progress_interval: float = 1.0, ckpt_root: str | os.PathLike | None = None,
-                 runner: Runner | None = None, alloc_watch: Any = None):
+                 runner: Runner | None = None, alloc_watch: Any = None, topology: str = ""):
         self.nc = nc
         self.js = nc.jetstream()
         self.node = subj.token(node)
@@ -116,7 +116,8 @@ class Agent:
         self._nodes_kv: Any = None
         self.reports = Reporter(self.js, self.node, self.runner, self.log, lambda: self._closing)
         self.heartbeat = Heartbeat(nc, self.node, probe, cpus=self.cpus, address=address, interval=heartbeat,
-                                   runs=self.runs, reserved=self.reserved, log=self.log, nodes_kv=lambda: self._nodes_kv)
+                                   runs=self.runs, reserved=self.reserved, log=self.log, nodes_kv=lambda: self._nodes_kv,
+                                   topology=topology)
         self.spawner = RankSpawner(self.node, address, self.runner, probe, lambda: self._nodes_kv, lambda: self._closing)
         self.progress = ProgressPublisher(nc, self.node, self.runner, self.reports, self.runs, self._spawn, self.log,
                                           progress_interval)

@@ -21,7 +21,8 @@ from gearshift.bus_schema.messages import NodeReport
 class Heartbeat:
     def __init__(self, nc: Any, node: str, probe: Any, *, cpus: int, address: str, interval: float,
                  runs: Mapping[str, Run], reserved: set[int], log: Any,
-                 nodes_kv: Callable[[], Any], memory: Callable[[], tuple[int, int]] | None = None):
+                 nodes_kv: Callable[[], Any], memory: Callable[[], tuple[int, int]] | None = None,
+                 topology: str = ""):
         self.nc = nc
         self.node = node
         self.probe = probe
@@ -35,6 +36,7 @@ class Heartbeat:
         # (total, used) host memory; the fleet emulator shares one sample among its agents
         self.memory = memory or host_memory
         self.started_at = time.time()
+        self.topology = topology  # the node's topology path (bus_schema.topology), from --topology and NVML
         # set by the agent: the highest gs_alloc sequence applied to its desired state, and
         # acted on by a reconcile pass (NodeReport.alloc_rev)
         self.applied_rev = self.alloc_rev = 0
@@ -57,6 +59,7 @@ class Heartbeat:
             started_at=self.started_at,
             address=self.address,
             alloc_rev=self.alloc_rev,
+            topology=self.topology,
         )
 
     async def beat(self) -> None:

@@ -4,6 +4,7 @@ probe (NVML, or ``--fake-gpus``), the connection, the metrics endpoint."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import re
 import socket
@@ -21,6 +22,7 @@ from gearshift.bus.config import NodeName, NonNegative, NonNegInt, PosInt, Posit
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus_schema import subjects as subj
+from gearshift.bus_schema.topology import NVLINK, TopologyError, format_path, parse_path, with_level
 
 
 def _bytes(text: str) -> int:
@@ -38,6 +40,14 @@ def _bytes_text(n: int) -> str:
         if n % size == 0:
             return f"{n // size}{unit}"
     return str(n)
+
+
+def _topology(text: str) -> str:
+    """A topology path (``bus_schema.topology``), checked: the reason in one line."""
+    try:
+        return format_path(parse_path(text, "topology"))
+    except TopologyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class AgentConfig(ServiceConfig):
@@ -58,6 +68,9 @@ class AgentConfig(ServiceConfig):
     heartbeat: Annotated[Positive, option("seconds between heartbeats")] = DEFAULT_HEARTBEAT_S
     grace: Annotated[NonNegative, option("seconds from SIGTERM to SIGKILL")] = DEFAULT_GRACE_S
     address: Annotated[str, option("address other nodes use to reach this one")] = DEFAULT_ADDRESS
+    topology: Annotated[str, option(
+        "where the node sits, coarse to fine, e.g. rack=r1/nvlink-domain=r1a; NVML's fabric information "
+        "adds nvlink-domain where the GPUs report one", parse=_topology, metavar="PATH")] = ""
 
 
 def parse_args(argv: list[str] | None) -> AgentConfig:
@@ -88,9 +101,11 @@ async def run_agent(args, stop: asyncio.Event) -> int:
         log.error(str(exc))
         await probe.close()
         return 3
+    path = with_level(parse_path(args.topology), NVLINK, getattr(probe, "fabric", None))
     agent = Agent(
         nc, args.node, probe, args.workdir,
         cpus=args.cpus, heartbeat=args.heartbeat, grace=args.grace, address=args.address, ckpt_root=args.ckpt_root,
+        topology=format_path(path),
     )
     obs = None
     try:

@@ -43,6 +43,28 @@ class DeviceFailed(Exception):
         self.health, self.reason = health, reason
 
 
+def fabric_domain(nv: Any, handle: Any) -> str | None:
+    """The multi-node NVLink domain a GPU belongs to (``nvmlDeviceGetGpuFabricInfo``:
+    cluster UUID and clique, once the fabric manager has registered it), as a topology
+    value: GPUs with the same one are one NVLink island. None where the GPU or the
+    library reports none (no NVSwitch fabric, older driver)."""
+    fn = getattr(nv, "nvmlDeviceGetGpuFabricInfo", None)
+    kind = getattr(nv, "c_nvmlGpuFabricInfo_t", None)
+    if fn is None or kind is None:
+        return None
+    info = kind()
+    try:
+        fn(handle, info)
+    except nv.NVMLError:
+        return None
+    if info.state != getattr(nv, "NVML_GPU_FABRIC_STATE_COMPLETED", 3) or info.status != 0:
+        return None
+    uuid = bytes(info.clusterUuid)
+    if not any(uuid):
+        return None
+    return f"{uuid.hex()[:16]}.{info.cliqueId}"
+
+
 def text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

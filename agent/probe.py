@@ -143,6 +143,7 @@ class NvmlProbe:
         self._gone: str | None = None  # why NVML must be re-initialised
         self._reinit: Future | None = None
         self.notes: list[str] = []  # devices skipped, APIs missing: for the agent's log
+        self.fabric: str | None = None  # the NVLink domain NVML's fabric information names (None: none)
 
     def _module(self) -> Any:
         if self._nv is None:
@@ -182,6 +183,7 @@ class NvmlProbe:
         self._watcher = nd.XidWatcher(nv, devices, self._on_xid, self.xid_poll_ms)
         self._watcher.start()
         self.notes = notes + ([self._watcher.note] if self._watcher.note else [])
+        self.fabric = nd.fabric_domain(nv, devices[0].handle) if devices else None
         _set_cuda_ids(self, {d.index: d.uuid for d in devices if d.uuid})
 
     def _on_xid(self, uuid: str, xid: int) -> None:

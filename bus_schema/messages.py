@@ -18,6 +18,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
+from gearshift.bus_schema.topology import PATH_PATTERN as TOPOLOGY_PATH_PATTERN
+
 # ---------------------------------------------------------------- limits
 MAX_NAME = 128
 MAX_STR = 256
@@ -135,6 +137,19 @@ class Dependency(_Input, kw_only=True, frozen=True):
     on: DependOn = DependOn.COMPLETED
 
 
+LevelName = Annotated[str, Meta(min_length=1, max_length=32, pattern=r"^[a-z][a-z0-9-]*$")]
+TopologyPathText = Annotated[str, Meta(max_length=MAX_STR, pattern=TOPOLOGY_PATH_PATTERN)]
+
+
+class TopologyRequest(_Input, kw_only=True, frozen=True):
+    """Where a job's gang must / would rather lie (``bus_schema.topology``): ``required``:
+    every generation of the job lies in one group of that level (it waits rather than
+    span it); ``preferred``: that level when one has room, else the finest that has."""
+
+    required: LevelName | None = None
+    preferred: LevelName | None = None
+
+
 class JobSpec(_Input, kw_only=True, frozen=True):
     name: Name
     model: ModelSpec
@@ -165,6 +180,8 @@ class JobSpec(_Input, kw_only=True, frozen=True):
     after: Annotated[list[Dependency], Meta(max_length=MAX_AFTER)] | None = None
     # N jobs ``<id>-0`` .. ``<id>-<N-1>`` that differ only by GEARSHIFT_ARRAY_INDEX in their env.
     array: Annotated[int, Meta(ge=1, le=MAX_ARRAY)] | None = None
+    # Topology levels the gang must / would rather stay within (issue 23 item 1).
+    topology: TopologyRequest | None = None
 
 
 class SubmitRequest(_Input, kw_only=True, frozen=True):
@@ -422,6 +439,8 @@ class NodeReport(_Msg, kw_only=True, frozen=True):
     started_at: float = 0.0
     address: str = ""  # where other nodes reach this one (MASTER_ADDR when it holds rank 0)
     gpu_type: str = ""  # normalised NVML type of its GPUs (bus_schema.gputypes); "" unknown
+    # where the node sits, coarse to fine, e.g. "rack=r1/nvlink-domain=r1a" (bus_schema.topology)
+    topology: TopologyPathText = ""
     # the highest gs_alloc sequence of this node's keys the agent has applied and acted on (every
     # launch and stop it implied begun; a restarted agent's reports of what it reaped sent): with
     # ``running`` it tells the optimizer a withdrawn allocation has nothing left here (issue 24)

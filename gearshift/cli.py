@@ -127,7 +127,7 @@ async def cmd_get(args: argparse.Namespace) -> int:
             _print_json(nodes[0] if args.name else nodes)
         else:
             modes = await _modes(c)
-            print(render.table(render.node_rows(nodes, modes), render.NODE_HEADERS))
+            print(render.table(render.node_rows(nodes, modes), render.node_headers(nodes)))
         return 0
 
     return await _with_client(args, go)

@@ -276,7 +276,7 @@ async def cmd_top(args: argparse.Namespace) -> int:
             used = sum(len(p.gpus) for j in running for p in j.placement)
             out = [f"gearshift top  {time.strftime('%H:%M:%S')}  nodes {len(nodes)}  GPUs {used}/{gpus} allocated  "
                    f"running {sum(1 for j in running if j.state == JobState.RUNNING)}  pending {len(pending)}", "",
-                   render.table(render.node_rows(nodes, modes), render.NODE_HEADERS), "",
+                   render.table(render.node_rows(nodes, modes), render.node_headers(nodes)), "",
                    render.table(render.job_rows(sorted(running, key=lambda j: -j.spec.gpus)), render.JOB_HEADERS)]
             if pending:
                 out += ["", render.table([[j.job_id, j.spec.tenant, str(j.spec.gpus), j.reason[:80]] for j in pending[:20]],

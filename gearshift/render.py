@@ -71,7 +71,13 @@ def job_rows(jobs: list[JobRecord], now: float | None = None) -> list[list[str]]
     return [job_row(j, now) for j in jobs]
 
 
+def node_headers(nodes: list[NodeReport]) -> list[str]:
+    """The node table's columns: TOPOLOGY (the node's path) when any node reports one."""
+    return NODE_HEADERS + (["TOPOLOGY"] if any(n.topology for n in nodes) else [])
+
+
 def node_rows(nodes: list[NodeReport], modes: dict[str, Any] | None = None) -> list[list[str]]:
+    topo = any(n.topology for n in nodes)
     rows = []
     for n in nodes:
         used = sum(1 for g in n.gpus if g.processes)
@@ -81,7 +87,7 @@ def node_rows(nodes: list[NodeReport], modes: dict[str, Any] | None = None) -> l
         mem = f"{sum(g.memory_used for g in n.gpus) / total:.0%}" if total else "-"
         mode = "-" if modes is None else _mode_label(modes.get(n.node))
         rows.append([n.node, mode, str(len(n.gpus)), str(used), util, mem, str(n.cpus), n.probe,
-                     ",".join(n.running) or "-", ago(n.ts)])
+                     ",".join(n.running) or "-", ago(n.ts)] + ([n.topology or "-"] if topo else []))
     return rows
 
 

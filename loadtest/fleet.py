@@ -140,7 +140,8 @@ class SharedHostMemory:
 
 class Fleet:
     def __init__(self, nc: Any, nodes: int, gpus_per_node: int, *, prefix: str = "fleet", heartbeat: float = 2.0,
-                 progress_interval: float = 5.0, grace: float = 5.0, workdir: str | None = None, cpus: int = 64):
+                 progress_interval: float = 5.0, grace: float = 5.0, workdir: str | None = None, cpus: int = 64,
+                 topology: Any = None):
         self.nc = nc
         self.names = [f"{prefix}-{i:05d}" for i in range(nodes)]
         self.gpus = gpus_per_node
@@ -155,6 +156,7 @@ class Fleet:
         self.killed: set[str] = set()
         self.watch: SharedAllocWatch | None = None
         self.host_memory = SharedHostMemory()
+        self.topology = topology or {}  # node name -> topology path text (bus_schema.topology)
 
     async def start(self, batch: int = 50) -> "Fleet":
         """Start the agents in batches spread over one heartbeat interval."""
@@ -173,7 +175,7 @@ class Fleet:
         runner = EmulatedRunner(self.store)
         agent = Agent(self.nc, name, FakeProbe(self.gpus, node=name), self.workdir / name, cpus=self.cpus,
                       heartbeat=self.heartbeat, grace=self.grace, progress_interval=self.progress_interval,
-                      runner=runner, alloc_watch=self.watch.watch)
+                      runner=runner, alloc_watch=self.watch.watch, topology=self.topology.get(name, ""))
         agent.heartbeat.memory = self.host_memory
         await agent.start()
         self.agents[name] = agent

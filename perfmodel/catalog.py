@@ -168,6 +168,14 @@ def shape_from_spec(model) -> ModelShape:
                       heads=int(getattr(model, "heads", 0) or 0))
 
 
+def with_nic_scale(params: PerfParams, scale: float) -> PerfParams:
+    """``params`` with the inter-node bandwidth (``bw_nic``) times ``scale``: how the model
+    prices a placement spanning a slower topology level."""
+    cluster = np.array(params.cluster, dtype=np.float64)
+    cluster[CLUSTER_NAMES.index("bw_nic")] *= scale
+    return PerfParams(params.model_key, params.theta, cluster, params.gpu_mem_gb)
+
+
 def sim_predictor(gpus_per_node: int = 8, fit: str = "belief"):
     """The simulator's hook: predictor(spec, plan, per_node) -> seconds per step
     (0 when the plan does not fit or is not valid on that placement). ``fit``:
@@ -176,7 +184,9 @@ def sim_predictor(gpus_per_node: int = 8, fit: str = "belief"):
 
     cache: dict = {}
 
-    def predictor(spec, plan, per_node) -> float:
+    def predictor(spec, plan, per_node, nic_scale: float = 1.0) -> float:
+        """``nic_scale``: the inter-node bandwidth as a factor of the fitted one (the
+        topology level a placement spans, ``bus_schema.topology.LinkFactors``)."""
         shares = tuple(int(k) for k in per_node if int(k) > 0)
         if not shares:
             return 0.0
@@ -184,11 +194,13 @@ def sim_predictor(gpus_per_node: int = 8, fit: str = "belief"):
         m = spec.model
         mkey = (m.name, m.params, m.layers, m.hidden, m.seq_len, getattr(m, "heads", None))
         pl = as_plan(plan, int(spec.global_batch))
-        key = (mkey, int(spec.global_batch), pl, shares, threads)
+        key = (mkey, int(spec.global_batch), pl, shares, threads, nic_scale)
         hit = cache.get(key)
         if hit is None:
             shape = shape_from_spec(spec.model)
             params = params_for_shape(shape, fit)
+            if nic_scale != 1.0:
+                params = with_nic_scale(params, nic_scale)
             pr = predict(params, shape, int(spec.global_batch), [pl], Resources(shares, threads), engine="numpy")
             hit = float(pr.iter_time_s[0]) if pr.feasible[0] else 0.0
             cache[key] = hit

@@ -1,6 +1,10 @@
 """The scheduling interface shared by the optimizer service and the simulator.
 
 Changes (newest first; all backward compatible, every new field has a default):
+- Topology (issue 23): ``NodeState.topology`` (a ``bus_schema.topology`` path);
+  ``policies.topology.arrange`` moves each gang within its job's required level
+  (``JobSpec.topology``), the finest that has room, after the policy's round;
+  ``check_decision`` refuses a placement that breaks a required level.
 - ``PerfOracle`` may offer ``answers_token()``: a hashable that changes whenever
   any of its answers may change (None: it cannot tell). A policy may remember
   answers while it stays equal (``ordering.RequestSpeeds``, SRTF).
@@ -81,6 +85,9 @@ class NodeState:
     domain: str = ""
     # Normalised GPU type (bus_schema.gputypes); "" = unknown (the model's reference).
     gpu_type: str = ""
+    # Topology path, coarse to fine (bus_schema.topology.parse_path); () = none known.
+    # ``policies.topology.arrange`` keeps gangs within it after every policy's round.
+    topology: tuple = ()
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,7 +11,8 @@ policy's decision (issue 22).
 
 The rules, one set for both callers: every named job is live; a placement is not
 empty, names known nodes, each once, with no negative amounts; its GPUs are the
-plan's; it lies on nodes of one GPU type, one the job accepts; a job is not both
+plan's; it lies on nodes of one GPU type, one the job accepts, and within one group
+of the topology level it requires (``JobSpec.topology``); a job is not both
 allocated and waiting; no node gives more GPUs or CPUs than it has.
 """
 
@@ -23,6 +24,7 @@ from typing import Protocol
 
 from gearshift.bus_schema.messages import JobSpec, Plan
 from gearshift.bus_schema.plan_support import plan_refusal
+from gearshift.bus_schema.topology import within
 from gearshift.policies.api import AllocationError, Decision, JobDecision, NodeState, Placement, accepts
 
 
@@ -102,10 +104,12 @@ class NodeCapacity:
     """Nodes' names, GPU types and capacity as arrays: what checking needs, built
     once by the simulator (its cluster does not change), per check otherwise."""
 
-    __slots__ = ("names", "index", "types", "gpus", "cpus")
+    __slots__ = ("names", "index", "types", "gpus", "cpus", "paths")
 
-    def __init__(self, names: Sequence[str], types: Sequence[str], gpus: Sequence[int], cpus: Sequence[int]):
+    def __init__(self, names: Sequence[str], types: Sequence[str], gpus: Sequence[int], cpus: Sequence[int],
+                 paths: Sequence[tuple] | None = None):
         self.names = list(names)
+        self.paths = list(paths) if paths is not None else [()] * len(self.names)  # topology paths
         self.index = {n: i for i, n in enumerate(self.names)}
         self.types = list(types)
         self.gpus = list(gpus)
@@ -114,7 +118,7 @@ class NodeCapacity:
     @classmethod
     def of(cls, nodes: Sequence[NodeState]) -> NodeCapacity:
         return cls([n.name for n in nodes], [n.gpu_type for n in nodes], [n.gpus_total for n in nodes],
-                   [n.cpus_total for n in nodes])
+                   [n.cpus_total for n in nodes], [n.topology for n in nodes])
 
     def check(self, decision: Decision, jobs: Mapping[str, HasSpec], free_g: Sequence[int], free_c: Sequence[int],
               holding: Mapping[str, Holding] | None = None, keep: Collection[str] = frozenset(),
@@ -186,6 +190,9 @@ class NodeCapacity:
         kind = next(iter(types))
         if not accepts(spec, kind):
             raise AllocationError(f"job {jid}: placed on {kind!r} GPUs; it accepts {', '.join(spec.gpu_types)}")
+        topo = getattr(spec, "topology", None)
+        if topo is not None and topo.required and not within([self.paths[i] for i in seen], topo.required):
+            raise AllocationError(f"job {jid}: placement spans more than one {topo.required}; its spec requires one")
 
 
 def check_decision(decision: Decision, nodes: list[NodeState], jobs: Mapping[str, HasSpec]) -> None:

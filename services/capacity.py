@@ -9,6 +9,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from gearshift.bus_schema.gputypes import node_gpu_type
+from gearshift.bus_schema.topology import parse_path
 from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodePlacement, NodeReport
 from gearshift.policies import Decision, NodeState, Placement
 from gearshift.policies.api import JobDecision, accepts
@@ -54,8 +55,19 @@ def node_states(nodes: Iterable[NodeReport], held: dict[str, set[int]]) -> list[
     for n in nodes:
         gpus = len(n.gpus) - len(held.get(n.node, ()))
         out.append(NodeState(name=n.node, gpus_total=gpus, gpus_free=gpus, cpus_total=n.cpus, cpus_free=n.cpus,
-                             gpu_type=n.gpu_type or _type_of_names(tuple(g.name for g in n.gpus))))
+                             gpu_type=n.gpu_type or _type_of_names(tuple(g.name for g in n.gpus)),
+                             topology=_path(n.topology) if n.topology else ()))
     return out
+
+
+@lru_cache(maxsize=4096)
+def _path(text: str) -> tuple:
+    """A node's topology path (``bus_schema.topology``); one that does not parse counts
+    as none (the agent refuses to start with one, so only a foreign writer sends it)."""
+    try:
+        return parse_path(text)
+    except ValueError:
+        return ()
 
 
 @lru_cache(maxsize=256)

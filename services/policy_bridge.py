@@ -19,6 +19,7 @@ from gearshift.bus_schema.plan_support import with_refused
 from gearshift.policies import Decision, JobView, Placement, check_decision
 from gearshift.policies.api import make_job_view
 from gearshift.policies.decision import refuse_unsupported
+from gearshift.policies.topology import arrange
 from gearshift.policies.views import KeptViews
 from gearshift.services import capacity
 
@@ -128,6 +129,7 @@ class PolicyStep:
         by_id = {v.job_id: v for v in views}
         refuse_unsupported(decision, by_id)
         capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
+        arrange(decision, node_states, by_id)  # gangs within their topology (policies.topology)
         check_decision(decision, node_states, by_id)
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"

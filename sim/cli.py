@@ -18,6 +18,7 @@ from gearshift.sim.compare import compare
 from gearshift.sim.engine import SimConfig, SimResult, simulate
 from gearshift.sim.loaders import FORMATS, load_named, load_trace_file, trace_names
 from gearshift.sim.metrics import summarize, write_per_job_csv
+from gearshift.sim.topology import SimTopology, load_cluster_file, parse_factors
 from gearshift.sim.trace import parse_cluster
 
 
@@ -30,6 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="fifo", help="comma-separated policy names (default: fifo)")
     p.add_argument("--cluster", help="[TYPE:]NODESxGPUS[:CPUS][,...], e.g. 8x8 or a100:8x8,v100:8x8 (mixed GPU "
                                      "types); default: the trace's own (rubick: 8x8)")
+    p.add_argument("--topology", help="LEVEL=COUNT,... coarse to fine: the nodes split evenly, e.g. "
+                   "rack=4,nvlink-domain=2 (sim/topology.py)")
+    p.add_argument("--bandwidth", default="", help="LEVEL=FACTOR,...: inter-node bandwidth of a placement spanning "
+                   "that level, as a factor of the fitted one, e.g. cluster=0.25 (across racks a quarter of in-rack)")
+    p.add_argument("--topology-interleaved", action="store_true",
+                   help="node i in the i-th coarsest group round-robin (node order tells nothing of the topology)")
+    p.add_argument("--topology-flat", action="store_true",
+                   help="place as if there were no topology (the links are still priced by what they span)")
+    p.add_argument("--cluster-file", help='JSON: {"cluster": "16x8", "topology": {"rack": 4}, "bandwidth": {...}} '
+                   'or "paths": [...] (sim/topology.py)')
     p.add_argument("--interval", type=float, default=60.0, help="seconds between scheduling rounds (default 60)")
     p.add_argument("--restart-cost", type=_restart_cost, default="measured",
                    help="seconds lost per (re)start, or 'measured' (default): the per-job model fitted to "
@@ -223,7 +234,19 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
         trace = load_trace_file(args.trace_file, args.format)
     if args.jobs:
         trace = trace.head(args.jobs)
+    topo = None
+    if args.cluster_file:
+        text, topo = load_cluster_file(args.cluster_file, (parse_cluster(args.cluster) if args.cluster
+                                                           else trace.cluster).nodes)
+        args.cluster = args.cluster or text
     cluster = parse_cluster(args.cluster) if args.cluster else trace.cluster
+    if args.topology:
+        topo = SimTopology.split(cluster.nodes, args.topology, args.bandwidth,
+                                 interleaved=args.topology_interleaved)
+    elif topo is not None and args.bandwidth:
+        topo.links = parse_factors(args.bandwidth)
+    if topo is not None:
+        topo.aware = not args.topology_flat
     restart_model = None
     restart_cost = args.restart_cost
     if restart_cost == "measured":
@@ -233,12 +256,13 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
         # policies charge one price per restart: the model's mean over this trace
         restart_cost = sum(restart_seconds(j.spec) for j in trace.jobs) / max(1, len(trace.jobs))
     args.restart_cost_s = restart_cost
+    args.cfg_topology = topo
     cfg = SimConfig(interval=args.interval, restart_cost=restart_cost, restart_model=restart_model,
                     seed=args.seed, noise=args.noise,
                     horizon=args.horizon, unmeasured_slowdown=args.unmeasured_slowdown, measured_targets=args.measured_targets, round_on_arrival=not args.no_event_rounds,
                     round_on_completion=not args.no_event_rounds, regime=args.regime, systematic=args.systematic,
                     distance_slowdown=args.distance_slowdown, headroom=args.headroom, learn=not args.no_learning,
-                    declared_noise=args.declared_noise)
+                    declared_noise=args.declared_noise, topology=topo)
     from gearshift.sim.perfmodel_bridge import find_predictor
 
     predictor = find_predictor(cluster.gpus_per_node) if args.perfmodel == "auto" else None
@@ -306,7 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "regime": args.regime, "systematic": args.systematic,
                        "distance_slowdown": args.distance_slowdown, "headroom": args.headroom,
                        "learning": not args.no_learning, "policy_options": args.policy_options,
-                       "declared_noise": args.declared_noise},
+                       "declared_noise": args.declared_noise,
+                       "topology": args.cfg_topology.label() if args.cfg_topology is not None else None},
             "results": summaries,
             "ratios_vs_best_baseline": rat,
             # per policy against the best baseline: averages, medians, per-job geometric mean,

@@ -42,6 +42,7 @@ from typing import Any
 from gearshift.bus_schema.messages import ALLOWED_TRANSITIONS, InvalidTransition, JobState, Plan
 from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, with_type
 from gearshift.policies.decision import NodeCapacity, check_decision, diff
+from gearshift.sim.topology import TopologyStep
 from gearshift.policies.learning import LearningOracle
 from gearshift.sim.declared import declared_spec
 from gearshift.sim.dependencies import DependencyHold
@@ -110,6 +111,8 @@ class SimConfig:
     # Declared steps = true x a seeded log-uniform factor in [1, this) (sim.declared); policies
     # see the declaration, the job finishes at its true steps. 1: declared = true.
     declared_noise: float = 1.0
+    # A topology (sim.topology.SimTopology, issue 23): paths, link factors, aware or flat.
+    topology: Any = None
 
 
 @dataclass(slots=True)
@@ -180,6 +183,7 @@ class SimResult:
     wall_s: float
     # Step-function samples after each event: (time, GPUs allocated, jobs queued, jobs running)
     timeline: list[tuple[float, int, int, int]]
+    topology_spans: dict[str, int] | None = None  # grants per topology level spanned (SimConfig.topology)
 
 
 # ------------------------------------------------------------ a job's progress (pure functions of its record)
@@ -289,8 +293,6 @@ class Simulator:
                                  distance_slowdown=cfg.distance_slowdown if truth_predictor else 0.0,
                                  headroom=cfg.headroom if truth_predictor else None)
         allowed = self.truth.measured_config if cfg.regime == "measured" else None
-        self.belief = BeliefOracle(self.cluster.gpus_per_node, predictor, allowed=allowed)
-        self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
         self.progress = progress
         c = self.cluster
         nodes = c.node_list()
@@ -303,7 +305,14 @@ class Simulator:
         self.free_c = self.cap_c.copy()
         self.on_node: list[dict[str, SimJob]] = [{} for _ in self.node_names]  # the running jobs on each node
         self._touched: set[int] = set()  # nodes whose holdings changed since the last capacity check
-        self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c)
+        topo = cfg.topology
+        self.topo = TopologyStep(topo, self.node_names, truth_predictor or predictor) if topo is not None else None
+        self.belief = BeliefOracle(self.cluster.gpus_per_node, predictor, allowed=allowed)
+        if self.topo is not None:
+            self.belief = self.topo.belief(self.belief, predictor)
+        self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
+        self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c,
+                                     topo.paths if topo is not None and topo.aware else None)
         self.records = [SimJob(j, JobView(job_id=j.job_id, spec=declared_spec(j.spec, cfg.declared_noise, cfg.seed, j.job_id),
                                           submitted_at=j.submit)) for j in trace.jobs]
         self.by_id = {r.job.job_id: r for r in self.records}
@@ -366,6 +375,8 @@ class Simulator:
             if self.cfg.check_invariants and (self.free_g[i] < 0 or self.free_c[i] < 0):
                 raise InvariantError(f"node {p.node} over capacity after granting {r.job.job_id}")
         step_time, source = self.truth.step_time(r.job, plan, placement)
+        if self.topo is not None:
+            step_time = self.topo.price(r.job.spec, plan, placement, step_time)
         r.truth_sources[source] = r.truth_sources.get(source, 0) + 1
         r.rate = 1.0 / step_time if step_time > 0 else 0.0
         if r.rate == 0:
@@ -403,8 +414,9 @@ class Simulator:
 
     # ------------------------------------------------------------ a round
     def _nodes(self) -> list[NodeState]:
-        return [NodeState(n, cg, fg, cc, fc, "", ty) for n, cg, fg, cc, fc, ty
-                in zip(self.node_names, self.cap_g, self.free_g, self.cap_c, self.free_c, self.node_types)]
+        out = [NodeState(n, cg, fg, cc, fc, "", ty) for n, cg, fg, cc, fc, ty
+               in zip(self.node_names, self.cap_g, self.free_g, self.cap_c, self.free_c, self.node_types)]
+        return self.topo.nodes(out) if self.topo is not None else out
 
     def _round(self, t: float) -> bool:
         """Run the policy and apply its decision. True if any allocation changed."""
@@ -418,6 +430,8 @@ class Simulator:
                 v.checkpoint_at = last_checkpoint_at(r, t, self.cfg.checkpoint_interval) if r is not None else None
         nodes = self._nodes()
         decision = self.policy.schedule(t, nodes, views, self.oracle)
+        if self.topo is not None:
+            self.topo.arrange(decision, nodes, views)
         if self.cfg.full_check:
             check_decision(decision, nodes, {v.job_id: v for v in views})
         # Refuse a decision the cluster cannot hold before applying any of it;
@@ -554,7 +568,8 @@ class Simulator:
         for r in list(self.running.values()):  # account partial progress of the unfinished
             advance(r, end, self.cfg.check_invariants)
         return SimResult(self.policy.name, self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
-                         self.rounds, self.events, _time.perf_counter() - wall0, self.timeline)
+                         self.rounds, self.events, _time.perf_counter() - wall0, self.timeline,
+                         self.topo.spans if self.topo is not None else None)
 
 
 

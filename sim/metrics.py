@@ -73,7 +73,7 @@ def summarize(res: SimResult) -> dict:
             sources[src] = sources.get(src, 0) + k
     n_alloc = sum(sources.values())
     measured_share = (sources.get("measured", 0) + sources.get("request", 0)) / n_alloc if n_alloc else math.nan
-    return {
+    out = {
         "policy": res.policy,
         "trace": res.trace,
         "cluster": res.cluster.label(),
@@ -107,6 +107,9 @@ def summarize(res: SimResult) -> dict:
         "sim_end_s": res.end_time,
         "wall_s": res.wall_s,
     }
+    if res.topology_spans is not None:  # grants by the topology level their nodes span (sim.topology)
+        out["topology_spans"] = dict(sorted(res.topology_spans.items()))
+    return out
 
 
 def _integral(timeline, t0: float, t1: float) -> float:

@@ -34,6 +34,7 @@ class FakeGpu:
     hang: threading.Event | None = None  # set: calls block until it is set
     hang_on: str = "nvmlDeviceGetMemoryInfo"
     mig: list["FakeGpu"] | None = None  # MIG instances: MIG mode is on
+    fabric: tuple[bytes, int] | None = None  # (cluster UUID, clique) of its multi-node NVLink domain
 
 
 class _Handle:
@@ -50,6 +51,7 @@ class ScriptedNvml:
                 setattr(self, name, getattr(pynvml, name))
         self.NVMLError = pynvml.NVMLError
         self.NVMLLibraryMismatchError = pynvml.NVMLLibraryMismatchError
+        self.c_nvmlGpuFabricInfo_t = pynvml.c_nvmlGpuFabricInfo_t
         self.gpus = gpus
         for i, g in enumerate(gpus):
             g.pci = g.pci or f"00000000:{0x18 + i * 0x10:02X}:00.0"
@@ -133,6 +135,15 @@ class ScriptedNvml:
 
     def nvmlDeviceGetUUID(self, h: _Handle) -> str:
         return self._enter("nvmlDeviceGetUUID", h).uuid
+
+    def nvmlDeviceGetGpuFabricInfo(self, h: _Handle, info) -> int:
+        gpu = self._enter("nvmlDeviceGetGpuFabricInfo", h)
+        if gpu.fabric is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        uuid, clique = gpu.fabric
+        info.clusterUuid[:] = list(uuid.ljust(16, b"\0")[:16])
+        info.cliqueId, info.status, info.state = clique, 0, pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
+        return 0
 
     def nvmlDeviceGetName(self, h: _Handle) -> str:
         return self._enter("nvmlDeviceGetName", h).name
