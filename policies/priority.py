@@ -19,10 +19,10 @@ from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import by_class
-from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
-from gearshift.policies.placement import Ledger, describe
-from gearshift.policies.protocols import BatchOrderKey, supports
-from gearshift.policies.victims import any_checkpoint, work_since_checkpoint
+from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key, sorted_by
+from gearshift.policies.placement import Ledgers, describe
+from gearshift.policies.protocols import BatchOrder, BatchOrderKey, supports
+from gearshift.policies.victims import work_since_checkpoint
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 
@@ -57,6 +57,7 @@ class PriorityPolicy:
         self._kept: dict[str, JobDecision] = {}  # last round's "kept" decisions, by job
         self._kept_for: str | None = None  # the name _kept_reason was made for
         self._kept_reason = ""
+        self._ledgers = Ledgers()
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -64,12 +65,15 @@ class PriorityPolicy:
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         key = self.key
         # sharing.Shared may put a plain key in place of by_class's
-        keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
-        order = [jobs[i] for i in _sorted_by(keys)]  # = sorted(jobs, key=...)
-        ledger = Ledger(nodes)
+        if supports(key, BatchOrder):
+            at = key.order(jobs, now, perf)
+        else:
+            at = sorted_by(key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs])
+        order = [jobs[i] for i in at]  # = sorted(jobs, key=...)
+        ledger = self._ledgers.fresh(nodes)  # = Ledger(nodes)
         free_g, free_c = ledger.free_g, ledger.free_c
         kept = self._kept_words()
-        last = self._kept
+        last_get = self._kept.get
         # One pass over the order: running jobs keep what they hold while it fits (ledger.fits,
         # take; inlined), each with its decision made here (last round's for a job that keeps the
         # same placement and plan: the same values, and nothing changes a JobDecision once made);
@@ -77,19 +81,23 @@ class PriorityPolicy:
         holding: dict[str, JobDecision] = {}
         held_at: list[int] = []  # positions of the kept jobs: preemption's candidates
         walk: list[int] = []  # positions of the jobs not kept, in order (a heap: victims join it)
-        for at, j in enumerate(order):
+        walk_append, held_append = walk.append, held_at.append
+        at = -1
+        for j in order:
+            at += 1
             held = j.placement
             if not held:
-                walk.append(at)
+                walk_append(at)
                 continue
             if len(held) == 1:  # one node: the same test and take, without the loops
                 p = held[0]
                 node = p.node
-                if node in free_g and free_g[node] >= p.gpus and free_c[node] >= p.cpus:
-                    free_g[node] -= p.gpus
+                g = free_g.get(node)
+                if g is not None and g >= p.gpus and free_c[node] >= p.cpus:
+                    free_g[node] = g - p.gpus
                     free_c[node] -= p.cpus
                 else:
-                    walk.append(at)
+                    walk_append(at)
                     continue
             else:
                 fits = True
@@ -98,17 +106,18 @@ class PriorityPolicy:
                         fits = False
                         break
                 if not fits:
-                    walk.append(at)
+                    walk_append(at)
                     continue
                 for p in held:
                     free_g[p.node] -= p.gpus
                     free_c[p.node] -= p.cpus
             jid = j.job_id
-            d = last.get(jid)
-            if d is None or d.placement is not held or d.plan is not j.plan or d.reason != kept:
+            d = last_get(jid)
+            if d is None or d.placement is not held or d.plan is not j.plan or d.reason is not kept:
                 d = JobDecision(held, j.plan or default_plan(j.spec), kept)
             holding[jid] = d
-            held_at.append(at)
+            held_append(at)
+        ck_after: int | None = None  # the last position with a checkpoint (-1: none), found once when asked
         decision = Decision()
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
@@ -152,7 +161,9 @@ class PriorityPolicy:
                     if vat <= at:
                         break
                     cands.append(vat)
-                if any_checkpoint(order[at + 1:]):  # among equals, least work lost first (victim_order)
+                if ck_after is None:
+                    ck_after = max((k for k, o in enumerate(order) if o.checkpoint_at is not None), default=-1)
+                if ck_after > at:  # any_checkpoint(order[at + 1:]): among equals, least work lost first (victim_order)
                     cands.sort(key=lambda vat: (order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
                 for vat in cands:
                     v = order[vat]
@@ -201,25 +212,6 @@ class PriorityPolicy:
         if self._kept_for is not self.name:
             self._kept_for, self._kept_reason = self.name, f"{self.name}: kept"
         return self._kept_reason
-
-
-def _sorted_by(keys: list) -> list[int]:
-    """``sorted(range(len(keys)), key=keys.__getitem__)``, faster for many tuple keys whose
-    second parts are numbers (the class first, then the ordering's own: seconds left,
-    attained service, arrival): a stable sort on those numbers alone (cheap comparisons)
-    first, and the full sort then finds its input nearly in order. The same result:
-    the second sort is the whole one and stable, and the first keeps the input's order
-    among equal numbers, so among equal keys too. Not for NaN (no order to agree on)."""
-    idx = range(len(keys))
-    if len(keys) > 16 and type(keys[0]) is tuple:
-        try:
-            second = [k[1] for k in keys]
-            total = sum(second)  # TypeError if they are not numbers; NaN if one is (or inf - inf)
-        except (TypeError, IndexError):
-            second, total = None, None
-        if second is not None and total == total:
-            idx = sorted(idx, key=second.__getitem__)
-    return sorted(idx, key=keys.__getitem__)
 
 
 def make_fifo_priority(**kw) -> PriorityPolicy:
