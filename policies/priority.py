@@ -15,6 +15,7 @@ less than a round; with shorter rounds this keeps the same guarantee).
 from __future__ import annotations
 
 from heapq import heappop, heappush
+from operator import attrgetter
 from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
@@ -25,6 +26,12 @@ from gearshift.policies.protocols import BatchOrder, BatchOrderKey, supports
 from gearshift.policies.victims import work_since_checkpoint
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
+_CHECKPOINT_AT = attrgetter("checkpoint_at")
+
+
+def _no_words(j: JobView) -> str:
+    """The default ``describe_key``: nothing to add to a job's reason."""
+    return ""
 
 
 class PriorityPolicy:
@@ -48,7 +55,7 @@ class PriorityPolicy:
         self.head_of_line = head_of_line
         self.min_run_time = min_run_time
         self.default_cpus_per_gpu = default_cpus_per_gpu
-        self.describe_key = describe_key or (lambda j: "")
+        self.describe_key = describe_key or _no_words
         # victim_ok(victim, job): may ``job`` evict ``victim``? (None: any lower
         # job outside its minimum run time). blocks(blocked, job): does the
         # blocked job hold ``job`` back? (None: everything behind it waits).
@@ -130,6 +137,11 @@ class PriorityPolicy:
                 continue
             if blocked is not None and self.head_of_line and self.blocks is None:
                 # everything after the blocked job waits behind it: the rest of the walk, in its order
+                if describe_key is _no_words:  # the same words for them all
+                    msg = f"waiting: behind {blocked.job_id} in {self.name} order"
+                    rest = [order[k].job_id for k in (at, *sorted(walk))]
+                    waiting.update(dict.fromkeys([jid for jid in rest if jid not in holding], msg))
+                    break
                 for at in (at, *sorted(walk)):
                     j = order[at]
                     if j.job_id not in holding:
@@ -162,7 +174,9 @@ class PriorityPolicy:
                         break
                     cands.append(vat)
                 if ck_after is None:
-                    ck_after = max((k for k, o in enumerate(order) if o.checkpoint_at is not None), default=-1)
+                    cks = list(map(_CHECKPOINT_AT, order))
+                    ck_after = -1 if cks.count(None) == len(cks) else max(
+                        k for k, ck in enumerate(cks) if ck is not None)
                 if ck_after > at:  # any_checkpoint(order[at + 1:]): among equals, least work lost first (victim_order)
                     cands.sort(key=lambda vat: (order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
                 for vat in cands:
