@@ -25,8 +25,7 @@ from collections.abc import Sequence
 from gearshift.policies import typed_place
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.placement import Ledger, describe
-from gearshift.policies.ordering import sorted_by
-from gearshift.policies.protocols import ClassedBatchKey, ClassedBatchOrder, OrderKey, supports
+from gearshift.policies.protocols import ClassedBatchKey, OrderKey, supports
 from gearshift.policies.victims import any_checkpoint, work_since_checkpoint
 
 
@@ -40,7 +39,7 @@ class ByClass:
     at once (``protocols.BatchOrderKey``), through the base's own batch
     (``protocols.ClassedBatchKey``) where it declares one."""
 
-    __slots__ = ("base", "_one", "_many", "_order")
+    __slots__ = ("base", "_one", "_many")
 
     def __init__(self, key: OrderKey):
         self.base = key
@@ -51,7 +50,6 @@ class ByClass:
 
         self._one = keyed
         self._many = key.many_by_class if supports(key, ClassedBatchKey) else None
-        self._order = key.order_by_class if supports(key, ClassedBatchOrder) else None
 
     def __call__(self, j: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
         return self._one(j, now, perf)
@@ -62,12 +60,6 @@ class ByClass:
             return self._many(jobs, now, perf)
         keyed = self._one
         return [keyed(j, now, perf) for j in jobs]
-
-    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int]:
-        """The positions of ``jobs`` sorted by ``self`` (``protocols.BatchOrder``)."""
-        if self._order is not None:
-            return self._order(jobs, now, perf)
-        return sorted_by(self.many(jobs, now, perf))
 
 
 def by_class(key: OrderKey) -> ByClass:

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
-
-import numpy as np
 
 from gearshift.policies.api import JobView, PerfOracle, default_plan
 from gearshift.policies.placement import compact_shape
@@ -63,7 +60,6 @@ class RequestSpeeds:
         self._perf: object = None
         self._own = None  # the oracle's answers_token
         self._token: object = None
-        self._cols: SpecColumns | None = None
 
     def _memo_for(self, perf: PerfOracle | None) -> dict | None:
         """The memo that stands for ``perf``'s answers now (None: the oracle cannot tell)."""
@@ -78,22 +74,14 @@ class RequestSpeeds:
             self._token = token
         return memo
 
-    def _row(self, job: JobView, perf: PerfOracle | None, memo: dict) -> tuple:
+    @staticmethod
+    def _row(job: JobView, perf: PerfOracle | None, memo: dict) -> tuple:
         """``memo``'s entry for ``job``'s spec: (spec, samples/s or None, -class, steps,
-        global batch, step time, slot), the spec's parts the keys read; ``slot``: its
-        row in ``SpecColumns`` (``SrtfKey.order_by_class``), kept beside the memo."""
+        global batch, step time), the spec's parts the keys read."""
         spec = job.spec
-        thr = requested_throughput(job, perf)
-        cols = self._columns_for(memo)
-        row = memo[id(spec)] = (spec, thr, -spec.priority, spec.steps, spec.global_batch, spec.step_time,
-                                cols.add(thr, -spec.priority, spec.steps, spec.global_batch, spec.step_time))
+        row = memo[id(spec)] = (spec, requested_throughput(job, perf), -spec.priority, spec.steps, spec.global_batch,
+                                spec.step_time)
         return row
-
-    def _columns_for(self, memo: dict) -> "SpecColumns":
-        cols = getattr(self, "_cols", None)
-        if cols is None or cols.memo is not memo:
-            cols = self._cols = SpecColumns(memo)
-        return cols
 
     def throughput(self, job: JobView, perf: PerfOracle | None) -> float | None:
         memo = self._memo_for(perf)
@@ -135,49 +123,6 @@ class SrtfKey(RequestSpeeds):
         return [(h[2], (left if (left := h[3] - j.steps_done) > 0.0 else 0.0) * h[4] / h[1], j.submitted_at, j.job_id)
                 if h[1] else (h[2], self._no_speed(j, h), j.submitted_at, j.job_id) for j, h in zip(jobs, rows)]
 
-    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int]:
-        """``sorted_by(self.many_by_class(jobs, now, perf))``: the jobs' positions in the
-        order of their keys, computed on arrays (``SpecColumns``) with the same float
-        operations as ``many_by_class`` (so the same numbers, bit for bit), sorted by
-        ``numpy.lexsort`` on (-class, seconds left, submitted at) and, among jobs equal
-        in all three, by job id, as the tuples compare. Falls back to the tuples where a
-        number is NaN (tuples of NaN have no order to agree on) or the oracle cannot
-        vouch for its answers."""
-        n = len(jobs)
-        memo = self._memo_for(perf)
-        if memo is None or n < 16:
-            return sorted_by(self.many_by_class(jobs, now, perf))
-        get, row = memo.get, self._row
-        slots = [hit[6] if (hit := get(id(spec := j.spec))) is not None and hit[0] is spec else row(j, perf, memo)[6]
-                 for j in jobs]
-        cols = self._columns_for(memo)
-        s = np.array(slots, dtype=np.intp)
-        sd = np.fromiter(map(_STEPS_DONE, jobs), np.float64, n)
-        sub = np.fromiter(map(_SUBMITTED, jobs), np.float64, n)
-        with np.errstate(all="ignore"):
-            left = cols.steps[s] - sd  # JobView.remaining_steps: max(0.0, steps - steps done)
-            left = np.where(left > 0.0, left, 0.0)
-            # seconds_left: left x global batch / samples/s, else left x step time, else left
-            secs = np.where(cols.has_thr[s], left * cols.batch[s] / cols.thr[s], left * cols.step[s])
-        if np.isnan(secs).any() or np.isnan(sub).any() or not cols.exact:
-            return sorted_by(self.many_by_class(jobs, now, perf))
-        neg = cols.neg[s]
-        perm = np.lexsort((sub, secs, neg))
-        out = perm.tolist()
-        a, b, c = neg[perm], secs[perm], sub[perm]
-        tie = (a[1:] == a[:-1]) & (b[1:] == b[:-1]) & (c[1:] == c[:-1])
-        if tie.any():  # equal in all three: by job id (runs of ties, each sorted on its own)
-            ties = np.flatnonzero(tie).tolist()
-            k = 0
-            while k < len(ties):
-                lo = hi = ties[k]
-                while k + 1 < len(ties) and ties[k + 1] == hi + 1:
-                    k += 1
-                    hi += 1
-                out[lo:hi + 2] = sorted(out[lo:hi + 2], key=lambda i: jobs[i].job_id)
-                k += 1
-        return out
-
     @staticmethod
     def _no_speed(j: JobView, h: tuple) -> float:
         """``seconds_left`` of a job whose speed is not known (memo entry ``h``)."""
@@ -185,67 +130,6 @@ class SrtfKey(RequestSpeeds):
         if not left > 0.0:
             left = 0.0
         return left * h[5] if h[5] else left
-
-
-_STEPS_DONE = attrgetter("steps_done")
-_SUBMITTED = attrgetter("submitted_at")
-
-
-class SpecColumns:
-    """The numbers ``SrtfKey``'s keys read of each spec (``RequestSpeeds._row``), one
-    row per spec in the memo ``memo``, as arrays: -class, steps, global batch,
-    samples/s (1.0 where none: ``has_thr`` False), step time (1.0 where none: left x
-    1.0 is left). ``exact``: every integer fitted a float exactly (else the tuples'
-    int arithmetic could differ and ``order_by_class`` falls back)."""
-
-    __slots__ = ("memo", "n", "neg", "steps", "batch", "thr", "has_thr", "step", "exact")
-
-    def __init__(self, memo: dict, size: int = 256):
-        self.memo = memo
-        self.n = 0
-        self.exact = True
-        self.neg = np.zeros(size)
-        self.steps = np.zeros(size)
-        self.batch = np.zeros(size)
-        self.thr = np.ones(size)
-        self.has_thr = np.zeros(size, dtype=bool)
-        self.step = np.ones(size)
-
-    def add(self, thr, neg, steps, batch, step_time) -> int:
-        i = self.n
-        if i == len(self.neg):
-            for name in ("neg", "steps", "batch", "thr", "has_thr", "step"):
-                a = getattr(self, name)
-                setattr(self, name, np.concatenate([a, np.ones_like(a) if name in ("thr", "step") else np.zeros_like(a)]))
-        for v in (neg, steps, batch, step_time or 0):
-            if not (isinstance(v, (int, float)) and abs(v) < 2 ** 53):
-                self.exact = False
-        self.neg[i], self.steps[i], self.batch[i] = neg, steps, batch
-        if thr:
-            self.thr[i], self.has_thr[i] = thr, True
-        if step_time:
-            self.step[i] = step_time
-        self.n = i + 1
-        return i
-
-
-def sorted_by(keys: list) -> list[int]:
-    """``sorted(range(len(keys)), key=keys.__getitem__)``, faster for many tuple keys whose
-    second parts are numbers (the class first, then the ordering's own: seconds left,
-    attained service, arrival): a stable sort on those numbers alone (cheap comparisons)
-    first, and the full sort then finds its input nearly in order. The same result:
-    the second sort is the whole one and stable, and the first keeps the input's order
-    among equal numbers, so among equal keys too. Not for NaN (no order to agree on)."""
-    idx = range(len(keys))
-    if len(keys) > 16 and type(keys[0]) is tuple:
-        try:
-            second = [k[1] for k in keys]
-            total = sum(second)  # TypeError if they are not numbers; NaN if one is (or inf - inf)
-        except (TypeError, IndexError):
-            second, total = None, None
-        if second is not None and total == total:
-            idx = sorted(idx, key=second.__getitem__)
-    return sorted(idx, key=keys.__getitem__)
 
 
 class TiresiasQueues:

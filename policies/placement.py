@@ -193,15 +193,17 @@ class Ledgers:
     next ones copies of its dicts (the read-only ones shared), equal to
     ``Ledger(nodes)``."""
 
-    __slots__ = ("_shape", "_base")
+    __slots__ = ("_shape", "_base", "same")
 
     def __init__(self) -> None:
         self._shape: list | None = None
         self._base: Ledger | None = None
+        self.same = False  # the last ``fresh`` was for nodes of the shape of the one before
 
     def fresh(self, nodes: list[NodeState]) -> Ledger:
         shape = list(map(_SHAPE, nodes))
-        if shape != self._shape or self._base is None:
+        self.same = shape == self._shape and self._base is not None
+        if not self.same:
             self._shape, self._base = shape, Ledger(nodes)
         b = self._base
         led = Ledger.__new__(Ledger)

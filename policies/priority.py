@@ -20,9 +20,9 @@ from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import by_class
-from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key, sorted_by
+from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledgers, describe
-from gearshift.policies.protocols import BatchOrder, BatchOrderKey, supports
+from gearshift.policies.protocols import BatchOrderKey, supports
 from gearshift.policies.victims import work_since_checkpoint
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
@@ -65,6 +65,10 @@ class PriorityPolicy:
         self._kept_for: str | None = None  # the name _kept_reason was made for
         self._kept_reason = ""
         self._ledgers = Ledgers()
+        # after the last round: (free GPUs, free CPUs, kept words), None if a placement it kept had a
+        # negative amount (the shortcut's argument needs them all >= 0); _kept then holds all its
+        # allocations as kept decisions
+        self._after: tuple[dict, dict, str] | None = None
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -72,58 +76,27 @@ class PriorityPolicy:
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         key = self.key
         # sharing.Shared may put a plain key in place of by_class's
-        if supports(key, BatchOrder):
-            at = key.order(jobs, now, perf)
-        else:
-            at = sorted_by(key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs])
-        order = [jobs[i] for i in at]  # = sorted(jobs, key=...)
+        keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
+        order = [jobs[i] for i in _sorted_by(keys)]  # = sorted(jobs, key=...)
         ledger = self._ledgers.fresh(nodes)  # = Ledger(nodes)
-        free_g, free_c = ledger.free_g, ledger.free_c
         kept = self._kept_words()
-        last_get = self._kept.get
-        # One pass over the order: running jobs keep what they hold while it fits (ledger.fits,
-        # take; inlined), each with its decision made here (last round's for a job that keeps the
-        # same placement and plan: the same values, and nothing changes a JobDecision once made);
-        # the positions of the others are what the walk below visits.
-        holding: dict[str, JobDecision] = {}
-        held_at: list[int] = []  # positions of the kept jobs: preemption's candidates
-        walk: list[int] = []  # positions of the jobs not kept, in order (a heap: victims join it)
-        walk_append, held_append = walk.append, held_at.append
-        at = -1
-        for j in order:
-            at += 1
-            held = j.placement
-            if not held:
-                walk_append(at)
-                continue
-            if len(held) == 1:  # one node: the same test and take, without the loops
-                p = held[0]
-                node = p.node
-                g = free_g.get(node)
-                if g is not None and g >= p.gpus and free_c[node] >= p.cpus:
-                    free_g[node] = g - p.gpus
-                    free_c[node] -= p.cpus
-                else:
-                    walk_append(at)
-                    continue
-            else:
-                fits = True
-                for p in held:
-                    if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
-                        fits = False
-                        break
-                if not fits:
-                    walk_append(at)
-                    continue
-                for p in held:
-                    free_g[p.node] -= p.gpus
-                    free_c[p.node] -= p.cpus
-            jid = j.job_id
-            d = last_get(jid)
-            if d is None or d.placement is not held or d.plan is not j.plan or d.reason is not kept:
-                d = JobDecision(held, j.plan or default_plan(j.spec), kept)
-            holding[jid] = d
-            held_append(at)
+        got = None
+        after = self._after
+        if after is not None and after[2] is kept and self._ledgers.same:
+            got = _keep_as_before(order, self._kept)
+        if got is not None:
+            # every running job holds what the last round decided: they all fit (see _keep_as_before),
+            # and what is free is what the last round left plus what its jobs that stopped held
+            holding, held_at, walk = got
+            free_g, free_c = ledger.free_g, ledger.free_c = after[0].copy(), after[1].copy()
+            last = self._kept
+            for jid in last.keys() - holding.keys():
+                for p in last[jid].placement:
+                    free_g[p.node] += p.gpus
+                    free_c[p.node] += p.cpus
+            signed = True
+        else:
+            holding, held_at, walk, signed = _keep_pass(order, ledger.free_g, ledger.free_c, self._kept.get, kept)
         ck_after: int | None = None  # the last position with a checkpoint (-1: none), found once when asked
         decision = Decision()
         preempted: dict[str, str] = {}
@@ -215,7 +188,13 @@ class PriorityPolicy:
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
             )
         decision.allocations.update(holding)  # the kept jobs after those the walk placed, in order
+        for jid, d in decision.allocations.items():  # the walk's, as kept decisions for the next round
+            if jid in holding:
+                break
+            holding[jid] = JobDecision(d.placement, d.plan, kept)
+            signed = signed and all(p.gpus >= 0 and p.cpus >= 0 for p in d.placement)
         self._kept = holding
+        self._after = (ledger.free_g.copy(), ledger.free_c.copy(), kept) if signed else None
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
@@ -226,6 +205,102 @@ class PriorityPolicy:
         if self._kept_for is not self.name:
             self._kept_for, self._kept_reason = self.name, f"{self.name}: kept"
         return self._kept_reason
+
+
+def _keep_as_before(order: list[JobView], last: dict[str, JobDecision]) -> tuple | None:
+    """The keep pass (``_keep_pass``) when every running job holds what the last round
+    decided (``last``: its allocations as kept decisions, same nodes): (holding,
+    positions held, positions to walk), or None if one does not. Every running job
+    then fits, in any order: they hold a subset of the last round's allocations, which
+    fit the same totals, and every amount is >= 0, so each prefix of them fits too."""
+    get = last.get
+    holding: dict[str, JobDecision] = {}
+    held_at: list[int] = []
+    walk: list[int] = []
+    walk_append, held_append = walk.append, held_at.append
+    at = -1
+    for j in order:
+        at += 1
+        held = j.placement
+        if not held:
+            walk_append(at)
+            continue
+        d = get(j.job_id)
+        if d is None or d.placement is not held or d.plan is not j.plan:
+            return None
+        holding[j.job_id] = d
+        held_append(at)
+    return holding, held_at, walk
+
+
+def _keep_pass(order: list[JobView], free_g: dict, free_c: dict, last_get, kept: str) -> tuple:
+    """One pass over the order: running jobs keep what they hold while it fits (ledger.fits,
+    take; inlined), each with its decision made here (last round's for a job that keeps the
+    same placement and plan: the same values, and nothing changes a JobDecision once made);
+    the positions of the others are what the walk visits. (holding, positions held,
+    positions to walk, whether every kept amount is >= 0)."""
+    holding: dict[str, JobDecision] = {}
+    held_at: list[int] = []  # positions of the kept jobs: preemption's candidates
+    walk: list[int] = []  # positions of the jobs not kept, in order (a heap: victims join it)
+    walk_append, held_append = walk.append, held_at.append
+    signed = True
+    at = -1
+    for j in order:
+        at += 1
+        held = j.placement
+        if not held:
+            walk_append(at)
+            continue
+        if len(held) == 1:  # one node: the same test and take, without the loops
+            p = held[0]
+            node = p.node
+            g = free_g.get(node)
+            if g is not None and g >= p.gpus and free_c[node] >= p.cpus:
+                free_g[node] = g - p.gpus
+                free_c[node] -= p.cpus
+            else:
+                walk_append(at)
+                continue
+        else:
+            fits = True
+            for p in held:
+                if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
+                    fits = False
+                    break
+            if not fits:
+                walk_append(at)
+                continue
+            for p in held:
+                free_g[p.node] -= p.gpus
+                free_c[p.node] -= p.cpus
+        if signed:
+            signed = all(p.gpus >= 0 and p.cpus >= 0 for p in held)
+        jid = j.job_id
+        d = last_get(jid)
+        if d is None or d.placement is not held or d.plan is not j.plan or d.reason is not kept:
+            d = JobDecision(held, j.plan or default_plan(j.spec), kept)
+        holding[jid] = d
+        held_append(at)
+    return holding, held_at, walk, signed
+
+
+def _sorted_by(keys: list) -> list[int]:
+    """``sorted(range(len(keys)), key=keys.__getitem__)``, faster for many tuple keys whose
+    second parts are numbers (the class first, then the ordering's own: seconds left,
+    attained service, arrival): a stable sort on those numbers alone (cheap comparisons)
+    first, and the full sort then finds its input nearly in order. The same result:
+    the second sort is the whole one and stable, and the first keeps the input's order
+    among equal numbers, so among equal keys too. Not for NaN (no order to agree on)."""
+    idx = range(len(keys))
+    if len(keys) > 16 and type(keys[0]) is tuple:
+        try:
+            second = [k[1] for k in keys]
+            total = sum(second)  # TypeError if they are not numbers; NaN if one is (or inf - inf)
+        except (TypeError, IndexError):
+            second, total = None, None
+        if second is not None and total == total:
+            idx = sorted(idx, key=second.__getitem__)
+    return sorted(idx, key=keys.__getitem__)
 
 
 def make_fifo_priority(**kw) -> PriorityPolicy:

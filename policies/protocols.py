@@ -95,24 +95,6 @@ class ClassedBatchKey(Protocol):
     def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]: ...
 
 
-@runtime_checkable
-class BatchOrder(Protocol):
-    """An ordering key that also orders many jobs at once: ``order(jobs, now, perf)`` is
-    ``sorted(range(len(jobs)), key=lambda i: key(jobs[i], now, perf))``, the same
-    positions (``classes.by_class``; ``policies.priority`` asks it once per round)."""
-
-    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int]: ...
-
-
-@runtime_checkable
-class ClassedBatchOrder(Protocol):
-    """A base ordering key that orders many jobs with the class in front:
-    ``order_by_class(jobs, now, perf)`` is the positions of ``jobs`` sorted by
-    ``by_class(key)`` (``ordering.SrtfKey``: on arrays)."""
-
-    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int]: ...
-
-
 # ---------------------------------------------------------------- policies
 @runtime_checkable
 class BudgetedPolicy(Protocol):

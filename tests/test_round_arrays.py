@@ -1,44 +1,28 @@
-"""The simulator's and SRTF's array shortcuts give what the one-at-a-time code gives,
-bit for bit, on random inputs: ``sim.progress.RunningRows.advance`` against
-``sim.engine.advance`` on each record, and ``SrtfKey.order_by_class`` against sorting
-its tuples (``sorted_by(many_by_class)``), ties and all."""
+"""Per-round shortcuts give what the full computation gives, on random inputs: the
+simulator's progress on arrays (``sim.progress.RunningRows.advance``) against
+``sim.engine.advance`` on each record, bit for bit; the priority policies' keep pass
+from the last round (``policies.priority._keep_as_before``) against the full pass
+of a policy with no last round, decision for decision."""
 
 from __future__ import annotations
 
 import random
 
-import msgspec
 import pytest
 
-from policy_helpers import job
+from policy_helpers import MODEL, job
 
-from gearshift.bus_schema.messages import JobSpec, Plan
-from gearshift.policies.classes import by_class
-from gearshift.policies.ordering import SrtfKey, sorted_by
-from gearshift.policies.protocols import BatchOrder, supports
-from gearshift.sim.engine import InvariantError, SimJob, advance
+from gearshift.bus_schema.messages import JobSpec, JobState, Plan
+from gearshift.policies import priority
+from gearshift.policies.api import JobView, NodeState, Placement
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import InvariantError, SimConfig, SimJob, advance, simulate
 from gearshift.sim.progress import RunningRows
-from gearshift.sim.trace import TraceJob
-from gearshift.bus_schema.messages import JobState
-from gearshift.policies.api import JobView
-
-
-class Tokened:
-    """An oracle with random speeds (None for some jobs), vouching for its answers."""
-
-    def __init__(self, rng: random.Random):
-        self.rng = rng
-        self.speeds: dict[str, float] = {}
-
-    def answers_token(self):
-        return 1
-
-    def throughput(self, job, plan, placement):
-        return self.speeds.setdefault(job.spec.name, self.rng.choice([0.0, 3.0, 7.5, self.rng.uniform(0.1, 50)]))
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
 
 
 def _record(rng: random.Random, i: int) -> SimJob:
-    spec = JobSpec(name=f"j{i}", model=job("x", 1).spec.model, global_batch=8, steps=rng.randint(1, 5000), gpus=1,
+    spec = JobSpec(name=f"j{i}", model=MODEL, global_batch=8, steps=rng.randint(1, 5000), gpus=1,
                    plan=Plan(dp=1))
     r = SimJob(TraceJob(f"j{i}", 0.0, spec), JobView(f"j{i}", spec, 0.0))
     r.state = JobState.RUNNING
@@ -100,23 +84,79 @@ def _fields(r: SimJob) -> tuple:
     return (r.steps_done, r.attained, r.gpu_seconds, r.run_time, r.updated_at)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_srtf_order_on_arrays_is_the_tuples_order(seed):
+# ---------------------------------------------------------------- the priority policies' keep shortcut
+def _queue(seed: int, n: int = 70) -> Trace:
+    """Random jobs of 1-8 GPUs, some spread over nodes, arriving faster than they finish."""
     rng = random.Random(seed)
-    perf = Tokened(rng)
-    key = SrtfKey()
-    assert supports(by_class(key), BatchOrder)
-    for _ in range(6):  # one key across rounds: its memo and columns kept, specs added
-        jobs = []
-        for i in range(rng.randint(0, 300)):
-            j = job(f"j{rng.randint(0, 400)}-{i}", rng.choice([1, 2, 4]), t=float(rng.choice([0, 5, rng.randint(0, 50)])),
-                    steps=rng.choice([100, 1000, rng.randint(1, 10_000)]), done=float(rng.choice([0, 50, 100, 2000])))
-            if rng.random() < 0.2:
-                j.spec = msgspec.structs.replace(j.spec, priority=rng.choice([1, 2]))
-            if rng.random() < 0.2:
-                j.spec = msgspec.structs.replace(j.spec, step_time=rng.choice([0.25, 1.0]))
-            jobs.append(j)
-        want = sorted_by(key.many_by_class(jobs, 0.0, perf))
-        assert key.order_by_class(jobs, 0.0, perf) == want
-        assert by_class(key).order(jobs, 0.0, perf) == want
-        assert want == sorted(range(len(jobs)), key=lambda i: by_class(SrtfKey())(jobs[i], 0.0, perf))
+    jobs = []
+    for i in range(n):
+        gpus = rng.choice([1, 1, 2, 3, 4, 6, 8])
+        spec = JobSpec(name=f"j{i}", model=MODEL, global_batch=8, steps=rng.randint(50, 3000), gpus=gpus,
+                       plan=Plan(dp=gpus), step_time=rng.choice([0.5, 1.0, 2.0]), priority=rng.choice([0, 0, 0, 1]))
+        jobs.append(TraceJob(f"j{i}", rng.uniform(0, 4000), spec))
+    jobs.sort(key=lambda j: j.submit)
+    return Trace("random", jobs, parse_cluster(rng.choice(["2x4", "3x4", "4x2"])))
+
+
+class _AgainstFresh:
+    """Every round: the policy (its keep pass shortcut on, from the last round) and a
+    new one (no last round: the full keep pass) decide the same, in the same order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.policy = make_policy(name, min_run_time=60.0)
+        self.rounds = 0
+
+    def schedule(self, now, nodes, jobs, perf):
+        d = self.policy.schedule(now, nodes, jobs, perf)
+        want = make_policy(self.name, min_run_time=60.0).schedule(now, nodes, jobs, perf)
+        assert _words(d) == _words(want)
+        self.rounds += 1
+        return d
+
+
+def _words(d) -> tuple:
+    return ([(k, v.placement, v.plan, v.reason) for k, v in d.allocations.items()], list(d.waiting.items()))
+
+
+@pytest.mark.parametrize("name", ["srtf", "tiresias", "las", "antman"])
+@pytest.mark.parametrize("seed", range(3))
+def test_keep_shortcut_decides_as_the_full_keep_pass(name, seed, monkeypatch):
+    took = []
+    real = priority._keep_as_before
+    monkeypatch.setattr(priority, "_keep_as_before", lambda *a: took.append(r := real(*a)) or r)
+    pol = _AgainstFresh(name)
+    res = simulate(_queue(seed), pol, config=SimConfig(interval=60, restart_cost=20, noise=0))
+    assert all(r.finish is not None for r in res.records)
+    assert pol.rounds > 30 and sum(t is not None for t in took) > pol.rounds // 2  # the shortcut ran, mostly
+    if name in ("srtf", "las"):
+        assert sum(r.preemptions for r in res.records) > 0  # victims walked after a shortcut, too
+
+
+def test_keep_shortcut_declines_a_job_not_holding_the_last_decision():
+    rng = random.Random(3)
+    pol = make_policy("srtf", min_run_time=0.0)
+    inner = pol.inner("")
+    took = []
+    real = priority._keep_as_before
+    priority._keep_as_before = lambda *a: took.append(r := real(*a)) or r
+    try:
+        def run(now, nodes, jobs):
+            d = pol.schedule(now, nodes, jobs, None)
+            assert _words(d) == _words(make_policy("srtf", min_run_time=0.0).schedule(now, nodes, jobs, None))
+            return d
+        nodes = [NodeState(f"n{i}", 4, 4, 8, 8) for i in range(2)]
+        jobs = [job(f"a{i}", rng.choice([1, 2]), t=float(i), steps=100 + i, cpg=1) for i in range(6)]
+        d = run(0.0, nodes, jobs)
+        for j in jobs:  # they run what was decided ...
+            if j.job_id in d.allocations:
+                j.placement, j.plan = d.allocations[j.job_id].placement, d.allocations[j.job_id].plan
+                j.last_switch_at = j.started_at = 0.0
+        run(10.0, nodes, jobs)
+        assert took[-1] is not None
+        moved = next(j for j in jobs if j.placement)  # ... but one holds something else (its own copy)
+        moved.placement = tuple(Placement(p.node, p.gpus, p.cpus) for p in moved.placement)
+        run(20.0, nodes, jobs)
+        assert took[-1] is None and inner._after is not None
+    finally:
+        priority._keep_as_before = real
