@@ -27,6 +27,8 @@ Sia and Gavel model types themselves (``hetero = True``) and are not wrapped.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
 from gearshift.policies.api import (
@@ -86,8 +88,11 @@ class TypedOracle:
         return (self.gpu_type, own(spec) if own is not None else plain(spec))
 
 
+_SPEC, _GPU_TYPES, _NODE_TYPE = attrgetter("spec"), attrgetter("gpu_types"), attrgetter("gpu_type")
+
+
 def node_types(nodes: list[NodeState]) -> list[str]:
-    return list(dict.fromkeys(n.gpu_type for n in nodes))
+    return list(dict.fromkeys(map(_NODE_TYPE, nodes)))
 
 
 def typed_oracle(perf: PerfOracle | None, gpu_type: str):
@@ -166,13 +171,9 @@ class ByType:
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         types = node_types(nodes)
-        if len(types) <= 1:
-            for j in jobs:  # any(j.spec.gpu_types ...), as a plain loop: every job, every round
-                if j.spec.gpu_types:
-                    break
-            else:
-                t = types[0] if types else ""
-                return self.inner(t).schedule(now, nodes, jobs, typed_oracle(perf, t))
+        if len(types) <= 1 and not any(map(_GPU_TYPES, map(_SPEC, jobs))):  # every job, every round: in C
+            t = types[0] if types else ""
+            return self.inner(t).schedule(now, nodes, jobs, typed_oracle(perf, t))
         assign = self.assign(now, nodes, jobs, perf, types)
         self.last_types = assign
         d = Decision()

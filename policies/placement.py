@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from gearshift.policies.api import NodeState, Placement
+
+_SHAPE = attrgetter("name", "gpus_total", "cpus_total", "domain", "gpu_type")  # what a Ledger reads of a node
 
 
 def first_fit(
@@ -181,6 +185,31 @@ class Ledger:
                 out.append(Placement(n, g, g * cpus_per_gpu, self.types[n]))
                 left -= g
         return tuple(out) if left == 0 else None
+
+
+class Ledgers:
+    """Fresh ``Ledger`` s round after round for nodes of the same shape (names, totals,
+    domains, types: all a Ledger reads of them): the first built from the nodes, the
+    next ones copies of its dicts (the read-only ones shared), equal to
+    ``Ledger(nodes)``."""
+
+    __slots__ = ("_shape", "_base", "same")
+
+    def __init__(self) -> None:
+        self._shape: list | None = None
+        self._base: Ledger | None = None
+        self.same = False  # the last ``fresh`` was for nodes of the shape of the one before
+
+    def fresh(self, nodes: list[NodeState]) -> Ledger:
+        shape = list(map(_SHAPE, nodes))
+        self.same = shape == self._shape and self._base is not None
+        if not self.same:
+            self._shape, self._base = shape, Ledger(nodes)
+        b = self._base
+        led = Ledger.__new__(Ledger)
+        led.nodes, led.order, led.domain, led.types = nodes, b.order, b.domain, b.types
+        led.free_g, led.free_c, led.res_g, led.res_c = b.free_g.copy(), b.free_c.copy(), b.res_g.copy(), b.res_c.copy()
+        return led
 
 
 def describe(placement: tuple[Placement, ...]) -> str:

@@ -15,16 +15,23 @@ less than a round; with shorter rounds this keeps the same guarantee).
 from __future__ import annotations
 
 from heapq import heappop, heappush
+from operator import attrgetter
 from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import by_class
 from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
-from gearshift.policies.placement import Ledger, describe
+from gearshift.policies.placement import Ledgers, describe
 from gearshift.policies.protocols import BatchOrderKey, supports
-from gearshift.policies.victims import any_checkpoint, work_since_checkpoint
+from gearshift.policies.victims import work_since_checkpoint
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
+_CHECKPOINT_AT = attrgetter("checkpoint_at")
+
+
+def _no_words(j: JobView) -> str:
+    """The default ``describe_key``: nothing to add to a job's reason."""
+    return ""
 
 
 class PriorityPolicy:
@@ -48,7 +55,7 @@ class PriorityPolicy:
         self.head_of_line = head_of_line
         self.min_run_time = min_run_time
         self.default_cpus_per_gpu = default_cpus_per_gpu
-        self.describe_key = describe_key or (lambda j: "")
+        self.describe_key = describe_key or _no_words
         # victim_ok(victim, job): may ``job`` evict ``victim``? (None: any lower
         # job outside its minimum run time). blocks(blocked, job): does the
         # blocked job hold ``job`` back? (None: everything behind it waits).
@@ -57,6 +64,11 @@ class PriorityPolicy:
         self._kept: dict[str, JobDecision] = {}  # last round's "kept" decisions, by job
         self._kept_for: str | None = None  # the name _kept_reason was made for
         self._kept_reason = ""
+        self._ledgers = Ledgers()
+        # after the last round: (free GPUs, free CPUs, kept words), None if a placement it kept had a
+        # negative amount (the shortcut's argument needs them all >= 0); _kept then holds all its
+        # allocations as kept decisions
+        self._after: tuple[dict, dict, str] | None = None
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -66,49 +78,26 @@ class PriorityPolicy:
         # sharing.Shared may put a plain key in place of by_class's
         keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
         order = [jobs[i] for i in _sorted_by(keys)]  # = sorted(jobs, key=...)
-        ledger = Ledger(nodes)
-        free_g, free_c = ledger.free_g, ledger.free_c
+        ledger = self._ledgers.fresh(nodes)  # = Ledger(nodes)
         kept = self._kept_words()
-        last = self._kept
-        # One pass over the order: running jobs keep what they hold while it fits (ledger.fits,
-        # take; inlined), each with its decision made here (last round's for a job that keeps the
-        # same placement and plan: the same values, and nothing changes a JobDecision once made);
-        # the positions of the others are what the walk below visits.
-        holding: dict[str, JobDecision] = {}
-        held_at: list[int] = []  # positions of the kept jobs: preemption's candidates
-        walk: list[int] = []  # positions of the jobs not kept, in order (a heap: victims join it)
-        for at, j in enumerate(order):
-            held = j.placement
-            if not held:
-                walk.append(at)
-                continue
-            if len(held) == 1:  # one node: the same test and take, without the loops
-                p = held[0]
-                node = p.node
-                if node in free_g and free_g[node] >= p.gpus and free_c[node] >= p.cpus:
-                    free_g[node] -= p.gpus
-                    free_c[node] -= p.cpus
-                else:
-                    walk.append(at)
-                    continue
-            else:
-                fits = True
-                for p in held:
-                    if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
-                        fits = False
-                        break
-                if not fits:
-                    walk.append(at)
-                    continue
-                for p in held:
-                    free_g[p.node] -= p.gpus
-                    free_c[p.node] -= p.cpus
-            jid = j.job_id
-            d = last.get(jid)
-            if d is None or d.placement is not held or d.plan is not j.plan or d.reason != kept:
-                d = JobDecision(held, j.plan or default_plan(j.spec), kept)
-            holding[jid] = d
-            held_at.append(at)
+        got = None
+        after = self._after
+        if after is not None and after[2] is kept and self._ledgers.same:
+            got = _keep_as_before(order, self._kept)
+        if got is not None:
+            # every running job holds what the last round decided: they all fit (see _keep_as_before),
+            # and what is free is what the last round left plus what its jobs that stopped held
+            holding, held_at, walk = got
+            free_g, free_c = ledger.free_g, ledger.free_c = after[0].copy(), after[1].copy()
+            last = self._kept
+            for jid in last.keys() - holding.keys():
+                for p in last[jid].placement:
+                    free_g[p.node] += p.gpus
+                    free_c[p.node] += p.cpus
+            signed = True
+        else:
+            holding, held_at, walk, signed = _keep_pass(order, ledger.free_g, ledger.free_c, self._kept.get, kept)
+        ck_after: int | None = None  # the last position with a checkpoint (-1: none), found once when asked
         decision = Decision()
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
@@ -121,6 +110,11 @@ class PriorityPolicy:
                 continue
             if blocked is not None and self.head_of_line and self.blocks is None:
                 # everything after the blocked job waits behind it: the rest of the walk, in its order
+                if describe_key is _no_words:  # the same words for them all
+                    msg = f"waiting: behind {blocked.job_id} in {self.name} order"
+                    rest = [order[k].job_id for k in (at, *sorted(walk))]
+                    waiting.update(dict.fromkeys([jid for jid in rest if jid not in holding], msg))
+                    break
                 for at in (at, *sorted(walk)):
                     j = order[at]
                     if j.job_id not in holding:
@@ -152,7 +146,11 @@ class PriorityPolicy:
                     if vat <= at:
                         break
                     cands.append(vat)
-                if any_checkpoint(order[at + 1:]):  # among equals, least work lost first (victim_order)
+                if ck_after is None:
+                    cks = list(map(_CHECKPOINT_AT, order))
+                    ck_after = -1 if cks.count(None) == len(cks) else max(
+                        k for k, ck in enumerate(cks) if ck is not None)
+                if ck_after > at:  # any_checkpoint(order[at + 1:]): among equals, least work lost first (victim_order)
                     cands.sort(key=lambda vat: (order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
                 for vat in cands:
                     v = order[vat]
@@ -190,7 +188,13 @@ class PriorityPolicy:
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
             )
         decision.allocations.update(holding)  # the kept jobs after those the walk placed, in order
+        for jid, d in decision.allocations.items():  # the walk's, as kept decisions for the next round
+            if jid in holding:
+                break
+            holding[jid] = JobDecision(d.placement, d.plan, kept)
+            signed = signed and all(p.gpus >= 0 and p.cpus >= 0 for p in d.placement)
         self._kept = holding
+        self._after = (ledger.free_g.copy(), ledger.free_c.copy(), kept) if signed else None
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
@@ -201,6 +205,83 @@ class PriorityPolicy:
         if self._kept_for is not self.name:
             self._kept_for, self._kept_reason = self.name, f"{self.name}: kept"
         return self._kept_reason
+
+
+def _keep_as_before(order: list[JobView], last: dict[str, JobDecision]) -> tuple | None:
+    """The keep pass (``_keep_pass``) when every running job holds what the last round
+    decided (``last``: its allocations as kept decisions, same nodes): (holding,
+    positions held, positions to walk), or None if one does not. Every running job
+    then fits, in any order: they hold a subset of the last round's allocations, which
+    fit the same totals, and every amount is >= 0, so each prefix of them fits too."""
+    get = last.get
+    holding: dict[str, JobDecision] = {}
+    held_at: list[int] = []
+    walk: list[int] = []
+    walk_append, held_append = walk.append, held_at.append
+    at = -1
+    for j in order:
+        at += 1
+        held = j.placement
+        if not held:
+            walk_append(at)
+            continue
+        d = get(j.job_id)
+        if d is None or d.placement is not held or d.plan is not j.plan:
+            return None
+        holding[j.job_id] = d
+        held_append(at)
+    return holding, held_at, walk
+
+
+def _keep_pass(order: list[JobView], free_g: dict, free_c: dict, last_get, kept: str) -> tuple:
+    """One pass over the order: running jobs keep what they hold while it fits (ledger.fits,
+    take; inlined), each with its decision made here (last round's for a job that keeps the
+    same placement and plan: the same values, and nothing changes a JobDecision once made);
+    the positions of the others are what the walk visits. (holding, positions held,
+    positions to walk, whether every kept amount is >= 0)."""
+    holding: dict[str, JobDecision] = {}
+    held_at: list[int] = []  # positions of the kept jobs: preemption's candidates
+    walk: list[int] = []  # positions of the jobs not kept, in order (a heap: victims join it)
+    walk_append, held_append = walk.append, held_at.append
+    signed = True
+    at = -1
+    for j in order:
+        at += 1
+        held = j.placement
+        if not held:
+            walk_append(at)
+            continue
+        if len(held) == 1:  # one node: the same test and take, without the loops
+            p = held[0]
+            node = p.node
+            g = free_g.get(node)
+            if g is not None and g >= p.gpus and free_c[node] >= p.cpus:
+                free_g[node] = g - p.gpus
+                free_c[node] -= p.cpus
+            else:
+                walk_append(at)
+                continue
+        else:
+            fits = True
+            for p in held:
+                if p.node not in free_g or free_g[p.node] < p.gpus or free_c[p.node] < p.cpus:
+                    fits = False
+                    break
+            if not fits:
+                walk_append(at)
+                continue
+            for p in held:
+                free_g[p.node] -= p.gpus
+                free_c[p.node] -= p.cpus
+        if signed:
+            signed = all(p.gpus >= 0 and p.cpus >= 0 for p in held)
+        jid = j.job_id
+        d = last_get(jid)
+        if d is None or d.placement is not held or d.plan is not j.plan or d.reason is not kept:
+            d = JobDecision(held, j.plan or default_plan(j.spec), kept)
+        holding[jid] = d
+        held_append(at)
+    return holding, held_at, walk, signed
 
 
 def _sorted_by(keys: list) -> list[int]:

@@ -48,7 +48,7 @@ from gearshift.sim.declared import declared_spec
 from gearshift.sim.dependencies import DependencyHold
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
-from gearshift.sim.views import SimViews
+from gearshift.sim.views import NodeViews, SimViews
 
 # Job states are the bus's (``JobState``) and change only along its ALLOWED_TRANSITIONS
 # (``move``). A trace job that has not arrived has no state, None: on the bus a job has
@@ -311,6 +311,7 @@ class Simulator:
         if self.topo is not None:
             self.belief = self.topo.belief(self.belief, predictor)
         self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
+        self.node_views = NodeViews(self.node_names, self.cap_g, self.cap_c, self.node_types)
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c,
                                      topo.paths if topo is not None and topo.aware else None)
         self.records = [SimJob(j, JobView(job_id=j.job_id, spec=declared_spec(j.spec, cfg.declared_noise, cfg.seed, j.job_id),
@@ -342,6 +343,7 @@ class Simulator:
     # ------------------------------------------------------------ progress
     # ------------------------------------------------------------ allocation changes
     def _release(self, r: SimJob, t: float) -> None:
+        self.views.rows.detach(r)  # its accounting back on the record (sim.progress)
         advance(r, t, self.cfg.check_invariants)
         r.attained_before = r.attained
         lost = max(0.0, min(t, r.productive_from) - r.alloc_at)
@@ -411,11 +413,11 @@ class Simulator:
         ft = finish_time(r)
         if ft < math.inf:
             heapq.heappush(self.heap, (ft, r.version, self.index[id(r)]))
+        self.views.rows.attach(r)  # its accounting, while it runs (sim.progress)
 
     # ------------------------------------------------------------ a round
     def _nodes(self) -> list[NodeState]:
-        out = [NodeState(n, cg, fg, cc, fc, "", ty) for n, cg, fg, cc, fc, ty
-               in zip(self.node_names, self.cap_g, self.free_g, self.cap_c, self.free_c, self.node_types)]
+        out = self.node_views.states(self.free_g, self.free_c)
         return self.topo.nodes(out) if self.topo is not None else out
 
     def _round(self, t: float) -> bool:
@@ -441,6 +443,7 @@ class Simulator:
         running = self.running
         if self.cfg.checkpoint_interval is not None:
             for jid in (*change.preempt, *change.reconfigure):
+                self.views.rows.detach(running[jid])
                 lose_past_grace(running[jid], t, self.cfg)
         for jid in change.preempt:
             r = running[jid]
@@ -527,6 +530,7 @@ class Simulator:
                     r.view.placement, r.view.plan = (), None
                     completed = True
                     continue
+                self.views.rows.detach(r)
                 advance(r, ft, self.cfg.check_invariants)
                 if cfg.check_invariants and r.steps_done < r.job.spec.steps * (1 - 1e-6) - 1e-6:
                     raise InvariantError(f"job {r.job.job_id} completed with {r.steps_done} of {r.job.spec.steps} steps")
@@ -565,6 +569,7 @@ class Simulator:
                 last_report = t
                 self.progress(t, done, n)
         end = self.now
+        self.views.rows.detach_all()
         for r in list(self.running.values()):  # account partial progress of the unfinished
             advance(r, end, self.cfg.check_invariants)
         return SimResult(self.policy.name, self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,

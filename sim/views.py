@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gearshift.policies.api import JobView, make_job_view
+from gearshift.policies.api import JobView, NodeState, make_job_view
 from gearshift.policies.views import KeptViews
+from gearshift.sim.progress import RunningRows
 
 
 def fresh_view(r: Any, t: float) -> JobView:
@@ -43,6 +44,7 @@ class SimViews:
         self.check = check  # refuse steps done past a job's steps (beyond rounding), raising ``error``
         self.error = error
         self.kept = KeptViews()
+        self.rows = RunningRows(check, error)  # the running jobs' progress (sim.progress)
         self._order: dict[str, JobView] = {}  # live job -> its view, in live's order
         self._was_running: set[str] = set()
 
@@ -59,33 +61,37 @@ class SimViews:
         if len(order) != len(live) or next(reversed(order), None) != next(reversed(live), None):
             self._follow_live(t)  # arrivals (appended to live: its last job is new)
             order = self._order
-        get, check = kept.get, self.check
-        for jid, r in running.items():  # every running job, every round: one pass that does both
-            # its progress up to t (sim.engine.advance, inlined)
-            dt = t - r.updated_at
-            if dt > 0:
-                start = r.productive_from if r.productive_from > r.updated_at else r.updated_at
-                if t > start and r.rate > 0:
-                    r.steps_done += (t - start) * r.rate
-                    steps = r.job.spec.steps
-                    if r.steps_done > steps:
-                        if check and r.steps_done > steps * (1 + 1e-6) + 1e-6:
-                            raise self.error(f"job {jid}: {r.steps_done} steps done of {steps}")
-                        r.steps_done = float(steps)
-                g = dt * r.gpus_held
-                r.attained += g
-                r.gpu_seconds += g
-                r.run_time += dt
-                r.updated_at = t
-            # and its view (KeptViews.refresh, inlined)
-            hit = get(jid)
-            if hit is None or hit[0] != r.version or hit[5] is None:
-                order[jid] = self._build(r, t)
-            else:
-                v = hit[3]
-                v.steps_done = r.steps_done
-                dt = t - hit[5]
-                v.attained_service = hit[2] + hit[4] * (dt if dt > 0.0 else 0.0)
+        rows = self.rows
+        sd = rows.advance(t)  # every running job's progress up to t, on arrays (sim.progress)
+        recs, vs = rows.recs, rows.views
+        if rows.unviewed:  # granted since the last round: the kept view if it stands, else one built
+            get = kept.get
+            for i, v in enumerate(vs):
+                if v is not None:
+                    continue
+                r = recs[i]
+                r.steps_done = float(sd[i])
+                jid = r.job.job_id
+                hit = get(jid)
+                if hit is None or hit[0] != r.version or hit[5] is None:
+                    order[jid] = self._build(r, t)
+                    hit = get(jid)
+                if hit[5] is not None:  # else (no start time) built afresh every round, as before
+                    rows.set_view(i, hit[3], hit[2], hit[4], hit[5])
+        service = rows.service(t).tolist()
+        if rows.unviewed:
+            for r, v, s, a in zip(recs, vs, sd.tolist(), service):
+                r.steps_done = s
+                if v is not None:
+                    v.steps_done = s
+                    v.attained_service = a
+            for i, v in enumerate(vs):
+                if v is None:
+                    order[recs[i].job.job_id] = self._build(recs[i], t)
+        else:
+            for r, v, s, a in zip(recs, vs, sd.tolist(), service):  # each kept view refreshed (KeptViews.refresh)
+                r.steps_done = v.steps_done = s
+                v.attained_service = a
         self._was_running = set(running)
         return list(order.values())
 
@@ -114,3 +120,23 @@ class SimViews:
             return self._build(r, t)
         return hit[3]
 
+
+
+class NodeViews:
+    """The nodes as the policy sees them (``NodeState``): a new list each round, of
+    states made anew only for nodes whose free GPUs or CPUs changed since the last
+    round (policies do not change what they are handed)."""
+
+    def __init__(self, names: list[str], cap_g: list[int], cap_c: list[int], types: list[str]):
+        self._states = [NodeState(n, g, g, c, c, "", ty) for n, g, c, ty in zip(names, cap_g, cap_c, types)]
+        self._g = list(cap_g)
+        self._c = list(cap_c)
+
+    def states(self, free_g: list[int], free_c: list[int]) -> list[NodeState]:
+        states = self._states
+        if free_g != self._g or free_c != self._c:
+            for i, (st, g, c) in enumerate(zip(states, free_g, free_c)):
+                if st.gpus_free != g or st.cpus_free != c:
+                    states[i] = NodeState(st.name, st.gpus_total, g, st.cpus_total, c, "", st.gpu_type)
+            self._g, self._c = free_g.copy(), free_c.copy()
+        return states.copy()

@@ -1,0 +1,135 @@
+"""The running jobs' progress, accounted on arrays: one row per running job.
+
+Every round every running job's steps and service move (``sim.engine.advance``). A
+pass over the records in Python costs about a microsecond a job; the same float
+operations on arrays (numpy, elementwise IEEE arithmetic: the same bits) cost a few
+microseconds a round. So while a job runs its accounting lives here: steps done,
+attained service, GPU-seconds, run time and "accounted up to", with what they grow
+by (productive from, rate, GPUs held, steps). The record keeps ``steps_done``
+current at every round (``SimViews`` writes it back with the views; a fresh view
+built from a record reads it), and gets the other fields back when anything else
+reads or changes them (``detach``: before a release, a completion's own accounting,
+a stop that outlasts its grace, the end of the run). ``attach`` at every grant.
+
+``advance(t)`` is ``sim.engine.advance`` for every row, expression for expression:
+``start = max(updated, productive from)``; if ``t > start`` and the rate is positive,
+``steps += (t - start) x rate``, clamped to the job's steps (refused beyond rounding);
+then ``attained += dt x GPUs``, the same for GPU-seconds, ``run time += dt``,
+``updated = t``; nothing for a row whose ``dt`` is not positive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+_FIELDS = ("upd", "pf", "rate", "steps", "gh", "sd", "att", "gsec", "rt", "vab", "vg", "vsince")
+
+
+class RunningRows:
+    """Rows of the running jobs (records ``sim.engine.SimJob``), in no particular order."""
+
+    __slots__ = ("slot", "recs", "views", "unviewed", "n", "check", "error", *_FIELDS)
+
+    def __init__(self, check: bool = True, error: type[Exception] = AssertionError, size: int = 64):
+        self.slot: dict[str, int] = {}  # job id -> row
+        self.recs: list[Any] = []  # row -> record
+        # row -> the policy's kept view of it (None: to be found or built, ``set_view``), with
+        # what its attained service is made of (vab + vg x time since vsince: KeptViews.refresh)
+        self.views: list[Any] = []
+        self.unviewed = 0  # rows whose view is None
+        self.n = 0
+        self.check = check
+        self.error = error
+        for f in _FIELDS:
+            setattr(self, f, np.zeros(size))
+
+    def attach(self, r: Any) -> None:
+        """``r`` was granted: its accounting moves here."""
+        jid = r.job.job_id
+        if jid in self.slot:
+            self.detach(r)
+        i = self.n
+        if i == len(self.sd):
+            for f in _FIELDS:
+                a = getattr(self, f)
+                setattr(self, f, np.concatenate([a, np.zeros_like(a)]))
+        steps = r.job.spec.steps
+        self.upd[i], self.pf[i], self.rate[i], self.steps[i], self.gh[i] = (r.updated_at, r.productive_from, r.rate,
+                                                                            steps, r.gpus_held)
+        self.sd[i], self.att[i], self.gsec[i], self.rt[i] = r.steps_done, r.attained, r.gpu_seconds, r.run_time
+        self.slot[jid] = i
+        self.recs.append(r)
+        self.views.append(None)
+        self.unviewed += 1
+        self.n = i + 1
+
+    def detach(self, r: Any) -> None:
+        """Hand ``r``'s accounting back to its record and forget its row (nothing if it has none)."""
+        i = self.slot.pop(r.job.job_id, None)
+        if i is None:
+            return
+        self._pull(r, i)
+        if self.views[i] is None:
+            self.unviewed -= 1
+        last = self.n - 1
+        if i != last:  # the last row takes its place
+            for f in _FIELDS:
+                a = getattr(self, f)
+                a[i] = a[last]
+            moved = self.recs[i] = self.recs[last]
+            self.views[i] = self.views[last]
+            self.slot[moved.job.job_id] = i
+        self.recs.pop()
+        self.views.pop()
+        self.n = last
+
+    def detach_all(self) -> None:
+        for r in list(self.recs):
+            self.detach(r)
+
+    def _pull(self, r: Any, i: int) -> None:
+        r.steps_done, r.attained, r.gpu_seconds, r.run_time, r.updated_at = (
+            float(self.sd[i]), float(self.att[i]), float(self.gsec[i]), float(self.rt[i]), float(self.upd[i]))
+
+    def advance(self, t: float) -> np.ndarray:
+        """Every row's progress up to ``t`` (``sim.engine.advance``); the steps done, by row."""
+        n = self.n
+        upd, sd = self.upd[:n], self.sd[:n]
+        dt = t - upd
+        moves = dt > 0
+        start = np.where(self.pf[:n] > upd, self.pf[:n], upd)
+        rate = self.rate[:n]
+        grows = moves & (t > start) & (rate > 0)
+        np.add(sd, (t - start) * rate, out=sd, where=grows)
+        steps = self.steps[:n]
+        over = grows & (sd > steps)
+        if over.any():
+            if self.check:
+                bad = np.flatnonzero(over & (sd > steps * (1 + 1e-6) + 1e-6))
+                if len(bad):
+                    i = int(bad[0])
+                    spec = self.recs[i].job.spec
+                    raise self.error(f"job {self.recs[i].job.job_id}: {float(sd[i])} steps done of {spec.steps}")
+            np.copyto(sd, steps, where=over)
+        g = dt * self.gh[:n]
+        np.add(self.att[:n], g, out=self.att[:n], where=moves)
+        np.add(self.gsec[:n], g, out=self.gsec[:n], where=moves)
+        np.add(self.rt[:n], dt, out=self.rt[:n], where=moves)
+        np.copyto(upd, t, where=moves)
+        return sd
+
+    def set_view(self, i: int, view: Any, attained_before: float, gpus: int, since: float) -> None:
+        """Row ``i``'s kept view, refreshed by ``service`` while it is kept."""
+        if self.views[i] is None:
+            self.unviewed -= 1
+        self.views[i] = view
+        self.vab[i], self.vg[i], self.vsince[i] = attained_before, gpus, since
+
+    def service(self, t: float) -> np.ndarray:
+        """Each row's view's attained service at ``t``: attained before + GPUs x the time since
+        its allocation began, not below 0 (``KeptViews.refresh``: the same sum and product)."""
+        n = self.n
+        dt = t - self.vsince[:n]
+        return self.vab[:n] + self.vg[:n] * np.where(dt > 0.0, dt, 0.0)

@@ -1,0 +1,162 @@
+"""Per-round shortcuts give what the full computation gives, on random inputs: the
+simulator's progress on arrays (``sim.progress.RunningRows.advance``) against
+``sim.engine.advance`` on each record, bit for bit; the priority policies' keep pass
+from the last round (``policies.priority._keep_as_before``) against the full pass
+of a policy with no last round, decision for decision."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policy_helpers import MODEL, job
+
+from gearshift.bus_schema.messages import JobSpec, JobState, Plan
+from gearshift.policies import priority
+from gearshift.policies.api import JobView, NodeState, Placement
+from gearshift.policies.registry import make_policy
+from gearshift.sim.engine import InvariantError, SimConfig, SimJob, advance, simulate
+from gearshift.sim.progress import RunningRows
+from gearshift.sim.trace import Trace, TraceJob, parse_cluster
+
+
+def _record(rng: random.Random, i: int) -> SimJob:
+    spec = JobSpec(name=f"j{i}", model=MODEL, global_batch=8, steps=rng.randint(1, 5000), gpus=1,
+                   plan=Plan(dp=1))
+    r = SimJob(TraceJob(f"j{i}", 0.0, spec), JobView(f"j{i}", spec, 0.0))
+    r.state = JobState.RUNNING
+    r.rate = rng.choice([0.0, rng.uniform(0.01, 3.0), 1 / 3])
+    r.updated_at = rng.choice([0.0, rng.uniform(0, 500)])
+    r.productive_from = r.updated_at + rng.choice([0.0, -10.0, rng.uniform(0, 900)])
+    r.steps_done = rng.uniform(0, spec.steps * 0.5)
+    r.attained = rng.uniform(0, 1e5)
+    r.gpu_seconds = r.attained
+    r.run_time = rng.uniform(0, 1e4)
+    r.gpus_held = rng.randint(1, 8)
+    return r
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rows_advance_as_each_record_would(seed):
+    rng = random.Random(seed)
+    recs = [_record(rng, i) for i in range(40)]
+    twins = [_copy(r) for r in recs]  # advanced one at a time
+    rows = RunningRows(check=False, size=4)  # grows as jobs attach
+    for r in recs:
+        rows.attach(r)
+    t = 0.0
+    for step in range(30):
+        t += rng.choice([0.0, 300.0, rng.uniform(0, 700)])
+        sd = rows.advance(t).tolist()
+        for tw in twins:
+            advance(tw, t, check=False)
+        by_row = {r.job.job_id: s for r, s in zip(rows.recs, sd)}
+        assert [by_row[tw.job.job_id] for tw in twins] == [tw.steps_done for tw in twins]
+        if step % 7 == 3:  # one leaves (a release): its record gets everything back, exactly
+            gone = recs.pop(rng.randrange(len(recs)))
+            rows.detach(gone)
+            tw = next(x for x in twins if x.job.job_id == gone.job.job_id)
+            twins.remove(tw)
+            assert _fields(gone) == _fields(tw)
+    rows.detach_all()
+    assert [_fields(r) for r in recs] == [_fields(tw) for tw in twins] and rows.n == 0
+
+
+def test_rows_refuse_steps_beyond_a_jobs_total_as_advance_does():
+    rng = random.Random(1)
+    r = _record(rng, 0)
+    r.rate, r.productive_from, r.updated_at = 10.0, 0.0, 0.0
+    rows = RunningRows(check=True, error=InvariantError)
+    rows.attach(r)
+    with pytest.raises(InvariantError, match="j0: .* steps done of"):
+        rows.advance(1e6)
+
+
+def _copy(r: SimJob) -> SimJob:
+    c = SimJob(r.job, r.view)
+    for f in SimJob.__slots__:
+        setattr(c, f, getattr(r, f))
+    return c
+
+
+def _fields(r: SimJob) -> tuple:
+    return (r.steps_done, r.attained, r.gpu_seconds, r.run_time, r.updated_at)
+
+
+# ---------------------------------------------------------------- the priority policies' keep shortcut
+def _queue(seed: int, n: int = 70) -> Trace:
+    """Random jobs of 1-8 GPUs, some spread over nodes, arriving faster than they finish."""
+    rng = random.Random(seed)
+    jobs = []
+    for i in range(n):
+        gpus = rng.choice([1, 1, 2, 3, 4, 6, 8])
+        spec = JobSpec(name=f"j{i}", model=MODEL, global_batch=8, steps=rng.randint(50, 3000), gpus=gpus,
+                       plan=Plan(dp=gpus), step_time=rng.choice([0.5, 1.0, 2.0]), priority=rng.choice([0, 0, 0, 1]))
+        jobs.append(TraceJob(f"j{i}", rng.uniform(0, 4000), spec))
+    jobs.sort(key=lambda j: j.submit)
+    return Trace("random", jobs, parse_cluster(rng.choice(["2x4", "3x4", "4x2"])))
+
+
+class _AgainstFresh:
+    """Every round: the policy (its keep pass shortcut on, from the last round) and a
+    new one (no last round: the full keep pass) decide the same, in the same order."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.policy = make_policy(name, min_run_time=60.0)
+        self.rounds = 0
+
+    def schedule(self, now, nodes, jobs, perf):
+        d = self.policy.schedule(now, nodes, jobs, perf)
+        want = make_policy(self.name, min_run_time=60.0).schedule(now, nodes, jobs, perf)
+        assert _words(d) == _words(want)
+        self.rounds += 1
+        return d
+
+
+def _words(d) -> tuple:
+    return ([(k, v.placement, v.plan, v.reason) for k, v in d.allocations.items()], list(d.waiting.items()))
+
+
+@pytest.mark.parametrize("name", ["srtf", "tiresias", "las", "antman"])
+@pytest.mark.parametrize("seed", range(3))
+def test_keep_shortcut_decides_as_the_full_keep_pass(name, seed, monkeypatch):
+    took = []
+    real = priority._keep_as_before
+    monkeypatch.setattr(priority, "_keep_as_before", lambda *a: took.append(r := real(*a)) or r)
+    pol = _AgainstFresh(name)
+    res = simulate(_queue(seed), pol, config=SimConfig(interval=60, restart_cost=20, noise=0))
+    assert all(r.finish is not None for r in res.records)
+    assert pol.rounds > 30 and sum(t is not None for t in took) > pol.rounds // 2  # the shortcut ran, mostly
+    if name in ("srtf", "las"):
+        assert sum(r.preemptions for r in res.records) > 0  # victims walked after a shortcut, too
+
+
+def test_keep_shortcut_declines_a_job_not_holding_the_last_decision():
+    rng = random.Random(3)
+    pol = make_policy("srtf", min_run_time=0.0)
+    inner = pol.inner("")
+    took = []
+    real = priority._keep_as_before
+    priority._keep_as_before = lambda *a: took.append(r := real(*a)) or r
+    try:
+        def run(now, nodes, jobs):
+            d = pol.schedule(now, nodes, jobs, None)
+            assert _words(d) == _words(make_policy("srtf", min_run_time=0.0).schedule(now, nodes, jobs, None))
+            return d
+        nodes = [NodeState(f"n{i}", 4, 4, 8, 8) for i in range(2)]
+        jobs = [job(f"a{i}", rng.choice([1, 2]), t=float(i), steps=100 + i, cpg=1) for i in range(6)]
+        d = run(0.0, nodes, jobs)
+        for j in jobs:  # they run what was decided ...
+            if j.job_id in d.allocations:
+                j.placement, j.plan = d.allocations[j.job_id].placement, d.allocations[j.job_id].plan
+                j.last_switch_at = j.started_at = 0.0
+        run(10.0, nodes, jobs)
+        assert took[-1] is not None
+        moved = next(j for j in jobs if j.placement)  # ... but one holds something else (its own copy)
+        moved.placement = tuple(Placement(p.node, p.gpus, p.cpus) for p in moved.placement)
+        run(20.0, nodes, jobs)
+        assert took[-1] is None and inner._after is not None
+    finally:
+        priority._keep_as_before = real
