@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gearshift.agent.torchplan.space import ModelShape, PlanRefused, check_plan, plan_space
+from gearshift.agent.torchplan.space import ModelShape, PlanRefused, check_plan, declared_support, plan_space
 
-__all__ = ["ModelShape", "PlanRefused", "check_plan", "plan_space", "command", "job_spec", "run_local"]
+__all__ = ["ModelShape", "PlanRefused", "check_plan", "declared_support", "plan_space", "command", "job_spec",
+           "run_local"]
 
 MODULE = "gearshift.agent.torchplan.train"
 
@@ -50,6 +51,11 @@ def job_spec(name: str, family: str, *, steps: int, global_batch: int = 16, gpus
     spec: dict[str, Any] = {"name": name, "model": model_spec(family), "global_batch": global_batch, "steps": steps,
                             "gpus": gpus, "plan": plan or {"dp": gpus},
                             "command": command("--model", family, *extra_args), **kw}
+    from gearshift.agent.torchplan import families
+
+    support = declared_support(families.shape(family))
+    if support and "plan_support" not in kw:  # what the family cannot run (GPT-2: no TP)
+        spec["plan_support"] = support
     if env:
         spec["env"] = env
     return spec
