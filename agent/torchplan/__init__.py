@@ -6,7 +6,7 @@
   with DDP, ``ZeroRedundancyOptimizer``, FSDP2, DTensor and ``torch.distributed.pipelining``.
 - ``ckpt``: one Distributed Checkpoint (model, optimizer, RNG per rank) plus the
   data position, loadable under any other plan and world size.
-- ``families``: Hugging Face LLaMA, GPT-2 and BERT built from tiny configs.
+- ``families``: Hugging Face LLaMA, GPT-2, BERT, ViT and T5 built from tiny configs.
 - ``train``: the worker (``python -m gearshift.agent.torchplan.train --model llama``).
 
 This module imports nothing heavy: helpers to run the worker locally.
