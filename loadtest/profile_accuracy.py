@@ -50,7 +50,7 @@ from pathlib import Path
 from gearshift.agent import reference
 from gearshift.bus.client import call, connect
 from gearshift.bus_schema import codec
-from gearshift.bus_schema.messages import ModelSpec, Plan
+from gearshift.bus_schema.messages import ModelSpec, Plan, PlanSupport
 from gearshift.cluster import LocalCluster
 from gearshift.services.perfmodel_service import PERFMODEL_PREDICT, PredictReply, PredictRequest, ResourceSpec
 from gearshift.services.profiler import PROFILER_PROFILE, ProfileReply, ProfileRequest
@@ -79,6 +79,18 @@ def workload(name: str) -> tuple[dict, list[str], dict[str, str]]:
             {"GEARSHIFT_DEVICE": "cpu", "GEARSHIFT_PROFILE_CLOCK": "cpu"})
 
 
+def plan_support(name: str) -> PlanSupport | None:
+    """What the workload's job declares it runs (``JobSpec.plan_support``): for an
+    HF family, the plan dimensions its plan space lacks (GPT-2: no TP)."""
+    if name == "torchref":
+        return None
+    from gearshift.agent.torchplan import families
+    from gearshift.agent.torchplan.space import declared_support
+
+    got = declared_support(families.shape(name))
+    return codec.convert(got, PlanSupport) if got else None
+
+
 def held_out(name: str) -> list[Plan]:
     if name == "torchref":
         return list(HELD_OUT)
@@ -102,8 +114,10 @@ async def measure(url: str, global_batch: int, steps: int, log, repeats: int = 2
         spec, cmd, env = workload(name)
         model = codec.convert(spec, ModelSpec)
         t = time.monotonic()
+        support = plan_support(name)
         prof = await call(nc, PROFILER_PROFILE, ProfileRequest(model=model, global_batch=global_batch, command=cmd,
-                                                                env=env, max_dp=2, steps=steps, repeats=repeats),
+                                                                env=env, max_dp=2, steps=steps, repeats=repeats,
+                                                                plan_support=support),
                           ProfileReply,
                           timeout=1800)
         log(f"profiled {len(prof.samples)} plans in {time.monotonic() - t:.0f}s; fit train error "
@@ -112,7 +126,7 @@ async def measure(url: str, global_batch: int, steps: int, log, repeats: int = 2
         t = time.monotonic()
         meas = await call(nc, PROFILER_PROFILE, ProfileRequest(model=model, global_batch=global_batch, command=cmd,
                                                                 env=env, plans=held, steps=steps, fit=False,
-                                                                repeats=repeats),
+                                                                repeats=repeats, plan_support=support),
                           ProfileReply, timeout=1800)
         log(f"measured {len(meas.samples)} held-out plans in {time.monotonic() - t:.0f}s")
         pred = await call(nc, PERFMODEL_PREDICT, PredictRequest(

@@ -10,8 +10,9 @@ Rubick fit), it
    where the model allows TP/PP (heads, layers) and a node has 2 GPUs, TP2
    (TP compute efficiency), PP2 and PP2+GA4 (a pipeline's per-sample and
    per-micro-batch cost, bubble included); without TP/PP: DP1+GA2, DP1+GC,
-   DP2+GA2+GC and DP1+GA4 instead; all within the GPUs one node has and the
-   global batch allows;
+   DP2+GA2+GC and DP1+GA4 instead, and a plan the job's ``plan_support``
+   rules out (GPT-2 declares no TP) gives its place to the next of those;
+   all within the GPUs one node has and the global batch allows;
 2. runs each, one after the other so runs do not disturb each other's
    timings, for a few steps on an agent with enough free GPUs
    (``gs.agent.<node>.profile``: the job's real command, or the emulated
@@ -100,44 +101,36 @@ def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS, *, h
     (divisible by 2) and ``layers`` (>= 2) given and 2 GPUs on a node, TP2,
     PP2 and PP2+GA4 replace three of the data-parallel cross-checks, so the
     3D terms are fitted from the job's own runs. Only plans the job's script
-    runs (``support``, its ``JobSpec.plan_support``); a script without TP or PP
-    gets the data-parallel set."""
-    if support is not None:
-        wide = _profiling_plans(global_batch, max_dp, 2 * limit, heads=heads, layers=layers)
-        if not all(plan_refusal(support, p) is None for p in wide if p.tp > 1 or p.pp > 1):
-            wide = _profiling_plans(global_batch, max_dp, 2 * limit)  # without TP/PP
-        return [p for p in wide if plan_refusal(support, p) is None][:limit]
-    return _profiling_plans(global_batch, max_dp, limit, heads=heads, layers=layers)
-
-
-def _profiling_plans(global_batch: int, max_dp: int, limit: int, *, heads: int = 0, layers: int = 0) -> list[Plan]:
-    if max_dp >= 2 and heads and heads % 2 == 0 and layers >= 2:
-        wanted = [
-            Plan(dp=1),
-            Plan(dp=1, ga=2, grad_ckpt=True),
-            Plan(dp=2),
-            Plan(dp=2, zero=1),
-            Plan(tp=2),
-            Plan(pp=2),
-            Plan(pp=2, ga=4),
-        ]
-        return [p for p in wanted if global_batch % (p.dp * p.ga) == 0][:limit]
-    wanted = [
-        Plan(dp=1),
-        Plan(dp=1, ga=2),
-        Plan(dp=1, grad_ckpt=True),
-        Plan(dp=2),
-        Plan(dp=2, zero=1),
-        Plan(dp=2, ga=2, grad_ckpt=True),
-        Plan(dp=1, ga=4),
-    ]
-    if max_dp >= 4:  # a wider DP degree says more about the sync than a second GA point
-        wanted[-1] = Plan(dp=min(max_dp, 8))
-    out = []
+    runs (``support``, its ``JobSpec.plan_support``, which a model family's
+    plan space fills in: ``agent.torchplan.space.declared_support``): a plan it
+    rules out (GPT-2's TP2) gives its place to the next data-parallel plan
+    that still tells the parameters apart."""
+    wanted = _wanted(max_dp, heads=heads, layers=layers)
+    out: list[Plan] = []
     for p in wanted:
-        if p.dp <= max_dp and global_batch % (p.dp * p.ga) == 0 and p not in out:
+        if (p.dp <= max_dp and global_batch % (p.dp * p.ga) == 0 and p not in out
+                and plan_refusal(support, p) is None):
             out.append(p)
     return out[:limit]
+
+
+#: the data-parallel identifying set, in the order its plans matter most
+_DP_PLANS = (Plan(dp=1), Plan(dp=1, ga=2), Plan(dp=1, grad_ckpt=True), Plan(dp=2), Plan(dp=2, zero=1),
+             Plan(dp=2, ga=2, grad_ckpt=True), Plan(dp=1, ga=4))
+#: with TP and PP: three of the data-parallel cross-checks give way to TP2, PP2 and PP2+GA4
+_3D_PLANS = (Plan(dp=1), Plan(dp=1, ga=2, grad_ckpt=True), Plan(dp=2), Plan(dp=2, zero=1), Plan(tp=2), Plan(pp=2),
+             Plan(pp=2, ga=4))
+
+
+def _wanted(max_dp: int, *, heads: int = 0, layers: int = 0) -> list[Plan]:
+    """Every candidate, best first: the 3D set where the model and node allow
+    it, then the data-parallel plans as substitutes for the ones refused."""
+    dp_plans = list(_DP_PLANS)
+    if max_dp >= 4:  # a wider DP degree says more about the sync than a second GA point
+        dp_plans[-1] = Plan(dp=min(max_dp, 8))
+    if max_dp >= 2 and heads and heads % 2 == 0 and layers >= 2:
+        return [*_3D_PLANS, *dp_plans]
+    return dp_plans
 
 
 class ProfilingFailed(RequestError):

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from gearshift.agent import reference
+from gearshift.agent.torchplan import families
 from gearshift.bus_schema.messages import Plan, ProfileResult
-from loadtest.profile_accuracy import HELD_OUT, held_out, run_spread, workload
+from loadtest.profile_accuracy import HELD_OUT, held_out, plan_support, run_spread, workload
 
 needs_torch = pytest.mark.skipif(not reference.have_torch(), reason="torch not installed")
 
@@ -25,8 +26,6 @@ def test_held_out_plans_are_those_the_family_supports():
 @needs_torch
 def test_an_hf_workload_runs_the_plan_library_with_its_counted_parameters():
     import torch
-
-    from gearshift.agent.torchplan import families
 
     spec, cmd, env = workload("llama")
     counted = sum(p.numel() for p in families.build("llama").parameters()) / 1e6
@@ -47,3 +46,28 @@ def test_the_reference_workload_is_profiled_as_before():
     from gearshift.agent import reference as ref
 
     assert workload("torchref") == (ref.model_spec(), ref.command(), {"GEARSHIFT_PROFILE_CLOCK": "cpu"})
+
+
+def test_the_profiler_gives_gpt2_another_identifying_plan_in_place_of_tp2():
+    from gearshift.agent.torchplan.space import check_plan, declared_support
+    from gearshift.services.profiler import MAX_PLANS, profiling_plans
+
+    def plans(name):
+        shape = families.shape(name)
+        got = profiling_plans(64, 2, heads=shape.heads, layers=shape.layers, support=plan_support(name))
+        for p in got:  # each one the family's plan space holds
+            check_plan({k: getattr(p, k) for k in ("dp", "tp", "pp", "zero", "ga", "grad_ckpt")}, shape)
+        return got
+
+    gpt2, llama = plans("gpt2"), plans("llama")
+    assert declared_support(families.shape("gpt2")) == {"tp": [1]} and plan_support("llama") is None
+    assert len(gpt2) == MAX_PLANS and not any(p.tp > 1 for p in gpt2)
+    assert Plan(pp=2) in gpt2 and Plan(pp=2, ga=4) in gpt2  # the pipeline terms still come from its own runs
+    assert set(gpt2) - set(llama) == {Plan(dp=1, ga=2)} and set(llama) - set(gpt2) == {Plan(tp=2)}
+
+
+def test_a_torchplan_job_declares_what_its_family_cannot_run():
+    from gearshift.agent import torchplan
+
+    assert torchplan.job_spec("j", "gpt2", steps=2)["plan_support"] == {"tp": [1]}
+    assert "plan_support" not in torchplan.job_spec("j", "llama", steps=2)

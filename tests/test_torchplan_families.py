@@ -54,3 +54,51 @@ def test_vit_plan_space_divides_its_heads_and_layers():
         check_plan({"tp": 3}, shape)
     assert e.value.field == "tp"
     assert check_plan({"tp": 2, "pp": 2}, shape)["tp"] == 2
+
+
+def test_t5_plan_space_has_tp_but_refuses_pp_naming_the_field():
+    from gearshift.agent.torchplan.space import declared_support, plan_space
+
+    shape = families.shape("t5", layers=2)
+    with pytest.raises(PlanRefused, match="two stacks") as e:
+        check_plan({"pp": 2}, shape)
+    assert e.value.field == "pp"
+    with pytest.raises(PlanRefused) as e:
+        check_plan({"tp": 3}, shape)
+    assert e.value.field == "tp"
+    assert check_plan({"tp": 2, "dp": 2, "zero": 3, "offload": True}, shape)["tp"] == 2
+    space = list(plan_space(shape, 4, global_batch=16))
+    assert {p["pp"] for p in space} == {1} and {p["tp"] for p in space} == {1, 2, 4}
+    assert declared_support(shape) == {"pp": [1]}  # what a T5 job tells the scheduler
+
+
+@needs_torch
+@pytest.mark.timeout(600)
+def test_t5_trains_the_same_under_tp_with_cross_attention_ga_and_gc_as_one_rank(tmp_path):
+    # TP2 splits self- and cross-attention by heads, the relative attention bias table with them
+    _same_as_one_rank(tmp_path, "t5", [{"tp": 2, "ga": 2, "grad_ckpt": True}])
+
+
+@needs_torch
+@pytest.mark.slow  # three more 2-rank launches
+@pytest.mark.timeout(900)
+def test_t5_trains_the_same_under_dp_zero2_offload_and_zero3_as_one_rank(tmp_path):
+    _same_as_one_rank(tmp_path, "t5", [{"dp": 2}, {"dp": 2, "zero": 2, "offload": True},
+                                       {"dp": 2, "zero": 3, "ga": 2}])
+
+
+@needs_torch
+@pytest.mark.slow  # four launches
+@pytest.mark.timeout(900)
+def test_a_t5_checkpoint_under_zero3_resumes_under_tp_and_keeps_the_trajectory(tmp_path):
+    ck, log = tmp_path / "switched", tmp_path / "switched.jsonl"
+    for g, (plan, steps) in enumerate([({"dp": 2, "zero": 3}, 2), ({"tp": 2}, 4), ({"dp": 1, "grad_ckpt": True}, 5)]):
+        codes, err = torchplan.run_local("t5", plan, steps, 16, ck, extra_args=ARGS, generation=g + 1,
+                                         env={"GEARSHIFT_LOSS_LOG": str(log)})
+        assert not any(codes), err[-2000:]
+    assert json.loads((ck / "manifest.json").read_text())["step"] == 5
+    codes, _ = torchplan.run_local("t5", {"dp": 1}, 5, 16, tmp_path / "base", extra_args=ARGS,
+                                   env={"GEARSHIFT_LOSS_LOG": str(tmp_path / "base.jsonl")})
+    got, base = _losses(log), _losses(tmp_path / "base.jsonl")
+    assert sorted(got) == list(range(1, 6)) and codes == [0]
+    assert max(abs(got[s] - base[s]) / base[s] for s in base) < 1e-12, (got, base)

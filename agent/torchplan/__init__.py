@@ -6,7 +6,7 @@
   with DDP, ``ZeroRedundancyOptimizer``, FSDP2, DTensor and ``torch.distributed.pipelining``.
 - ``ckpt``: one Distributed Checkpoint (model, optimizer, RNG per rank) plus the
   data position, loadable under any other plan and world size.
-- ``families``: Hugging Face LLaMA, GPT-2 and BERT built from tiny configs.
+- ``families``: Hugging Face LLaMA, GPT-2, BERT, ViT and T5 built from tiny configs.
 - ``train``: the worker (``python -m gearshift.agent.torchplan.train --model llama``).
 
 This module imports nothing heavy: helpers to run the worker locally.
@@ -24,9 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gearshift.agent.torchplan.space import ModelShape, PlanRefused, check_plan, plan_space
+from gearshift.agent.torchplan.space import ModelShape, PlanRefused, check_plan, declared_support, plan_space
 
-__all__ = ["ModelShape", "PlanRefused", "check_plan", "plan_space", "command", "job_spec", "run_local"]
+__all__ = ["ModelShape", "PlanRefused", "check_plan", "declared_support", "plan_space", "command", "job_spec",
+           "run_local"]
 
 MODULE = "gearshift.agent.torchplan.train"
 
@@ -50,6 +51,11 @@ def job_spec(name: str, family: str, *, steps: int, global_batch: int = 16, gpus
     spec: dict[str, Any] = {"name": name, "model": model_spec(family), "global_batch": global_batch, "steps": steps,
                             "gpus": gpus, "plan": plan or {"dp": gpus},
                             "command": command("--model", family, *extra_args), **kw}
+    from gearshift.agent.torchplan import families
+
+    support = declared_support(families.shape(family))
+    if support and "plan_support" not in kw:  # what the family cannot run (GPT-2: no TP)
+        spec["plan_support"] = support
     if env:
         spec["env"] = env
     return spec

@@ -5,8 +5,15 @@ splits and GC wraps), how a pipeline stage computes (``embed`` on the first
 stage, ``block`` per layer, ``head`` on the last), which modules only the first
 or last stage keeps, and its TP plan: the model's own ``base_model_tp_plan``
 where the config has one (LLaMA), otherwise one written here per family
-(BERT, ViT); GPT-2 has none (its attention projects q, k and v with one fused
+(BERT, ViT, T5); GPT-2 has none (its attention projects q, k and v with one fused
 ``Conv1D`` that a column split would cut across q/k/v).
+
+T5 is two stacks (encoder, decoder): it runs whole (``whole``) instead of
+stage by stage, GC and TP apply to the blocks of both (``layer_paths``), and
+PP is refused (``why_no_pp``). Its TP plan splits every attention (self and
+cross) by heads, the relative attention bias table included (an embedding
+of one column per head, split colwise), and tells each attention it now holds
+``heads / tp`` of them (``after_tp``).
 
 Tiny sizes only (hidden 32, 4 layers, 4 heads): the point is that the same
 code runs a real model on a real GPU. Dropout is off and word embeddings are
@@ -33,6 +40,20 @@ class Family:
     why_no_tp: str = ""
     why_no_pp: str = ""
     masked: bool = False  # masked-LM data (BERT) instead of next-token
+
+    def layer_paths(self) -> tuple[str, ...]:
+        """Every ModuleList of layers (what GC wraps and TP and FSDP2 apply to)."""
+        return (self.layers_path,)
+
+    def tp_plan_of(self, path: str) -> dict[str, str]:
+        """The TP plan of the layers under ``path``."""
+        return self.tp_plan
+
+    def after_tp(self, layer, tp: int) -> None:
+        """Fix-ups of a layer after its TP split (its attention's local head count)."""
+
+    # the model as one computation (``Staged`` calls it instead of embed/block/head); None: by stages
+    whole = None
 
     # ---- the stage computation (the whole model when there is one stage)
     def embed(self, root, x):
@@ -91,6 +112,41 @@ class ViT(Family):
         return root.classifier(root.vit.layernorm(h)[:, 0, :])  # the [CLS] token, as ViTForImageClassification
 
 
+class T5(Family):
+    def layer_paths(self) -> tuple[str, ...]:
+        return ("encoder.block", "decoder.block")
+
+    def tp_plan_of(self, path: str) -> dict[str, str]:
+        return T5_DECODER_TP if path.startswith("decoder") else self.tp_plan
+
+    def after_tp(self, layer, tp: int) -> None:
+        # the cross-attention's zero position bias is shaped by n_heads; the rest views by -1
+        for mod in layer.modules():
+            if type(mod).__name__ == "T5Attention":
+                mod.n_heads //= tp
+                mod.inner_dim //= tp
+
+    def whole(self, root, x):
+        # a copy task with teacher forcing: the decoder reads the target shifted right
+        return root(input_ids=x, decoder_input_ids=root._shift_right(x)).logits
+
+
+def _t5_tp(layer_of: dict[str, str]) -> dict[str, str]:
+    plan = {}
+    for part, attn in layer_of.items():
+        if attn == "ff":
+            plan.update({f"{part}.DenseReluDense.wi": "colwise", f"{part}.DenseReluDense.wo": "rowwise"})
+            continue
+        plan.update({f"{part}.{attn}.{w}": "colwise" for w in ("q", "k", "v")})
+        plan[f"{part}.{attn}.o"] = "rowwise"
+        if attn == "SelfAttention":  # block 0 only: one column per head
+            plan[f"{part}.{attn}.relative_attention_bias"] = "colwise"
+    return plan
+
+
+T5_ENCODER_TP = _t5_tp({"layer.0": "SelfAttention", "layer.1": "ff"})
+T5_DECODER_TP = _t5_tp({"layer.0": "SelfAttention", "layer.1": "EncDecAttention", "layer.2": "ff"})
+
 BERT_TP = {"attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
            "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
 
@@ -105,6 +161,8 @@ FAMILIES: dict[str, Family] = {
                  why_no_tp="its attention's q, k and v come from one fused Conv1D (c_attn)"),
     "bert": Bert("bert", "bert.encoder.layer", ("bert.embeddings",), ("cls",), tp_plan=dict(BERT_TP), masked=True),
     "vit": ViT("vit", "vit.layers", ("vit.embeddings",), ("vit.layernorm", "classifier"), tp_plan=dict(VIT_TP)),
+    "t5": T5("t5", "encoder.block", (), (), tp_plan=dict(T5_ENCODER_TP),
+             why_no_pp="its encoder and decoder are two stacks, and every decoder layer reads the encoder's output"),
 }
 
 
@@ -129,6 +187,10 @@ def config(name: str, layers: int = LAYERS, hidden: int = HIDDEN, heads: int = H
                             num_attention_heads=heads, image_size=IMAGE, patch_size=PATCH, num_channels=1,
                             num_labels=CLASSES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                             attn_implementation="sdpa")
+    if name == "t5":
+        return tf.T5Config(d_model=hidden, d_kv=hidden // heads, d_ff=2 * hidden, num_layers=layers,
+                           num_decoder_layers=layers, num_heads=heads, dropout_rate=0.0, use_cache=False,
+                           decoder_start_token_id=0, pad_token_id=0, **common)
     raise ValueError(f"model: unknown family {name!r} (one of {', '.join(FAMILIES)})")
 
 
@@ -165,7 +227,7 @@ def build(name: str, seed: int = 1234, dtype: str = "float64", layers: int = LAY
     cfg = config(name, layers, hidden, heads)
     torch.manual_seed(seed)
     cls = {"llama": tf.LlamaForCausalLM, "gpt2": tf.GPT2LMHeadModel, "bert": tf.BertForMaskedLM,
-           "vit": tf.ViTForImageClassification}[name]
+           "vit": tf.ViTForImageClassification, "t5": tf.T5ForConditionalGeneration}[name]
     model = cls(cfg).to(getattr(torch, dtype))
     if name == "bert":
         # cls.predictions.bias: unused by forward (the decoder has its own), so it never gets a gradient:
@@ -180,7 +242,8 @@ def dataset(name: str, n: int, seed: int, seq: int = SEQ):
     """A learnable synthetic set: for ViT random images labelled by their
     brightest quadrant; otherwise sequences of a fixed random Markov
     chain; BERT masks 3 fixed-per-sample positions (every micro-batch then has
-    the same number of labels, so the mean of micro-batch means is the batch mean)."""
+    the same number of labels, so the mean of micro-batch means is the batch mean);
+    T5 copies its input (the encoder reads it, the decoder writes it back)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -194,6 +257,8 @@ def dataset(name: str, n: int, seed: int, seq: int = SEQ):
     toks[:, 0] = torch.randint(0, VOCAB, (n,), generator=g)
     for t in range(seq):
         toks[:, t + 1] = nxt[toks[:, t], torch.randint(0, 4, (n,), generator=g)]
+    if name == "t5":
+        return toks[:, :-1].contiguous(), toks[:, :-1].clone()
     if not FAMILIES[name].masked:
         return toks[:, :-1].contiguous(), toks[:, 1:].contiguous()
     x = toks[:, :-1].clone()

@@ -61,10 +61,20 @@ class Staged(nn.Module):
         return _get(self.root, self.fam.layers_path)
 
     def forward(self, x):
+        if getattr(self.fam, "whole", None) is not None:  # not split into stages (T5's two stacks)
+            return self.fam.whole(self.root, x)
         h = self.fam.embed(self.root, x) if self.first else x
         for layer in self.layers().values():
             h = self.fam.block(self.root, layer, h)
         return self.fam.head(self.root, h) if self.last else h
+
+
+def _has(root: nn.Module, path: str) -> bool:
+    try:
+        root.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _style(kind: str, where: str):
@@ -134,6 +144,10 @@ class Parallel:
 
     # ---------------------------------------------------------------- building
     def _split(self, root: nn.Module, fam: Any, pp: int) -> nn.Module:
+        if getattr(fam, "whole", None) is not None:
+            if pp > 1:
+                raise PlanRefused("pp", f"{fam.name} cannot be split into pipeline stages: {fam.why_no_pp}")
+            return Staged(root, fam, True, True)
         layers = _get(root, fam.layers_path)
         own = stage_layers(len(layers), pp, self.pp_rank)
         _set(root, fam.layers_path, nn.ModuleDict({str(i): layers[i] for i in own}))
@@ -142,8 +156,10 @@ class Parallel:
             _set(root, path, None)
         return Staged(root, fam, first, last)
 
-    def _layer_items(self, fam: Any):
-        return list(_get(self.root, fam.layers_path).items())
+    def _layer_items(self, fam: Any) -> list[tuple[str, str, nn.Module]]:
+        """(layer list path, name in it, layer) of every layer of the family (both stacks of T5)."""
+        paths = fam.layer_paths() if hasattr(fam, "layer_paths") else (fam.layers_path,)
+        return [(path, name, layer) for path in paths for name, layer in _get(self.root, path).named_children()]
 
     def _tensor_parallel(self, fam: Any, tp_plan: dict | None) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
@@ -154,18 +170,20 @@ class Parallel:
                 raise PlanRefused("tp", "the model has no TP plan (pass tp_plan)")
             parallelize_module(self.root, tp_mesh, {k: _style(v, k) for k, v in tp_plan.items()})
             return
-        plan = tp_plan or fam.tp_plan
-        if not plan:
+        if not (tp_plan or fam.tp_plan):
             raise PlanRefused("tp", f"{fam.name} has no tensor-parallel plan: {fam.why_no_tp}")
-        for _, layer in self._layer_items(fam):
-            parallelize_module(layer, tp_mesh, {k: _style(v, k) for k, v in plan.items()})
+        for path, _, layer in self._layer_items(fam):
+            plan = tp_plan or (fam.tp_plan_of(path) if hasattr(fam, "tp_plan_of") else fam.tp_plan)
+            here = {k: v for k, v in plan.items() if _has(layer, k)}  # T5: the bias table is in block 0 only
+            parallelize_module(layer, tp_mesh, {k: _style(v, k) for k, v in here.items()})
+            if hasattr(fam, "after_tp"):
+                fam.after_tp(layer, self.plan["tp"])
 
     def _checkpoint_layers(self, fam: Any) -> None:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-        layers = _get(self.root, fam.layers_path)
-        for name, layer in self._layer_items(fam):
-            layers[name] = checkpoint_wrapper(layer)
+        for path, name, layer in self._layer_items(fam):
+            setattr(_get(self.root, path), name, checkpoint_wrapper(layer))
 
     def _fully_shard(self, top: nn.Module, fam: Any, *, reshard: bool, offload: bool) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -178,7 +196,7 @@ class Parallel:
         kw = dict(mesh=mesh, reshard_after_forward=reshard,
                   offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if offload else OffloadPolicy())
         if fam is not None:
-            for _, layer in self._layer_items(fam):
+            for _, _, layer in self._layer_items(fam):
                 fully_shard(layer, **kw)
         fully_shard(top, **kw)
 

@@ -100,6 +100,21 @@ def check_plan(plan: Mapping[str, Any], shape: ModelShape, *, world_size: int | 
             "pp_schedule": sched}
 
 
+def declared_support(shape: ModelShape) -> dict[str, Any]:
+    """The ``JobSpec.plan_support`` a job of this model declares: the plan
+    dimensions its family cannot run at all (no TP plan: ``tp`` [1]; no
+    split into stages: ``pp`` [1]), so the policies, the profiler and
+    ``reconfigure`` never offer them. What depends on the degree (TP
+    dividing the heads, PP within the layers) they check from the job's
+    model shape."""
+    out: dict[str, Any] = {}
+    if not shape.tp:
+        out["tp"] = [1]
+    if not shape.pp:
+        out["pp"] = [1]
+    return out
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -1,5 +1,5 @@
 """A Hugging Face model trained under any plan through the plan library:
-``python -m gearshift.agent.torchplan.train --model llama`` (or gpt2, bert, vit).
+``python -m gearshift.agent.torchplan.train --model llama`` (or gpt2, bert, vit, t5).
 
 The worker itself is ``job.run`` (the worker contract of ``agent/worker.py``:
 the plan from ``GEARSHIFT_PLAN``, checkpoints on SIGTERM (exit 143) / SIGUSR1 /
@@ -43,7 +43,7 @@ def warm_up() -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m gearshift.agent.torchplan.train")
-    p.add_argument("--model", default="llama", help="llama, gpt2, bert or vit (tiny, from a config)")
+    p.add_argument("--model", default="llama", help="llama, gpt2, bert, vit or t5 (tiny, from a config)")
     p.add_argument("--layers", type=int, default=families.LAYERS)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dataset", type=int, default=4096, help="samples in the synthetic token set")
