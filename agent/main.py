@@ -70,7 +70,7 @@ class AgentConfig(ServiceConfig):
     address: Annotated[str, option("address other nodes use to reach this one")] = DEFAULT_ADDRESS
     topology: Annotated[str, option(
         "where the node sits, coarse to fine, e.g. rack=r1/nvlink-domain=r1a; NVML's fabric information "
-        "adds nvlink-domain where the GPUs report one", parse=_topology, metavar="PATH")] = ""
+        "adds nvlink-domain where the GPUs report one (default: none)", parse=_topology, metavar="PATH")] = ""
 
 
 def parse_args(argv: list[str] | None) -> AgentConfig:
