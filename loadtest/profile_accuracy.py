@@ -1,8 +1,8 @@
 """How well the fitted performance model predicts plans it was not fitted on.
 
-    python -m loadtest.profile_accuracy [--model torchref|llama|gpt2|bert] [--json]
+    python -m loadtest.profile_accuracy [--model torchref|llama|gpt2|bert|vit|t5] [--json]
 
-``--model llama`` (or gpt2, bert) profiles a tiny Hugging Face model trained
+``--model llama`` (or gpt2, bert, vit, t5) profiles a tiny Hugging Face model trained
 through the plan library (``gearshift.agent.torchplan.train``: FSDP2, DTensor
 TP, torch.distributed.pipelining) instead of the reference workload: the same
 profiler, the same fit, the same held-out plans (the TP ones only where the
@@ -153,7 +153,7 @@ def run_spread(results) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.profile_accuracy")
     ap.add_argument("--global-batch", type=int, default=64)
-    ap.add_argument("--model", default="torchref", choices=["torchref", "llama", "gpt2", "bert", "vit"],
+    ap.add_argument("--model", default="torchref", choices=["torchref", "llama", "gpt2", "bert", "vit", "t5"],
                     help="the reference workload, or a tiny HF model through the plan library")
     ap.add_argument("--steps", type=int, default=None,
                     help="measured steps per run (after the warm-up steps; default 30, 40 for HF models)")

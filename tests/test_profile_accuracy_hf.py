@@ -20,6 +20,8 @@ def test_held_out_plans_are_those_the_family_supports():
     gpt2 = {p.label() for p in held_out("gpt2")}
     assert len(llama) == len(HELD_OUT) and any("TP" in p for p in llama) and any("PP" in p for p in llama)
     assert not any("TP" in p for p in gpt2) and any("PP" in p for p in gpt2)  # GPT-2 has no TP plan
+    t5 = {p.label() for p in held_out("t5")}  # T5 runs TP but is refused PP (every decoder layer needs the encoder)
+    assert any("TP" in p for p in t5) and not any("PP" in p for p in t5)
     assert held_out("torchref") == HELD_OUT
 
 
