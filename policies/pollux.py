@@ -198,6 +198,11 @@ class Pollux:
         self._used = {}
         tables, max_rs = zip(*(self._table(j, s, perf, fair, len(nodes), gpn, total) for j, s in zip(jobs, stats)))
         self._tables = self._used  # only this round's jobs: the cache never outgrows the queue
+        mins = [min_replicas(t) for t in tables]
+        if any(mins):  # adaptdl's optimize sorts by min_replicas first (policies.pollux_search)
+            order = sorted(range(len(jobs)), key=lambda i: mins[i])
+            jobs, stats, tables, max_rs, mins = ([xs[i] for i in order] for xs in (jobs, stats, tables, max_rs, mins))
+            ids = [j.job_id for j in jobs]
         width = max(max_rs) + 1
         speed = np.zeros((len(jobs), len(nodes) + 1, width))
         for i, t in enumerate(tables):
@@ -208,7 +213,8 @@ class Pollux:
                 if p.node in index:
                     base[i, index[p.node]] += p.gpus
         search = AllocationSearch(speed, base, cap, np.array(max_rs), np.array([max(now - j.submitted_at, 0.0) for j in jobs]),
-                                  np.array([j.restarts for j in jobs], dtype=float), self.rng, delay=self.restart_cost, p=self.p)
+                                  np.array([j.restarts for j in jobs], dtype=float), self.rng, delay=self.restart_cost, p=self.p,
+                                  min_replicas=np.array(mins, dtype=np.int64))
         init = carry_population(self._prev, self._prev_jobs, ids, len(nodes))
         best, pop = search.run(base[None] if init is None else init, self.pop_size, self.generations)
         self._prev, self._prev_jobs = pop, ids
@@ -245,6 +251,14 @@ class Pollux:
             plan = Plan(dp=r, micro_batch=max(1, int(atomic)), ga=int(accum) + 1)
         verb = "moved to" if j.running else "started on"
         d.allocations[j.job_id] = JobDecision(placement, plan, f"pollux: {verb} {r} GPUs on {len(used)} node(s) ({plan.label()})")
+
+
+def min_replicas(table: np.ndarray) -> int:
+    """The fewest GPUs a job's speedup table (nodes x GPUs) gives any speed at, when that is
+    more than one (0: it runs on one GPU, or nowhere), as adaptdl's ``min_replicas``."""
+    cols = np.flatnonzero(table.any(axis=0))
+    first = int(cols[0]) if len(cols) else 0
+    return first if first > 1 else 0
 
 
 def _cpus_per_gpu(j: JobView, n: NodeState) -> int:

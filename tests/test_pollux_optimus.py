@@ -10,9 +10,9 @@ from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
 from gearshift.policies.api import JobView, NodeState, Placement
 from gearshift.policies.decision import check_decision
 from gearshift.policies.optimus import Optimus
-from gearshift.policies.pollux import Pollux, PolluxJobStats, fixed_batch_split
+from gearshift.policies.pollux import Pollux, PolluxJobStats, fixed_batch_split, min_replicas
 from gearshift.policies.pollux_goodput import BatchLimits, GoodputModel, PerfParams, efficiency, fit_perf_params, step_time
-from gearshift.policies.pollux_search import AllocationSearch
+from gearshift.policies.pollux_search import AllocationSearch, min_layout
 from gearshift.policies.registry import make_policy, policy_names
 
 MODEL = ModelSpec(name="toy", params=10.0, layers=2, hidden=64, seq_len=16)
@@ -105,6 +105,26 @@ def test_restart_factor_by_hand():
                          rng=np.random.default_rng(0), delay=30.0)
     assert s.fitness(np.array([[[4]]]))[0] == pytest.approx(4 / 4 * 0.5 + 1e-3)
     assert s.fitness(np.array([[[2]]]))[0] == pytest.approx(2 / 4 + 1e-3)
+
+
+def _rigid(min_replicas):
+    """Three jobs that run only as 5 nodes x 8 GPUs, on an empty 8 x 8 cluster."""
+    sp = np.zeros((3, 9, 81))
+    sp[:, 5, 40] = 1.0
+    return AllocationSearch(sp, np.zeros((3, 8), dtype=int), np.full(8, 8), np.full(3, 80), ages=np.full(3, 100.0),
+                            restarts=np.zeros(3), rng=np.random.default_rng(0), delay=0.0, min_replicas=min_replicas)
+
+
+def test_a_job_that_needs_40_gpus_is_reached_through_its_minimum_replicas():
+    """adaptdl's min_replicas (policies.pollux_search): without it random raises never make
+    5 x 8 and the empty cluster stays idle; with it one of the rigid jobs runs."""
+    assert min_replicas(_rigid(None).speedup[0]) == 40
+    assert min_replicas(np.array([[0, 0, 0], [0, 1, 2]])) == 0  # runs on one GPU: no bound
+    idle, _ = _rigid(None).run(np.zeros((1, 3, 8), dtype=int), pop_size=20, generations=20)
+    assert idle.sum() == 0
+    best, _ = _rigid(np.array([40, 40, 40])).run(np.zeros((1, 3, 8), dtype=int), pop_size=20, generations=20)
+    assert sorted(best.sum(axis=1).tolist()) == [0, 0, 40] and np.count_nonzero(best.sum(axis=0)) == 5
+    assert min_layout(np.array([40, 0]), np.full(8, 8)).tolist() == [[8] * 5 + [0] * 3, [0] * 8]
 
 
 def test_repair_keeps_one_distributed_job_per_node_and_capacity():
