@@ -165,7 +165,7 @@ def shape_from_spec(model) -> ModelShape:
         return rubick_shape(name)
     return ModelShape(name=name, params_m=float(getattr(model, "params")), layers=int(getattr(model, "layers")),
                       hidden=int(getattr(model, "hidden")), seq_len=int(getattr(model, "seq_len")),
-                      heads=int(getattr(model, "heads", 0) or 0))
+                      heads=int(getattr(model, "heads", 0) or 0), kv_heads=int(getattr(model, "kv_heads", 0) or 0))
 
 
 def with_nic_scale(params: PerfParams, scale: float) -> PerfParams:
@@ -192,7 +192,7 @@ def sim_predictor(gpus_per_node: int = 8, fit: str = "belief"):
             return 0.0
         threads = float(getattr(spec, "cpus_per_gpu", None) or 4.0)
         m = spec.model
-        mkey = (m.name, m.params, m.layers, m.hidden, m.seq_len, getattr(m, "heads", None))
+        mkey = (m.name, m.params, m.layers, m.hidden, m.seq_len, getattr(m, "heads", None), getattr(m, "kv_heads", None))
         pl = as_plan(plan, int(spec.global_batch))
         key = (mkey, int(spec.global_batch), pl, shares, threads, nic_scale)
         hit = cache.get(key)

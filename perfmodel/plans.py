@@ -265,7 +265,7 @@ def enumerate_plans(
     (stages >= 1), GC on/off, every GA count dividing the per-replica batch.
     3D family: pp * tp * dp = #GPUs with tp or pp > 1, tp inside the smallest
     node share (and dividing it, so no TP group straddles nodes), tp dividing
-    the heads, pp <= layers, every micro-batch count; ZeRO is not combined with
+    the heads and the key/value heads, pp <= layers, every micro-batch count; ZeRO is not combined with
     TP/PP (as in Rubick).  Memory is not checked here (see `memory`).
     """
     n = res.n_gpus
@@ -289,9 +289,9 @@ def enumerate_plans(
                     for gc in (False, True):
                         add(n, 1, 1, zero, off, ga, mb, gc)
     if with_3d:
-        heads = shape.n_heads
+        heads, kv = shape.n_heads, shape.n_kv_heads
         for tp in divisors(n):
-            if tp > k_min or k_min % tp or heads % tp:
+            if tp > k_min or k_min % tp or heads % tp or kv % tp:
                 continue
             for pp in divisors(n // tp):
                 if tp == 1 and pp == 1:

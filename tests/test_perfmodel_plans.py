@@ -115,3 +115,17 @@ def test_model_shape_key_and_validation():
     assert ModelShape.from_dict(TINY.to_dict()) == TINY
     with pytest.raises(ValueError):
         ModelShape("x", -1.0, 1, 1, 1)
+
+
+def test_tp_divides_the_key_value_heads_too():
+    """Grouped-query attention: 16 heads, 2 key/value heads; each TP rank holds whole k/v
+    heads, so TP 4 and 8 are not plans of it (they are of the same model with 16 k/v heads)."""
+    mha = ModelShape("gqa", 50.0, 8, 1024, 128, heads=16)
+    gqa = ModelShape("gqa", 50.0, 8, 1024, 128, heads=16, kv_heads=2)
+    tps = lambda s: set(enumerate_plans(s, 64, Resources((8,))).tp.tolist())
+    assert tps(mha) == {1, 2, 4, 8}
+    assert tps(gqa) == {1, 2}
+    assert gqa.key != mha.key and mha.key == ModelShape("gqa", 50.0, 8, 1024, 128, heads=16).key
+    assert ModelShape.from_dict(gqa.to_dict()) == gqa and "kv_heads" not in mha.to_dict()
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelShape("gqa", 50.0, 8, 1024, 128, heads=16, kv_heads=3)
