@@ -29,6 +29,7 @@ from nats.js.api import DeliverPolicy
 
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import JobRecord, NodeReport
+from gearshift.bus_schema.topology import islands, parse_path
 
 T = TypeVar("T")
 
@@ -198,27 +199,42 @@ class JobsView(KvView[JobRecord]):
 
 
 class _GpuCounts:
-    """Each node's GPU count, and the cluster's capacity recomputed only when a
-    node comes, goes or changes its GPU count."""
+    """Each node's GPU count and topology path, and the cluster's capacity recomputed
+    only when a node comes, goes or changes either."""
 
     def _init_counts(self) -> None:
         self._gpus: dict[str, int] = {}
+        self._paths: dict[str, str] = {}
         self._capacity: tuple[int, int | None] | None = (0, None)
 
-    def _count(self, key: str, gpus: int) -> None:
-        if self._gpus.get(key) != gpus:
+    def _count(self, key: str, gpus: int, topology: str = "") -> None:
+        if self._gpus.get(key) != gpus or self._paths.get(key, "") != topology:
             self._gpus[key] = gpus
+            self._paths[key] = topology
             self._capacity = None
 
     def removed(self, key: str, old: Any) -> None:
         self._gpus.pop(key, None)
+        self._paths.pop(key, None)
         self._capacity = None
 
     def capacity(self) -> tuple[int, int | None]:
-        """(GPUs of all registered nodes, most GPUs on one node)."""
+        """(GPUs of all registered nodes, most GPUs on one NVLink island: one node, or
+        the nodes of one ``nvlink-domain``, ``bus_schema.topology.islands``)."""
         if self._capacity is None:
-            self._capacity = (sum(self._gpus.values()), max(self._gpus.values(), default=None))
+            island = max(self._gpus.values(), default=None)
+            if any(self._paths.values()):
+                got = islands([(_path(self._paths.get(k, "")), g) for k, g in self._gpus.items()])
+                island = max(got, default=island)
+            self._capacity = (sum(self._gpus.values()), island)
         return self._capacity
+
+
+def _path(text: str) -> tuple:
+    try:
+        return parse_path(text)
+    except ValueError:  # a bad path is refused where the agent reports it; here: no island
+        return ()
 
 
 class NodesView(_GpuCounts, KvView[NodeReport]):
@@ -229,7 +245,7 @@ class NodesView(_GpuCounts, KvView[NodeReport]):
         self._init_counts()
 
     def changed(self, key: str, old: NodeReport | None, new: NodeReport) -> None:
-        self._count(key, len(new.gpus))
+        self._count(key, len(new.gpus), new.topology)
 
     def age(self, key: str) -> float | None:
         """Seconds since the server stored this node's last report."""
@@ -249,6 +265,7 @@ class NodesView(_GpuCounts, KvView[NodeReport]):
 
 class _Gpus(msgspec.Struct):
     gpus: list[msgspec.Raw] = []
+    topology: str = ""
 
 
 _GPUS = msgspec.json.Decoder(_Gpus)
@@ -267,7 +284,8 @@ class NodeCapacityView(_GpuCounts, KvView[bytes]):
 
     def changed(self, key: str, old: bytes | None, new: bytes) -> None:
         try:
-            self._count(key, len(_GPUS.decode(new).gpus))
+            got = _GPUS.decode(new)
+            self._count(key, len(got.gpus), got.topology)
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass
 

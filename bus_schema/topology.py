@@ -8,7 +8,10 @@ in one group of it) or *prefer* one (the finest level that has room is chosen).
 
 A placement spans the finest level all its nodes share (``span_level``): ``node``
 for one node, ``cluster`` when they share none. The performance model prices the
-inter-node links of that span by the level's bandwidth factor (``LinkFactors``).
+inter-node links of that span by the level's bandwidth factor (``LinkFactors``,
+``parse_factors``: ``cluster=0.25``). The nodes of one ``nvlink-domain`` (a
+multi-node NVLink fabric, e.g. NVL72) form one NVLink island (``islands``): tensor
+parallelism across them is as inside one node.
 
 Pure: no NATS, used by the bus schema, the policies and the simulator alike.
 """
@@ -143,3 +146,36 @@ class LinkFactors:
         if span == NODE:
             return 1.0
         return float(self.factors.get(span, 1.0))
+
+
+def parse_factors(text: str, field: str = "bandwidth") -> LinkFactors:
+    """``"cluster=0.25,rack=1"`` -> ``LinkFactors`` (a one-line ``TopologyError`` naming
+    ``field.LEVEL`` otherwise)."""
+    got = {}
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        lv, eq, v = part.strip().partition("=")
+        if not eq:
+            raise TopologyError(field, f"{part.strip()!r} is not LEVEL=FACTOR (e.g. cluster=0.25)")
+        try:
+            got[lv.strip()] = float(v)
+        except ValueError:
+            raise TopologyError(f"{field}.{lv.strip()}", f"{v!r} is not a number") from None
+    return LinkFactors(got, field)
+
+
+def island_of(path: Path) -> Path | None:
+    """The NVLink island a node with ``path`` is in: its ``nvlink-domain`` group (None:
+    the node is an island of its own)."""
+    return group_key(path, NVLINK)
+
+
+def islands(nodes: Sequence[tuple[Path, int]]) -> list[int]:
+    """GPUs per NVLink island of nodes given as (path, GPUs): the nodes of one
+    ``nvlink-domain`` summed, each other node alone; in first-seen order."""
+    out: dict[object, int] = {}
+    for i, (path, gpus) in enumerate(nodes):
+        key = island_of(path)
+        out[key if key is not None else ("node", i)] = out.get(key if key is not None else ("node", i), 0) + gpus
+    return list(out.values())

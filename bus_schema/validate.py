@@ -55,7 +55,8 @@ def check_spec(spec: JobSpec, *, max_gpus: int | None = None, max_gpus_per_node:
         if got is not None:
             raise SpecError(*got)
         if max_gpus_per_node is not None and p.tp > max_gpus_per_node:
-            raise SpecError("plan.tp", f"tp = {p.tp} must fit in one node ({max_gpus_per_node} GPUs per node)")
+            raise SpecError("plan.tp", f"tp = {p.tp} must fit in one NVLink island: one node, or the nodes of "
+                                       f"one nvlink-domain ({max_gpus_per_node} GPUs at most)")
         if p.offload and p.zero == 0:
             raise SpecError("plan.offload", "offload needs a ZeRO stage >= 1")
         if p.micro_batch is not None:

@@ -200,12 +200,28 @@ class PerfModelOracle:
             return 0.0
         return float(self.throughput_many(job, [plan], placement)[0])
 
-    def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
+    def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...], nic_scale: float = 1.0):
+        """``nic_scale``: the inter-node bandwidth as a factor of the fitted one (the
+        topology level the placement spans, ``policies.topology_price``)."""
         shape, params = self._model(job.spec, placement_type(placement))
+        if nic_scale != 1.0:
+            from gearshift.perfmodel.catalog import with_nic_scale
+
+            params = with_nic_scale(params, nic_scale)
         res = self._resources(job, placement)
         B = int(job.spec.global_batch)
         pm_plans = [self._pm.as_plan(p, B) for p in plans]
         return self._pm.predict(params, shape, B, pm_plans, res).throughput
+
+    def slowdown(self, spec, plan: Plan, per_node: tuple[int, ...], factor: float) -> float:
+        """Step time of ``plan`` on ``per_node`` GPUs with the inter-node bandwidth times
+        ``factor``, over its step time at the fitted bandwidth (1.0 where it does not fit):
+        the ``Slowdown`` the optimizer's ``TopologyPricedOracle`` is given."""
+        job = JobView(job_id="", spec=spec, submitted_at=0.0)
+        where = tuple(Placement(f"_n{i}", g, 0) for i, g in enumerate(per_node))
+        base, slow = (float(v[0]) for v in (self.throughput_many(job, [plan], where),
+                                            self.throughput_many(job, [plan], where, nic_scale=factor)))
+        return base / slow if base > 0 and slow > 0 else 1.0
 
     def memory_parts(self, spec, plans) -> list[tuple[float, ...]]:
         """The model's memory accounting per GPU (GiB): (weights, grads, optimizer

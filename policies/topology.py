@@ -104,6 +104,11 @@ class Arranger:
             d = decision.allocations[jid]
             job = jobs[jid]
             free.add(d.placement, +1)
+            if req is not None and req != NODE and req not in self.levels:
+                del decision.allocations[jid]  # no group of it anywhere: it cannot run here
+                decision.waiting[jid] = self.unknown(req)
+                changed.append(jid)
+                continue
             # a placement that meets its requirement is only moved to a finer level than it spans
             stop = span(d.placement, self.paths) if self._within(d.placement, req) else None
             got = self._place(d.placement, req, pref, free, tuple(p.node for p in job.placement), stop)
@@ -132,6 +137,11 @@ class Arranger:
                 changed.append(jid)
             free.add(got, -1)
         return changed
+
+    def unknown(self, req: str) -> str:
+        """Why a job requiring a level no node reports waits."""
+        return f"{WAITS}: topology.required {req!r} is a level no node reports (they report: " \
+               f"{', '.join(self.levels)})"
 
     def _packed(self, placement: Sequence[Placement]) -> tuple[Placement, ...]:
         """``placement``'s GPUs packed onto as few nodes of its type as hold them (full first)."""
@@ -236,7 +246,7 @@ def arrange(decision: Decision, nodes: Sequence[NodeState], jobs: Mapping[str, A
             req, _ = wants(jobs[jid].spec) if jid in jobs else (None, None)
             if req is not None:
                 del decision.allocations[jid]
-                decision.waiting[jid] = f"{WAITS}: no node reports a {req}"
+                decision.waiting[jid] = f"{WAITS}: topology.required {req!r}: no node reports a topology"
                 out.append(jid)
         return out
     return Arranger(nodes, prefer).arrange(decision, jobs)

@@ -84,6 +84,7 @@ from gearshift.bus_schema.messages import (
     RunReport,
 )
 from gearshift.bus_schema.ops import NodeModeReply, NodeModeRequest
+from gearshift.bus_schema.topology import parse_factors
 from gearshift.perfmodel.kernels import warm_up as warm_up_perfmodel
 
 from gearshift.policies.kernels import warm_up
@@ -125,8 +126,13 @@ class OptimizerConfig(ServiceConfig):
     wait_for_models: Annotated[bool, option(
         "jobs without a fitted or shipped performance model wait for the profiler",
         env="GEARSHIFT_WAIT_FOR_MODELS")] = False
+    bandwidth: Annotated[str, option(
+        "inter-node bandwidth per topology level a placement spans, as a factor of the fitted one: "
+        "LEVEL=FACTOR,..., e.g. cluster=0.25: across racks a quarter of in-rack (default: none, the fitted "
+        "bandwidth everywhere)", metavar="FACTORS")] = ""
 
     def __post_init__(self) -> None:
+        parse_factors(self.bandwidth)  # a one-line error naming bandwidth.LEVEL
         if self.policy_options:
             try:
                 opts = msgspec.json.decode(self.policy_options)
@@ -169,6 +175,7 @@ class Optimizer:
         max_retries: int = _D.max_retries,
         drain_timeout: float = _D.drain_timeout,
         wait_for_models: bool = _D.wait_for_models,
+        bandwidth: str = _D.bandwidth,
         write_parallel: int = 32,
         archive_after: float = _D.archive_after,
         clock: Clock = SYSTEM,  # what stamps times: records, allocations, events, the policy's now
@@ -183,6 +190,7 @@ class Optimizer:
         self.max_retries = max_retries
         self.drain_timeout = drain_timeout
         self.wait_for_models = wait_for_models
+        self.links = parse_factors(bandwidth)  # what the policy's oracle prices spans by (policies.topology_price)
         self.write_parallel = write_parallel
         self.archive_after = archive_after
         self.store = JobStore(nc)
@@ -209,7 +217,7 @@ class Optimizer:
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
-        self.models = LiveModels(self.models_kv)
+        self.models = LiveModels(self.models_kv, self.links)
         self.policy_step = PolicyStep(self.policy, self.models, wait_for_models=self.wait_for_models, clock=self.clock)
         self.queues = None
         if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
@@ -515,7 +523,7 @@ async def amain(stop: asyncio.Event, args: OptimizerConfig) -> None:
         nc, policy=args.policy, interval=args.interval, node_timeout=args.node_timeout,
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
-        lease_ttl=args.lease_ttl, archive_after=args.archive_after,
+        lease_ttl=args.lease_ttl, archive_after=args.archive_after, bandwidth=args.bandwidth,
     ).open()
     # a standby is ready too (it waits for the lease); readyz says which one leads
     obs = await observe.serve_http("optimizer", "optimizer", nc, lambda: {"leader": opt.is_leader, "round": opt.round_no})

@@ -16,10 +16,12 @@ from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
 from gearshift.bus_schema.messages import JobRecord, JobState
 from gearshift.bus_schema.plan_support import with_refused
+from gearshift.bus_schema.topology import LinkFactors
 from gearshift.policies import Decision, JobView, Placement, check_decision
 from gearshift.policies.api import make_job_view
 from gearshift.policies.decision import refuse_unsupported
 from gearshift.policies.topology import arrange
+from gearshift.policies.topology_price import TopologyPricedOracle
 from gearshift.policies.views import KeptViews
 from gearshift.services import capacity
 
@@ -115,6 +117,8 @@ class PolicyStep:
                      ) -> tuple[Decision, list[JobView], float]:
         """The policy's decision for the live records on ``node_states``; its views; seconds it took."""
         unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
+        self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
+        self.models.priced.set_free({n.name: n.gpus_free for n in node_states})
         t = self.clock.now()
         views = self.views(records, alive, t, unmodelled)
         await self.models.refresh([records[v.job_id] for v in views])
@@ -165,14 +169,18 @@ class LiveModels:
     nearest one scaled) for models that were never profiled.
     """
 
-    def __init__(self, models_kv: Any):
+    def __init__(self, models_kv: Any, links: LinkFactors | None = None):
         from gearshift.policies.learning import LearningOracle
         from gearshift.policies.oracle import PerfModelOracle
 
         self.kv = models_kv
         self.base = PerfModelOracle()
-        # What policies get: the fitted model, corrected by what ran (observe()).
-        self.oracle = LearningOracle(self.base)
+        # The fitted model priced by the topology a placement spans (``links``: the
+        # optimizer's ``bandwidth``) with an nvlink-domain one NVLink island; the
+        # simulator's policies get the same pricing (policies.topology_price).
+        self.priced = TopologyPricedOracle(self.base, links or LinkFactors(), self.base.slowdown, islands=True)
+        # What policies get: that, corrected by what ran (observe()).
+        self.oracle = LearningOracle(self.priced)
         self._revisions: dict[str, int] = {}
         self._keys: dict[Any, str] = {}  # ModelSpec -> its key in gs_models
         self._snap: tuple[int, dict] = (-1, {})  # (stream's last sequence, snapshot of gs_models then)

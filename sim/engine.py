@@ -183,7 +183,12 @@ class SimResult:
     wall_s: float
     # Step-function samples after each event: (time, GPUs allocated, jobs queued, jobs running)
     timeline: list[tuple[float, int, int, int]]
-    topology_spans: dict[str, int] | None = None  # grants per topology level spanned (SimConfig.topology)
+    topology: Any = None  # sim.topology.TopologyStep (SimConfig.topology): spans, slow_gpu_s
+
+    @property
+    def topology_spans(self) -> dict[str, int] | None:
+        """Grants per topology level their nodes spanned."""
+        return self.topology.spans if self.topology is not None else None
 
 
 # ------------------------------------------------------------ a job's progress (pure functions of its record)
@@ -308,8 +313,7 @@ class Simulator:
         topo = cfg.topology
         self.topo = TopologyStep(topo, self.node_names, truth_predictor or predictor) if topo is not None else None
         self.belief = BeliefOracle(self.cluster.gpus_per_node, predictor, allowed=allowed)
-        if self.topo is not None:
-            self.belief = self.topo.belief(self.belief, predictor)
+        self.belief = self.topo.belief(self.belief, predictor) if self.topo is not None else self.belief
         self.oracle = LearningOracle(self.belief) if cfg.learn else self.belief
         self.node_views = NodeViews(self.node_names, self.cap_g, self.cap_c, self.node_types)
         self.capacity = NodeCapacity(self.node_names, self.node_types, self.cap_g, self.cap_c,
@@ -331,9 +335,7 @@ class Simulator:
         self.now = 0.0
         self.rounds = 0
         self.events = 0
-        by_type: dict[str, int] = {}
-        for t, g in zip(self.node_types, self.cap_g):
-            by_type[t] = by_type.get(t, 0) + g
+        by_type = {t: sum(g for u, g in zip(self.node_types, self.cap_g) if u == t) for t in dict.fromkeys(self.node_types)}
         for j in trace.jobs:
             biggest = max((g for t, g in by_type.items() if accepts(j.spec, t)), default=0)
             if j.spec.gpus > biggest:
@@ -351,6 +353,8 @@ class Simulator:
         r.restart_gpu_seconds += lost * r.gpus_held
         self.alloc_gpus -= r.gpus_held
         jid = r.job.job_id
+        if self.topo is not None:
+            self.topo.released(jid, t)
         for p in r.placement:
             i = self.node_index[p.node]
             self.free_g[i] += p.gpus
@@ -377,8 +381,8 @@ class Simulator:
             if self.cfg.check_invariants and (self.free_g[i] < 0 or self.free_c[i] < 0):
                 raise InvariantError(f"node {p.node} over capacity after granting {r.job.job_id}")
         step_time, source = self.truth.step_time(r.job, plan, placement)
-        if self.topo is not None:
-            step_time = self.topo.price(r.job.spec, plan, placement, step_time)
+        if self.topo is not None:  # its links priced by the level it spans; timed for slow_gpu_s
+            step_time = self.topo.price(r.job.spec, plan, placement, step_time, (jid, t))
         r.truth_sources[source] = r.truth_sources.get(source, 0) + 1
         r.rate = 1.0 / step_time if step_time > 0 else 0.0
         if r.rate == 0:
@@ -574,7 +578,7 @@ class Simulator:
             advance(r, end, self.cfg.check_invariants)
         return SimResult(self.policy.name, self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
                          self.rounds, self.events, _time.perf_counter() - wall0, self.timeline,
-                         self.topo.spans if self.topo is not None else None)
+                         self.topo)
 
 
 

@@ -109,6 +109,8 @@ def summarize(res: SimResult) -> dict:
     }
     if res.topology_spans is not None:  # grants by the topology level their nodes span (sim.topology)
         out["topology_spans"] = dict(sorted(res.topology_spans.items()))
+        # GPU-hours its grants lost to links slower than the fitted ones (held x (1 - 1/slowdown))
+        out["topology_slow_gpu_h"] = res.topology.slow_gpu_s / 3600
     return out
 
 

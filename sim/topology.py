@@ -17,7 +17,8 @@ model's ratio of the step with the inter-node bandwidth scaled by that level's
 factor (``bus_schema.topology.LinkFactors``; ``cluster=0.25``: across racks a
 quarter of in-rack) to the step at the fitted bandwidth (without a fitted model the
 truth is not changed). Topology-aware (the default) hands the policies each node's
-path, a belief that prices a gang by the level it needs (``SpanPricedOracle``), and
+path, a belief that prices a gang by the level it needs (``policies.topology_price``,
+the optimizer's pricing too), and
 runs ``policies.topology.arrange`` on every decision (the same step as the
 optimizer's) with every job preferring the coarsest level whose links are as fast as
 any (``rack`` with ``cluster=0.25``: a gang is moved off slow links, not finer for
@@ -36,9 +37,10 @@ from pathlib import Path as FsPath
 from typing import Any
 
 from gearshift.bus_schema.topology import (
-    LinkFactors, Path, TopologyError, check_level, format_path, levels_of, parse_path, span_level,
+    LinkFactors, Path, TopologyError, check_level, format_path, levels_of, parse_factors, parse_path, span_level,
 )
 from gearshift.policies.api import Decision, NodeState, Placement
+from gearshift.policies.topology_price import TopologyPricedOracle, ratio_slowdown
 
 
 def split_paths(nodes: int, counts: Sequence[tuple[str, int]], field: str = "topology",
@@ -77,22 +79,6 @@ def parse_counts(text: str, field: str = "topology") -> list[tuple[str, int]]:
             raise TopologyError(field, f"{part.strip()!r} is not LEVEL=COUNT (e.g. rack=4,nvlink-domain=2)")
         out.append((lv.strip(), int(k)))
     return out
-
-
-def parse_factors(text: str, field: str = "bandwidth") -> LinkFactors:
-    """``"cluster=0.25,rack=1"`` -> ``LinkFactors``."""
-    got = {}
-    for part in (text or "").split(","):
-        if not part.strip():
-            continue
-        lv, eq, v = part.strip().partition("=")
-        try:
-            got[lv.strip()] = float(v)
-        except ValueError:
-            raise TopologyError(f"{field}.{lv.strip()}", f"{v!r} is not a number") from None
-        if not eq:
-            raise TopologyError(field, f"{part.strip()!r} is not LEVEL=FACTOR (e.g. cluster=0.25)")
-    return LinkFactors(got, field)
 
 
 @dataclass(slots=True)
@@ -158,23 +144,34 @@ class TopologyStep:
         self.paths = dict(zip(names, topo.paths))
         self.predictor = predictor
         self.spans: dict[str, int] = {}
+        self.priced: TopologyPricedOracle | None = None  # the policies' oracle (belief), told the free GPUs
+        self.slow_gpu_s = 0.0  # GPU-seconds lost to slow links: held x (1 - 1/slowdown), per grant
+        self._held: dict[str, tuple[float, int, float]] = {}  # job -> (granted at, GPUs, slowdown)
         # what every job prefers when topology-aware: the coarsest level whose links are as
         # fast as any (finer levels cost no less; a gang moved finer gains nothing)
         levels = levels_of(topo.paths)
         best = max((topo.links.factor(lv) for lv in levels), default=1.0)
         self.prefer = next((lv for lv in levels if topo.links.factor(lv) >= best), "node")
-        self._ratio: dict[tuple, float] = {}
+        # ground truth's pricing: the policies' (policies.topology_price) on the truth's predictor
+        self.truth = TopologyPricedOracle(None, topo.links, ratio_slowdown(predictor), self.paths) \
+            if predictor is not None else None
 
     def nodes(self, nodes: list[NodeState]) -> list[NodeState]:
         """The policies' node view: with paths when topology-aware."""
         if self.topo.aware:
             for n in nodes:
                 n.topology = self.paths[n.name]
+            if self.priced is not None:
+                self.priced.set_free({n.name: n.gpus_free for n in nodes})
         return nodes
 
     def belief(self, base: Any, predictor: Any) -> Any:
-        """The policies' oracle: priced by the level a gang spans when topology-aware."""
-        return SpanPricedOracle(base, self, predictor) if self.topo.aware and predictor is not None else base
+        """The policies' oracle: priced by the level a gang spans when topology-aware
+        (``policies.topology_price``, the optimizer's pricing)."""
+        if not self.topo.aware or predictor is None:
+            return base
+        self.priced = TopologyPricedOracle(base, self.topo.links, ratio_slowdown(predictor), self.paths)
+        return self.priced
 
     def arrange(self, decision: Decision, nodes: list[NodeState], views: Sequence[Any]) -> None:
         if self.topo.aware:
@@ -182,74 +179,25 @@ class TopologyStep:
 
             arrange(decision, nodes, {v.job_id: v for v in views}, prefer=self.prefer)
 
-    def price(self, spec: Any, plan: Any, placement: tuple[Placement, ...], step_time: float) -> float:
-        """Ground truth's step time on ``placement``, its links priced by the level it spans."""
+    def price(self, spec: Any, plan: Any, placement: tuple[Placement, ...], step_time: float,
+              held: tuple[str, float] | None = None) -> float:
+        """Ground truth's step time on ``placement``, its links priced by the level it
+        spans; ``held``: (job, now) of the grant, timed until ``released``."""
         level = span_level([self.paths[p.node] for p in placement])
         self.spans[level] = self.spans.get(level, 0) + 1
         f = self.topo.links.factor(level)
-        if f == 1.0 or step_time <= 0 or self.predictor is None:
-            return step_time
-        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
-        key = (spec.model, spec.global_batch, getattr(spec, "cpus_per_gpu", None), plan, per_node, f)
-        r = self._ratio.get(key)
-        if r is None:
-            base = self.predictor(spec, plan, per_node)
-            slow = self.predictor(spec, plan, per_node, nic_scale=f) if base > 0 else 0.0
-            r = self._ratio[key] = slow / base if base > 0 and slow > 0 else 1.0
+        r = 1.0
+        if f != 1.0 and step_time > 0 and self.truth is not None:
+            r = self.truth.link_slowdown(spec, plan, placement, f)
+        if held is not None:
+            self._held[held[0]] = (held[1], sum(p.gpus for p in placement), r)
         return step_time * r
+
+    def released(self, job: str, t: float) -> None:
+        got = self._held.pop(job, None)
+        if got is not None and got[2] > 1.0:
+            self.slow_gpu_s += max(0.0, t - got[0]) * got[1] * (1.0 - 1.0 / got[2])
 
 
 def describe_paths(paths: Sequence[Path]) -> list[str]:
     return [format_path(p) for p in paths]
-
-
-class SpanPricedOracle:
-    """The policies' belief on a topology-aware cluster: the base oracle's answer for
-    a shape of k nodes, slowed by the fitted model's price of the level such a gang
-    needs at best (the finest level with a group of k nodes; one that no group holds
-    spans the cluster). It depends on the shape alone, as the learning oracle's
-    memory does; ``arrange`` then puts the gang in that level when it has room."""
-
-    def __init__(self, base: Any, step: TopologyStep, predictor: Any):
-        self.base = base
-        self.step = step
-        self.predictor = predictor
-        levels = levels_of(step.topo.paths)
-        self._by_nodes = []  # (level, nodes in its largest group), finest first
-        for i in range(len(levels) - 1, -1, -1):
-            sizes: dict[Path, int] = {}
-            for p in step.topo.paths:
-                sizes[p[: i + 1]] = sizes.get(p[: i + 1], 0) + 1
-            self._by_nodes.append((levels[i], max(sizes.values(), default=0)))
-        self._ratio: dict[tuple, float] = {}
-        for name in ("plans", "spec_key", "memory_parts", "answers_token"):
-            if hasattr(base, name):
-                setattr(self, name, getattr(base, name))
-        if hasattr(base, "throughput_many"):
-            self.throughput_many = self._many
-
-    def level_for(self, nodes: int) -> str:
-        if nodes <= 1:
-            return "node"
-        return next((lv for lv, size in self._by_nodes if size >= nodes), "cluster")
-
-    def _slowdown(self, spec: Any, plan: Any, placement: tuple[Placement, ...]) -> float:
-        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
-        f = self.step.topo.links.factor(self.level_for(len(per_node)))
-        if f == 1.0 or self.predictor is None:
-            return 1.0
-        key = (spec.model, spec.global_batch, getattr(spec, "cpus_per_gpu", None), plan, per_node, f)
-        r = self._ratio.get(key)
-        if r is None:
-            base = self.predictor(spec, plan, per_node)
-            slow = self.predictor(spec, plan, per_node, nic_scale=f) if base > 0 else 0.0
-            r = self._ratio[key] = slow / base if base > 0 and slow > 0 else 1.0
-        return r
-
-    def throughput(self, job: Any, plan: Any, placement: tuple[Placement, ...]) -> float:
-        v = self.base.throughput(job, plan, placement)
-        return v / self._slowdown(job.spec, plan, placement) if v > 0 else v
-
-    def _many(self, job: Any, plans: Sequence[Any], placement: tuple[Placement, ...]) -> list[float]:
-        got = self.base.throughput_many(job, plans, placement)
-        return [float(v) / self._slowdown(job.spec, p, placement) if v > 0 else float(v) for p, v in zip(plans, got)]

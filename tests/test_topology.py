@@ -161,7 +161,7 @@ def test_without_topology_decisions_are_untouched():
     # a job that requires a level on a cluster without topology waits, in words
     jobs = {"a": JobView("a", spec(16, required="rack"), 0.0)}
     arrange(d, flat, jobs)
-    assert d.waiting["a"] == "waits for topology: no node reports a rack"
+    assert d.waiting["a"] == "waits for topology: topology.required 'rack': no node reports a topology"
 
 
 # ---------------------------------------------------------------- simulator
