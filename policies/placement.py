@@ -134,6 +134,15 @@ class Ledger:
         """
         if gpus <= 0 or unit < 1 or gpus % unit:
             return None
+        # Not enough free GPUs in all: no shape below could hold them (each takes a node's part
+        # only where that node has at least as many free; a node's room never exceeds its free).
+        # A queue on a full cluster asks this every round.
+        free = 0
+        for g in self.free_g.values():
+            if g > 0:
+                free += g
+        if free < gpus:
+            return None
         if nodes is not None:
             if gpus % nodes or (gpus // nodes) % unit:
                 return None

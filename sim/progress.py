@@ -30,7 +30,7 @@ _FIELDS = ("upd", "pf", "rate", "steps", "gh", "sd", "att", "gsec", "rt", "vab",
 class RunningRows:
     """Rows of the running jobs (records ``sim.engine.SimJob``), in no particular order."""
 
-    __slots__ = ("slot", "recs", "views", "unviewed", "n", "check", "error", *_FIELDS)
+    __slots__ = ("slot", "recs", "views", "unviewed", "n", "check", "error", "left", *_FIELDS)
 
     def __init__(self, check: bool = True, error: type[Exception] = AssertionError, size: int = 64):
         self.slot: dict[str, int] = {}  # job id -> row
@@ -39,6 +39,9 @@ class RunningRows:
         # what its attained service is made of (vab + vg x time since vsince: KeptViews.refresh)
         self.views: list[Any] = []
         self.unviewed = 0  # rows whose view is None
+        # jobs detached since ``SimViews`` last looked (every stop detaches: a release, a
+        # completion), whether or not a round saw them run (a launch that failed before it)
+        self.left: set[str] = set()
         self.n = 0
         self.check = check
         self.error = error
@@ -70,6 +73,7 @@ class RunningRows:
         i = self.slot.pop(r.job.job_id, None)
         if i is None:
             return
+        self.left.add(r.job.job_id)
         self._pull(r, i)
         if self.views[i] is None:
             self.unviewed -= 1

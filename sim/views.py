@@ -46,12 +46,16 @@ class SimViews:
         self.kept = KeptViews()
         self.rows = RunningRows(check, error)  # the running jobs' progress (sim.progress)
         self._order: dict[str, JobView] = {}  # live job -> its view, in live's order
-        self._was_running: set[str] = set()
 
     def views(self, t: float) -> list[JobView]:
         """The views at ``t``, every running job's progress accounted up to ``t`` first."""
         live, running, kept, order = self.live, self.running, self.kept, self._order
-        for jid in self._was_running - running.keys():  # stopped: preempted, failed or finished
+        left = self.rows.left  # stopped since the last round: preempted, failed or finished
+        if left:
+            stopped, self.rows.left = left - running.keys(), set()
+        else:
+            stopped = left
+        for jid in stopped:  # (also those granted after the last views and stopped since: a failed launch)
             r = live.get(jid)
             if r is None:  # finished: left live (only a running job leaves it)
                 order.pop(jid, None)
@@ -92,7 +96,6 @@ class SimViews:
             for r, v, s, a in zip(recs, vs, sd.tolist(), service):  # each kept view refreshed (KeptViews.refresh)
                 r.steps_done = v.steps_done = s
                 v.attained_service = a
-        self._was_running = set(running)
         return list(order.values())
 
     def _build(self, r: Any, t: float) -> JobView:

@@ -22,6 +22,17 @@ def test_ledger_symmetric_shape_and_cpu_limit():
     assert led.place(6, 1, nodes=4) is None  # 6 does not split evenly over 4 nodes
 
 
+def test_ledger_refuses_at_once_what_all_free_gpus_cannot_hold():
+    led = Ledger(nodes(2, gpus=4))
+    led.take((Placement("n0", 4, 4), Placement("n1", 3, 3)))  # 1 GPU free in all
+    assert led.place(1, 1) == (Placement("n1", 1, 1),)
+    assert led.place(2, 1) is None and led.place(2, 1, nodes=2) is None
+    led.give((Placement("n0", 4, 4),))
+    led.take((Placement("n1", 4, 4),))  # n1 at -3 (an over-committed amount): n0's 4 still count
+    assert led.place(4, 1) == (Placement("n0", 4, 4),)
+    assert led.place(2, 1, nodes=2) is None
+
+
 def test_ledger_prefers_own_then_unreserved_nodes():
     led = Ledger(nodes(3))
     led.reserve((Placement("n0", 8, 8),))

@@ -69,6 +69,22 @@ def test_kept_views_equal_fresh_views_at_every_round(name):
         assert sum(r.preemptions for r in res.records) > 0  # views of preempted jobs were rebuilt too
 
 
+def test_a_launch_that_fails_before_the_next_round_hands_its_new_view():
+    """A job granted and stopped between two rounds (its plan does not fit: the launch
+    fails at the end of its restart) is handed as it is after that allocation (attained
+    service, start and switch times), not as the view from before it."""
+    spec = JobSpec(name="a", model=MODEL, global_batch=8, steps=100, gpus=1, plan=Plan(dp=1))  # no measured speed
+    trace = Trace("oom", [TraceJob("a", 0.0, spec)], parse_cluster("1x1"))
+    box: list = []
+    policy = _Checked(make_policy("fifo"), box)
+    cfg = SimConfig(interval=60, restart_cost=10, noise=0, regime="extended", stall_limit=600)
+    sim = Simulator(trace, policy, config=cfg, predictor=lambda spec, plan, per_node: 1.0,  # believed to fit
+                    truth_predictor=lambda spec, plan, per_node: 0.0)  # nothing fits
+    box.append(sim)
+    res = sim.run()
+    assert res.records[0].stalled > 3 and policy.rounds > 3 and policy.rebuilt > 0
+
+
 def test_kept_views_are_the_optimizers_rules():
     """KeptViews on its own: kept while the token stands (moving parts refreshed as
     make_job_view computes them), built again when it moves, forgotten when dropped."""
