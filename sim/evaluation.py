@@ -25,9 +25,10 @@ from pathlib import Path
 
 from gearshift.sim.baselines import best_baselines  # noqa: E402
 
-# The baselines a user could pick (issue 21), less Pollux for now: its genetic search costs
-# about 13x Sia's CPU per round (77 s against 6 s on rubick-base's first 40 jobs), so its
-# runs on the whole traces have not been made yet and the saved runs do not hold it.
+# The baselines a user could pick (issue 21), less Pollux for now: the saved runs do not hold
+# it. Its whole-trace runs finish since its search has adaptdl's min_replicas
+# (policies/pollux_search.py; before, 30 llama30 jobs were left unfinished on rubick-base
+# measured), at 230-430 CPU s a run; regenerating every saved run with it is still to do.
 # `gearshift simulate --policies rubick,...,pollux` compares against it directly.
 NOT_YET = ("pollux",)
 PEERS = tuple(n for n in best_baselines() if n not in NOT_YET)
