@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> tuple[list[SimResult], list[dict], dict]:
 
 
 @contextlib.contextmanager
-def _stdout_to_stderr(on: bool):
+def stdout_to_stderr(on: bool):
     """While policies run, what native code writes to file descriptor 1 goes to stderr:
     HiGHS (Sia's MILP) prints solver notes there whatever ``disp`` says, and ``-o json``
     must be JSON alone."""
@@ -307,7 +307,7 @@ def _stdout_to_stderr(on: bool):
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        with _stdout_to_stderr(args.output == "json"):
+        with stdout_to_stderr(args.output == "json"):
             results, summaries, rat = run(args)
     except (ValueError, OSError) as e:
         print(f"gearshift simulate: {e}", file=sys.stderr)

@@ -31,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from gearshift.sim.baselines import best_baselines
+from gearshift.sim.cli import stdout_to_stderr
 
 FLOOR = 1.1
 TRACE = "rubick-base"
@@ -176,8 +177,10 @@ def main(argv=None) -> int:
         plist = args.policies or policies()
         if "rubick" not in [p.strip() for p in plist.split(",")]:
             raise ValueError("--policies must include rubick (the policy the sweep compares)")
-        rows = sweep(points, plist, args.jobs, args.workers, args.cache,
-                     log=None if args.json else (lambda s: print(s, file=sys.stderr, flush=True)))
+        # the points' workers inherit it: HiGHS's notes (Sia's MILP) go to stderr, --json stays JSON
+        with stdout_to_stderr(args.json):
+            rows = sweep(points, plist, args.jobs, args.workers, args.cache,
+                         log=None if args.json else (lambda s: print(s, file=sys.stderr, flush=True)))
     except ValueError as e:
         print(f"python -m sim.sweep: {e}", file=sys.stderr)
         return 2

@@ -88,3 +88,19 @@ def test_bad_arguments_are_refused_in_one_line(args, needle, capsys):
     assert sweep.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_sweep_json_is_json_alone_when_native_code_writes_to_stdout(monkeypatch, capfd):
+    """HiGHS (Sia's MILP) writes solver notes to file descriptor 1 from C: with --json
+    they go to stderr, and stdout is the one JSON document an outside check parses."""
+    import os
+
+    def noisy(points, policy_list, jobs, workers, cache, log=None):
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        return []
+
+    monkeypatch.setattr(sweep, "sweep", noisy)
+    sweep.main(["--json", "--points", "default"])
+    out, err = capfd.readouterr()
+    assert "HighsMipSolverData" in err and "Highs" not in out
+    assert json.loads(out)["points"] == []
