@@ -257,8 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    print("ok" if report.get("ok") else "FAILED")
-    print(json.dumps(report, indent=2) if args.json else json.dumps(report.get("checks", report)))
+    verdict = "ok" if report.get("ok") else "FAILED"
+    if args.json:  # stdout is the JSON alone (what outside checks parse); the verdict goes to stderr
+        print(verdict, file=sys.stderr)
+        print(json.dumps(report, indent=2))
+    else:
+        print(verdict)
+        print(json.dumps(report.get("checks", report)))
     return 0 if report.get("ok") else 1
 
 
