@@ -203,13 +203,28 @@ class Parallel:
     def _pipeline(self, top: nn.Module, pp: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage = PipelineStage(top, self.pp_rank, pp, self.device, group=self.mesh["pp"].get_group())
+        stage = self.stage = PipelineStage(top, self.pp_rank, pp, self.device, group=self.mesh["pp"].get_group())
         cls = Schedule1F1B if self.plan["pp_schedule"] == "1f1b" else ScheduleGPipe
 
         def loss(out, target):
             return self.loss_fn(logits_of(out), target)
 
         return cls(stage, n_microbatches=self.ga, loss_fn=loss)
+
+    def time_chunks(self, clock: Callable[[], float]) -> dict:
+        """Profiling a pipeline: from now on each micro-batch's forward and
+        backward on this stage append their ``clock`` time to the returned
+        ``{"f": [...], "b": [...]}`` (what ``profiling.pipeline_makespan`` replays)."""
+        trace: dict = {"f": [], "b": []}
+        for kind, name in (("f", "forward_one_chunk"), ("b", "backward_one_chunk")):
+            def timed(*a, _run=getattr(self.stage, name), _kind=kind, **kw):
+                t = clock()
+                out = _run(*a, **kw)
+                trace[_kind].append(clock() - t)
+                return out
+
+            setattr(self.stage, name, timed)
+        return trace
 
     # ---------------------------------------------------------------- training
     def _sync(self, on: bool):
