@@ -23,7 +23,8 @@ ARGS = ("--ckpt-every", "1000", "--hidden", "32", "--layers", "3", "--dataset", 
 def test_the_reference_models_plan_space_follows_its_blocks_and_heads():
     shape = train.shape(train.parse_args(["--hidden", "32", "--layers", "3"]))
     assert check_plan({"pp": 3, "ga": 3}, shape, world_size=3, global_batch=6)["micro_batch"] == 2
-    for plan, field in (({"pp": 4}, "pp"), ({"tp": 3}, "tp"), ({"dp": 2, "zero": 1, "offload": True}, "offload")):
+    assert check_plan({"dp": 2, "zero": 1, "offload": True}, shape)["offload"]  # as FSDP2 without resharding
+    for plan, field in (({"pp": 4}, "pp"), ({"tp": 3}, "tp"), ({"dp": 2, "offload": True}, "offload")):
         with pytest.raises(PlanRefused) as exc:
             check_plan(plan, shape)
         assert exc.value.field == field
@@ -43,14 +44,15 @@ def test_warm_key_only_for_python_m_without_import_variables():
 @needs_torch
 @pytest.mark.timeout(600)
 def test_checkpoint_reshards_between_tp_pp_zero3_and_offload_and_keeps_the_trajectory(tmp_path):
-    """TP2 -> PP2 (GPipe, GA2) -> DP2 + ZeRO-3 + offload, each resuming the last
-    one's checkpoint, ends where an uninterrupted DP1 run ends."""
+    """TP2 -> PP2 (GPipe, GA2) -> DP2 + ZeRO-3 + offload -> DP2 + ZeRO-1 + offload,
+    each resuming the last one's checkpoint, ends where an uninterrupted DP1 run ends."""
     ck = tmp_path / "switched"
-    chain = [({"tp": 2}, 2), ({"pp": 2, "ga": 2}, 4), ({"dp": 2, "zero": 3, "offload": True}, 6)]
+    chain = [({"tp": 2}, 2), ({"pp": 2, "ga": 2}, 4), ({"dp": 2, "zero": 3, "offload": True}, 6),
+             ({"dp": 2, "zero": 1, "offload": True}, 8)]
     for plan, steps in chain:
         m = reference.run_local(plan, steps, 32, ck, extra_args=ARGS)
         assert m["step"] == steps and {k: m["plan"][k] for k in plan} == plan
-    base = reference.run_local({"dp": 1}, 6, 32, tmp_path / "base", extra_args=ARGS)
+    base = reference.run_local({"dp": 1}, 8, 32, tmp_path / "base", extra_args=ARGS)
     assert abs(m["loss"] - base["loss"]) <= 1e-9 * abs(base["loss"])
     assert m["format"] == "gearshift-dcp-v1"
     assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in (ck / m["path"]).iterdir()}  # each rank its shards

@@ -24,7 +24,7 @@ LLAMA = families.shape("llama", layers=2)
 @pytest.mark.parametrize("plan, field, words", [
     ({"tp": 3, "dp": 1}, "tp", "does not divide the 4 attention heads"),
     ({"pp": 3}, "pp", "more stages than the 2 layers"),
-    ({"dp": 2, "zero": 1, "offload": True}, "offload", "zero 2 or 3"),
+    ({"dp": 2, "offload": True}, "offload", "zero 1, 2 or 3"),
     ({"dp": 1, "tp": 2, "zero": 1}, "zero", "does not combine with tp"),
     ({"pp": 2, "ga": 1, "pp_schedule": "1f1b"}, "ga", "1F1B needs"),
     ({"dp": 3}, "dp", "!= world size 2"),

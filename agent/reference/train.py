@@ -8,8 +8,8 @@ The plan comes from ``GEARSHIFT_PLAN``; what runs it is torch's own: DP
 row-parallel), PP (``torch.distributed.pipelining`` over the blocks, GPipe or
 1F1B over ``ga`` micro-batches), GC (``checkpoint_wrapper`` per block), one
 Distributed Checkpoint the next plan loads. A plan the model cannot run
-(pp more than the blocks, tp not dividing ``HEADS``, offload without
-ZeRO-2/3, ...) exits 78 with one line naming the plan field.
+(pp more than the blocks, tp not dividing ``HEADS``, offload without ZeRO,
+ZeRO-1 with TP or PP, ...) exits 78 with one line naming the plan field.
 
 Why a plan switch keeps the trajectory: the data stream is a function of the
 global sample index (``torchplan.data``), the step's input noise a function of
