@@ -71,6 +71,20 @@ def test_bad_plan_is_refused_with_a_clear_message(tmp_path):
 
 @needs_torch
 @pytest.mark.timeout(300)
+def test_crash_at_exits_once_and_the_rerun_resumes_from_the_checkpoint(tmp_path):
+    cmd = reference.command(*ARGS, "--ckpt-every", "1", "--crash-at", "2")
+    env = {"GEARSHIFT_LOSS_LOG": str(tmp_path / "losses.jsonl")}
+    (first,) = torchplan.launch_local(cmd, {"dp": 1}, 3, 32, tmp_path / "ck", env=env)
+    assert first.wait(timeout=240) == 1
+    assert "crashing on purpose at step 2" in open(first.stderr_path).read()
+    (again,) = torchplan.launch_local(cmd, {"dp": 1}, 3, 32, tmp_path / "ck", env=env, generation=2)
+    assert again.wait(timeout=240) == 0  # the marker says it crashed there once
+    trained = [(r["generation"], r["step"]) for r in map(json.loads, open(tmp_path / "losses.jsonl"))]
+    assert trained == [(1, 1), (1, 2), (2, 3)]  # resumed from step 2's checkpoint
+
+
+@needs_torch
+@pytest.mark.timeout(300)
 def test_a_pipelines_profiled_step_time_puts_the_bubble_back(tmp_path):
     """Thread CPU time leaves out a stage's waiting: a GPipe plan's step time is
     its schedule replayed on both stages' measured busy times (gathered from
