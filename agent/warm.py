@@ -3,8 +3,8 @@ ready by the agent so the next generation of a job starts without paying
 for ``import torch`` (1-5 s of a switch on a CPU box).
 
 A warm worker is ``python -m gearshift.agent.warm MODULE``. It imports ``MODULE`` and the
-modules that lists in ``WARM_IMPORTS`` (the reference workload: torch and
-torch.distributed), calls its ``warm_up()`` if it has one (first-use costs:
+modules that lists in ``WARM_IMPORTS`` (the reference workload: torch and the
+torch.distributed APIs the plan library uses), calls its ``warm_up()`` if it has one (first-use costs:
 ``torch.optim``'s first constructor imports ``torch._dynamo``), then waits for
 one JSON line on stdin::
 

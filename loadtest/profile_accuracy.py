@@ -34,7 +34,7 @@ clock at its default (wall). Each plan runs twice (``--repeats``), round-robin o
 the plans, and the faster run counts: load from other processes only ever adds
 time, and a burst of it rarely hits both runs. A pipeline's bubble is waiting, which thread CPU
 time leaves out: PP runs replay their schedule on every stage's measured busy
-times to get the step time (``agent/reference/schedule.pipeline_makespan``).
+times to get the step time (``agent/torchplan/profiling.pipeline_makespan``).
 """
 
 from __future__ import annotations

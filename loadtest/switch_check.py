@@ -4,10 +4,10 @@
 
 Starts ``LocalCluster`` (nats-server, admission, optimizer, perfmodel, two
 agents with two fake GPUs each), submits the PyTorch reference workload
-(``gearshift.agent.reference.train``) pinned to DP1 and forces plan switches with the
+(``gearshift.agent.reference.train``, through the plan library) pinned to DP1 and forces plan switches with the
 operator request ``gs.optimizer.reconfigure``, one every ``--every`` steps::
 
-    DP1 -> DP2+ZeRO-3 -> TP2 -> PP2 (GA2) over 2 nodes -> DP2+ZeRO-1+offload over 2 nodes
+    DP1 -> DP2+ZeRO-3 -> TP2 -> PP2 (GA2) over 2 nodes -> DP2+ZeRO-3+offload over 2 nodes
         -> DP2+ZeRO-2+GA2+GC -> DP1
 
 Deterministic: switches are requested by step, not by time. The job runs
@@ -16,12 +16,12 @@ for the stop request, so each switch happens exactly at its step however slow
 the machine is, and the job (``--margin`` steps past the last switch) cannot
 end first.
 
-``--model llama`` (or ``gpt2``, ``bert``) runs a tiny Hugging Face model
-through the plan library instead (``gearshift.agent.torchplan.train``:
-DDP/FSDP2/DTensor/pipelining, one Distributed Checkpoint), with offload under
-ZeRO-3 (FSDP2's CPUOffloadPolicy) and, for GPT-2 (no TP plan: fused q/k/v),
-DP2+ZeRO-2+GC where the others run TP2; the restore parts then include the DCP
-load (``dcp_load_s``) and each checkpoint's DCP save is reported.
+Both run on the plan library (``agent/torchplan``: DDP/FSDP2/DTensor/pipelining,
+offload as FSDP2's CPUOffloadPolicy, one Distributed Checkpoint): the restore
+parts include the DCP load (``dcp_load_s``) and each checkpoint's DCP save is
+reported. ``--model llama`` (or ``gpt2``, ``bert``) runs a tiny Hugging Face
+model (``gearshift.agent.torchplan.train``) instead of the reference model; for
+GPT-2 (no TP plan: fused q/k/v) DP2+ZeRO-2+GC where the others run TP2.
 
 Every switch is checkpoint (SIGTERM, agreed step) -> all ranks exit ->
 relaunch with the new plan -> resharded restore -> first step. Then it
@@ -69,12 +69,12 @@ SCHEDULE = [
     (Plan(dp=2, zero=3), [("node0", 2)], "DP2+ZeRO-3"),
     (Plan(tp=2), [("node0", 2)], "TP2"),
     (Plan(pp=2, ga=2), [("node0", 1), ("node1", 1)], "PP2+GA2 over 2 nodes"),
-    (Plan(dp=2, zero=1, offload=True), [("node0", 1), ("node1", 1)], "DP2+ZeRO-1+offload over 2 nodes"),
+    (Plan(dp=2, zero=3, offload=True), [("node0", 1), ("node1", 1)], "DP2+ZeRO-3+offload over 2 nodes"),
     (Plan(dp=2, zero=2, ga=2, grad_ckpt=True), [("node1", 2)], "DP2+ZeRO-2+GA2+GC"),
     START,
 ]
 EXACT, REORDERED = 1e-6, 1e-3
-# the plan library's Hugging Face models (agent/torchplan): offload is FSDP2's (ZeRO-2/3)
+# the plan library's Hugging Face models (agent/torchplan)
 HF_MODELS = ("llama", "gpt2", "bert")
 
 
@@ -83,8 +83,6 @@ def schedule_for(model: str) -> list:
         return SCHEDULE
     out = []
     for plan, placement, label in SCHEDULE:
-        if plan.offload:
-            plan, label = Plan(dp=2, zero=3, offload=True), "DP2+ZeRO-3+offload over 2 nodes"
         if plan.tp > 1 and model == "gpt2":
             plan, label = Plan(dp=2, zero=2, grad_ckpt=True), "DP2+ZeRO-2+GC (GPT-2 has no TP plan)"
         out.append((plan, placement, label))

@@ -1,100 +1,71 @@
 """The reference model: a residual MLP classifier (``inp`` -> blocks -> ``out``),
-each block ``x + down(gelu(up(norm(x))))``, as one rank of a plan holds it.
+each block ``x + down(gelu(up(norm(x))))``, a plain ``nn.Module``.
 
-- TP (Megatron): ``up`` is column-parallel (its output features split over
-  the TP group), ``down`` row-parallel (its input features split, partial
-  sums all-reduced, bias added after); norms, ``inp`` and ``out`` are
-  replicated.
-- PP: stage ``s`` holds a contiguous run of blocks; stage 0 also ``inp``, the
-  last stage ``out``.
-- Parameter names are the same under every plan (``blocks.<global i>.up.weight``)
-  and ``tp_dim`` says which dimension of the full tensor a TP rank holds a
-  slice of, so a checkpoint can be resharded between plans (``ckpt.py``).
+The plan library applies the plan (``train.py``): TP splits ``up`` by
+columns and ``down`` by rows (``train.TP_PLAN``), PP splits ``blocks`` into
+contiguous stages (``inp`` on the first, ``out`` on the last), GC wraps each
+block. Parameter names are those of the whole model under every plan
+(``blocks.<i>.up.weight``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# full name suffix -> the dimension TP splits (absent: replicated)
-TP_DIM = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+class Block(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
-def tp_dim(name: str) -> int | None:
-    for suffix, d in TP_DIM.items():
-        if name.endswith(suffix):
-            return d
-    return None
+class Net(nn.Module):
+    def __init__(self, dim: int, hidden: int, layers: int, classes: int):
+        super().__init__()
+        # created in this order (inp, each block's norm/up/down, out): the seeded initial model
+        self.inp = nn.Linear(dim, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x):  # what a plan without PP runs
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
 
 
-def stage_blocks(layers: int, pp: int, stage: int) -> range:
-    """Blocks of pipeline stage ``stage``: contiguous, sizes differ by at most one."""
-    base, extra = divmod(layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
+def set_dtype(args: Any) -> None:
+    """The default dtype for the whole run (the data set is drawn in it too)."""
+    torch.set_default_dtype(getattr(torch, args.dtype))
 
 
-def full_init(args: Any, torch: Any) -> dict:
-    """The initial parameters of the whole model (seeded; the same for every plan)."""
-    nn = torch.nn
+def build(args: Any) -> Net:
+    """The same initial model on every rank and under every plan (seeded)."""
+    set_dtype(args)
     torch.manual_seed(args.seed)
-    h = args.hidden
-    mods: dict[str, Any] = {"inp": nn.Linear(args.dim, h)}
-    for i in range(args.layers):
-        mods[f"blocks.{i}.norm"] = nn.LayerNorm(h)
-        mods[f"blocks.{i}.up"] = nn.Linear(h, 4 * h)
-        mods[f"blocks.{i}.down"] = nn.Linear(4 * h, h)
-    mods["out"] = nn.Linear(h, args.classes)
-    return {f"{m}.{p}": t.detach().clone() for m, mod in mods.items() for p, t in mod.named_parameters()}
+    return Net(args.dim, args.hidden, args.layers, args.classes)
 
 
-def local_slice(full, name: str, tp: int, tp_rank: int):
-    d = tp_dim(name)
-    if d is None or tp == 1:
-        return full
-    n = full.shape[d] // tp
-    return full.narrow(d, tp_rank * n, n)
+def dataset(args: Any):
+    from gearshift.agent.reference.data import dataset as draw
+
+    set_dtype(args)
+    return draw(args, torch)
 
 
-def build_local(args: Any, torch: Any, layout: Any, comm: Any):
-    """This rank's part of the model, parameters uninitialised (``load`` fills them)."""
-    from gearshift.agent.reference.parallel import tp_ops
+def step_noise(args: Any, step: int, B: int):
+    """The input noise of ``step`` for the whole global batch (the same under every plan)."""
+    g = torch.Generator().manual_seed(args.seed * 100003 + step)
+    return args.noise * torch.randn(B, args.dim, generator=g)
 
-    nn = torch.nn
-    F = torch.nn.functional
-    copy, reduce = tp_ops(torch, comm)
-    tp, h = layout.tp, args.hidden
-    if (4 * h) % tp:
-        raise ValueError(f"tp {tp} must divide the block width {4 * h}")
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm = nn.LayerNorm(h)
-            self.up = nn.Linear(h, 4 * h // tp)  # column-parallel
-            self.down = nn.Linear(4 * h // tp, h, bias=False)  # row-parallel: bias after the reduction
-            self.down.register_parameter("bias", nn.Parameter(torch.zeros(h)))
-
-        def forward(self, x):
-            z = F.gelu(self.up(copy(self.norm(x))))
-            return x + reduce(F.linear(z, self.down.weight)) + self.down.bias
-
-    class Stage(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inp = nn.Linear(args.dim, h) if layout.first_stage else None
-            self.blocks = nn.ModuleDict({str(i): Block() for i in stage_blocks(args.layers, layout.pp, layout.stage)})
-            self.out = nn.Linear(h, args.classes) if layout.last_stage else None
-            self.grad_ckpt = False
-
-        def forward(self, x):
-            if self.inp is not None:
-                x = self.inp(x)
-            for b in self.blocks.values():
-                if self.grad_ckpt and self.training:
-                    x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
-                else:
-                    x = b(x)
-            return self.out(x) if self.out is not None else x
-
-    return Stage()
+def loss_fn(logits, target):
+    return F.cross_entropy(logits, target)

@@ -7,6 +7,10 @@
 - ``ckpt``: one Distributed Checkpoint (model, optimizer, RNG per rank) plus the
   data position, loadable under any other plan and world size.
 - ``families``: Hugging Face LLaMA, GPT-2, BERT, ViT and T5 built from tiny configs.
+- ``data``: the step's sample indices, a function of the global sample index.
+- ``profiling``: a pipeline's step time replayed from its stages' busy times.
+- ``job``: the worker contract for any model (``run(Model(...))``); the reference
+  workload (``agent/reference``) and ``examples/torchplan_train.py`` use it.
 - ``train``: the worker (``python -m gearshift.agent.torchplan.train --model llama``).
 
 This module imports nothing heavy: helpers to run the worker locally.

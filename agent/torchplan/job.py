@@ -14,7 +14,11 @@ checkpoint read or written, the step time's quantile reported as ``phases``.
 
 Testing hooks: ``GEARSHIFT_LOSS_LOG`` (rank 0 appends step, loss and a hash
 of the step's sample indices), ``GEARSHIFT_HOLD_AT`` (wait at those steps for
-a stop request, see ``loadtest/switch_check``).
+a stop request, see ``loadtest/switch_check``), ``crash_at`` (rank 0 exits 1
+on reaching that step, once per checkpoint folder: a crash for the retry path).
+
+Device: CUDA + NCCL where a GPU is visible, else CPU + gloo (``device``, or
+``GEARSHIFT_DEVICE``: ``auto``, ``cpu`` or ``cuda``).
 """
 
 from __future__ import annotations
@@ -63,16 +67,30 @@ class Model:
     lr: float = 1e-3
     seed: int = 1234
     samples: int = 0  # len(dataset); 0: read from the dataset
+    # noise(step, B) -> a tensor added to the step's B inputs in global-batch order (the same under every plan)
+    noise: Callable[[int, int], Any] | None = None
+
+
+@dataclass
+class Options:
+    """How the worker runs (not what it trains)."""
+
+    ckpt_every: int = 25
+    threads: int = 1
+    hold_timeout: float = 120.0
+    device: str | None = None  # auto, cpu or cuda; None: $GEARSHIFT_DEVICE, else auto
+    crash_at: int = 0  # testing: rank 0 exits 1 at this step, once per checkpoint folder
+    warmup: int = PROFILE_WARMUP  # profiling: steps before measuring
 
 
 def log(msg: str) -> None:
     print(f"torchplan: {msg}", file=sys.stderr, flush=True)
 
 
-def run(model: Model, *, steps: int | None = None, global_batch: int | None = None, ckpt_every: int = 25,
-        threads: int = 1, hold_timeout: float = 120.0) -> int:
-    """The worker's exit status (``sys.exit(run(...))``)."""
+def run(model: Model, *, steps: int | None = None, global_batch: int | None = None, **options: Any) -> int:
+    """The worker's exit status (``sys.exit(run(...))``); ``options``: the fields of ``Options``."""
     marks = {"main": time.time()}
+    opts = Options(**options)
     stop = StopSignal()
     env = WorkerEnv.from_env()
     steps = steps or env.steps
@@ -88,9 +106,10 @@ def run(model: Model, *, steps: int | None = None, global_batch: int | None = No
     from gearshift.agent.torchplan.ckpt import CheckpointRefused
 
     marks["import"] = time.time()
-    torch.set_num_threads(threads)
+    torch.set_num_threads(opts.threads)
     # CUDA + NCCL where a GPU is visible (GEARSHIFT_DEVICE=cpu forces CPU + gloo): the same code
-    cuda = torch.cuda.is_available() and os.environ.get("GEARSHIFT_DEVICE", "auto") != "cpu"
+    want = opts.device or os.environ.get("GEARSHIFT_DEVICE", "auto")
+    cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
     if cuda:
         torch.cuda.set_device(0 if os.environ.get("CUDA_VISIBLE_DEVICES") else env.local_rank)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -99,7 +118,7 @@ def run(model: Model, *, steps: int | None = None, global_batch: int | None = No
     try:
         marks["rendezvous"] = time.time()
         try:
-            job = Job(model, env, stop, plan, steps, B, marks, ckpt_every, hold_timeout, device)
+            job = Job(model, env, stop, plan, steps, B, marks, opts, device)
         except CheckpointRefused as exc:
             log(str(exc))
             return 1
@@ -117,7 +136,7 @@ def run(model: Model, *, steps: int | None = None, global_batch: int | None = No
 class Job:
     """One rank: build, restore, step, checkpoint, report."""
 
-    def __init__(self, model: Model, env, stop, plan, steps, B, marks, ckpt_every, hold_timeout, device):
+    def __init__(self, model: Model, env, stop, plan, steps, B, marks, opts: Options, device):
         import torch
 
         from gearshift.agent.torchplan import ckpt
@@ -125,7 +144,7 @@ class Job:
 
         self.model, self.env, self.stop, self.plan, self.steps, self.B = model, env, stop, plan, steps, B
         self.torch, self.rank, self.marks = torch, env.rank, marks
-        self.ckpt_every, self.hold_timeout = ckpt_every, hold_timeout
+        self.opts, self.ckpt_every, self.hold_timeout = opts, opts.ckpt_every, opts.hold_timeout
         self.device = device
         X, Y = model.dataset()
         self.n = model.samples or len(X)
@@ -154,15 +173,20 @@ class Job:
         self.samples = ""
 
     def micro_batches(self):
-        from gearshift.agent.reference.data import step_indices
+        from gearshift.agent.torchplan.data import step_indices
 
         p, B = self.plan, self.B
         idx = step_indices(self.step, B, self.n, self.model.seed, self.torch, self.cache)
         if self.loss_log:
             self.samples = hashlib.sha1(idx.numpy().tobytes()).hexdigest()[:12]
         mb, off = p["micro_batch"], self.par.dp_rank * (B // p["dp"])
-        parts = [idx[off + k * mb: off + (k + 1) * mb].to(self.device) for k in range(p["ga"])]
-        return [self.X[i] for i in parts], [self.Y[i] for i in parts]
+        at = [slice(off + k * mb, off + (k + 1) * mb) for k in range(p["ga"])]
+        parts = [idx[a].to(self.device) for a in at]
+        xs = [self.X[i] for i in parts]
+        if self.model.noise is not None:
+            z = self.model.noise(self.step, B).to(self.device, self.X.dtype)
+            xs = [x + z[a] for x, a in zip(xs, at)]
+        return xs, [self.Y[i] for i in parts]
 
     def checkpoint(self, done: bool = False) -> float:
         from gearshift.agent.torchplan import ckpt
@@ -204,25 +228,45 @@ class Job:
                     restore_parts=parts)
 
     def profile(self, reporter, common: dict) -> int:
-        """``GEARSHIFT_PROFILE_STEPS=n`` (the profiler's contract): ``PROFILE_WARMUP``
+        """``GEARSHIFT_PROFILE_STEPS=n`` (the profiler's contract): ``Options.warmup``
         steps, then n measured ones; the per-step time's quantile in the progress file
         (``iteration``, and for a plan without pp its ``forward``, ``backward`` with the
-        gradient sync, and ``optimizer`` phases: what the performance model's fit reads)."""
-        # GEARSHIFT_PROFILE_CLOCK=cpu: this rank's thread CPU time (what a loaded shared box does not inflate;
-        # it leaves out waiting on gloo's threads and a pipeline's bubble), as the reference workload
-        timer = PhaseTimer(os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall"))
-        for i in range(PROFILE_WARMUP + self.env.profile_steps):
-            if i == PROFILE_WARMUP:
+        gradient sync, and ``optimizer`` phases: what the performance model's fit reads).
+
+        ``GEARSHIFT_PROFILE_CLOCK=cpu``: this rank's thread CPU time (what a loaded shared
+        box does not inflate; it leaves out waiting on gloo's threads and a pipeline's
+        bubble); a GPipe plan's ``iteration`` is then its schedule replayed on every
+        stage's measured busy times (``profiling.replayed_ms``), which puts the bubble back."""
+        from gearshift.agent.torchplan.profiling import replayed_ms
+
+        clock = os.environ.get("GEARSHIFT_PROFILE_CLOCK", "wall")
+        timer = PhaseTimer(clock)
+        pp = self.plan["pp"]
+        replay = clock == "cpu" and pp > 1 and self.plan["pp_schedule"] == "gpipe"
+        trace = self.par.time_chunks(timer.clock) if replay else None
+        traces: list[dict] = []
+        warmup = self.opts.warmup
+        for i in range(warmup + self.env.profile_steps):
+            if i == warmup:
                 timer.reset()
             timer.start_step()
             with timer("step"):
                 xs, ys = self.micro_batches()
-                loss = self.par.train_step(xs, ys, timer if self.plan["pp"] == 1 else None)
+                loss = self.par.train_step(xs, ys, timer if pp == 1 else None)
                 self.torch.distributed.all_reduce(loss)
-            timer.end_step()
+            ms = timer.end_step()
             self.step += 1
+            if trace is not None:
+                if i >= warmup:
+                    busy = sum(trace["f"]) + sum(trace["b"])
+                    traces.append({"f": list(trace["f"]), "b": list(trace["b"]), "tail": ms["iteration"] / 1e3 - busy})
+                trace["f"].clear()
+                trace["b"].clear()
         ph = timer.quantile_ms(PROFILE_QUANTILE)
         ph.pop("step", None)
+        if replay:
+            ph["iteration"] = replayed_ms(self.torch.distributed, traces, [s * self.plan["dp"] * self.plan["tp"]
+                                                                          for s in range(pp)], PROFILE_QUANTILE)
         reporter.report(self.step, loss=float(loss.item()) / self.plan["dp"], phases=ph, force=True,
                         profiled=timer.steps, **common)
         return EXIT_DONE
@@ -252,6 +296,7 @@ class Job:
                     return EXIT_TEMPFAIL
                 reporter.report(self.step, loss=self.loss_val, force=True, stopped=True, dcp_save_s=save_s, **common)
                 return EXIT_CHECKPOINTED
+            self.crash_if_asked()
             t = time.perf_counter()
             xs, ys = self.micro_batches()
             loss = self.par.train_step(xs, ys)
@@ -280,3 +325,14 @@ class Job:
         if self.rank == 0:
             print(f"done: step {self.step} loss {self.loss_val!r}", flush=True)
         return EXIT_DONE
+
+    def crash_if_asked(self) -> None:
+        """Testing (``Options.crash_at``): rank 0 exits 1 at that step, once per checkpoint folder."""
+        at = self.opts.crash_at
+        if at and self.step == at and self.rank == 0:
+            marker = self.env.ckpt_dir / f".crashed-at-{self.step}"
+            if not marker.exists():
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text("x")
+                log(f"crashing on purpose at step {self.step}")
+                os._exit(1)

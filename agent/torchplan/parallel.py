@@ -5,7 +5,7 @@
 | dp (zero 0) | ``DistributedDataParallel``; FSDP2 without resharding when combined with tp or pp |
 | zero 1 | ``ZeroRedundancyOptimizer`` over DDP (optimizer state sharded, parameters and gradients not) |
 | zero 2 / 3 | ``fully_shard`` per layer and at the top, ``reshard_after_forward`` off / on |
-| offload | ``CPUOffloadPolicy`` (``pin_memory`` only on CUDA: pinning needs a GPU) |
+| offload | ``CPUOffloadPolicy`` (``pin_memory`` only on CUDA: pinning needs a GPU); under zero 1 too, as FSDP2 without resharding (``ZeroRedundancyOptimizer`` cannot offload) |
 | tp | DTensor ``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel`` per layer |
 | pp | ``torch.distributed.pipelining``: a ``PipelineStage`` per rank (contiguous layers), ``ScheduleGPipe`` or ``Schedule1F1B`` over ``ga`` micro-batches |
 | ga | ``no_sync`` (DDP) / ``set_requires_gradient_sync`` (FSDP2) on all but the last micro-batch |
@@ -121,7 +121,7 @@ class Parallel:
             self._tensor_parallel(fam, tp_plan)
         if plan["grad_ckpt"]:
             self._checkpoint_layers(fam)
-        self.fsdp = zero >= 2 or (dp > 1 and (tp > 1 or pp > 1))
+        self.fsdp = zero >= 2 or plan["offload"] or (dp > 1 and (tp > 1 or pp > 1))
         self.ddp = None
         if self.fsdp:
             self._fully_shard(top, fam, reshard=zero == 3, offload=plan["offload"])
@@ -131,7 +131,7 @@ class Parallel:
             top = self.ddp = DDP(top, process_group=self.mesh["dp"].get_group())
         self.top = top
         params = [p for p in top.parameters() if p.requires_grad]
-        if zero == 1 and dp > 1:
+        if zero == 1 and dp > 1 and not self.fsdp:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             self.zero1 = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=lr, foreach=False,
@@ -203,13 +203,28 @@ class Parallel:
     def _pipeline(self, top: nn.Module, pp: int):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-        stage = PipelineStage(top, self.pp_rank, pp, self.device, group=self.mesh["pp"].get_group())
+        stage = self.stage = PipelineStage(top, self.pp_rank, pp, self.device, group=self.mesh["pp"].get_group())
         cls = Schedule1F1B if self.plan["pp_schedule"] == "1f1b" else ScheduleGPipe
 
         def loss(out, target):
             return self.loss_fn(logits_of(out), target)
 
         return cls(stage, n_microbatches=self.ga, loss_fn=loss)
+
+    def time_chunks(self, clock: Callable[[], float]) -> dict:
+        """Profiling a pipeline: from now on each micro-batch's forward and
+        backward on this stage append their ``clock`` time to the returned
+        ``{"f": [...], "b": [...]}`` (what ``profiling.pipeline_makespan`` replays)."""
+        trace: dict = {"f": [], "b": []}
+        for kind, name in (("f", "forward_one_chunk"), ("b", "backward_one_chunk")):
+            def timed(*a, _run=getattr(self.stage, name), _kind=kind, **kw):
+                t = clock()
+                out = _run(*a, **kw)
+                trace[_kind].append(clock() - t)
+                return out
+
+            setattr(self.stage, name, timed)
+        return trace
 
     # ---------------------------------------------------------------- training
     def _sync(self, on: bool):

@@ -85,8 +85,8 @@ def check_plan(plan: Mapping[str, Any], shape: ModelShape, *, world_size: int | 
             raise PlanRefused("zero", "ZeRO-1 (ZeroRedundancyOptimizer over DDP) does not combine with pp; use zero 2 or 3")
     if zero == 1 and tp > 1:
         raise PlanRefused("zero", "ZeRO-1 (ZeroRedundancyOptimizer over DDP) does not combine with tp; use zero 2 or 3")
-    if offload and zero not in (2, 3):
-        raise PlanRefused("offload", f"offload needs zero 2 or 3 (FSDP2's CPUOffloadPolicy), got zero {zero}")
+    if offload and zero == 0:
+        raise PlanRefused("offload", "offload needs zero 1, 2 or 3 (FSDP2's CPUOffloadPolicy), got zero 0")
     mb = plan.get("micro_batch")
     if global_batch is not None:
         if mb is None:

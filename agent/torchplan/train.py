@@ -8,7 +8,7 @@ every ``--ckpt-every`` steps / at the end, progress in the progress file, exit
 model cannot run, before the process group forms).
 
 Why a switch keeps the trajectory: the data stream is a function of the
-global sample index (the reference workload's ``step_indices``), every plan
+global sample index (``data.step_indices``), every plan
 computes the gradient of the mean loss over the step's B samples, Adam is
 elementwise, float64 by default, and the checkpoint (``ckpt.py``, DCP)
 reshards model and optimizer state to the new plan.
