@@ -81,7 +81,7 @@ def workload(name: str) -> tuple[dict, list[str], dict[str, str]]:
 
 def plan_support(name: str) -> PlanSupport | None:
     """What the workload's job declares it runs (``JobSpec.plan_support``): for an
-    HF family, the plan dimensions its plan space lacks (GPT-2: no TP)."""
+    HF family, the plan dimensions its plan space lacks (T5: no PP)."""
     if name == "torchref":
         return None
     from gearshift.agent.torchplan import families

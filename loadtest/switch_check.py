@@ -79,14 +79,10 @@ HF_MODELS = ("llama", "gpt2", "bert")
 
 
 def schedule_for(model: str) -> list:
-    if model not in HF_MODELS:
-        return SCHEDULE
-    out = []
-    for plan, placement, label in SCHEDULE:
-        if plan.tp > 1 and model == "gpt2":
-            plan, label = Plan(dp=2, zero=2, grad_ckpt=True), "DP2+ZeRO-2+GC (GPT-2 has no TP plan)"
-        out.append((plan, placement, label))
-    return out
+    """The switches run for ``model``: the same for every model (each runs DP, ZeRO, TP, PP
+    and offload; GPT-2 had DP2+ZeRO-2+GC in place of TP before its layers became
+    ``nn.Linear``, ``agent/torchplan/gpt2_layers.py``)."""
+    return SCHEDULE
 
 
 async def _reconfigure(nc, job_id: str, plan: Plan, placement, label: str) -> ReconfigureReply:
@@ -335,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             parts = restore_parts(Path(tmp) / "cluster" / "agents", job_id)
             saves = dcp_save_times(Path(tmp) / "cluster" / "agents", job_id)
         # the spread TP's (or, without TP, PP's) reduction order alone causes
-        other = {"tp": 2} if not hf or args.model != "gpt2" else {"pp": 2, "ga": 2}
+        other = {"tp": 2}
         log(f"training the same job uninterrupted: DP1 and {other} (local processes)")
         t = time.monotonic()
         runs = {"dp1": {"dp": 1}, "tp2": other}
@@ -362,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     mean_parts = {k: round(sum(p[k] for p in got_parts) / len(got_parts), 3) for k in got_parts[0]} if got_parts else {}
     mean = {k: round(sum(getattr(ev, k) for ev in switched) / len(switched), 3) for k in PHASES} if switched else {}
     ran = [p for p, _, _ in schedule]
-    # GPT-2 has no TP plan (its plan space refuses tp > 1): TP is not applicable to it
-    not_applicable = ["tp"] if args.model == "gpt2" else []
+    not_applicable: list[str] = []  # every model switch_check runs has TP and PP
     kinds = {"dp": any(p.dp > 1 for p in ran), "tp": any(p.tp > 1 for p in ran),
              "pp": any(p.pp > 1 for p in ran), "zero3": any(p.zero == 3 for p in ran),
              "offload": any(p.offload for p in ran),

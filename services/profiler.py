@@ -12,7 +12,7 @@ Rubick fit), it
    (the sync and the sharded step), TP2 (TP compute efficiency), PP2 and
    PP2+GA4 (a pipeline's per-sample and per-micro-batch cost, bubble
    included); without TP/PP: DP1+GA2, DP1+GC, DP2+GA2+GC and DP1+GA4 instead, and a plan the job's ``plan_support``
-   rules out (GPT-2 declares no TP) gives its place to the next of those;
+   rules out (T5 declares no PP) gives its place to the next of those;
    all within the GPUs one node has and the global batch allows;
 2. runs each, one after the other so runs do not disturb each other's
    timings, for a few steps on an agent with enough free GPUs
@@ -104,7 +104,7 @@ def profiling_plans(global_batch: int, max_dp: int, limit: int = MAX_PLANS, *, h
     3D terms are fitted from the job's own runs. Only plans the job's script
     runs (``support``, its ``JobSpec.plan_support``, which a model family's
     plan space fills in: ``agent.torchplan.space.declared_support``): a plan it
-    rules out (GPT-2's TP2) gives its place to the next data-parallel plan
+    rules out (say a script that declares no TP: its TP2) gives its place to the next data-parallel plan
     that still tells the parameters apart."""
     wanted = _wanted(max_dp, heads=heads, layers=layers)
     out: list[Plan] = []

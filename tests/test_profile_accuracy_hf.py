@@ -19,7 +19,7 @@ def test_held_out_plans_are_those_the_family_supports():
     llama = {p.label() for p in held_out("llama")}
     gpt2 = {p.label() for p in held_out("gpt2")}
     assert len(llama) == len(HELD_OUT) and any("TP" in p for p in llama) and any("PP" in p for p in llama)
-    assert not any("TP" in p for p in gpt2) and any("PP" in p for p in gpt2)  # GPT-2 has no TP plan
+    assert any("TP" in p for p in gpt2) and any("PP" in p for p in gpt2)  # GPT-2's layers split as nn.Linear
     t5 = {p.label() for p in held_out("t5")}  # T5 runs TP but is refused PP (every decoder layer needs the encoder)
     assert any("TP" in p for p in t5) and not any("PP" in p for p in t5)
     assert held_out("torchref") == HELD_OUT
@@ -50,26 +50,34 @@ def test_the_reference_workload_is_profiled_as_before():
     assert workload("torchref") == (ref.model_spec(), ref.command(), {"GEARSHIFT_PROFILE_CLOCK": "cpu"})
 
 
-def test_the_profiler_gives_gpt2_another_identifying_plan_in_place_of_tp2():
-    from gearshift.agent.torchplan.space import check_plan, declared_support
+def test_the_profiler_gives_a_script_without_tp_another_identifying_plan_in_place_of_tp2():
+    from gearshift.agent.torchplan.space import ModelShape, check_plan, declared_support
     from gearshift.services.profiler import MAX_PLANS, profiling_plans
 
-    def plans(name):
-        shape = families.shape(name)
-        got = profiling_plans(64, 2, heads=shape.heads, layers=shape.layers, support=plan_support(name))
-        for p in got:  # each one the family's plan space holds
+    def plans(shape, support):
+        got = profiling_plans(64, 2, heads=shape.heads, layers=shape.layers, support=support)
+        for p in got:  # each one the shape's plan space holds
             check_plan({k: getattr(p, k) for k in ("dp", "tp", "pp", "zero", "ga", "grad_ckpt")}, shape)
         return got
 
-    gpt2, llama = plans("gpt2"), plans("llama")
-    assert declared_support(families.shape("gpt2")) == {"tp": [1]} and plan_support("llama") is None
-    assert len(gpt2) == MAX_PLANS and not any(p.tp > 1 for p in gpt2)
-    assert Plan(pp=2) in gpt2 and Plan(pp=2, ga=4) in gpt2  # the pipeline terms still come from its own runs
-    assert set(gpt2) - set(llama) == {Plan(dp=1, ga=2)} and set(llama) - set(gpt2) == {Plan(tp=2)}
+    llama_shape = families.shape("llama")
+    no_tp = ModelShape(family="no-tp", layers=llama_shape.layers, heads=llama_shape.heads, tp=False,
+                       why_no_tp="its script has no tensor parallelism")
+    from gearshift.bus_schema import codec
+    from gearshift.bus_schema.messages import PlanSupport
+
+    assert declared_support(no_tp) == {"tp": [1]} and plan_support("llama") is None and plan_support("gpt2") is None
+    support = codec.convert(declared_support(no_tp), PlanSupport)
+    without, llama = plans(no_tp, support), plans(llama_shape, None)
+    assert len(without) == MAX_PLANS and not any(p.tp > 1 for p in without)
+    assert Plan(pp=2) in without and Plan(pp=2, ga=4) in without  # the pipeline terms still come from its own runs
+    assert set(without) - set(llama) == {Plan(dp=1, ga=2)} and set(llama) - set(without) == {Plan(tp=2)}
+    assert plans(families.shape("gpt2"), None) == llama  # GPT-2 now runs TP: the same plans as LLaMA
 
 
 def test_a_torchplan_job_declares_what_its_family_cannot_run():
     from gearshift.agent import torchplan
 
-    assert torchplan.job_spec("j", "gpt2", steps=2)["plan_support"] == {"tp": [1]}
+    assert torchplan.job_spec("j", "t5", steps=2)["plan_support"] == {"pp": [1]}
     assert "plan_support" not in torchplan.job_spec("j", "llama", steps=2)
+    assert "plan_support" not in torchplan.job_spec("j", "gpt2", steps=2)

@@ -38,14 +38,16 @@ def test_a_plan_the_model_cannot_run_is_refused_naming_the_field(plan, field, wo
 
 
 def test_plan_space_holds_what_the_family_supports():
+    no_tp = ModelShape(family="x", layers=2, heads=4, tp=False, why_no_tp="its attention is fused")
+    with pytest.raises(PlanRefused, match="x has no tensor-parallel plan: its attention is fused"):
+        check_plan({"tp": 2}, no_tp)
     gpt2 = families.shape("gpt2", layers=2)
-    with pytest.raises(PlanRefused, match="fused Conv1D"):
-        check_plan({"tp": 2}, gpt2)
     llama = list(plan_space(LLAMA, 4, global_batch=16))
     assert {"dp": 2, "tp": 2, "pp": 1, "zero": 2, "offload": True, "ga": 1, "micro_batch": 8, "grad_ckpt": False,
             "pp_schedule": "gpipe"} in llama
     assert all(p["tp"] in (1, 2, 4) and p["pp"] <= 2 and p["dp"] * p["tp"] * p["pp"] <= 4 for p in llama)
-    assert not any(p["tp"] > 1 for p in plan_space(gpt2, 4, global_batch=16))
+    assert not any(p["tp"] > 1 for p in plan_space(no_tp, 4, global_batch=16))
+    assert any(p["tp"] == 2 for p in plan_space(gpt2, 4, global_batch=16))  # nn.Linear layers (gpt2_layers)
     assert any(p["pp"] == 2 for p in plan_space(gpt2, 4, global_batch=16))
     odd = ModelShape(family="x", layers=8, heads=6)
     assert {p["tp"] for p in plan_space(odd, 4)} == {1, 2, 3}
@@ -134,7 +136,7 @@ def test_switch_check_schedules_what_each_model_supports_and_catches_other_sampl
         for p in plans:  # every switch is in the model's plan space
             check_plan({k: v for k, v in __import__("msgspec").structs.asdict(p).items() if v is not None}, shape)
         assert any(p.offload and p.zero == 3 for p in plans)
-        assert any(p.tp > 1 for p in plans) == (model != "gpt2") and any(p.pp > 1 for p in plans)
+        assert any(p.tp > 1 for p in plans) and any(p.pp > 1 for p in plans)
     base = [{"step": s, "loss": 1.0 / s, "samples": f"h{s}"} for s in range(1, 5)]
     holds = [1, 2, 3, 4, 5, 6, 7]
     assert compare(base, base, base, holds)["ok"]

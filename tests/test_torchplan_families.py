@@ -1,4 +1,4 @@
-"""The T5 and ViT families of the plan library: built from a config (no
+"""The T5, ViT and GPT-2 families of the plan library: built from a config (no
 download), one training step under DP and under another plan gives the same
 loss as one rank (real torch processes over gloo, float64)."""
 
@@ -102,3 +102,28 @@ def test_a_t5_checkpoint_under_zero3_resumes_under_tp_and_keeps_the_trajectory(t
     got, base = _losses(log), _losses(tmp_path / "base.jsonl")
     assert sorted(got) == list(range(1, 6)) and codes == [0]
     assert max(abs(got[s] - base[s]) / base[s] for s in base) < 1e-12, (got, base)
+
+
+@needs_torch
+def test_gpt2_blocks_as_linear_layers_compute_what_transformers_conv1d_blocks_do():
+    import torch
+    import transformers as tf
+
+    from gearshift.agent.torchplan.gpt2_layers import FusedQKV
+
+    torch.manual_seed(1234)
+    plain = tf.GPT2LMHeadModel(families.config("gpt2", layers=2)).to(torch.float64)
+    ours = families.build("gpt2", layers=2)  # the same seed: the same init, then linearized
+    attn = ours.transformer.h[0].attn
+    assert isinstance(attn.c_attn, FusedQKV) and isinstance(attn.c_proj, torch.nn.Linear)
+    assert not any(type(m).__name__ == "Conv1D" for m in ours.modules())
+    x = torch.randint(0, families.VOCAB, (3, families.SEQ))
+    diff = (plain(input_ids=x).logits - ours(input_ids=x).logits).abs().max().item()
+    assert diff < 1e-12, diff
+    assert families.shape("gpt2").tp and check_plan({"tp": 2}, families.shape("gpt2"))["tp"] == 2
+
+
+@needs_torch
+@pytest.mark.timeout(600)
+def test_gpt2_trains_the_same_under_tp_and_tp_with_pp_as_one_rank(tmp_path):
+    _same_as_one_rank(tmp_path, "gpt2", [{"tp": 2}, {"tp": 2, "pp": 2, "ga": 2}])

@@ -5,8 +5,13 @@ splits and GC wraps), how a pipeline stage computes (``embed`` on the first
 stage, ``block`` per layer, ``head`` on the last), which modules only the first
 or last stage keeps, and its TP plan: the model's own ``base_model_tp_plan``
 where the config has one (LLaMA), otherwise one written here per family
-(BERT, ViT, T5); GPT-2 has none (its attention projects q, k and v with one fused
-``Conv1D`` that a column split would cut across q/k/v).
+(BERT, ViT, T5, GPT-2). GPT-2's layers are ``Conv1D`` (a linear layer with its
+weight transposed) and its attention projects q, k and v with one fused
+``c_attn``, which a column split would cut across q/k/v: ``build`` turns every
+``Conv1D`` of its blocks into the ``nn.Linear`` of the same function
+and ``c_attn`` into three of them whose outputs are concatenated
+(``gpt2_layers``), under every plan, so each TP rank holds its heads
+of q, k and v and the parameter names are the same for all plans.
 
 T5 is two stacks (encoder, decoder): it runs whole (``whole``) instead of
 stage by stage, GC and TP apply to the blocks of both (``layer_paths``), and
@@ -84,6 +89,11 @@ class Llama(Family):
 
 
 class GPT2(Family):
+    def after_tp(self, layer, tp: int) -> None:
+        # c_attn's output is now [q | k | v] of this rank's heads: split it by its third
+        layer.attn.split_size //= tp
+        layer.attn.num_heads //= tp
+
     def embed(self, root, x):
         import torch
 
@@ -150,6 +160,9 @@ T5_DECODER_TP = _t5_tp({"layer.0": "SelfAttention", "layer.1": "EncDecAttention"
 BERT_TP = {"attention.self.query": "colwise", "attention.self.key": "colwise", "attention.self.value": "colwise",
            "attention.output.dense": "rowwise", "intermediate.dense": "colwise", "output.dense": "rowwise"}
 
+GPT2_TP = {"attn.c_attn.q": "colwise", "attn.c_attn.k": "colwise", "attn.c_attn.v": "colwise",
+           "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+
 VIT_TP = {"attention.q_proj": "colwise", "attention.k_proj": "colwise", "attention.v_proj": "colwise",
           "attention.o_proj": "rowwise", "mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
 # ViT: 8x8 one-channel images in 2x2 patches (16 tokens, as SEQ), 4 classes
@@ -158,7 +171,7 @@ IMAGE, PATCH, CLASSES = 8, 2, 4
 FAMILIES: dict[str, Family] = {
     "llama": Llama("llama", "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")),
     "gpt2": GPT2("gpt2", "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head"),
-                 why_no_tp="its attention's q, k and v come from one fused Conv1D (c_attn)"),
+                 tp_plan=dict(GPT2_TP)),
     "bert": Bert("bert", "bert.encoder.layer", ("bert.embeddings",), ("cls",), tp_plan=dict(BERT_TP), masked=True),
     "vit": ViT("vit", "vit.layers", ("vit.embeddings",), ("vit.layernorm", "classifier"), tp_plan=dict(VIT_TP)),
     "t5": T5("t5", "encoder.block", (), (), tp_plan=dict(T5_ENCODER_TP),
@@ -234,8 +247,13 @@ def build(name: str, seed: int = 1234, dtype: str = "float64", layers: int = LAY
         # a plain Adam keeps no state for it, FSDP2's does, and one plan's checkpoint would not load
         # under the other's; drop it
         model.cls.predictions._parameters.pop("bias", None)
+    if name == "gpt2":
+        from gearshift.agent.torchplan.gpt2_layers import linearize
+
+        linearize(model)
     model.train()
     return model
+
 
 
 def dataset(name: str, n: int, seed: int, seq: int = SEQ):
