@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from gearshift.policies import typed_place
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.placement import Ledger, describe
-from gearshift.policies.protocols import ClassedBatchKey, OrderKey, supports
+from gearshift.policies.protocols import ClassedBatchKey, ClassedBatchOrder, OrderKey, supports
 from gearshift.policies.victims import any_checkpoint, work_since_checkpoint
 
 
@@ -39,7 +39,7 @@ class ByClass:
     at once (``protocols.BatchOrderKey``), through the base's own batch
     (``protocols.ClassedBatchKey``) where it declares one."""
 
-    __slots__ = ("base", "_one", "_many")
+    __slots__ = ("base", "_one", "_many", "_order")
 
     def __init__(self, key: OrderKey):
         self.base = key
@@ -50,6 +50,7 @@ class ByClass:
 
         self._one = keyed
         self._many = key.many_by_class if supports(key, ClassedBatchKey) else None
+        self._order = key.order_by_class if supports(key, ClassedBatchOrder) else None
 
     def __call__(self, j: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
         return self._one(j, now, perf)
@@ -60,6 +61,11 @@ class ByClass:
             return self._many(jobs, now, perf)
         keyed = self._one
         return [keyed(j, now, perf) for j in jobs]
+
+    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None:
+        """The positions of ``jobs`` in the order of ``many``'s keys (``protocols.BatchOrder``),
+        through the base's own (``protocols.ClassedBatchOrder``); None where it has none."""
+        return self._order(jobs, now, perf) if self._order is not None else None
 
 
 def by_class(key: OrderKey) -> ByClass:

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
+
+import numpy as np
 
 from gearshift.policies.api import JobView, PerfOracle, default_plan
+from gearshift.policies.array_order import SpecRows, order_positions, srtf_order
 from gearshift.policies.placement import compact_shape
 from gearshift.policies.protocols import TokenedOracle, supports
 
@@ -98,6 +102,9 @@ class RequestSpeeds:
         return (seconds_left(job, self.throughput(job, perf)), job.submitted_at, job.job_id)
 
 
+_SPEC, _STEPS_DONE, _SUBMITTED = attrgetter("spec"), attrgetter("steps_done"), attrgetter("submitted_at")
+
+
 class SrtfKey(RequestSpeeds):
     """``RequestSpeeds.srtf_key`` as an ordering key of its own, which also answers for
     every job of a round at once (``many_by_class``, ``protocols.ClassedBatchKey``): the
@@ -105,8 +112,49 @@ class SrtfKey(RequestSpeeds):
     a policy asks them), each job's key computed inline, the same numbers from the
     same float expressions as ``seconds_left``."""
 
+    ARRAY_MIN = 24  # fewer jobs than this: the tuples cost less than the arrays
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rows = SpecRows(4)  # per spec: -class, steps, seconds left's factor and divisor
+
     def __call__(self, job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
         return self.srtf_key(job, now, perf)
+
+    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None:
+        """The positions of ``jobs`` sorted by ``many_by_class``'s tuples (``protocols.ClassedBatchOrder``),
+        on arrays (``policies.array_order``): seconds left as ``(left x global batch) /
+        samples/s``, or ``(left x step time) / 1`` and ``(left x 1) / 1`` when the speed is
+        not known (``_no_speed``), the same float64 operations. None (the caller sorts the
+        tuples) for a short list, an oracle that cannot vouch for its answers, or a NaN."""
+        n = len(jobs)
+        if n < self.ARRAY_MIN:
+            return None
+        memo = self._memo_for(perf)
+        if memo is None:
+            return None
+        specs = list(map(_SPEC, jobs))
+        get, make = memo.get, self._row
+
+        def numbers(i: int) -> tuple:
+            spec = specs[i]
+            h = get(id(spec))
+            if h is None or h[0] is not spec:
+                h = make(jobs[i], perf, memo)
+            return (h[2], h[3], h[4], h[1]) if h[1] else (h[2], h[3], h[5] or 1.0, 1.0)
+
+        rows = self._rows
+        at = rows.at(specs, numbers, memo)
+        done = np.fromiter(map(_STEPS_DONE, jobs), float, n)
+        submitted = np.fromiter(map(_SUBMITTED, jobs), float, n)
+        perm, ties = srtf_order(rows.rows, at, done, submitted)
+        if ties < 0:
+            return None
+        out = perm.tolist()
+        if ties:  # runs equal in every number: job-id order, as the tuples' last part
+            keys = self.many_by_class(jobs, now, perf)
+            return order_positions(out, lambda a, b: keys[a][:3] == keys[b][:3], lambda i: jobs[i].job_id)
+        return out
 
     def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]:
         """``[by_class(self)(j, now, perf) for j in jobs]``: (-class, seconds left,

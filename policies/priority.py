@@ -22,7 +22,7 @@ from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, Pe
 from gearshift.policies.classes import by_class
 from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledgers, describe
-from gearshift.policies.protocols import BatchOrderKey, supports
+from gearshift.policies.protocols import BatchOrder, BatchOrderKey, supports
 from gearshift.policies.victims import work_since_checkpoint
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
@@ -76,8 +76,11 @@ class PriorityPolicy:
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         key = self.key
         # sharing.Shared may put a plain key in place of by_class's
-        keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
-        order = [jobs[i] for i in _sorted_by(keys)]  # = sorted(jobs, key=...)
+        at = key.order(jobs, now, perf) if supports(key, BatchOrder) else None
+        if at is None:
+            keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
+            at = _sorted_by(keys)
+        order = [jobs[i] for i in at]  # = sorted(jobs, key=...)
         ledger = self._ledgers.fresh(nodes)  # = Ledger(nodes)
         kept = self._kept_words()
         got = None

@@ -95,6 +95,24 @@ class ClassedBatchKey(Protocol):
     def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]: ...
 
 
+@runtime_checkable
+class BatchOrder(Protocol):
+    """An ordering key that also orders many jobs at once: ``order(jobs, now, perf)`` is
+    the positions of ``jobs`` sorted by their keys (``sorted(range(n), key=keys)``),
+    or None when it cannot tell (the caller sorts the keys itself)."""
+
+    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None: ...
+
+
+@runtime_checkable
+class ClassedBatchOrder(Protocol):
+    """A base ordering key that orders many jobs with the class in front:
+    ``order_by_class(jobs, now, perf)`` is what ``BatchOrder.order`` is for
+    ``by_class(key)``, or None (``ordering.SrtfKey``, on arrays: ``policies.array_order``)."""
+
+    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None: ...
+
+
 # ---------------------------------------------------------------- policies
 @runtime_checkable
 class BudgetedPolicy(Protocol):

@@ -8,7 +8,7 @@ from policy_helpers import job
 from gearshift.policies.classes import by_class
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.ordering import SrtfKey, las_key
-from gearshift.policies.protocols import BatchOrderKey, ClassedBatchKey, supports
+from gearshift.policies.protocols import BatchOrder, BatchOrderKey, ClassedBatchKey, supports
 
 
 class Tokened(AnalyticOracle):
@@ -47,3 +47,77 @@ def test_plain_keys_batch_through_by_class():
     jobs = _jobs()
     k = by_class(las_key)
     assert k.many(jobs, 0.0, None) == [k(j, 0.0, None) for j in jobs]
+
+
+def _sorted_positions(keys):
+    return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def test_srtf_array_order_is_the_order_of_the_tuples_round_after_round():
+    """``SrtfKey.order_by_class`` (numpy columns kept across rounds, ``policies.array_order``)
+    gives exactly the positions ``sorted`` gives on ``many_by_class``'s tuples: with jobs
+    tied in every number (job-id order decides, and "j10" sorts before "j9"), classes,
+    unknown speeds and step times, and as jobs progress, leave, arrive, change spec, and
+    the oracle's answers change."""
+    import random
+
+    rng = random.Random(7)
+    jobs = [job(f"j{i}", 1 + i % 3, t=float(i % 5), steps=1000 + 97 * (i % 4), done=float(13 * (i % 3)))
+            for i in range(40)]
+    for i in (3, 17, 29):
+        jobs[i].spec = msgspec.structs.replace(jobs[i].spec, priority=2)
+    jobs[7].spec = msgspec.structs.replace(jobs[7].spec, step_time=0.25)
+    for perf in (Tokened(), Unknown()):
+        key = SrtfKey()
+        assert supports(by_class(key), BatchOrder)
+        live = list(jobs)
+        ties = 0
+        for rnd in range(12):
+            tuples = by_class(key).many(live, 0.0, perf)
+            ties += len(tuples) - len({t[:3] for t in tuples})
+            got = by_class(key).order(live, 0.0, perf)
+            assert got == _sorted_positions(tuples), rnd
+            for j in rng.sample(live, 5):  # progress
+                j.steps_done += rng.choice([0.0, 50.0, 2000.0])
+            del live[rng.randrange(len(live))]  # one leaves, one arrives
+            n = 40 + rnd
+            live.append(job(f"j{n}", 1 + n % 3, t=float(n % 5), steps=1000, done=0.0))
+            if rnd % 4 == 1:  # a job's spec replaced
+                v = live[rng.randrange(len(live))]
+                v.spec = msgspec.structs.replace(v.spec, steps=v.spec.steps + 500)
+            if rnd % 4 == 2:  # the oracle's answers change
+                perf.token += 1
+        assert ties > 0  # the job-id tie-break was exercised
+    # short lists and oracles that cannot vouch: no array order (the caller sorts tuples)
+    assert by_class(SrtfKey()).order(jobs[:5], 0.0, Tokened()) is None
+    assert by_class(SrtfKey()).order(jobs, 0.0, AnalyticOracle()) is None
+
+
+def test_srtf_kernel_sorts_as_python_and_refuses_nan():
+    """``array_order.srtf_order`` + ``order_positions`` against ``sorted`` on the tuples,
+    with many ties (-0.0 equal to 0.0, as in Python), and None-worthy NaNs."""
+    import numpy as np
+
+    from gearshift.policies.array_order import order_positions, srtf_order
+
+    rng = np.random.default_rng(3)
+    n = 300
+    rows = np.vstack([-rng.integers(0, 3, n).astype(float), rng.integers(1, 4, n).astype(float) * 100,
+                      rng.integers(1, 3, n).astype(float), np.ones(n)])
+    at = rng.permutation(n).astype(np.intp)
+    done = rng.integers(0, 3, n).astype(float) * 100
+    submitted = rng.integers(0, 4, n).astype(float)
+    submitted[:9] = -0.0
+    names = [f"n{int(k)}" for k in rng.permutation(n)]
+    tuples = []
+    for i in range(n):
+        c = at[i]
+        left = rows[1, c] - done[i]
+        left = left if left > 0.0 else 0.0
+        tuples.append((rows[0, c], left * rows[2, c] / rows[3, c], submitted[i], names[i]))
+    perm, ties = srtf_order(rows, at, done, submitted)
+    assert ties == 1
+    got = order_positions(perm.tolist(), lambda a, b: tuples[a][:3] == tuples[b][:3], names.__getitem__)
+    assert got == _sorted_positions(tuples)
+    submitted[5] = float("nan")
+    assert srtf_order(rows, at, done, submitted)[1] == -1
