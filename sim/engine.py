@@ -35,9 +35,9 @@ from __future__ import annotations
 import gc
 import heapq
 import math
-from contextlib import contextmanager
 import time as _time
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
