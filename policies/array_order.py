@@ -23,19 +23,27 @@ the tuples itself. Pure: numpy and numba.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 from numba import njit
+
+_SPEC = attrgetter("spec")
 
 
 class SpecRows:
     """Columns of per-spec numbers (``rows``: width x capacity), one per spec seen.
 
-    ``at(specs, make, owner)``: the column of each of ``specs``, ``make(i)`` called for
-    a spec not seen before. ``owner``: what the columns were made under (the speeds'
+    ``at(jobs, make, owner)``: the column of each job's spec, ``make(i)`` called for a
+    spec not seen before. ``owner``: what the columns were made under (the speeds'
     memo, new when the oracle's answers change); another owner and all are made
-    again, as when the specs held outgrow the list asked about."""
+    again, as when the specs held outgrow the list asked about.
+
+    A round's list is mostly the last one's with some jobs gone and some appended
+    (live jobs in arrival order, in the simulator and the optimizer alike), so the
+    columns are first followed along the last round's list (``follow``, one pass on
+    the spec ids); only the specs it does not find are looked up by id. The specs
+    are held, so an id seen stays that object's."""
 
     __slots__ = ("width", "rows", "_owner", "_index", "_held", "_last_ids", "_last_at")
 
@@ -48,31 +56,56 @@ class SpecRows:
         self.rows = np.empty((self.width, 256))
         self._index: dict[int, int] = {}  # id(spec) -> column
         self._held: list = []  # the specs, by column
-        self._last_ids: list[int] | None = None
+        self._last_ids = np.empty(0, np.int64)
         self._last_at = np.empty(0, np.intp)
 
-    def at(self, specs: list, make: Callable[[int], Sequence[float]], owner: object) -> np.ndarray:
-        ids = list(map(id, specs))
-        n = len(ids)
+    def at(self, jobs: Sequence, make: Callable[[int], Sequence[float]], owner: object) -> np.ndarray:
+        n = len(jobs)
         if owner is not self._owner or len(self._held) > 4 * n + 4096:
             self._owner = owner
             self._reset()
-        elif ids == self._last_ids:
-            return self._last_at
-        index = self._index
-        at = np.fromiter(map(index.get, ids, repeat(-1, n)), np.intp, n)
-        if n and at.min() < 0:
+        ids = np.fromiter(map(id, map(_SPEC, jobs)), np.int64, n)
+        at, missing = follow(self._last_ids, self._last_at, ids)
+        if missing:
+            index = self._index
             for i in np.flatnonzero(at < 0).tolist():
-                k = index.get(ids[i])  # (a spec twice in the list: made once)
+                spec = jobs[i].spec
+                k = index.get(id(spec))
                 if k is None:
-                    k = index[ids[i]] = len(self._held)
+                    k = index[id(spec)] = len(self._held)
                     if k == self.rows.shape[1]:
                         self.rows = np.concatenate([self.rows, np.empty_like(self.rows)], axis=1)
                     self.rows[:, k] = make(i)
-                    self._held.append(specs[i])
+                    self._held.append(spec)
                 at[i] = k
         self._last_ids, self._last_at = ids, at
         return at
+
+
+@njit(cache=True)
+def follow(last_ids, last_at, ids):
+    """(each of ``ids``' column where it is found in ``last_ids`` at or after the last
+    one found, else -1; how many are -1). One pass when ``ids`` keeps ``last_ids``'
+    order with some gone and some added; the search gives up once it has looked at
+    more than 4 x both lengths (a list reordered: the caller looks the rest up)."""
+    n, m = len(ids), len(last_ids)
+    at = np.empty(n, np.intp)
+    j = 0
+    budget = 4 * (n + m)
+    missing = 0
+    for i in range(n):
+        x = ids[i]
+        k = j
+        while k < m and last_ids[k] != x and budget > 0:
+            k += 1
+            budget -= 1
+        if k < m and last_ids[k] == x:
+            at[i] = last_at[k]
+            j = k + 1
+        else:
+            at[i] = -1
+            missing += 1
+    return at, missing
 
 
 @njit(cache=True)

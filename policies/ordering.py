@@ -133,18 +133,17 @@ class SrtfKey(RequestSpeeds):
         memo = self._memo_for(perf)
         if memo is None:
             return None
-        specs = list(map(_SPEC, jobs))
         get, make = memo.get, self._row
 
         def numbers(i: int) -> tuple:
-            spec = specs[i]
+            spec = jobs[i].spec
             h = get(id(spec))
             if h is None or h[0] is not spec:
                 h = make(jobs[i], perf, memo)
             return (h[2], h[3], h[4], h[1]) if h[1] else (h[2], h[3], h[5] or 1.0, 1.0)
 
         rows = self._rows
-        at = rows.at(specs, numbers, memo)
+        at = rows.at(jobs, numbers, memo)
         done = np.fromiter(map(_STEPS_DONE, jobs), float, n)
         submitted = np.fromiter(map(_SUBMITTED, jobs), float, n)
         perm, ties = srtf_order(rows.rows, at, done, submitted)
