@@ -349,6 +349,7 @@ class BeliefOracle:
             from gearshift.policies.oracle import AnalyticOracle
 
             self._analytic = AnalyticOracle(gpus_per_node=gpus_per_node)
+            self.spec_key = self._analytic_key
         else:
             # The same plan space as the optimizer's oracle (perfmodel.enumerate_plans),
             # so a policy weighs the same plans live and in simulation.
@@ -387,6 +388,18 @@ class BeliefOracle:
                     v /= compute_slowdown(gtype)
             self._cache[ck] = v
         return v
+
+    def _analytic_key(self, spec: JobSpec) -> object:
+        """What its answers for ``spec`` depend on through the analytic model
+        (``protocols.KeyedOracle``; it has ``spec_key`` only then): the model and the
+        global batch (all ``AnalyticOracle`` reads of a spec), with the request (plan,
+        GPUs) when the measured regime's rule is on. So jobs of one model and batch
+        share the learning oracle's remembered answers. Through the fit it keeps no key
+        (a keyless oracle: the learning oracle and the candidates key by the spec minus
+        its identity, and a topology-priced oracle over it stays keyless as before)."""
+        if self.allowed is None:
+            return ("analytic", spec.model, spec.global_batch)
+        return ("analytic", spec.model, spec.global_batch, spec.plan, spec.gpus)
 
     def answers_token(self) -> int:
         """Its answers never change during a run (a fixed fit and a fixed rule), unless
