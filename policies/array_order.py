@@ -12,8 +12,8 @@ about a third of a Blox load-8 SRTF round. Here:
 - ``srtf_order``: one numba kernel computes every job's seconds left (the same scalar
   expressions as ``ordering.SrtfKey.many_by_class``, in the same order, compiled
   without fast-math: the same IEEE results) and sorts by class, seconds left and
-  submission time (three stable merge sorts, last key first: ``np.lexsort``'s
-  order); ``order_positions`` then puts each run of jobs equal in all three in
+  submission time (one stable merge sort on the three keys, ``_merge_order``:
+  ``np.lexsort``'s order); ``order_positions`` then puts each run of jobs equal in all three in
   job-id order, so the result is exactly ``sorted`` on the tuples.
 
 A NaN anywhere (Python's sort has no order to agree with there) and the caller sorts
@@ -126,14 +126,60 @@ def srtf_order(rows, at, done, submitted):
             return np.empty(0, np.int64), -1
         cls[i] = rows[0, c]
         secs[i] = s
-    perm = np.argsort(submitted, kind="mergesort")
-    perm = perm[np.argsort(secs[perm], kind="mergesort")]
-    perm = perm[np.argsort(cls[perm], kind="mergesort")]
+    perm = _merge_order(cls, secs, submitted)
     for k in range(n - 1):
         a, b = perm[k], perm[k + 1]
         if cls[a] == cls[b] and secs[a] == secs[b] and submitted[a] == submitted[b]:
             return perm, 1
     return perm, 0
+
+
+@njit(cache=True)
+def _before(a, b, cls, secs, sub):
+    """Is ``a`` strictly before ``b`` by (class, seconds left, submitted at)?"""
+    if cls[a] != cls[b]:
+        return cls[a] < cls[b]
+    if secs[a] != secs[b]:
+        return secs[a] < secs[b]
+    return sub[a] < sub[b]
+
+
+@njit(cache=True)
+def _merge_order(cls, secs, sub):
+    """The positions sorted by (class, seconds left, submitted at), equals in position
+    order: one stable bottom-up merge sort on the three keys, the order three stable
+    sorts give (last key first, ``np.lexsort``'s) in a third of the passes. No NaN
+    (the caller refuses them): the comparisons are then a total preorder."""
+    n = len(cls)
+    src = np.arange(n)
+    dst = np.empty(n, np.int64)
+    width = 1
+    while width < n:
+        lo = 0
+        while lo < n:
+            mid = min(lo + width, n)
+            hi = min(lo + 2 * width, n)
+            i, j, k = lo, mid, lo
+            while i < mid and j < hi:
+                if _before(src[j], src[i], cls, secs, sub):  # only a strictly earlier right one goes first
+                    dst[k] = src[j]
+                    j += 1
+                else:
+                    dst[k] = src[i]
+                    i += 1
+                k += 1
+            while i < mid:
+                dst[k] = src[i]
+                i += 1
+                k += 1
+            while j < hi:
+                dst[k] = src[j]
+                j += 1
+                k += 1
+            lo = hi
+        src, dst = dst, src
+        width *= 2
+    return src
 
 
 def order_positions(perm: list[int], same: Callable[[int, int], bool], name: Callable[[int], str]) -> list[int]:

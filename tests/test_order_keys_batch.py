@@ -121,3 +121,36 @@ def test_srtf_kernel_sorts_as_python_and_refuses_nan():
     assert got == _sorted_positions(tuples)
     submitted[5] = float("nan")
     assert srtf_order(rows, at, done, submitted)[1] == -1
+
+
+def test_merge_order_is_lexsorts_order():
+    """``array_order._merge_order``: the order of three stable sorts, last key first
+    (``np.lexsort``), equals in position order, on many ties and any length."""
+    import numpy as np
+
+    from gearshift.policies.array_order import _merge_order
+
+    rng = np.random.default_rng(11)
+    for n in (0, 1, 2, 3, 7, 64, 65, 300):
+        cls = -rng.integers(0, 2, n).astype(float)
+        secs = rng.integers(0, 5, n).astype(float)
+        sub = rng.integers(0, 3, n).astype(float)
+        sub[: n // 4] = -0.0  # equal to 0.0, as in Python
+        assert _merge_order(cls, secs, sub).tolist() == np.lexsort((sub, secs, cls)).tolist(), n
+
+
+def test_follow_finds_columns_along_the_last_list():
+    """``array_order.follow``: the last list's columns for ids it still holds, in its
+    order, -1 for the others, whether jobs left, arrived or the list was reordered."""
+    import numpy as np
+
+    from gearshift.policies.array_order import follow
+
+    last = np.array([10, 11, 12, 13, 14], np.int64)
+    cols = np.array([0, 1, 2, 3, 4], np.intp)
+    at, missing = follow(last, cols, np.array([10, 12, 14, 99], np.int64))  # two left, one arrived
+    assert at.tolist() == [0, 2, 4, -1] and missing == 1
+    at, missing = follow(last, cols, np.array([14, 13, 12], np.int64))  # reordered: only the first follows
+    assert at.tolist()[0] == 4 and missing == 2
+    at, missing = follow(np.empty(0, np.int64), np.empty(0, np.intp), np.array([1, 2], np.int64))
+    assert at.tolist() == [-1, -1] and missing == 2
