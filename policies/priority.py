@@ -15,7 +15,7 @@ less than a round; with shorter rounds this keeps the same guarantee).
 from __future__ import annotations
 
 from heapq import heappop, heappush
-from operator import attrgetter
+from operator import attrgetter, countOf
 from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
@@ -150,9 +150,8 @@ class PriorityPolicy:
                         break
                     cands.append(vat)
                 if ck_after is None:
-                    cks = list(map(_CHECKPOINT_AT, order))
-                    ck_after = -1 if cks.count(None) == len(cks) else max(
-                        k for k, ck in enumerate(cks) if ck is not None)
+                    ck_after = -1 if countOf(map(_CHECKPOINT_AT, order), None) == len(order) else max(
+                        k for k, j in enumerate(order) if j.checkpoint_at is not None)
                 if ck_after > at:  # any_checkpoint(order[at + 1:]): among equals, least work lost first (victim_order)
                     cands.sort(key=lambda vat: (order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
                 for vat in cands:
