@@ -32,22 +32,21 @@ progress; steps done never exceed steps.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import math
 import time as _time
 from collections.abc import Callable, Iterable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from gearshift.bus_schema.messages import ALLOWED_TRANSITIONS, InvalidTransition, JobState, Plan
 from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, with_type
 from gearshift.policies.decision import NodeCapacity, check_decision, diff
-from gearshift.sim.topology import TopologyStep
 from gearshift.policies.learning import LearningOracle
+from gearshift.sim.collect import fewer_collections
 from gearshift.sim.declared import declared_spec
 from gearshift.sim.dependencies import DependencyHold
+from gearshift.sim.topology import TopologyStep
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob
 from gearshift.sim.truth import BeliefOracle, GroundTruth, Predictor
 from gearshift.sim.views import NodeViews, SimViews
@@ -610,27 +609,6 @@ def sample_timeline(sim: "Simulator", t: float) -> None:
         tl[-1] = row
     elif not tl or tl[-1][1:] != row[1:]:
         tl.append(row)
-
-
-# Young-generation allocations between collections while a simulation runs (Python's
-# default: 700; the services run with 50,000 too, ``bus.process.tune_gc``). A run makes
-# views, decisions and placements every round and keeps few of them: with the default,
-# collections cost about 7% of a Blox load-8 SRTF run (7.77 against 7.19 CPU s with
-# collection off, 7.27 s at 50,000). Collection changes no result.
-SIM_GC_THRESHOLD = 50_000
-
-
-@contextmanager
-def fewer_collections(threshold: int = SIM_GC_THRESHOLD):
-    """Collect the young generation every ``threshold`` allocations (never more often
-    than the caller had it), and put the caller's thresholds back after."""
-    old = gc.get_threshold()
-    if 0 < old[0] < threshold:
-        gc.set_threshold(threshold, *old[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
 
 
 def simulate(trace: Trace, policy: Policy, cluster: ClusterSpec | None = None, config: SimConfig | None = None,

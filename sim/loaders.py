@@ -39,8 +39,9 @@ import re
 from datetime import datetime
 from pathlib import Path
 
-from gearshift.bus_schema.messages import ModelSpec, Plan
+from gearshift.bus_schema.messages import Dependency, JobSpec, ModelSpec, Plan
 from gearshift.sim import rubick_catalog as rc
+from gearshift.sim.collect import fewer_collections
 from gearshift.sim.trace import ClusterSpec, Trace, TraceJob, parse_cluster
 
 DATA = Path(__file__).parent / "data"
@@ -76,16 +77,15 @@ def _rows(path: Path) -> list[dict[str, str]]:
 def _after(r: dict[str, str], job_id) -> list | None:
     """A row's optional ``after`` column: the trace's ids of the jobs it starts after
     (each completed), separated by ``;`` or spaces; ``job_id`` maps a trace id to ours."""
-    from gearshift.bus_schema.messages import Dependency
-
-    ids = (r.get("after") or "").replace(";", " ").split()
+    after = r.get("after")
+    if not after:
+        return None
+    ids = after.replace(";", " ").split()
     return [Dependency(job=job_id(i)) for i in ids] or None
 
 
 def _make(job_id, submit, model, gpus, steps, step_time, plan=None, guaranteed=False, cpg=None,
           batch=_GENERIC_BATCH, truth_key="", after=None):
-    from gearshift.bus_schema.messages import JobSpec
-
     gpus = max(1, int(gpus))
     spec = JobSpec(
         name=job_id, model=model, global_batch=batch, steps=int(steps), gpus=gpus,
@@ -322,7 +322,8 @@ def load_named(name: str, seed: int = 0, **synthetic_options) -> Trace:
         fmt, rel = NAMED[name]
     except KeyError:
         raise ValueError(f"unknown trace {name!r}; known: {', '.join(trace_names())}") from None
-    trace = LOADERS[fmt](DATA / rel, name=name)
+    with fewer_collections():  # every job's spec made and kept
+        trace = LOADERS[fmt](DATA / rel, name=name)
     return trace
 
 
