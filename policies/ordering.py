@@ -9,7 +9,7 @@ from operator import attrgetter
 import numpy as np
 
 from gearshift.policies.api import JobView, PerfOracle, default_plan
-from gearshift.policies.array_order import SpecRows, order_positions, srtf_order
+from gearshift.policies.array_order import SpecRows, break_ties, srtf_order
 from gearshift.policies.placement import compact_shape
 from gearshift.policies.protocols import TokenedOracle, supports
 
@@ -102,7 +102,7 @@ class RequestSpeeds:
         return (seconds_left(job, self.throughput(job, perf)), job.submitted_at, job.job_id)
 
 
-_SPEC, _STEPS_DONE, _SUBMITTED = attrgetter("spec"), attrgetter("steps_done"), attrgetter("submitted_at")
+_STEPS_DONE = attrgetter("steps_done")
 
 
 class SrtfKey(RequestSpeeds):
@@ -145,14 +145,12 @@ class SrtfKey(RequestSpeeds):
         rows = self._rows
         at = rows.at(jobs, numbers, memo)
         done = np.fromiter(map(_STEPS_DONE, jobs), float, n)
-        submitted = np.fromiter(map(_SUBMITTED, jobs), float, n)
-        perm, ties = srtf_order(rows.rows, at, done, submitted)
-        if ties < 0:
+        perm, runs, ok = srtf_order(rows.rows, at, done)
+        if not ok:
             return None
         out = perm.tolist()
-        if ties:  # runs equal in every number: job-id order, as the tuples' last part
-            keys = self.many_by_class(jobs, now, perf)
-            return order_positions(out, lambda a, b: keys[a][:3] == keys[b][:3], lambda i: jobs[i].job_id)
+        if len(runs):  # jobs equal in class and seconds left (about one a round): submitted at, then job id
+            return break_ties(out, runs.tolist(), lambda i: jobs[i].submitted_at, lambda i: jobs[i].job_id)
         return out
 
     def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]:

@@ -337,8 +337,13 @@ class Simulator:
         self.rounds = 0
         self.events = 0
         by_type = {t: sum(g for u, g in zip(self.node_types, self.cap_g) if u == t) for t in dict.fromkeys(self.node_types)}
+        biggest_for: dict = {}  # the GPUs of the types a job accepts, by what it accepts (JobSpec.gpu_types)
         for j in trace.jobs:
-            biggest = max((g for t, g in by_type.items() if accepts(j.spec, t)), default=0)
+            types = j.spec.gpu_types
+            key = tuple(types) if types else None
+            biggest = biggest_for.get(key)
+            if biggest is None:
+                biggest = biggest_for[key] = max((g for t, g in by_type.items() if accepts(j.spec, t)), default=0)
             if j.spec.gpus > biggest:
                 what = f" of the types it accepts ({', '.join(j.spec.gpu_types)})" if j.spec.gpu_types else ""
                 raise ValueError(f"job {j.job_id} asks for {j.spec.gpus} GPUs; the cluster has {biggest}{what}")

@@ -94,11 +94,12 @@ def test_srtf_array_order_is_the_order_of_the_tuples_round_after_round():
 
 
 def test_srtf_kernel_sorts_as_python_and_refuses_nan():
-    """``array_order.srtf_order`` + ``order_positions`` against ``sorted`` on the tuples,
-    with many ties (-0.0 equal to 0.0, as in Python), and None-worthy NaNs."""
+    """``array_order.srtf_order`` + ``break_ties`` against ``sorted`` on the tuples,
+    with many ties (-0.0 equal to 0.0, as in Python); a NaN in seconds left, or in a
+    submission time inside a tie, refused; one outside every tie compared by neither."""
     import numpy as np
 
-    from gearshift.policies.array_order import order_positions, srtf_order
+    from gearshift.policies.array_order import break_ties, srtf_order
 
     rng = np.random.default_rng(3)
     n = 300
@@ -109,22 +110,42 @@ def test_srtf_kernel_sorts_as_python_and_refuses_nan():
     submitted = rng.integers(0, 4, n).astype(float)
     submitted[:9] = -0.0
     names = [f"n{int(k)}" for k in rng.permutation(n)]
-    tuples = []
-    for i in range(n):
-        c = at[i]
-        left = rows[1, c] - done[i]
-        left = left if left > 0.0 else 0.0
-        tuples.append((rows[0, c], left * rows[2, c] / rows[3, c], submitted[i], names[i]))
-    perm, ties = srtf_order(rows, at, done, submitted)
-    assert ties == 1
-    got = order_positions(perm.tolist(), lambda a, b: tuples[a][:3] == tuples[b][:3], names.__getitem__)
-    assert got == _sorted_positions(tuples)
-    submitted[5] = float("nan")
-    assert srtf_order(rows, at, done, submitted)[1] == -1
+
+    def tuples():
+        out = []
+        for i in range(n):
+            c = at[i]
+            left = rows[1, c] - done[i]
+            left = left if left > 0.0 else 0.0
+            out.append((rows[0, c], left * rows[2, c] / rows[3, c], submitted[i], names[i]))
+        return out
+
+    def order():
+        perm, runs, ok = srtf_order(rows, at, done)
+        assert ok
+        return break_ties(perm.tolist(), runs.tolist(), submitted.__getitem__, names.__getitem__)
+
+    t = tuples()
+    assert len({k[:3] for k in t}) < n  # ties in all three: job ids decide
+    assert order() == _sorted_positions(t)
+    submitted[5] = float("nan")  # inside a tie (every class/seconds pair repeats here)
+    assert order() is None
+    # a job alone in its class and seconds left: its submission time is never compared
+    rows = np.hstack([rows, [[-7.0], [123.0], [1.0], [1.0]]])
+    at = np.append(at, n).astype(np.intp)
+    done = np.append(done, 0.0)
+    submitted[5] = 1.0
+    submitted = np.append(submitted, float("nan"))
+    names.append("lonely")
+    n += 1
+    got = order()
+    assert got == _sorted_positions(tuples()) and got[0] == n - 1
+    rows[2, at[0]] = float("nan")  # seconds left NaN
+    assert srtf_order(rows, at, done)[2] is False
 
 
 def test_merge_order_is_lexsorts_order():
-    """``array_order._merge_order``: the order of three stable sorts, last key first
+    """``array_order._merge_order``: the order of two stable sorts, last key first
     (``np.lexsort``), equals in position order, on many ties and any length."""
     import numpy as np
 
@@ -134,9 +155,8 @@ def test_merge_order_is_lexsorts_order():
     for n in (0, 1, 2, 3, 7, 64, 65, 300):
         cls = -rng.integers(0, 2, n).astype(float)
         secs = rng.integers(0, 5, n).astype(float)
-        sub = rng.integers(0, 3, n).astype(float)
-        sub[: n // 4] = -0.0  # equal to 0.0, as in Python
-        assert _merge_order(cls, secs, sub).tolist() == np.lexsort((sub, secs, cls)).tolist(), n
+        secs[: n // 4] = -0.0  # equal to 0.0, as in Python
+        assert _merge_order(cls, secs).tolist() == np.lexsort((secs, cls)).tolist(), n
 
 
 def test_follow_finds_columns_along_the_last_list():
