@@ -27,6 +27,7 @@ Sia and Gavel model types themselves (``hetero = True``) and are not wrapped.
 
 from __future__ import annotations
 
+import math
 from operator import attrgetter
 
 import numpy as np
@@ -52,6 +53,7 @@ from gearshift.policies.protocols import (
     ObservingOracle,
     PlanningOracle,
     RevisedOracle,
+    SteadyPolicy,
     supports,
 )
 
@@ -136,6 +138,7 @@ class ByType:
         self.restart_cost = restart_cost
         self.min_run_time = min_run_time
         self._inner: dict[str, object] = {}
+        self._one = None  # the inner policy that decided the last round alone (one type), if one did
         self._speed: dict = {}
         self.last_types: dict[str, str] = {}
 
@@ -169,11 +172,19 @@ class ByType:
             self._inner[gpu_type] = got
         return got
 
+    def steady_until(self) -> float:
+        """``protocols.SteadyPolicy``: the inner policy's, when the last round had one
+        type and no job asked for one (one inner policy decided it all), else -inf."""
+        one = self._one
+        return one.steady_until() if one is not None and supports(one, SteadyPolicy) else -math.inf
+
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         types = node_types(nodes)
         if len(types) <= 1 and not any(map(_GPU_TYPES, map(_SPEC, jobs))):  # every job, every round: in C
             t = types[0] if types else ""
-            return self.inner(t).schedule(now, nodes, jobs, typed_oracle(perf, t))
+            self._one = self.inner(t)
+            return self._one.schedule(now, nodes, jobs, typed_oracle(perf, t))
+        self._one = None
         assign = self.assign(now, nodes, jobs, perf, types)
         self.last_types = assign
         d = Decision()

@@ -121,6 +121,13 @@ class SrtfKey(RequestSpeeds):
     def __call__(self, job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
         return self.srtf_key(job, now, perf)
 
+    @staticmethod
+    def keeps_steady() -> bool:
+        """``protocols.SteadyKey``: (-class, seconds left at the request's speed, submitted
+        at, job id). A waiting job's steps do not move; a running job's only grow, so its
+        seconds left only fall; the speed is the oracle's, which the caller holds still."""
+        return True
+
     def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None:
         """The positions of ``jobs`` sorted by ``many_by_class``'s tuples (``protocols.ClassedBatchOrder``),
         on arrays (``policies.array_order``): seconds left as ``(left x global batch) /

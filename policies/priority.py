@@ -14,15 +14,16 @@ less than a round; with shorter rounds this keeps the same guarantee).
 
 from __future__ import annotations
 
+import math
 from heapq import heappop, heappush
 from operator import attrgetter, countOf
 from typing import Callable
 
 from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
-from gearshift.policies.classes import by_class
+from gearshift.policies.classes import ByClass, by_class
 from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledgers, describe
-from gearshift.policies.protocols import BatchOrder, BatchOrderKey, supports
+from gearshift.policies.protocols import BatchOrder, BatchOrderKey, SteadyKey, supports
 from gearshift.policies.victims import work_since_checkpoint
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
@@ -69,6 +70,7 @@ class PriorityPolicy:
         # negative amount (the shortcut's argument needs them all >= 0); _kept then holds all its
         # allocations as kept decisions
         self._after: tuple[dict, dict, str] | None = None
+        self._steady_until = -math.inf  # protocols.SteadyPolicy, for the last decision
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -101,6 +103,8 @@ class PriorityPolicy:
         else:
             holding, held_at, walk, signed = _keep_pass(order, ledger.free_g, ledger.free_c, self._kept.get, kept)
         ck_after: int | None = None  # the last position with a checkpoint (-1: none), found once when asked
+        placed = False  # the walk placed a job (the decision changed something)
+        expires = math.inf  # the first protection that ends among the victims refused for it
         decision = Decision()
         preempted: dict[str, str] = {}
         blocked: JobView | None = None
@@ -162,6 +166,7 @@ class PriorityPolicy:
                         if not victim_ok(v, j):
                             continue
                     elif (since := v.switched_at) is not None and now - since < min_run:  # _protected, inlined
+                        expires = min(expires, since + min_run)
                         continue
                     ledger.give(v.placement)
                     victims.append((vat, v, holding.pop(v.job_id)))
@@ -185,6 +190,7 @@ class PriorityPolicy:
             for vat, v, _ in victims:
                 preempted[v.job_id] = f"preempted by {j.job_id}, ahead in {self.name} order{self.describe_key(v)}"
                 heappush(walk, vat)  # it is walked in its turn, as a job not kept
+            placed = True
             verb = "moved to" if j.running else "started on"
             decision.allocations[j.job_id] = JobDecision(
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
@@ -200,7 +206,35 @@ class PriorityPolicy:
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
+        # nothing changed: every running job kept what it held (the last round's), none placed
+        self._steady_until = expires if got is not None and not placed and not preempted and self._steady() \
+            else -math.inf
         return decision
+
+    def _steady(self) -> bool:
+        """Does a decision that changed nothing stand while nothing moves (``steady_until``)?
+        With a steady key and the default victims, blocking and words, yes."""
+        key = self.key
+        return (isinstance(key, ByClass) and supports(key.base, SteadyKey) and key.base.keeps_steady()
+                and self.victim_ok is None and self.blocks is None and self.describe_key is _no_words)
+
+    def steady_until(self) -> float:
+        """``protocols.SteadyPolicy``. After a decision that changed nothing (every running
+        job kept, none placed, none preempted), with a steady key (``protocols.SteadyKey``)
+        and the default victims, blocking and words, the same jobs holding the same, on the
+        same nodes, with the oracle's answers standing, get the same decision until a
+        victim it refused for its minimum run time may be taken:
+
+        - the waiting jobs keep their keys and order, and the running ones' only fall, so
+          the jobs behind a waiting one are a subset of those behind it then;
+        - every waiting job was refused (none placed) on the same free GPUs, after
+          freeing every victim behind it it could take (``Ledger.place`` finds room
+          whenever room grew: a node's or the sum of the nodes' room), so on a subset it
+          is refused again; the first one blocks the rest with the same words;
+        - the kept decisions are the same objects, and ``_after`` the same free GPUs.
+
+        -inf otherwise (a job placed, preempted or moved; another key; custom victims)."""
+        return self._steady_until
 
     def _kept_words(self) -> str:
         """A kept job's reason, made once per name (its decisions carry the same string)."""

@@ -113,7 +113,28 @@ class ClassedBatchOrder(Protocol):
     def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None: ...
 
 
+@runtime_checkable
+class SteadyKey(Protocol):
+    """An ordering key (with the class in front, ``classes.by_class``) that stays the
+    same while a job waits and never rises while it runs, as long as the oracle's
+    answers stand: ``keeps_steady()`` (``ordering.SrtfKey``: seconds left at the
+    request's speed; a waiting job's steps do not move, a running job's only grow)."""
+
+    def keeps_steady(self) -> bool: ...
+
+
 # ---------------------------------------------------------------- policies
+@runtime_checkable
+class SteadyPolicy(Protocol):
+    """Decides again what it decided last while nothing moves: ``steady_until()`` is the
+    time before which the same jobs, holding what its last decision gave them, on the
+    same nodes, with the oracle's answers standing, would get the same decision from
+    it (its last one changed nothing: every running job kept, none started); -inf when
+    it cannot say. The simulator then need not ask it (``sim.engine``)."""
+
+    def steady_until(self) -> float: ...
+
+
 @runtime_checkable
 class BudgetedPolicy(Protocol):
     """Plans within per-tenant GPU budgets, told before each round by ``sharing.Shared``

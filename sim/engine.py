@@ -43,6 +43,7 @@ from gearshift.bus_schema.messages import ALLOWED_TRANSITIONS, InvalidTransition
 from gearshift.policies.api import JobView, NodeState, Placement, Policy, accepts, with_type
 from gearshift.policies.decision import NodeCapacity, check_decision, diff
 from gearshift.policies.learning import LearningOracle
+from gearshift.policies.protocols import SteadyPolicy, TokenedOracle, supports
 from gearshift.sim.collect import fewer_collections
 from gearshift.sim.declared import declared_spec
 from gearshift.sim.dependencies import DependencyHold
@@ -94,6 +95,11 @@ class SimConfig:
     # (JobView.target_throughput); off: policies use the model's prediction of the request.
     measured_targets: bool = False
     record_timeline: bool = True
+    # Rounds in which nothing moved (no job arrived, ended, started or stopped since the
+    # last round, and the oracle's answers stand) are not asked again of a policy that
+    # says it would decide the same (policies.protocols.SteadyPolicy, SRTF): the running
+    # jobs' progress is accounted as every round does, and nothing else changes.
+    skip_steady: bool = True
     # "measured": policies may choose only configurations with a measured row or the
     # job's own request; "extended": any configuration, truth from sim.extended where
     # nothing was measured (needs the fitted model). See sim/README.md.
@@ -185,6 +191,7 @@ class SimResult:
     # Step-function samples after each event: (time, GPUs allocated, jobs queued, jobs running)
     timeline: list[tuple[float, int, int, int]]
     topology: Any = None  # sim.topology.TopologyStep (SimConfig.topology): spans, slow_gpu_s
+    rounds_skipped: int = 0  # rounds not asked of a steady policy (SimConfig.skip_steady)
 
     @property
     def topology_spans(self) -> dict[str, int] | None:
@@ -336,21 +343,11 @@ class Simulator:
         self.now = 0.0
         self.rounds = 0
         self.events = 0
-        by_type = {t: sum(g for u, g in zip(self.node_types, self.cap_g) if u == t) for t in dict.fromkeys(self.node_types)}
-        biggest_for: dict = {}  # the GPUs of the types a job accepts, by what it accepts (JobSpec.gpu_types)
-        for j in trace.jobs:
-            types = j.spec.gpu_types
-            key = tuple(types) if types else None
-            biggest = biggest_for.get(key)
-            if biggest is None:
-                biggest = biggest_for[key] = max((g for t, g in by_type.items() if accepts(j.spec, t)), default=0)
-            if j.spec.gpus > biggest:
-                what = f" of the types it accepts ({', '.join(j.spec.gpu_types)})" if j.spec.gpu_types else ""
-                raise ValueError(f"job {j.job_id} asks for {j.spec.gpus} GPUs; the cluster has {biggest}{what}")
+        self.steady = SteadyRounds(self.policy, self.oracle, cfg)  # rounds in which nothing moved
+        refuse_too_big(trace.jobs, self.node_types, self.cap_g)
 
-    # ------------------------------------------------------------ progress
-    # ------------------------------------------------------------ allocation changes
     def _release(self, r: SimJob, t: float) -> None:
+        self.steady.moved = True
         self.views.rows.detach(r)  # its accounting back on the record (sim.progress)
         advance(r, t, self.cfg.check_invariants)
         r.attained_before = r.attained
@@ -377,6 +374,7 @@ class Simulator:
     def _grant(self, r: SimJob, placement: tuple[Placement, ...], plan: Plan, t: float) -> None:
         # the nodes' own type, whatever the decision said (truth and learning read it)
         placement = with_type(placement, self.node_types[self.node_index[placement[0].node]])
+        self.steady.moved = True
         jid = r.job.job_id
         for p in placement:
             i = self.node_index[p.node]
@@ -435,6 +433,10 @@ class Simulator:
         self.rounds += 1
         if self.cfg.learn:
             observe_started(self, t)
+        token = self.steady.token()
+        if self.steady.quiet(t, token, self.topo is None):
+            self.views.rows.advance(t)  # the running jobs' accounting, as every round's views do
+            return False
         views = self.views.views(t)  # every running job's progress accounted to t, too (SimViews.views)
         if self.cfg.checkpoint_interval is not None:  # what agents report live (JobProgress)
             for v in views:
@@ -482,6 +484,7 @@ class Simulator:
             self._touched.clear()
         elif not self.cfg.check_invariants:
             self._touched.clear()
+        self.steady.decided(token)
         return changed
 
     # ------------------------------------------------------------ the loop
@@ -553,7 +556,7 @@ class Simulator:
                 completed = True
                 for d in self.holds.completed(r.job.job_id):  # its dependents that arrived join the queue
                     self.live[d.job.job_id] = d
-                    arrived = True
+                    arrived = self.steady.moved = True
                 if tracked_left is not None:
                     tracked_left.discard(r.job.job_id)
             while nxt < n and jobs[nxt].job.submit <= t:
@@ -562,7 +565,7 @@ class Simulator:
                 nxt += 1
                 if self.holds.arrive(r):
                     self.live[r.job.job_id] = r
-                    arrived = True
+                    arrived = self.steady.moved = True
             if tracked_left is not None and not tracked_left:
                 break
             run_round = t >= next_round or (arrived and cfg.round_on_arrival) or (completed and cfg.round_on_completion)
@@ -584,8 +587,55 @@ class Simulator:
             advance(r, end, self.cfg.check_invariants)
         return SimResult(self.policy.name, self.trace.name, self.cluster, cfg, self.records, self.trace.tracked, end,
                          self.rounds, self.events, _time.perf_counter() - wall0, self.timeline,
-                         self.topo)
+                         self.topo, self.steady.skipped)
 
+
+
+class SteadyRounds:
+    """Which rounds need not ask a steady policy again (``SimConfig.skip_steady``,
+    ``policies.protocols.SteadyPolicy``): those in which nothing moved since its last
+    decision (``moved``: every grant, release and arrival sets it; a decision clears it),
+    with the oracle's answers (``answers_token``) those it decided under, and no
+    checkpoints or topology feeding it inputs that move with time."""
+
+    def __init__(self, policy: Any, oracle: Any, cfg: SimConfig):
+        on = cfg.skip_steady and cfg.checkpoint_interval is None and supports(policy, SteadyPolicy)
+        self._until = policy.steady_until if on else None
+        self._answers = oracle.answers_token if supports(oracle, TokenedOracle) else None
+        self.moved = True
+        self._decided_under: object = None
+        self.skipped = 0
+
+    def token(self) -> object:
+        return self._answers() if self._answers is not None else None
+
+    def quiet(self, t: float, token: object, flat: bool) -> bool:
+        """Skip the round at ``t`` (counted in ``skipped``)? ``flat``: no topology."""
+        if (self._until is None or self.moved or token is None or token != self._decided_under or not flat
+                or not t < self._until()):
+            return False
+        self.skipped += 1
+        return True
+
+    def decided(self, token: object) -> None:
+        """A decision was made under ``token`` and applied."""
+        self.moved, self._decided_under = False, token
+
+
+def refuse_too_big(jobs: Iterable[TraceJob], node_types: list[str], cap_g: list[int]) -> None:
+    """A job asking for more GPUs than the types it accepts have in all: a clear error
+    (checked once per set of accepted types)."""
+    by_type = {t: sum(g for u, g in zip(node_types, cap_g) if u == t) for t in dict.fromkeys(node_types)}
+    biggest_for: dict = {}
+    for j in jobs:
+        types = j.spec.gpu_types
+        key = tuple(types) if types else None
+        biggest = biggest_for.get(key)
+        if biggest is None:
+            biggest = biggest_for[key] = max((g for t, g in by_type.items() if accepts(j.spec, t)), default=0)
+        if j.spec.gpus > biggest:
+            what = f" of the types it accepts ({', '.join(j.spec.gpu_types)})" if j.spec.gpu_types else ""
+            raise ValueError(f"job {j.job_id} asks for {j.spec.gpus} GPUs; the cluster has {biggest}{what}")
 
 
 def observe_started(sim: "Simulator", t: float) -> None:

@@ -7,6 +7,7 @@ of a policy with no last round, decision for decision."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -189,3 +190,33 @@ def test_rows_kernel_is_the_numpy_expressions_bit_for_bit(seed):
         assert a.service(t).tobytes() == b.service_numpy(t).tobytes()
         for f in _FIELDS:
             assert getattr(a, f)[:a.n].tobytes() == getattr(b, f)[:b.n].tobytes(), f
+
+
+_FIELDS = ("state", "first_start", "finish", "starts", "reconfigs", "preemptions", "steps_done", "attained",
+           "gpu_seconds", "run_time", "restart_lost", "placement", "plan", "attained_before")
+
+
+def _outcome(res) -> list:
+    return [(r.job.job_id,) + tuple(repr(getattr(r, f)) for f in _FIELDS) for r in res.records] + \
+        [res.timeline, res.rounds, res.events, res.end_time]
+
+
+@pytest.mark.parametrize("name", ["srtf", "fifo", "tiresias"])
+@pytest.mark.parametrize("seed", range(4))
+def test_steady_rounds_skipped_change_nothing(name, seed):
+    """``SimConfig.skip_steady``: the rounds not asked of a steady policy
+    (``protocols.SteadyPolicy``) leave every job's record, the timeline and the round
+    count as asking it would; SRTF says it is steady, so some rounds are skipped there
+    (its minimum run time protects victims: the skip ends when one may be taken)."""
+    trace = _queue(seed)
+    base = SimConfig(interval=60, restart_cost=20, noise=0, round_on_arrival=False, round_on_completion=False,
+                     skip_steady=False)
+    asked = simulate(trace, make_policy(name, min_run_time=150.0), config=base)
+    skipped = simulate(trace, make_policy(name, min_run_time=150.0), config=replace(base, skip_steady=True))
+    assert asked.rounds_skipped == 0
+    assert _outcome(skipped) == _outcome(asked)
+    assert all(r.finish is not None for r in skipped.records)
+    if name == "srtf":
+        assert skipped.rounds_skipped > 0 and sum(r.preemptions for r in skipped.records) > 0
+    else:  # FIFO's and Tiresias's keys are not declared steady: every round is asked
+        assert skipped.rounds_skipped == 0
