@@ -206,9 +206,11 @@ class PriorityPolicy:
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
-        # nothing changed: every running job kept what it held (the last round's), none placed
-        self._steady_until = expires if got is not None and not placed and not preempted and self._steady() \
-            else -math.inf
+        # every running job held the last round's decision; and this one changed nothing, or it changed
+        # what the walk up to the blocked job placed and preempted, the blocked one not preempted itself
+        settles = not placed and not preempted or self.head_of_line and (blocked is None or
+                                                                         blocked.job_id not in preempted)
+        self._steady_until = expires if got is not None and settles and self._steady() else -math.inf
         return decision
 
     def _steady(self) -> bool:
@@ -219,11 +221,12 @@ class PriorityPolicy:
                 and self.victim_ok is None and self.blocks is None and self.describe_key is _no_words)
 
     def steady_until(self) -> float:
-        """``protocols.SteadyPolicy``. After a decision that changed nothing (every running
-        job kept, none placed, none preempted), with a steady key (``protocols.SteadyKey``)
-        and the default victims, blocking and words, the same jobs holding the same, on the
-        same nodes, with the oracle's answers standing, get the same decision until a
-        victim it refused for its minimum run time may be taken:
+        """``protocols.SteadyPolicy``. With a steady key (``protocols.SteadyKey``) and the
+        default victims, blocking and words, after a round in which every running job held
+        the last decision: once this decision is applied, the same jobs, on the same nodes,
+        with the oracle's answers standing, get a decision that changes nothing (every
+        running job kept, none placed, none preempted) until a victim it refused for its
+        minimum run time may be taken. When this decision changed nothing:
 
         - the waiting jobs keep their keys and order, and the running ones' only fall, so
           the jobs behind a waiting one are a subset of those behind it then;
@@ -233,7 +236,14 @@ class PriorityPolicy:
           is refused again; the first one blocks the rest with the same words;
         - the kept decisions are the same objects, and ``_after`` the same free GPUs.
 
-        -inf otherwise (a job placed, preempted or moved; another key; custom victims)."""
+        When it placed or preempted jobs, with head-of-line blocking: the walk placed every
+        job before the first it refused (the blocked one) and nothing after it, so the next
+        round's first waiting job is the blocked one, on the free GPUs it was refused on;
+        the jobs it placed are ahead of it (their keys only fall), and the running jobs
+        behind it are a subset of the candidates it freed then, unless it was a victim of
+        this round itself (it then took none: it is not vouched for). What follows it waits.
+
+        -inf otherwise (a job held something else; another key; custom victims)."""
         return self._steady_until
 
     def _kept_words(self) -> str:

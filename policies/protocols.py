@@ -126,11 +126,11 @@ class SteadyKey(Protocol):
 # ---------------------------------------------------------------- policies
 @runtime_checkable
 class SteadyPolicy(Protocol):
-    """Decides again what it decided last while nothing moves: ``steady_until()`` is the
-    time before which the same jobs, holding what its last decision gave them, on the
-    same nodes, with the oracle's answers standing, would get the same decision from
-    it (its last one changed nothing: every running job kept, none started); -inf when
-    it cannot say. The simulator then need not ask it (``sim.engine``)."""
+    """Settles while nothing moves: ``steady_until()`` is the time before which the same
+    jobs, holding what its last decision gave them, on the same nodes, with the oracle's
+    answers standing, would get a decision from it that changes nothing (every running
+    job kept as it holds, none started, none stopped); -inf when it cannot say. The
+    simulator then need not ask it (``sim.engine``)."""
 
     def steady_until(self) -> float: ...
 

@@ -96,9 +96,9 @@ class SimConfig:
     measured_targets: bool = False
     record_timeline: bool = True
     # Rounds in which nothing moved (no job arrived, ended, started or stopped since the
-    # last round, and the oracle's answers stand) are not asked again of a policy that
-    # says it would decide the same (policies.protocols.SteadyPolicy, SRTF): the running
-    # jobs' progress is accounted as every round does, and nothing else changes.
+    # last decision was applied, and the oracle's answers stand) are not asked of a policy
+    # that says it would change nothing then (policies.protocols.SteadyPolicy, SRTF): the
+    # running jobs' progress is accounted as every round does, and nothing else changes.
     skip_steady: bool = True
     # "measured": policies may choose only configurations with a measured row or the
     # job's own request; "extended": any configuration, truth from sim.extended where

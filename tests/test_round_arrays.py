@@ -220,3 +220,64 @@ def test_steady_rounds_skipped_change_nothing(name, seed):
         assert skipped.rounds_skipped > 0 and sum(r.preemptions for r in skipped.records) > 0
     else:  # FIFO's and Tiresias's keys are not declared steady: every round is asked
         assert skipped.rounds_skipped == 0
+
+
+def _apply(jobs: list[JobView], d, now: float) -> None:
+    """The jobs hold what decision ``d`` gives them, as a caller applies it."""
+    for j in jobs:
+        a = d.allocations.get(j.job_id)
+        if a is None:
+            j.placement, j.plan = (), None
+        elif a.placement != j.placement or a.plan != j.plan:
+            j.placement, j.plan, j.last_switch_at = a.placement, a.plan, now
+            if j.started_at is None:
+                j.started_at = now
+
+
+@pytest.mark.parametrize("head_of_line", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_srtf_vouches_only_for_rounds_that_change_nothing(seed, head_of_line):
+    """``PriorityPolicy.steady_until`` after rounds that placed and preempted jobs, too:
+    once the decision is applied, every round before it (running jobs a little further
+    on, nothing else moved) keeps every running job as it holds and starts none, and a
+    policy with no last round decides the same. Random queues of 1-4 GPU jobs in two
+    classes on 2-3 nodes, jobs arriving and finishing between rounds, with and without
+    head-of-line blocking (without it, it vouches only after rounds that changed nothing)."""
+    rng = random.Random(seed)
+    min_run = rng.choice([0.0, 100.0, 250.0])
+    nodes = [NodeState(f"n{i}", 4, 4, 8, 8) for i in range(rng.choice([2, 3]))]
+    pol = make_policy("srtf", min_run_time=min_run, head_of_line=head_of_line)
+    jobs: list[JobView] = []
+    now, vouched, after_change = 0.0, 0, 0
+    for step in range(80):
+        for _ in range(rng.choice([0, 0, 1, 2, 3])):
+            i = len(jobs) + step * 100
+            gpus = rng.choice([1, 1, 2, 3, 4])
+            spec = JobSpec(name=f"j{i}", model=MODEL, global_batch=8, steps=rng.randint(50, 3000), gpus=gpus,
+                           plan=Plan(dp=gpus), priority=rng.choice([0, 0, 0, 1]))
+            jobs.append(JobView(f"j{i}", spec, submitted_at=now))
+        if jobs and rng.random() < 0.3:  # one ends
+            jobs.remove(rng.choice(jobs))
+        d = pol.schedule(now, nodes, jobs, None)
+        held_before = {j.job_id: j.placement for j in jobs if j.placement}
+        changed = {k: a.placement for k, a in d.allocations.items()} != held_before
+        _apply(jobs, d, now)
+        until = pol.steady_until()
+        if until > now:
+            vouched += 1
+            after_change += changed
+            later = rng.uniform(now, min(until, now + 600.0))
+            for j in jobs:  # the running ones got on (their seconds left fall); the waiting ones did not
+                if j.placement:
+                    j.steps_done = min(float(j.spec.steps), j.steps_done + rng.uniform(0, 200))
+            again = pol.schedule(later, nodes, jobs, None)
+            held = {j.job_id: (j.placement, j.plan) for j in jobs if j.placement}
+            assert {k: (a.placement, a.plan) for k, a in again.allocations.items()} == held
+            fresh = make_policy("srtf", min_run_time=min_run, head_of_line=head_of_line)
+            assert _words(fresh.schedule(later, nodes, jobs, None))[0] == _words(again)[0]
+            now = later
+        now += rng.choice([60.0, 300.0])
+        for j in jobs:
+            if j.placement:
+                j.steps_done = min(float(j.spec.steps), j.steps_done + rng.uniform(0, 400))
+    assert vouched > 5 and (after_change > 0 or not head_of_line)  # after rounds that changed something, too
