@@ -1,6 +1,11 @@
 """The scheduling interface shared by the optimizer service and the simulator.
 
 Changes (newest first; all backward compatible, every new field has a default):
+- ``Decision.changes`` (issue 22): a policy may also tell its decision as what it
+  changes against the views it was handed (``Changes``: the jobs placed, the jobs
+  left out; every other running job kept as it holds), so ``policies.decision.diff``
+  looks at those jobs only; whatever edits a decision's allocations afterwards sets
+  it to None.
 - Topology (issue 23): ``NodeState.topology`` (a ``bus_schema.topology`` path);
   ``policies.topology.arrange`` moves each gang within its job's required level
   (``JobSpec.topology``), the finest that has room, after the policy's round;
@@ -69,7 +74,7 @@ because a plan is the same thing on the bus and in the policy.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from gearshift.bus_schema.messages import JobSpec, Plan
 
@@ -198,6 +203,20 @@ class JobDecision:
     predicted_gain: float | None = None  # vs the current allocation; None for a start
 
 
+@dataclass(slots=True, frozen=True)
+class Changes:
+    """A decision told as what it changes against the job views its policy was handed
+    (``jobs``: that list object): every job there holding an allocation keeps it as it
+    holds (the same plan and placement) unless named here. ``placed``: the jobs allocated
+    anew, elsewhere or again, in the decision's order; ``left``: jobs that held an
+    allocation and are left out (preempted). ``policies.decision.diff`` then looks at
+    these jobs only (issue 22's rounds that do only what changed)."""
+
+    jobs: Any
+    placed: tuple[str, ...]
+    left: tuple[str, ...]
+
+
 @dataclass(slots=True)
 class Decision:
     """Desired state after a round: job_id -> allocation; absent = not running."""
@@ -205,6 +224,9 @@ class Decision:
     allocations: dict[str, JobDecision] = field(default_factory=dict)
     # Why each job that does not run is waiting, in words.
     waiting: dict[str, str] = field(default_factory=dict)
+    # The same decision as changes, when its policy tells it so (``Changes``); whatever
+    # edits ``allocations`` after the policy sets it to None.
+    changes: Changes | None = None
 
 
 class PerfOracle(Protocol):

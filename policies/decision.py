@@ -7,7 +7,11 @@ policy's decision (issue 22).
   only allocations that changed are checked, and capacity is free now + what
   released/changed jobs give back - what changed jobs take.
 - ``diff(holding, decision)`` splits a decision into keep / preempt / start /
-  reconfigure, with "the same allocation" decided once (``same_allocation``).
+  reconfigure, with "the same allocation" decided once (``same_allocation``). A
+  decision its policy tells as changes (``api.Changes``: the jobs it placed and left
+  out, every other running job kept) is split on those jobs alone when the caller
+  says the views it handed hold what ``holding`` holds (``diff(..., handed=views)``);
+  ``NodeCapacity.check`` then looks at the changed and released jobs alone too.
 
 The rules, one set for both callers: every named job is live; a placement is not
 empty, names known nodes, each once, with no negative amounts; its GPUs are the
@@ -25,7 +29,7 @@ from typing import Protocol
 from gearshift.bus_schema.messages import JobSpec, Plan
 from gearshift.bus_schema.plan_support import plan_refusal
 from gearshift.bus_schema.topology import within
-from gearshift.policies.api import AllocationError, Decision, JobDecision, NodeState, Placement, accepts
+from gearshift.policies.api import AllocationError, Changes, Decision, JobDecision, NodeState, Placement, accepts
 
 
 class Holding(Protocol):
@@ -78,10 +82,25 @@ class Diff:
     changed: tuple[str, ...]
 
 
-def diff(holding: Mapping[str, Holding], decision: Decision) -> Diff:
+def diff(holding: Mapping[str, Holding], decision: Decision, handed: object = None) -> Diff:
     """Keep (same allocation), preempt (held, left out), start (not held),
-    reconfigure (held, different plan or placement)."""
-    allocs = decision.allocations
+    reconfigure (held, different plan or placement).
+
+    ``handed``: the list of job views the policy was handed, when what they hold is
+    ``holding`` (the caller built them from it). A decision that tells its changes
+    against that very list (``Decision.changes``) is then split by looking at the jobs
+    it names only: the same result, in work proportional to what changed; if its
+    counts do not add up (edited since), the whole decision is looked at."""
+    ch = decision.changes
+    if ch is not None and handed is not None and ch.jobs is handed:
+        got = _diff_changes(holding, decision.allocations, ch)
+        if got is not None:
+            return got
+    return _diff_all(holding, decision.allocations)
+
+
+def _diff_all(holding: Mapping[str, Holding], allocs: Mapping[str, JobDecision]) -> Diff:
+    """``diff`` looking at every allocation and every holding."""
     keep: list[str] = []
     start: list[str] = []
     reconfigure: list[str] = []
@@ -99,6 +118,38 @@ def diff(holding: Mapping[str, Holding], decision: Decision) -> Diff:
             changed.append(jid)
     # in holding's order; the set difference (in C) first, as most rounds preempt nothing
     preempt = tuple(jid for jid in holding if jid not in allocs) if holding.keys() - allocs.keys() else ()
+    return Diff(frozenset(keep), preempt, tuple(start), tuple(reconfigure), tuple(changed))
+
+
+def _diff_changes(holding: Mapping[str, Holding], allocs: Mapping[str, JobDecision], ch: Changes) -> Diff | None:
+    """``diff`` of a decision told as changes (``Changes``): its placed jobs looked at one by
+    one, its left ones preempted, every other holding kept. None when they do not add up
+    (a named job not allocated, a left one not held or allocated, or the allocations not
+    the holdings less the left plus the started: the decision was edited after its policy)."""
+    start: list[str] = []
+    reconfigure: list[str] = []
+    changed: list[str] = []
+    get = holding.get
+    for jid in ch.placed:
+        d = allocs.get(jid)
+        if d is None:
+            return None
+        h = get(jid)
+        if h is None:
+            start.append(jid)
+            changed.append(jid)
+        elif not same_allocation(d, h):
+            reconfigure.append(jid)
+            changed.append(jid)
+    left = ch.left
+    if len(allocs) != len(holding) - len(left) + len(start) or any(j in allocs or j not in holding for j in left):
+        return None
+    if len(left) > 1:  # in holding's order
+        gone = set(left)
+        preempt = tuple(jid for jid in holding if jid in gone)
+    else:
+        preempt = tuple(left)
+    keep = holding.keys() - left - set(reconfigure) if left or reconfigure else holding.keys()
     return Diff(frozenset(keep), preempt, tuple(start), tuple(reconfigure), tuple(changed))
 
 
@@ -141,7 +192,7 @@ class NodeCapacity:
             if not allocs.keys() <= jobs.keys():  # a job not known: the full walk finds which first
                 change = None
         if holding:
-            for jid in holding.keys() - keep if change is not None else holding:
+            for jid in (*change.preempt, *change.reconfigure) if change is not None else holding:  # = held - kept
                 if change is None and jid in keep:
                     continue
                 for p in holding[jid].placement:
@@ -219,6 +270,7 @@ def refuse_unsupported(decision: Decision, jobs: Mapping[str, HasSpec]) -> list[
         got = plan_refusal(job.spec.plan_support, d.plan) if job is not None else None
         if got is not None:
             del decision.allocations[job_id]
+            decision.changes = None
             decision.waiting[job_id] = f"plan {d.plan.label()} not supported by the job: {got[1]}"
             out.append(job_id)
     return out

@@ -19,7 +19,7 @@ from heapq import heappop, heappush
 from operator import attrgetter, countOf
 from typing import Callable
 
-from gearshift.policies.api import Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
+from gearshift.policies.api import Changes, Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import ByClass, by_class
 from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_key
 from gearshift.policies.placement import Ledgers, describe
@@ -100,8 +100,11 @@ class PriorityPolicy:
                     free_g[p.node] += p.gpus
                     free_c[p.node] += p.cpus
             signed = True
+            replanned = walked = ()
         else:
-            holding, held_at, walk, signed = _keep_pass(order, ledger.free_g, ledger.free_c, self._kept.get, kept)
+            holding, held_at, walk, signed, replanned = _keep_pass(order, ledger.free_g, ledger.free_c,
+                                                                   self._kept.get, kept)
+            walked = [order[k].job_id for k in walk if order[k].placement]  # running, not kept as they hold
         ck_after: int | None = None  # the last position with a checkpoint (-1: none), found once when asked
         placed = False  # the walk placed a job (the decision changed something)
         expires = math.inf  # the first protection that ends among the victims refused for it
@@ -195,7 +198,12 @@ class PriorityPolicy:
             decision.allocations[j.job_id] = JobDecision(
                 placement, plan, f"{self.name}: {verb} {describe(placement)}{why}"
             )
-        decision.allocations.update(holding)  # the kept jobs after those the walk placed, in order
+        allocs = decision.allocations
+        # as changes (decision.diff): the walk's placements, and the kept jobs given a plan they did not hold
+        moved = (*allocs, *(jid for jid in replanned if jid in holding))
+        allocs.update(holding)  # the kept jobs after those the walk placed, in order
+        left = tuple(jid for jid in (*walked, *preempted) if jid not in allocs)
+        decision.changes = Changes(jobs, moved, left)
         for jid, d in decision.allocations.items():  # the walk's, as kept decisions for the next round
             if jid in holding:
                 break
@@ -284,8 +292,10 @@ def _keep_pass(order: list[JobView], free_g: dict, free_c: dict, last_get, kept:
     take; inlined), each with its decision made here (last round's for a job that keeps the
     same placement and plan: the same values, and nothing changes a JobDecision once made);
     the positions of the others are what the walk visits. (holding, positions held,
-    positions to walk, whether every kept amount is >= 0)."""
+    positions to walk, whether every kept amount is >= 0, the kept jobs that held no plan
+    and are given their request's)."""
     holding: dict[str, JobDecision] = {}
+    replanned: list[str] = []
     held_at: list[int] = []  # positions of the kept jobs: preemption's candidates
     walk: list[int] = []  # positions of the jobs not kept, in order (a heap: victims join it)
     walk_append, held_append = walk.append, held_at.append
@@ -325,9 +335,11 @@ def _keep_pass(order: list[JobView], free_g: dict, free_c: dict, last_get, kept:
         d = last_get(jid)
         if d is None or d.placement is not held or d.plan is not j.plan or d.reason is not kept:
             d = JobDecision(held, j.plan or default_plan(j.spec), kept)
+            if j.plan is None:
+                replanned.append(jid)
         holding[jid] = d
         held_append(at)
-    return holding, held_at, walk, signed
+    return holding, held_at, walk, signed, replanned
 
 
 def _sorted_by(keys: list) -> list[int]:

@@ -316,6 +316,7 @@ class Shared:
             for j in visible]
         self._budget(nodes, jobs)
         decision = self.inner.schedule(now, nodes, view, perf)
+        decision.changes = None  # told against the views shown the inner policy; edited below
         self._repair(now, nodes, jobs, decision, must, gone, claimed, credited)
         # each tenant's weighted max-min share, imposed on whatever the inner policy chose
         self.fairness.perf = perf

@@ -236,6 +236,7 @@ def arrange(decision: Decision, nodes: Sequence[NodeState], jobs: Mapping[str, A
     place; the jobs whose allocation it changed. ``jobs``: job id -> view (``spec``,
     ``placement``, ``plan``: ``JobView`` or the simulator's record). ``prefer``: the
     level a job without its own preference prefers (``"node"``: the finest)."""
+    decision.changes = None  # (it edits the allocations)
     prefer_finest = prefer is not None
     if not prefer_finest and not any(getattr(getattr(jobs.get(j), "spec", None), "topology", None) is not None
                                      for j in decision.allocations):

@@ -124,6 +124,7 @@ def apply_pins(decision: Decision, records: dict[str, JobRecord], nodes: list[No
     pinned = [r for r in records.values() if r.pinned is not None and r.job_id in eligible]
     if not pinned:
         return
+    decision.changes = None  # (it edits the allocations)
     policy_choice = {rec.job_id: decision.allocations.pop(rec.job_id, None) for rec in pinned}
     kind = {n.name: n.gpu_type for n in nodes}
     for rec in sorted(pinned, key=lambda r: r.submitted_at):

@@ -2,7 +2,9 @@
 simulator's progress on arrays (``sim.progress.RunningRows.advance``) against
 ``sim.engine.advance`` on each record, bit for bit; the priority policies' keep pass
 from the last round (``policies.priority._keep_as_before``) against the full pass
-of a policy with no last round, decision for decision."""
+of a policy with no last round, decision for decision; the rounds a steady policy
+vouches for against asking it; a decision split on the changes its policy tells
+(``policies.decision.diff`` with ``Decision.changes``) against the whole split."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from policy_helpers import MODEL, job
 
 from gearshift.bus_schema.messages import JobSpec, JobState, Plan
 from gearshift.policies import priority
-from gearshift.policies.api import JobView, NodeState, Placement
+from gearshift.policies.api import Decision, JobView, NodeState, Placement
+from gearshift.policies.decision import NodeCapacity, _diff_changes, diff
 from gearshift.policies.registry import make_policy
 from gearshift.sim.engine import InvariantError, SimConfig, SimJob, advance, simulate
 from gearshift.sim.progress import RunningRows
@@ -281,3 +284,95 @@ def test_srtf_vouches_only_for_rounds_that_change_nothing(seed, head_of_line):
             if j.placement:
                 j.steps_done = min(float(j.spec.steps), j.steps_done + rng.uniform(0, 400))
     assert vouched > 5 and (after_change > 0 or not head_of_line)  # after rounds that changed something, too
+
+
+# ---------------------------------------------------------------- decisions told as changes
+class _ChangesAgainstFull:
+    """Every round: the decision split on its changes (``diff(..., handed=jobs)``) is the
+    split of the whole decision, and the capacity check on either refuses or passes alike."""
+
+    def __init__(self, name: str):
+        self.policy = make_policy(name, min_run_time=60.0)
+        self.name = self.policy.name
+        self.told = self.rounds = 0
+
+    def schedule(self, now, nodes, jobs, perf):
+        d = self.policy.schedule(now, nodes, jobs, perf)
+        holding = {j.job_id: j for j in jobs if j.placement}
+        full = diff(holding, replace_changes(d, None))
+        assert diff(holding, d, jobs) == full
+        if d.changes is not None and d.changes.jobs is jobs:
+            assert _diff_changes(holding, d.allocations, d.changes) == full
+            self.told += 1
+        cap = NodeCapacity.of(nodes)
+        live = {j.job_id: j for j in jobs}
+        free_g = [n.gpus_free for n in nodes]
+        free_c = [n.cpus_free for n in nodes]
+        cap.check(d, live, free_g, free_c, holding, change=diff(holding, d, jobs))
+        cap.check(d, live, free_g, free_c, holding, change=full)
+        self.rounds += 1
+        return d
+
+
+def replace_changes(d, changes):
+    """``d`` with other changes (the same allocations and words)."""
+    return Decision(d.allocations, d.waiting, changes)
+
+
+@pytest.mark.parametrize("name", ["srtf", "tiresias", "las", "antman"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_decision_split_on_its_changes_is_the_whole_split(name, seed):
+    pol = _ChangesAgainstFull(name)
+    res = simulate(_queue(seed), pol, config=SimConfig(interval=60, restart_cost=20, noise=0))
+    assert all(r.finish is not None for r in res.records)
+    assert pol.rounds > 30 and pol.told == pol.rounds  # every round told its changes
+    if name in ("srtf", "las"):
+        assert sum(r.preemptions for r in res.records) > 0
+
+
+def test_changes_that_do_not_add_up_are_not_trusted():
+    """A decision edited after its policy told its changes (an allocation added, one
+    taken out) or a holding the policy was not handed: the whole decision is split."""
+    rng = random.Random(5)
+    nodes = [NodeState(f"n{i}", 4, 4, 8, 8) for i in range(2)]
+    jobs = [job(f"a{i}", rng.choice([1, 2]), t=float(i), steps=100 + i, cpg=1) for i in range(6)]
+    pol = make_policy("srtf", min_run_time=0.0)
+    _apply(jobs, pol.schedule(0.0, nodes, jobs, None), 0.0)
+    d = pol.schedule(10.0, nodes, jobs, None)
+    holding = {j.job_id: j for j in jobs if j.placement}
+    assert d.changes is not None and _diff_changes(holding, d.allocations, d.changes) is not None
+    kept = next(iter(holding))
+    edited = replace_changes(d, d.changes)
+    edited.allocations = dict(d.allocations)
+    del edited.allocations[kept]  # a kept job taken out, the changes not told
+    assert _diff_changes(holding, edited.allocations, edited.changes) is None
+    assert diff(holding, edited, jobs).preempt == (kept,)
+    stranger = job("x", 1, running_on=(Placement("n0", 1, 1),))
+    more = {**holding, "x": stranger}  # held, never handed to the policy
+    assert _diff_changes(more, d.allocations, d.changes) is None
+    assert diff(more, d, jobs).preempt == ("x",)
+    assert diff(holding, d, list(jobs)) == diff(holding, d)  # another list than the one handed: the whole split
+
+
+@pytest.mark.parametrize("name", ["srtf", "las", "antman"])
+@pytest.mark.parametrize("seed", range(6))
+def test_changes_of_jobs_that_hold_what_does_not_fit_or_no_plan(name, seed):
+    """Views no round decided: running jobs on more GPUs than a node has (some must
+    move or stop), some holding no plan (given their request's): the changes told are
+    still the whole split, on the first round and the next."""
+    rng = random.Random(seed)
+    nodes = [NodeState(f"n{i}", 4, 4, 8, 8) for i in range(3)]
+    jobs = []
+    for i in range(rng.randint(4, 12)):
+        g = rng.choice([1, 2, 3])
+        on = (Placement(rng.choice(nodes).name, g, g),) if rng.random() < 0.6 else ()
+        jobs.append(job(f"j{i}", g, t=float(i), steps=rng.randint(50, 500), cpg=1, running_on=on,
+                        since=-1000.0 if on else None))
+        if on and rng.random() < 0.3:
+            jobs[-1].plan = None
+    pol = make_policy(name, min_run_time=0.0)
+    for now in (0.0, 10.0):
+        d = pol.schedule(now, nodes, jobs, None)
+        holding = {j.job_id: j for j in jobs if j.placement}
+        assert d.changes is not None and _diff_changes(holding, d.allocations, d.changes) is not None
+        assert diff(holding, d, jobs) == diff(holding, replace_changes(d, None))
