@@ -30,6 +30,8 @@ from operator import attrgetter
 import numpy as np
 from numba import njit
 
+from gearshift.policies.views import carry, follows
+
 _SPEC = attrgetter("spec")
 
 
@@ -42,12 +44,14 @@ class SpecRows:
     again, as when the specs held outgrow the list asked about.
 
     A round's list is mostly the last one's with some jobs gone and some appended
-    (live jobs in arrival order, in the simulator and the optimizer alike), so the
-    columns are first followed along the last round's list (``follow``, one pass on
-    the spec ids); only the specs it does not find are looked up by id. The specs
-    are held, so an id seen stays that object's."""
+    (live jobs in arrival order, in the simulator and the optimizer alike). When it
+    says so (``policies.views.RoundJobs``) the last list's columns are carried, and
+    only the views it names fresh are looked up; otherwise the columns are followed
+    along the last round's list (``follow``, one pass on the spec ids), and only the
+    specs it does not find are looked up by id. The specs are held, so an id seen
+    stays that object's."""
 
-    __slots__ = ("width", "rows", "_owner", "_index", "_held", "_last_ids", "_last_at")
+    __slots__ = ("width", "rows", "_owner", "_index", "_held", "_last_ids", "_last_at", "_last_jobs")
 
     def __init__(self, width: int):
         self.width = width
@@ -60,28 +64,40 @@ class SpecRows:
         self._held: list = []  # the specs, by column
         self._last_ids = np.empty(0, np.int64)
         self._last_at = np.empty(0, np.intp)
+        self._last_jobs: Sequence | None = None
 
     def at(self, jobs: Sequence, make: Callable[[int], Sequence[float]], owner: object) -> np.ndarray:
         n = len(jobs)
         if owner is not self._owner or len(self._held) > 4 * n + 4096:
             self._owner = owner
             self._reset()
-        ids = np.fromiter(map(id, map(_SPEC, jobs)), np.int64, n)
-        at, missing = follow(self._last_ids, self._last_at, ids)
-        if missing:
-            index = self._index
-            for i in np.flatnonzero(at < 0).tolist():
+        told = follows(jobs, self._last_jobs)
+        self._last_jobs = jobs
+        if told is not None:  # the last list's columns, carried: only the fresh views' specs looked up
+            at, ids = carry(self._last_at, told, -1), carry(self._last_ids, told, 0)
+            for i in told.fresh:
                 spec = jobs[i].spec
-                k = index.get(id(spec))
-                if k is None:
-                    k = index[id(spec)] = len(self._held)
-                    if k == self.rows.shape[1]:
-                        self.rows = np.concatenate([self.rows, np.empty_like(self.rows)], axis=1)
-                    self.rows[:, k] = make(i)
-                    self._held.append(spec)
-                at[i] = k
+                ids[i] = id(spec)
+                at[i] = self._column(spec, i, make)
+        else:
+            ids = np.fromiter(map(id, map(_SPEC, jobs)), np.int64, n)
+            at, missing = follow(self._last_ids, self._last_at, ids)
+            if missing:
+                for i in np.flatnonzero(at < 0).tolist():
+                    at[i] = self._column(jobs[i].spec, i, make)
         self._last_ids, self._last_at = ids, at
         return at
+
+    def _column(self, spec: object, i: int, make: Callable[[int], Sequence[float]]) -> int:
+        """The column of ``spec`` (job ``i``'s), made by ``make(i)`` if it has none."""
+        k = self._index.get(id(spec))
+        if k is None:
+            k = self._index[id(spec)] = len(self._held)
+            if k == self.rows.shape[1]:
+                self.rows = np.concatenate([self.rows, np.empty_like(self.rows)], axis=1)
+            self.rows[:, k] = make(i)
+            self._held.append(spec)
+        return k
 
 
 @njit(cache=True)

@@ -46,6 +46,7 @@ from gearshift.policies.api import (
 from gearshift.policies.candidates import spec_key as plain
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import compact_shape
+from gearshift.policies.views import follows
 from gearshift.policies.protocols import (
     BatchOracle,
     BudgetedPolicy,
@@ -140,6 +141,7 @@ class ByType:
         self._inner: dict[str, object] = {}
         self._one = None  # the inner policy that decided the last round alone (one type), if one did
         self._speed: dict = {}
+        self._asked: tuple = (None, True)  # the last list of jobs, whether any of them asked for a GPU type
         self.last_types: dict[str, str] = {}
 
     _OWN = frozenset({"name", "chooser", "restart_cost", "min_run_time", "last_types", "schedule"})
@@ -178,9 +180,21 @@ class ByType:
         one = self._one
         return one.steady_until() if one is not None and supports(one, SteadyPolicy) else -math.inf
 
+    def _ask_types(self, jobs: list[JobView]) -> bool:
+        """Does any job ask for a GPU type? Of a list that follows the last one
+        (``policies.views.RoundJobs``), where none did, only its fresh views are read."""
+        last, asked = self._asked
+        told = follows(jobs, last)
+        if told is not None and not asked:
+            asked = any(jobs[p].spec.gpu_types for p in told.fresh)
+        else:
+            asked = any(map(_GPU_TYPES, map(_SPEC, jobs)))  # every job: in C
+        self._asked = (jobs, asked)
+        return asked
+
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         types = node_types(nodes)
-        if len(types) <= 1 and not any(map(_GPU_TYPES, map(_SPEC, jobs))):  # every job, every round: in C
+        if len(types) <= 1 and not self._ask_types(jobs):
             t = types[0] if types else ""
             self._one = self.inner(t)
             return self._one.schedule(now, nodes, jobs, typed_oracle(perf, t))

@@ -7,6 +7,7 @@ from operator import attrgetter
 from gearshift.policies.api import NodeState, Placement
 
 _SHAPE = attrgetter("name", "gpus_total", "cpus_total", "domain", "gpu_type")  # what a Ledger reads of a node
+_POSITIVE = (0).__lt__
 
 
 def first_fit(
@@ -137,11 +138,7 @@ class Ledger:
         # Not enough free GPUs in all: no shape below could hold them (each takes a node's part
         # only where that node has at least as many free; a node's room never exceeds its free).
         # A queue on a full cluster asks this every round.
-        free = 0
-        for g in self.free_g.values():
-            if g > 0:
-                free += g
-        if free < gpus:
+        if sum(filter(_POSITIVE, self.free_g.values())) < gpus:  # (the free GPUs of nodes with some, in C)
             return None
         if nodes is not None:
             if gpus % nodes or (gpus // nodes) % unit:
@@ -160,9 +157,13 @@ class Ledger:
         self, per_node: int, cpus_per_gpu: int, m: int, prefer: tuple[str, ...]
     ) -> tuple[Placement, ...] | None:
         need_c = per_node * cpus_per_gpu
-        ok = [n for n in self.free_g if self.free_g[n] >= per_node and self.free_c[n] >= need_c]
+        free_g, free_c = self.free_g, self.free_c
+        ok = [n for n, g in free_g.items() if g >= per_node and free_c[n] >= need_c]
         if len(ok) < m:
             return None
+        if m == 1:  # the first of the best: what a stable sort puts first
+            n = ok[0] if len(ok) == 1 else min(ok, key=lambda n: self._score(n, per_node, need_c, prefer))
+            return (Placement(n, per_node, need_c, self.types[n]),)
         ok.sort(key=lambda n: self._score(n, per_node, need_c, prefer))
         if m > 1:
             # Keep a multi-node job inside one locality domain when one holds it.

@@ -15,9 +15,13 @@ less than a round; with shorter rounds this keeps the same guarantee).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from heapq import heappop, heappush
+from itertools import takewhile
 from operator import attrgetter, countOf
 from typing import Callable
+
+import numpy as np
 
 from gearshift.policies.api import Changes, Decision, JobDecision, JobView, NodeState, PerfOracle, default_plan
 from gearshift.policies.classes import ByClass, by_class
@@ -25,6 +29,7 @@ from gearshift.policies.ordering import SrtfKey, TiresiasQueues, fifo_key, las_k
 from gearshift.policies.placement import Ledgers, describe
 from gearshift.policies.protocols import BatchOrder, BatchOrderKey, SteadyKey, supports
 from gearshift.policies.victims import work_since_checkpoint
+from gearshift.policies.views import Carried, split
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 _CHECKPOINT_AT = attrgetter("checkpoint_at")
@@ -71,6 +76,8 @@ class PriorityPolicy:
         # allocations as kept decisions
         self._after: tuple[dict, dict, str] | None = None
         self._steady_until = -math.inf  # protocols.SteadyPolicy, for the last decision
+        self._carried = Carried()  # job ids and who runs, by position in the lists handed (policies.views)
+        self._changed: set[str] = set()  # the jobs the last decision placed or left out
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -82,13 +89,15 @@ class PriorityPolicy:
         if at is None:
             keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
             at = _sorted_by(keys)
-        order = [jobs[i] for i in at]  # = sorted(jobs, key=...)
+        order = list(map(jobs.__getitem__, at))  # = sorted(jobs, key=...)
+        fresh = self._carried.follow(jobs)  # the views built anew, if jobs says how it follows the last list
         ledger = self._ledgers.fresh(nodes)  # = Ledger(nodes)
         kept = self._kept_words()
         got = None
         after = self._after
         if after is not None and after[2] is kept and self._ledgers.same:
-            got = _keep_as_before(order, self._kept)
+            got = (_keep_as_before(order, self._kept) if fresh is None
+                   else _keep_told(order, at, fresh, self._carried, self._kept, self._changed))
         if got is not None:
             # every running job holds what the last round decided: they all fit (see _keep_as_before),
             # and what is free is what the last round left plus what its jobs that stopped held
@@ -151,16 +160,14 @@ class PriorityPolicy:
             # from the bottom of the order nothing is below them; policies.victims may take them higher)
             if placement is None and self.preemptive and j.job_id not in preempted:
                 victim_ok, min_run = self.victim_ok, self.min_run_time
-                cands: list[int] = []  # running jobs after j in the order, from the bottom
-                for vat in reversed(held_at):
-                    if vat <= at:
-                        break
-                    cands.append(vat)
-                if ck_after is None:
+                # running jobs after j in the order, from the bottom (walked as far as needed)
+                cands = takewhile(at.__lt__, reversed(held_at))
+                if ck_after is None and held_at and held_at[-1] > at:
                     ck_after = -1 if countOf(map(_CHECKPOINT_AT, order), None) == len(order) else max(
                         k for k, j in enumerate(order) if j.checkpoint_at is not None)
-                if ck_after > at:  # any_checkpoint(order[at + 1:]): among equals, least work lost first (victim_order)
-                    cands.sort(key=lambda vat: (order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
+                if ck_after is not None and ck_after > at:  # any_checkpoint(order[at + 1:]): among equals,
+                    cands = sorted(cands, key=lambda vat: (  # least work lost first (victim_order)
+                        order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
                 for vat in cands:
                     v = order[vat]
                     if v.job_id not in holding:  # (only those already passed leave holding here)
@@ -204,6 +211,7 @@ class PriorityPolicy:
         allocs.update(holding)  # the kept jobs after those the walk placed, in order
         left = tuple(jid for jid in (*walked, *preempted) if jid not in allocs)
         decision.changes = Changes(jobs, moved, left)
+        self._changed = {*moved, *left}
         for jid, d in decision.allocations.items():  # the walk's, as kept decisions for the next round
             if jid in holding:
                 break
@@ -285,6 +293,36 @@ def _keep_as_before(order: list[JobView], last: dict[str, JobDecision]) -> tuple
         holding[j.job_id] = d
         held_append(at)
     return holding, held_at, walk
+
+
+def _keep_told(order: list[JobView], at: list[int], fresh: Sequence[int], carried: Carried,
+               last: dict[str, JobDecision], changed: set[str]) -> tuple | None:
+    """``_keep_as_before(order, last)`` for a list that says how it follows the last
+    round's (``policies.views.RoundJobs``), looking at what changed alone: a view not
+    built anew is the last round's, holding what it held, so a job the last decision
+    kept (every running job it did not place or leave out) holds that decision still.
+    The views built anew (``fresh``: positions in the list, ``order`` its jobs at
+    positions ``at``) are looked at one by one; when every job the last decision placed
+    or left out has one, or is gone (the decision was applied), the rest is read off
+    the carried columns (``carried``: ids, who runs, by position); otherwise, the full
+    ``_keep_as_before``."""
+    get = last.get
+    for p in fresh:
+        j = carried.last[p]
+        if j.placement:
+            d = get(j.job_id)
+            if d is None or d.placement is not j.placement or d.plan is not j.plan:
+                return None
+    ids = carried.ids
+    if changed and not changed <= {ids[p] for p in fresh}.union(carried.gone):
+        return _keep_as_before(order, last)
+    held, held_at, walk = split(np.array(at, np.intp), carried.running)
+    held = list(map(ids.__getitem__, held.tolist()))
+    try:
+        holding = dict(zip(held, map(last.__getitem__, held)))
+    except KeyError:  # (a list that does not say truly)
+        return _keep_as_before(order, last)
+    return holding, held_at.tolist(), walk.tolist()
 
 
 def _keep_pass(order: list[JobView], free_g: dict, free_c: dict, last_get, kept: str) -> tuple:

@@ -13,14 +13,25 @@ time since it started). A pending job's view does not move.
 
 Keeping the same view objects also lets policies' caches keyed by a view's parts
 (``policies.rubick_problem``) hold while nothing changed.
+
+A caller that keeps views can also say so (``RoundJobs``): its list of a round tells
+how it follows the one it handed before (the positions gone, the views built anew;
+every other view the same object, holding the same), so a policy's per-job columns
+(``Carried``) follow it in work proportional to what changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from operator import attrgetter
 from typing import Any
 
+import numpy as np
+from numba import njit
+
 from gearshift.policies.api import JobView
+
+_PLACEMENT = attrgetter("placement")
 
 Kept = tuple  # (token, moves, attained_before, view, gpus, since): see KeptViews
 
@@ -84,3 +95,104 @@ class KeptViews:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+
+class RoundJobs(list):
+    """One round's job views (a list, in the caller's order) that say how they follow
+    the list the caller handed the round before (``base``; None: they do not say):
+    ``base`` less the jobs at positions ``gone`` (ascending), in ``base``'s order, then
+    the jobs that joined; ``fresh``: the positions (ascending) whose view is not the
+    object ``base`` had for that job (built anew: it joined, started, stopped or moved),
+    the joined ones included. Every other view is the very object ``base`` had, with
+    the same spec, placement and plan (its steps done and attained service may have
+    moved). The caller drops ``base``'s own ``base``, so no chain of rounds is held."""
+
+    __slots__ = ("base", "gone", "fresh")
+
+    def __init__(self, views: Iterable[JobView] = (), base: RoundJobs | None = None,
+                 gone: Sequence[int] = (), fresh: Sequence[int] = ()):
+        super().__init__(views)
+        self.base = base
+        self.gone = gone
+        self.fresh = fresh
+
+
+def follows(jobs: Sequence[JobView], last: object) -> RoundJobs | None:
+    """``jobs`` when it says how it follows ``last`` (the list handed the round
+    before), else None."""
+    return jobs if type(jobs) is RoundJobs and last is not None and jobs.base is last else None
+
+
+class Carried:
+    """Columns by position in a caller's lists of job views, carried from one list
+    to the next: ``ids`` (job ids) and ``running`` (holds an allocation).
+    ``follow(jobs)``: the fresh positions of ``jobs`` when it follows the last list
+    followed (``RoundJobs``), after carrying both (gone rows out, the rest in order,
+    fresh rows read from their views); None, with both read from every view, when
+    it does not."""
+
+    __slots__ = ("last", "ids", "running", "gone")
+
+    def __init__(self) -> None:
+        self.last: Sequence[JobView] | None = None
+        self.ids: list[str] = []
+        self.running = np.zeros(0, bool)
+        self.gone: list[str] = []  # the ids of the jobs gone at the last ``follow`` that followed
+
+    def follow(self, jobs: Sequence[JobView]) -> Sequence[int] | None:
+        told = follows(jobs, self.last)
+        self.last = jobs
+        if told is None:
+            self.ids = [j.job_id for j in jobs]
+            self.running = np.fromiter(map(bool, map(_PLACEMENT, jobs)), bool, len(jobs))
+            self.gone = []
+            return None
+        ids, running = self.ids, carry(self.running, told, False)  # (ids: changed in place)
+        self.gone = [ids[p] for p in told.gone]
+        for p in reversed(told.gone):
+            del ids[p]
+        fresh = told.fresh
+        ids.extend([""] * (len(told) - len(ids)))
+        for p in fresh:
+            j = told[p]
+            ids[p] = j.job_id
+            running[p] = bool(j.placement)
+        self.ids, self.running = ids, running
+        return fresh
+
+
+@njit(cache=True)
+def split(perm, running):
+    """The positions ``perm`` puts in order, split by ``running[position]``: (the running
+    ones' positions, in order; their places in the order; the places of the others)."""
+    n = len(perm)
+    held = np.empty(n, np.int64)
+    held_at = np.empty(n, np.int64)
+    walk = np.empty(n, np.int64)
+    a = b = 0
+    for k in range(n):
+        i = perm[k]
+        if running[i]:
+            held[a] = i
+            held_at[a] = k
+            a += 1
+        else:
+            walk[b] = k
+            b += 1
+    return held[:a], held_at[:a], walk[:b]
+
+
+def carry(column: np.ndarray, jobs: RoundJobs, fill: Any) -> np.ndarray:
+    """``column`` (by position in ``jobs.base``) by position in ``jobs``, a new array:
+    the gone rows out, the rest in order, the joined rows ``fill``."""
+    out = np.empty(len(jobs), column.dtype)
+    src = dst = 0
+    for g in jobs.gone:  # (the stretches between them, as slices)
+        k = g - src
+        out[dst:dst + k] = column[src:g]
+        dst += k
+        src = g + 1
+    k = len(column) - src
+    out[dst:dst + k] = column[src:]
+    out[dst + k:] = fill
+    return out

@@ -5,11 +5,11 @@ pass over the records in Python costs about a microsecond a job; the same float
 operations on arrays (numpy, elementwise IEEE arithmetic: the same bits) cost a few
 microseconds a round. So while a job runs its accounting lives here: steps done,
 attained service, GPU-seconds, run time and "accounted up to", with what they grow
-by (productive from, rate, GPUs held, steps). The record keeps ``steps_done``
-current at every round (``SimViews`` writes it back with the views; a fresh view
-built from a record reads it), and gets the other fields back when anything else
-reads or changes them (``detach``: before a release, a completion's own accounting,
-a stop that outlasts its grace, the end of the run). ``attach`` at every grant.
+by (productive from, rate, GPUs held, steps). The record gets them back when
+anything else reads or changes them (``detach``: before a release, a completion's
+own accounting, a stop that outlasts its grace, the end of the run); ``SimViews``
+sets its ``steps_done`` from its row before it builds a view of it. ``attach`` at
+every grant.
 
 ``advance(t)`` is ``sim.engine.advance`` for every row, expression for expression:
 ``start = max(updated, productive from)``; if ``t > start`` and the rate is positive,
@@ -79,7 +79,7 @@ class RunningRows:
         # row -> the policy's kept view of it (None: to be found or built, ``set_view``), with
         # what its attained service is made of (vab + vg x time since vsince: KeptViews.refresh)
         self.views: list[Any] = []
-        self.unviewed = 0  # rows whose view is None
+        self.unviewed: dict[str, None] = {}  # the jobs whose row's view is None, in the order they attached
         # jobs detached since ``SimViews`` last looked (every stop detaches: a release, a
         # completion), whether or not a round saw them run (a launch that failed before it)
         self.left: set[str] = set()
@@ -106,7 +106,7 @@ class RunningRows:
         self.slot[jid] = i
         self.recs.append(r)
         self.views.append(None)
-        self.unviewed += 1
+        self.unviewed[jid] = None
         self.n = i + 1
 
     def detach(self, r: Any) -> None:
@@ -116,8 +116,7 @@ class RunningRows:
             return
         self.left.add(r.job.job_id)
         self._pull(r, i)
-        if self.views[i] is None:
-            self.unviewed -= 1
+        self.unviewed.pop(r.job.job_id, None)
         last = self.n - 1
         if i != last:  # the last row takes its place
             for f in _FIELDS:
@@ -177,8 +176,11 @@ class RunningRows:
 
     def set_view(self, i: int, view: Any, attained_before: float, gpus: int, since: float) -> None:
         """Row ``i``'s kept view, refreshed by ``service`` while it is kept."""
-        if self.views[i] is None:
-            self.unviewed -= 1
+        jid = self.recs[i].job.job_id
+        if view is None:
+            self.unviewed[jid] = None
+        else:
+            self.unviewed.pop(jid, None)
         self.views[i] = view
         self.vab[i], self.vg[i], self.vsince[i] = attained_before, gpus, since
 

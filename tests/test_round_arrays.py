@@ -19,6 +19,7 @@ from gearshift.bus_schema.messages import JobSpec, JobState, Plan
 from gearshift.policies import priority
 from gearshift.policies.api import Decision, JobView, NodeState, Placement
 from gearshift.policies.decision import NodeCapacity, _diff_changes, diff
+from gearshift.policies.views import Carried, RoundJobs
 from gearshift.policies.registry import make_policy
 from gearshift.sim.engine import InvariantError, SimConfig, SimJob, advance, simulate
 from gearshift.sim.progress import RunningRows
@@ -126,13 +127,25 @@ def _words(d) -> tuple:
 @pytest.mark.parametrize("name", ["srtf", "tiresias", "las", "antman"])
 @pytest.mark.parametrize("seed", range(3))
 def test_keep_shortcut_decides_as_the_full_keep_pass(name, seed, monkeypatch):
-    took = []
-    real = priority._keep_as_before
-    monkeypatch.setattr(priority, "_keep_as_before", lambda *a: took.append(r := real(*a)) or r)
+    """The shortcut against the full keep pass, and, where the simulator's list says how
+    it follows the last (``_keep_told``), that against the shortcut on the whole list."""
+    told = []
+    real, real_told = priority._keep_as_before, priority._keep_told
+
+    def keep_told(order, at, fresh, carried, last, changed):
+        got = real_told(order, at, fresh, carried, last, changed)
+        want = real(order, last)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert list(got[0].items()) == list(want[0].items()) and got[1:] == want[1:]
+            told.append(got)
+        return got
+
+    monkeypatch.setattr(priority, "_keep_told", keep_told)
     pol = _AgainstFresh(name)
     res = simulate(_queue(seed), pol, config=SimConfig(interval=60, restart_cost=20, noise=0))
     assert all(r.finish is not None for r in res.records)
-    assert pol.rounds > 30 and sum(t is not None for t in took) > pol.rounds // 2  # the shortcut ran, mostly
+    assert pol.rounds > 30 and len(told) > pol.rounds // 2  # the shortcut on what changed ran, mostly
     if name in ("srtf", "las"):
         assert sum(r.preemptions for r in res.records) > 0  # victims walked after a shortcut, too
 
@@ -376,3 +389,50 @@ def test_changes_of_jobs_that_hold_what_does_not_fit_or_no_plan(name, seed):
         holding = {j.job_id: j for j in jobs if j.placement}
         assert d.changes is not None and _diff_changes(holding, d.allocations, d.changes) is not None
         assert diff(holding, d, jobs) == diff(holding, replace_changes(d, None))
+
+
+# ---------------------------------------------------------------- lists that say how they follow the last
+class _Told:
+    """Checks what the simulator's lists say (``RoundJobs``) against the list it handed
+    before: the jobs that stay, in order, then those that joined; every view not named
+    fresh is the very object, holding the very placement and plan; the columns carried
+    (``Carried``) are those read from every view. Then asks ``name``."""
+
+    def __init__(self, name: str):
+        self.policy = make_policy(name, min_run_time=60.0)
+        self.name = self.policy.name
+        self.last = None  # (list, [(view, placement, plan)])
+        self.carried = Carried()
+        self.told = self.rounds = 0
+
+    def schedule(self, now, nodes, jobs, perf):
+        assert type(jobs) is RoundJobs
+        self.carried.follow(jobs)
+        if jobs.base is not None:
+            base, seen = self.last
+            assert jobs.base is base and base.base is None  # (no chain of rounds held)
+            gone = set(jobs.gone)
+            stay = [s for i, s in enumerate(seen) if i not in gone]
+            assert [j.job_id for j in jobs[:len(stay)]] == [s[0].job_id for s in stay]
+            assert set(range(len(stay), len(jobs))) <= set(jobs.fresh)
+            for p, (v, placement, plan) in enumerate(stay):
+                if p not in jobs.fresh:
+                    assert jobs[p] is v and v.placement is placement and v.plan is plan
+                elif jobs[p] is v:  # named fresh while the same: allowed, but not what it does
+                    raise AssertionError(f"{v.job_id} named fresh, its view kept")
+            self.told += 1
+        want = Carried()
+        want.follow(list(jobs))
+        assert self.carried.ids == want.ids and self.carried.running.tolist() == want.running.tolist()
+        self.last = (jobs, [(j, j.placement, j.plan) for j in jobs])
+        self.rounds += 1
+        return self.policy.schedule(now, nodes, jobs, perf)
+
+
+@pytest.mark.parametrize("name", ["srtf", "tiresias"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_simulators_lists_say_truly_how_they_follow(name, seed):
+    pol = _Told(name)
+    res = simulate(_queue(seed), pol, config=SimConfig(interval=60, restart_cost=20, noise=0))
+    assert all(r.finish is not None for r in res.records)
+    assert pol.rounds > 30 and pol.told == pol.rounds - 1  # all but the first follow the one before (skipped rounds too)
