@@ -19,7 +19,9 @@ then ``attained += dt x GPUs``, the same for GPU-seconds, ``run time += dt``,
 kernel (``_advance``: the same scalar expressions, in the same order, compiled without
 fast-math, so the same IEEE results as the numpy expressions it replaced, which stay as
 ``advance_numpy``, the reference a test holds it to): some 25 numpy calls a round cost
-more than the arithmetic on a few hundred rows.
+more than the arithmetic on a few hundred rows. The fields are the rows of one array
+(``RunningRows.data``), so a kernel takes them as one argument (a numba call's cost
+grows with its arguments).
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ _FIELDS = ("upd", "pf", "rate", "steps", "gh", "sd", "att", "gsec", "rt", "vab",
 
 
 @njit(cache=True)
-def _advance(t, n, upd, pf, rate, steps, gh, sd, att, gsec, rt, check):
-    """``RunningRows.advance_numpy`` row by row; the first row past its steps beyond
-    rounding (with ``check``), else -1 (the caller then raises: the rows' state after
-    that does not matter, and the run ends)."""
+def _advance(t, n, data, check):
+    """``RunningRows.advance_numpy`` row by row (``data``: the fields, one row each, in
+    ``_FIELDS`` order); the first row past its steps beyond rounding (with ``check``),
+    else -1 (the caller then raises: the rows' state after that does not matter, and the
+    run ends)."""
+    upd, pf, rate, steps, gh, sd, att, gsec, rt = data[0], data[1], data[2], data[3], data[4], data[5], data[6], \
+        data[7], data[8]
     bad = -1
     for i in range(n):
         dt = t - upd[i]
@@ -59,8 +64,9 @@ def _advance(t, n, upd, pf, rate, steps, gh, sd, att, gsec, rt, check):
 
 
 @njit(cache=True)
-def _service(t, n, vab, vg, vsince):
+def _service(t, n, data):
     """``RunningRows.service_numpy`` row by row."""
+    vab, vg, vsince = data[9], data[10], data[11]
     out = np.empty(n)
     for i in range(n):
         dt = t - vsince[i]
@@ -71,7 +77,7 @@ def _service(t, n, vab, vg, vsince):
 class RunningRows:
     """Rows of the running jobs (records ``sim.engine.SimJob``), in no particular order."""
 
-    __slots__ = ("slot", "recs", "views", "unviewed", "n", "check", "error", "left", *_FIELDS)
+    __slots__ = ("slot", "recs", "views", "unviewed", "n", "check", "error", "left", "data", *_FIELDS)
 
     def __init__(self, check: bool = True, error: type[Exception] = AssertionError, size: int = 64):
         self.slot: dict[str, int] = {}  # job id -> row
@@ -86,8 +92,17 @@ class RunningRows:
         self.n = 0
         self.check = check
         self.error = error
-        for f in _FIELDS:
-            setattr(self, f, np.zeros(size))
+        self.data = np.zeros((len(_FIELDS), 0))
+        self._grow(size)
+
+    def _grow(self, size: int) -> None:
+        """Room for ``size`` rows: ``data`` holds every field (one row each, ``_FIELDS``, so a
+        kernel takes them as one argument), and each field is a view of its row."""
+        data = np.zeros((len(_FIELDS), size))
+        data[:, :self.data.shape[1]] = self.data
+        self.data = data
+        for k, f in enumerate(_FIELDS):
+            setattr(self, f, data[k])
 
     def attach(self, r: Any) -> None:
         """``r`` was granted: its accounting moves here."""
@@ -96,9 +111,7 @@ class RunningRows:
             self.detach(r)
         i = self.n
         if i == len(self.sd):
-            for f in _FIELDS:
-                a = getattr(self, f)
-                setattr(self, f, np.concatenate([a, np.zeros_like(a)]))
+            self._grow(2 * i)
         steps = r.job.spec.steps
         self.upd[i], self.pf[i], self.rate[i], self.steps[i], self.gh[i] = (r.updated_at, r.productive_from, r.rate,
                                                                             steps, r.gpus_held)
@@ -119,9 +132,7 @@ class RunningRows:
         self.unviewed.pop(r.job.job_id, None)
         last = self.n - 1
         if i != last:  # the last row takes its place
-            for f in _FIELDS:
-                a = getattr(self, f)
-                a[i] = a[last]
+            self.data[:, i] = self.data[:, last]
             moved = self.recs[i] = self.recs[last]
             self.views[i] = self.views[last]
             self.slot[moved.job.job_id] = i
@@ -140,8 +151,7 @@ class RunningRows:
     def advance(self, t: float) -> np.ndarray:
         """Every row's progress up to ``t`` (``sim.engine.advance``); the steps done, by row."""
         n = self.n
-        bad = _advance(t, n, self.upd, self.pf, self.rate, self.steps, self.gh, self.sd, self.att, self.gsec, self.rt,
-                       self.check)
+        bad = _advance(t, n, self.data, self.check)
         if bad >= 0:
             spec = self.recs[bad].job.spec
             raise self.error(f"job {self.recs[bad].job.job_id}: {float(self.sd[bad])} steps done of {spec.steps}")
@@ -188,7 +198,7 @@ class RunningRows:
         """Each row's view's attained service at ``t``: attained before + GPUs x the time since
         its allocation began, not below 0 (``KeptViews.refresh``: the same sum and product;
         ``service_numpy`` on numpy expressions)."""
-        return _service(t, self.n, self.vab, self.vg, self.vsince)
+        return _service(t, self.n, self.data)
 
     def service_numpy(self, t: float) -> np.ndarray:
         n = self.n
