@@ -11,7 +11,7 @@ import numpy as np
 from gearshift.policies.api import JobView, PerfOracle, default_plan
 from gearshift.policies.array_order import SpecRows, break_ties, srtf_order
 from gearshift.policies.placement import compact_shape
-from gearshift.policies.protocols import TokenedOracle, supports
+from gearshift.policies.protocols import KeyedOracle, TokenedOracle, supports
 
 
 def fifo_key(job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
@@ -60,15 +60,18 @@ class RequestSpeeds:
     that cannot tell is asked every time."""
 
     def __init__(self) -> None:
-        self._memo: dict[int, tuple] = {}  # id(spec) -> (spec, samples/s or None, ...): _row
+        # id(spec) -> (spec, samples/s or None, ...): _row; and ("speed", key, plan, CPUs/GPU) -> (samples/s,)
+        self._memo: dict = {}
         self._perf: object = None
         self._own = None  # the oracle's answers_token
+        self._keyed = None  # the oracle's spec_key (protocols.KeyedOracle), if it says one
         self._token: object = None
 
     def _memo_for(self, perf: PerfOracle | None) -> dict | None:
         """The memo that stands for ``perf``'s answers now (None: the oracle cannot tell)."""
         if perf is not self._perf:
             self._perf, self._own, self._token, self._memo = perf, (perf.answers_token if supports(perf, TokenedOracle) else None), None, {}
+            self._keyed = perf.spec_key if supports(perf, KeyedOracle) else None
         token = self._own() if self._own is not None else None
         if token is None:
             return None
@@ -78,14 +81,26 @@ class RequestSpeeds:
             self._token = token
         return memo
 
-    @staticmethod
-    def _row(job: JobView, perf: PerfOracle | None, memo: dict) -> tuple:
+    def _row(self, job: JobView, perf: PerfOracle | None, memo: dict) -> tuple:
         """``memo``'s entry for ``job``'s spec: (spec, samples/s or None, -class, steps,
         global batch, step time), the spec's parts the keys read."""
         spec = job.spec
-        row = memo[id(spec)] = (spec, requested_throughput(job, perf), -spec.priority, spec.steps, spec.global_batch,
+        row = memo[id(spec)] = (spec, self._speed(job, perf, memo), -spec.priority, spec.steps, spec.global_batch,
                                 spec.step_time)
         return row
+
+    def _speed(self, job: JobView, perf: PerfOracle | None, memo: dict) -> float | None:
+        """``requested_throughput``, asked once for the specs an oracle says it answers
+        alike (``protocols.KeyedOracle``: equal ``spec_key``) that request the same plan
+        with the same CPUs per GPU (the request and its shape: what is asked)."""
+        if self._keyed is None:
+            return requested_throughput(job, perf)
+        spec = job.spec
+        k = ("speed", self._keyed(spec), default_plan(spec), spec.cpus_per_gpu)
+        got = memo.get(k)
+        if got is None:
+            got = memo[k] = (requested_throughput(job, perf),)
+        return got[0]
 
     def throughput(self, job: JobView, perf: PerfOracle | None) -> float | None:
         memo = self._memo_for(perf)

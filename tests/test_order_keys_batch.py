@@ -174,3 +174,45 @@ def test_follow_finds_columns_along_the_last_list():
     assert at.tolist()[0] == 4 and missing == 2
     at, missing = follow(np.empty(0, np.int64), np.empty(0, np.intp), np.array([1, 2], np.int64))
     assert at.tolist() == [-1, -1] and missing == 2
+
+
+class Keyed(Tokened):
+    """Says its answers depend on the model and batch alone (``protocols.KeyedOracle``),
+    and counts what it is asked."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = 0
+
+    def spec_key(self, spec):
+        return (spec.model.name, spec.global_batch)
+
+    def throughput(self, job, plan, placement):
+        self.asked += 1
+        return super().throughput(job, plan, placement)
+
+
+def test_srtf_asks_a_keyed_oracle_once_per_key_and_request():
+    """Specs an oracle answers alike (equal ``spec_key``) that request the same plan and
+    CPUs per GPU share one answer: the same tuples as asking per job, fewer questions;
+    a new token asks again."""
+    from gearshift.policies.ordering import requested_throughput
+
+    jobs = _jobs()  # 1-3 GPUs: three requests, one key
+    perf = Keyed()
+    key = by_class(SrtfKey())
+    got = key.many(jobs, 0.0, perf)
+    assert perf.asked == len({j.spec.gpus for j in jobs}) == 3
+    plain = Tokened()  # the same answers, no key: asked per job
+    assert got == [by_class(plain_srtf)(j, 0.0, plain) for j in jobs]
+    assert [SrtfKey().throughput(j, perf) for j in jobs] == [requested_throughput(j, plain) for j in jobs]
+    asked = perf.asked
+    perf.token += 1  # its answers may have changed: asked again, once per key and request
+    key.many(jobs, 0.0, perf)
+    assert perf.asked == asked + 3
+
+
+def plain_srtf(j, now, perf):
+    from gearshift.policies.ordering import srtf_key
+
+    return srtf_key(j, now, perf)
