@@ -33,6 +33,7 @@ from gearshift.policies.views import Carried, split
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 _CHECKPOINT_AT = attrgetter("checkpoint_at")
+_JOB_ID = attrgetter("job_id")
 
 
 def _no_words(j: JobView) -> str:
@@ -101,10 +102,10 @@ class PriorityPolicy:
         if got is not None:
             # every running job holds what the last round decided: they all fit (see _keep_as_before),
             # and what is free is what the last round left plus what its jobs that stopped held
-            holding, held_at, walk = got
+            holding, held_at, walk, stopped = got
             free_g, free_c = ledger.free_g, ledger.free_c = after[0].copy(), after[1].copy()
             last = self._kept
-            for jid in last.keys() - holding.keys():
+            for jid in last.keys() - holding.keys() if stopped is None else stopped:
                 for p in last[jid].placement:
                     free_g[p.node] += p.gpus
                     free_c[p.node] += p.cpus
@@ -129,10 +130,11 @@ class PriorityPolicy:
                 continue
             if blocked is not None and self.head_of_line and self.blocks is None:
                 # everything after the blocked job waits behind it: the rest of the walk, in its order
-                if describe_key is _no_words:  # the same words for them all
-                    msg = f"waiting: behind {blocked.job_id} in {self.name} order"
-                    rest = [order[k].job_id for k in (at, *sorted(walk))]
-                    waiting.update(dict.fromkeys([jid for jid in rest if jid not in holding], msg))
+                if describe_key is _no_words:  # the same words for them all (no job walked is held)
+                    walk.sort()
+                    walk.insert(0, at)
+                    waiting.update(dict.fromkeys(map(_JOB_ID, map(order.__getitem__, walk)),
+                                                 f"waiting: behind {blocked.job_id} in {self.name} order"))
                     break
                 for at in (at, *sorted(walk)):
                     j = order[at]
@@ -272,7 +274,8 @@ class PriorityPolicy:
 def _keep_as_before(order: list[JobView], last: dict[str, JobDecision]) -> tuple | None:
     """The keep pass (``_keep_pass``) when every running job holds what the last round
     decided (``last``: its allocations as kept decisions, same nodes): (holding,
-    positions held, positions to walk), or None if one does not. Every running job
+    positions held, positions to walk, None: the jobs of ``last`` that stopped are not
+    known), or None if one does not. Every running job
     then fits, in any order: they hold a subset of the last round's allocations, which
     fit the same totals, and every amount is >= 0, so each prefix of them fits too."""
     get = last.get
@@ -292,7 +295,7 @@ def _keep_as_before(order: list[JobView], last: dict[str, JobDecision]) -> tuple
             return None
         holding[j.job_id] = d
         held_append(at)
-    return holding, held_at, walk
+    return holding, held_at, walk, None
 
 
 def _keep_told(order: list[JobView], at: list[int], fresh: Sequence[int], carried: Carried,
@@ -304,8 +307,9 @@ def _keep_told(order: list[JobView], at: list[int], fresh: Sequence[int], carrie
     The views built anew (``fresh``: positions in the list, ``order`` its jobs at
     positions ``at``) are looked at one by one; when every job the last decision placed
     or left out has one, or is gone (the decision was applied), the rest is read off
-    the carried columns (``carried``: ids, who runs, by position); otherwise, the full
-    ``_keep_as_before``."""
+    the carried columns (``carried``: ids, who runs, by position), and the jobs of
+    ``last`` that stopped are known (the fourth part: those of them that hold nothing);
+    otherwise, the full ``_keep_as_before``."""
     get = last.get
     for p in fresh:
         j = carried.last[p]
@@ -314,7 +318,8 @@ def _keep_told(order: list[JobView], at: list[int], fresh: Sequence[int], carrie
             if d is None or d.placement is not j.placement or d.plan is not j.plan:
                 return None
     ids = carried.ids
-    if changed and not changed <= {ids[p] for p in fresh}.union(carried.gone):
+    moved = {ids[p] for p in fresh}.union(carried.gone)
+    if changed and not changed <= moved:
         return _keep_as_before(order, last)
     held, held_at, walk = split(np.array(at, np.intp), carried.running)
     held = list(map(ids.__getitem__, held.tolist()))
@@ -322,7 +327,8 @@ def _keep_told(order: list[JobView], at: list[int], fresh: Sequence[int], carrie
         holding = dict(zip(held, map(last.__getitem__, held)))
     except KeyError:  # (a list that does not say truly)
         return _keep_as_before(order, last)
-    return holding, held_at.tolist(), walk.tolist()
+    # the last decision's jobs that hold nothing now: each one's view was built anew, or it is gone
+    return holding, held_at.tolist(), walk.tolist(), [jid for jid in moved if jid in last and jid not in holding]
 
 
 def _keep_pass(order: list[JobView], free_g: dict, free_c: dict, last_get, kept: str) -> tuple:
