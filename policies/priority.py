@@ -226,8 +226,8 @@ class PriorityPolicy:
                 decision.waiting[jid] = why
         # every running job held the last round's decision; and this one changed nothing, or it changed
         # what the walk up to the blocked job placed and preempted, the blocked one not preempted itself
-        settles = not placed and not preempted or self.head_of_line and (blocked is None or
-                                                                         blocked.job_id not in preempted)
+        settles = not placed and not preempted or self.head_of_line and (
+            blocked is None or blocked.job_id not in preempted or ck_after == -1)
         self._steady_until = expires if got is not None and settles and self._steady() else -math.inf
         return decision
 
@@ -258,8 +258,11 @@ class PriorityPolicy:
         job before the first it refused (the blocked one) and nothing after it, so the next
         round's first waiting job is the blocked one, on the free GPUs it was refused on;
         the jobs it placed are ahead of it (their keys only fall), and the running jobs
-        behind it are a subset of the candidates it freed then, unless it was a victim of
-        this round itself (it then took none: it is not vouched for). What follows it waits.
+        behind it are a subset of the candidates it freed then. If it was a victim of this
+        round itself it freed none (a victim does not preempt), but its preemptor took
+        victims from the bottom of the order up to it, so every running job behind it
+        was taken or refused for its minimum run time; not when victims were ordered by
+        their checkpoints instead (not vouched for). What follows it waits.
 
         -inf otherwise (a job held something else; another key; custom victims)."""
         return self._steady_until

@@ -252,15 +252,18 @@ def _apply(jobs: list[JobView], d, now: float) -> None:
                 j.started_at = now
 
 
+@pytest.mark.parametrize("checkpoints", [False, True])
 @pytest.mark.parametrize("head_of_line", [True, False])
 @pytest.mark.parametrize("seed", range(8))
-def test_srtf_vouches_only_for_rounds_that_change_nothing(seed, head_of_line):
+def test_srtf_vouches_only_for_rounds_that_change_nothing(seed, head_of_line, checkpoints):
     """``PriorityPolicy.steady_until`` after rounds that placed and preempted jobs, too:
     once the decision is applied, every round before it (running jobs a little further
     on, nothing else moved) keeps every running job as it holds and starts none, and a
     policy with no last round decides the same. Random queues of 1-4 GPU jobs in two
     classes on 2-3 nodes, jobs arriving and finishing between rounds, with and without
-    head-of-line blocking (without it, it vouches only after rounds that changed nothing)."""
+    head-of-line blocking (without it, it vouches only after rounds that changed nothing),
+    with and without checkpoints (victims then go by the work they lose, not from the
+    bottom of the order)."""
     rng = random.Random(seed)
     min_run = rng.choice([0.0, 100.0, 250.0])
     nodes = [NodeState(f"n{i}", 4, 4, 8, 8) for i in range(rng.choice([2, 3]))]
@@ -280,6 +283,9 @@ def test_srtf_vouches_only_for_rounds_that_change_nothing(seed, head_of_line):
         held_before = {j.job_id: j.placement for j in jobs if j.placement}
         changed = {k: a.placement for k, a in d.allocations.items()} != held_before
         _apply(jobs, d, now)
+        if checkpoints:  # what running jobs' agents report
+            for j in jobs:
+                j.checkpoint_at = rng.uniform(j.last_switch_at, now) if j.placement and rng.random() < 0.7 else None
         until = pol.steady_until()
         if until > now:
             vouched += 1
