@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import compress
 from operator import attrgetter
 
 from gearshift.policies.api import NodeState, Placement
@@ -158,7 +159,8 @@ class Ledger:
     ) -> tuple[Placement, ...] | None:
         need_c = per_node * cpus_per_gpu
         free_g, free_c = self.free_g, self.free_c
-        ok = [n for n, g in free_g.items() if g >= per_node and free_c[n] >= need_c]
+        # the nodes with the GPUs (picked in C: on a busy cluster few have them), then the CPUs
+        ok = [n for n in compress(free_g, map(per_node.__le__, free_g.values())) if free_c[n] >= need_c]
         if len(ok) < m:
             return None
         if m == 1:  # the first of the best: what a stable sort puts first
