@@ -201,14 +201,15 @@ def _merge_order(cls, secs):
     return src
 
 
-def break_ties(perm: list[int], runs: list[int], submitted: Callable[[int], float],
-               name: Callable[[int], str]) -> list[int] | None:
-    """``perm`` with each run ``[runs[2k], runs[2k + 1])`` of jobs equal in class and
-    seconds left in (submitted at, name) order: what ``sorted`` on the whole tuples
-    does, which compares the later parts only there. None for a NaN submission time
-    in a run (Python's order is not defined there; the caller sorts the tuples)."""
+def break_ties(perm: list[int] | np.ndarray, runs: list[int], submitted: Callable[[int], float],
+               name: Callable[[int], str]) -> list[int] | np.ndarray | None:
+    """``perm`` (a list or an integer array, changed in place) with each run ``[runs[2k],
+    runs[2k + 1])`` of jobs equal in class and seconds left in (submitted at, name) order:
+    what ``sorted`` on the whole tuples does, which compares the later parts only there.
+    None for a NaN submission time in a run (Python's order is not defined there; the
+    caller sorts the tuples)."""
     for s, e in zip(runs[::2], runs[1::2]):
-        part = perm[s:e]
+        part = perm[s:e].tolist() if isinstance(perm, np.ndarray) else perm[s:e]
         if any(submitted(i) != submitted(i) for i in part):
             return None
         perm[s:e] = sorted(part, key=lambda i: (submitted(i), name(i)))

@@ -62,7 +62,7 @@ class ByClass:
         keyed = self._one
         return [keyed(j, now, perf) for j in jobs]
 
-    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None:
+    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> Sequence[int] | None:
         """The positions of ``jobs`` in the order of ``many``'s keys (``protocols.BatchOrder``),
         through the base's own (``protocols.ClassedBatchOrder``); None where it has none."""
         return self._order(jobs, now, perf) if self._order is not None else None

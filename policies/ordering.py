@@ -143,10 +143,10 @@ class SrtfKey(RequestSpeeds):
         seconds left only fall; the speed is the oracle's, which the caller holds still."""
         return True
 
-    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None:
+    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> np.ndarray | None:
         """The positions of ``jobs`` sorted by ``many_by_class``'s tuples (``protocols.ClassedBatchOrder``),
-        on arrays (``policies.array_order``): seconds left as ``(left x global batch) /
-        samples/s``, or ``(left x step time) / 1`` and ``(left x 1) / 1`` when the speed is
+        as an integer array, on arrays (``policies.array_order``): seconds left as ``(left x global
+        batch) / samples/s``, or ``(left x step time) / 1`` and ``(left x 1) / 1`` when the speed is
         not known (``_no_speed``), the same float64 operations. None (the caller sorts the
         tuples) for a short list, an oracle that cannot vouch for its answers, or a NaN."""
         n = len(jobs)
@@ -170,10 +170,9 @@ class SrtfKey(RequestSpeeds):
         perm, runs, ok = srtf_order(rows.rows, at, done)
         if not ok:
             return None
-        out = perm.tolist()
         if len(runs):  # jobs equal in class and seconds left (about one a round): submitted at, then job id
-            return break_ties(out, runs.tolist(), lambda i: jobs[i].submitted_at, lambda i: jobs[i].job_id)
-        return out
+            return break_ties(perm, runs.tolist(), lambda i: jobs[i].submitted_at, lambda i: jobs[i].job_id)
+        return perm
 
     def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]:
         """``[by_class(self)(j, now, perf) for j in jobs]``: (-class, seconds left,

@@ -90,6 +90,9 @@ class PriorityPolicy:
         if at is None:
             keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
             at = _sorted_by(keys)
+        perm = None
+        if isinstance(at, np.ndarray):  # (an array order: positions as an array too)
+            perm, at = at, at.tolist()
         order = list(map(jobs.__getitem__, at))  # = sorted(jobs, key=...)
         fresh = self._carried.follow(jobs)  # the views built anew, if jobs says how it follows the last list
         ledger = self._ledgers.fresh(nodes)  # = Ledger(nodes)
@@ -98,7 +101,8 @@ class PriorityPolicy:
         after = self._after
         if after is not None and after[2] is kept and self._ledgers.same:
             got = (_keep_as_before(order, self._kept) if fresh is None
-                   else _keep_told(order, at, fresh, self._carried, self._kept, self._changed))
+                   else _keep_told(order, at if perm is None else perm, fresh, self._carried, self._kept,
+                                   self._changed))
         if got is not None:
             # every running job holds what the last round decided: they all fit (see _keep_as_before),
             # and what is free is what the last round left plus what its jobs that stopped held
@@ -301,14 +305,14 @@ def _keep_as_before(order: list[JobView], last: dict[str, JobDecision]) -> tuple
     return holding, held_at, walk, None
 
 
-def _keep_told(order: list[JobView], at: list[int], fresh: Sequence[int], carried: Carried,
+def _keep_told(order: list[JobView], at: Sequence[int], fresh: Sequence[int], carried: Carried,
                last: dict[str, JobDecision], changed: set[str]) -> tuple | None:
     """``_keep_as_before(order, last)`` for a list that says how it follows the last
     round's (``policies.views.RoundJobs``), looking at what changed alone: a view not
     built anew is the last round's, holding what it held, so a job the last decision
     kept (every running job it did not place or leave out) holds that decision still.
     The views built anew (``fresh``: positions in the list, ``order`` its jobs at
-    positions ``at``) are looked at one by one; when every job the last decision placed
+    positions ``at``, a list or an array) are looked at one by one; when every job the last decision placed
     or left out has one, or is gone (the decision was applied), the rest is read off
     the carried columns (``carried``: ids, who runs, by position), and the jobs of
     ``last`` that stopped are known (the fourth part: those of them that hold nothing);
@@ -324,7 +328,7 @@ def _keep_told(order: list[JobView], at: list[int], fresh: Sequence[int], carrie
     moved = {ids[p] for p in fresh}.union(carried.gone)
     if changed and not changed <= moved:
         return _keep_as_before(order, last)
-    held, held_at, walk = split(np.array(at, np.intp), carried.running)
+    held, held_at, walk = split(at if isinstance(at, np.ndarray) else np.array(at, np.intp), carried.running)
     held = list(map(ids.__getitem__, held.tolist()))
     try:
         holding = dict(zip(held, map(last.__getitem__, held)))

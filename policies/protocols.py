@@ -98,10 +98,11 @@ class ClassedBatchKey(Protocol):
 @runtime_checkable
 class BatchOrder(Protocol):
     """An ordering key that also orders many jobs at once: ``order(jobs, now, perf)`` is
-    the positions of ``jobs`` sorted by their keys (``sorted(range(n), key=keys)``),
-    or None when it cannot tell (the caller sorts the keys itself)."""
+    the positions of ``jobs`` sorted by their keys (``sorted(range(n), key=keys)``), a
+    list or a 1-d integer array, or None when it cannot tell (the caller sorts the keys
+    itself)."""
 
-    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None: ...
+    def order(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> Sequence[int] | None: ...
 
 
 @runtime_checkable
@@ -110,7 +111,7 @@ class ClassedBatchOrder(Protocol):
     ``order_by_class(jobs, now, perf)`` is what ``BatchOrder.order`` is for
     ``by_class(key)``, or None (``ordering.SrtfKey``, on arrays: ``policies.array_order``)."""
 
-    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[int] | None: ...
+    def order_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> Sequence[int] | None: ...
 
 
 @runtime_checkable
