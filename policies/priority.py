@@ -107,7 +107,9 @@ class PriorityPolicy:
             # every running job holds what the last round decided: they all fit (see _keep_as_before),
             # and what is free is what the last round left plus what its jobs that stopped held
             holding, held_at, walk, stopped = got
-            free_g, free_c = ledger.free_g, ledger.free_c = after[0].copy(), after[1].copy()
+            # (the last round's free GPUs handed over, not copied: _after is set anew below)
+            free_g, free_c = ledger.free_g, ledger.free_c = after[0], after[1]
+            self._after = None
             last = self._kept
             for jid in last.keys() - holding.keys() if stopped is None else stopped:
                 for p in last[jid].placement:
@@ -224,7 +226,7 @@ class PriorityPolicy:
             holding[jid] = JobDecision(d.placement, d.plan, kept)
             signed = signed and all(p.gpus >= 0 and p.cpus >= 0 for p in d.placement)
         self._kept = holding
-        self._after = (ledger.free_g.copy(), ledger.free_c.copy(), kept) if signed else None
+        self._after = (ledger.free_g, ledger.free_c, kept) if signed else None  # (the ledger is not used again)
         for jid, why in preempted.items():
             if jid not in decision.allocations:  # a victim placed again later in the walk is not waiting
                 decision.waiting[jid] = why
