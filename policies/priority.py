@@ -34,6 +34,7 @@ from gearshift.policies.views import Carried, split
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 _CHECKPOINT_AT = attrgetter("checkpoint_at")
 _JOB_ID = attrgetter("job_id")
+_NODE = attrgetter("node")
 
 
 def _no_words(j: JobView) -> str:
@@ -161,7 +162,7 @@ class PriorityPolicy:
             cpg = j.spec.cpus_per_gpu or self.default_cpus_per_gpu
             plan = default_plan(j.spec)
             gpus = plan.gpus
-            prefer = tuple(p.node for p in j.placement)
+            prefer = tuple(map(_NODE, j.placement)) if j.placement else ()
             placement = ledger.place(gpus, cpg, prefer=prefer, unit=plan.tp)
             victims: list[tuple[int, JobView, JobDecision]] = []
             # a job preempted this round does not preempt its peers to come back (with victims taken
@@ -330,7 +331,8 @@ def _keep_told(order: list[JobView], at: Sequence[int], fresh: Sequence[int], ca
     moved = {ids[p] for p in fresh}.union(carried.gone)
     if changed and not changed <= moved:
         return _keep_as_before(order, last)
-    held, held_at, walk = split(at if isinstance(at, np.ndarray) else np.array(at, np.intp), carried.running)
+    held, held_at, walk = split(at if isinstance(at, np.ndarray) else np.array(at, np.intp),
+                                np.frombuffer(bytes(carried.running), bool))
     held = list(map(ids.__getitem__, held.tolist()))
     try:
         holding = dict(zip(held, map(last.__getitem__, held)))

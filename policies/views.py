@@ -125,7 +125,8 @@ def follows(jobs: Sequence[JobView], last: object) -> RoundJobs | None:
 
 class Carried:
     """Columns by position in a caller's lists of job views, carried from one list
-    to the next: ``ids`` (job ids) and ``running`` (holds an allocation).
+    to the next: ``ids`` (job ids) and ``running`` (1 where the job holds an allocation,
+    bytes: ``np.frombuffer`` reads them as booleans).
     ``follow(jobs)``: the fresh positions of ``jobs`` when it follows the last list
     followed (``RoundJobs``), after carrying both (gone rows out, the rest in order,
     fresh rows read from their views); None, with both read from every view, when
@@ -136,7 +137,7 @@ class Carried:
     def __init__(self) -> None:
         self.last: Sequence[JobView] | None = None
         self.ids: list[str] = []
-        self.running = np.zeros(0, bool)
+        self.running = bytearray()
         self.gone: list[str] = []  # the ids of the jobs gone at the last ``follow`` that followed
 
     def follow(self, jobs: Sequence[JobView]) -> Sequence[int] | None:
@@ -144,20 +145,22 @@ class Carried:
         self.last = jobs
         if told is None:
             self.ids = [j.job_id for j in jobs]
-            self.running = np.fromiter(map(bool, map(_PLACEMENT, jobs)), bool, len(jobs))
+            self.running = bytearray(map(bool, map(_PLACEMENT, jobs)))
             self.gone = []
             return None
-        ids, running = self.ids, carry(self.running, told, False)  # (ids: changed in place)
+        ids, running = self.ids, self.running  # (changed in place)
         self.gone = [ids[p] for p in told.gone]
         for p in reversed(told.gone):
             del ids[p]
+            del running[p]
         fresh = told.fresh
-        ids.extend([""] * (len(told) - len(ids)))
+        more = len(told) - len(ids)
+        ids.extend([""] * more)
+        running.extend(bytes(more))
         for p in fresh:
             j = told[p]
             ids[p] = j.job_id
-            running[p] = bool(j.placement)
-        self.ids, self.running = ids, running
+            running[p] = 1 if j.placement else 0
         return fresh
 
 

@@ -431,7 +431,7 @@ class _Told:
             self.told += 1
         want = Carried()
         want.follow(list(jobs))
-        assert self.carried.ids == want.ids and self.carried.running.tolist() == want.running.tolist()
+        assert self.carried.ids == want.ids and self.carried.running == want.running
         self.last = (jobs, [(j, j.placement, j.plan) for j in jobs])
         self.rounds += 1
         return self.policy.schedule(now, nodes, jobs, perf)
