@@ -149,7 +149,7 @@ def _diff_changes(holding: Mapping[str, Holding], allocs: Mapping[str, JobDecisi
         preempt = tuple(jid for jid in holding if jid in gone)
     else:
         preempt = tuple(left)
-    keep = holding.keys() - left - set(reconfigure) if left or reconfigure else holding.keys()
+    keep = holding.keys() - {*left, *reconfigure} if left or reconfigure else holding.keys()
     return Diff(frozenset(keep), preempt, tuple(start), tuple(reconfigure), tuple(changed))
 
 
