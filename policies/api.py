@@ -168,7 +168,10 @@ def accepts(spec: JobSpec, gpu_type: str) -> bool:
 
 def with_type(placement: tuple[Placement, ...], gpu_type: str) -> tuple[Placement, ...]:
     """``placement`` with every part typed ``gpu_type``."""
-    if all(p.gpu_type == gpu_type for p in placement):
+    for p in placement:
+        if p.gpu_type != gpu_type:
+            break
+    else:
         return placement
     return tuple(Placement(p.node, p.gpus, p.cpus, gpu_type) for p in placement)
 

@@ -61,6 +61,8 @@ class OomRule:
         self._exact: dict[tuple, dict[tuple, bool]] = {}  # tm -> {pkey: fits} (latest observation)
         self._oom: dict[tuple, list[tuple]] = {}  # tm -> [(parts or None, pkey)] that ran out of memory
         self._ran: dict[tuple, list[tuple]] = {}  # tm -> parts that ran (maximal ones)
+        # (tm, parts) -> the _ran[tm] it was found covered by (the same list object while nothing is added)
+        self._covered: dict[tuple, list[tuple]] = {}
         self._parts: dict[tuple, tuple | None] = {}  # (model, pkey) -> the accounting's parts, GiB
         self._verdict: dict[tuple, dict[tuple, bool]] = {}  # tm -> {pkey: ruled out}
 
@@ -88,8 +90,13 @@ class OomRule:
         relaxes = False
         if parts is not None:
             ran = self._ran.setdefault(tm, [])
-            if not any(_covers(s, parts) for s in ran):
-                ran[:] = [s for s in ran if not _covers(parts, s)] + [parts]
+            if self._covered.get((tm, parts)) is ran:  # found covered by this very list, unchanged since
+                pass
+            elif any(_covers(s, parts) for s in ran):
+                self._covered[(tm, parts)] = ran
+            else:
+                # a new list (the old one stays what a remembered coverage was found in)
+                ran = self._ran[tm] = [s for s in ran if not _covers(parts, s)] + [parts]
                 # it can free a configuration only if it needs at least as much as an OOM did
                 relaxes = any(f is not None and _covers(parts, f) for f, _ in self._oom.get(tm, ()))
         if was is False or relaxes:

@@ -401,7 +401,7 @@ class Simulator:
         r.alloc_at = r.updated_at = t
         r.productive_from = t + (self.cfg.restart_model(r.job.spec) if self.cfg.restart_model
                                  else self.cfg.restart_cost)
-        r.gpus_held = sum(p.gpus for p in placement)
+        r.gpus_held = placement[0].gpus if len(placement) == 1 else sum(p.gpus for p in placement)
         self.alloc_gpus += r.gpus_held
         r.starts += 1
         if r.first_start is None:

@@ -112,10 +112,8 @@ class RunningRows:
         i = self.n
         if i == len(self.sd):
             self._grow(2 * i)
-        steps = r.job.spec.steps
-        self.upd[i], self.pf[i], self.rate[i], self.steps[i], self.gh[i] = (r.updated_at, r.productive_from, r.rate,
-                                                                            steps, r.gpus_held)
-        self.sd[i], self.att[i], self.gsec[i], self.rt[i] = r.steps_done, r.attained, r.gpu_seconds, r.run_time
+        self.data[:9, i] = (r.updated_at, r.productive_from, r.rate, r.job.spec.steps, r.gpus_held,  # (_FIELDS' order)
+                            r.steps_done, r.attained, r.gpu_seconds, r.run_time)
         self.slot[jid] = i
         self.recs.append(r)
         self.views.append(None)

@@ -174,11 +174,17 @@ class GroundTruth:
         return math.exp(self.noise * _unit_normal(self.seed, *parts))
 
     def step_time(self, job: TraceJob, plan: Plan, placement: tuple[Placement, ...]) -> tuple[float, str]:
-        per_node = tuple(sorted((p.gpus for p in placement if p.gpus > 0)))
-        threads = sum(p.cpus for p in placement) // max(1, sum(per_node))
+        if len(placement) == 1:  # (one node: the same values, without the generators)
+            p = placement[0]
+            per_node = (p.gpus,) if p.gpus > 0 else ()
+            threads = p.cpus // max(1, p.gpus if p.gpus > 0 else 0)
+            gtype = p.gpu_type or ""
+        else:
+            per_node = tuple(sorted((p.gpus for p in placement if p.gpus > 0)))
+            threads = sum(p.cpus for p in placement) // max(1, sum(per_node))
+            gtype = placement_type(placement)
         # The job's own step time is part of the key even for tabled models: the
         # ``request`` source returns it (jobs of one model have different ones).
-        gtype = placement_type(placement)
         ck = (job.job_id if not job.truth_key else job.truth_key, job.spec.step_time,
               job.spec.plan, job.spec.gpus, plan, per_node, threads, gtype)
         hit = self._cache.get(ck)
