@@ -51,7 +51,7 @@ class SpecRows:
     specs it does not find are looked up by id. The specs are held, so an id seen
     stays that object's."""
 
-    __slots__ = ("width", "rows", "_owner", "_index", "_held", "_last_ids", "_last_at", "_last_jobs")
+    __slots__ = ("width", "rows", "_owner", "_index", "_held", "_last_ids", "_last_at", "_last_jobs", "told")
 
     def __init__(self, width: int):
         self.width = width
@@ -65,13 +65,14 @@ class SpecRows:
         self._last_ids = np.empty(0, np.int64)
         self._last_at = np.empty(0, np.intp)
         self._last_jobs: Sequence | None = None
+        self.told = None
 
     def at(self, jobs: Sequence, make: Callable[[int], Sequence[float]], owner: object) -> np.ndarray:
         n = len(jobs)
         if owner is not self._owner or len(self._held) > 4 * n + 4096:
             self._owner = owner
             self._reset()
-        told = follows(jobs, self._last_jobs)
+        told = self.told = follows(jobs, self._last_jobs)  # (read by the caller: how the list followed)
         self._last_jobs = jobs
         if told is not None:  # the last list's columns, carried: only the fresh views' specs looked up
             at, ids = carry(self._last_at, told, -1), carry(self._last_ids, told, 0)
@@ -127,11 +128,14 @@ def follow(last_ids, last_at, ids):
 
 
 @njit(cache=True)
-def srtf_order(rows, at, done):
+def srtf_order(rows, at, done, hint):
     """(positions by class and seconds left, equals in position order; the runs of
     neighbours equal in both, as [start, end, start, end, ...]; False for a NaN, whose
     order Python's sort does not define). ``rows[:, at[i]]`` is job i's (-class, steps,
-    factor, divisor); seconds left = (max(0, steps - done) x factor) / divisor."""
+    factor, divisor); seconds left = (max(0, steps - done) x factor) / divisor.
+    ``hint``: an order to start from (``renumber``: the last round's; empty: none),
+    sorted by insertion when it is nearly right (``_from_hint``), else merged afresh:
+    the same order either way."""
     n = len(at)
     cls = np.empty(n)
     secs = np.empty(n)
@@ -145,7 +149,9 @@ def srtf_order(rows, at, done):
             return np.empty(0, np.int64), np.empty(0, np.int64), False
         cls[i] = rows[0, c]
         secs[i] = s
-    perm = _merge_order(cls, secs)
+    perm, ok = _from_hint(cls, secs, hint)
+    if not ok:
+        perm = _merge_order(cls, secs)
     runs = []
     k = 0
     while k < n - 1:
@@ -160,6 +166,65 @@ def srtf_order(rows, at, done):
     for r in range(len(runs)):
         out[r] = runs[r]
     return perm, out, True
+
+
+@njit(cache=True)
+def renumber(last, gone, n):
+    """The last round's order ``last`` (positions in the last list) in this list's
+    positions: the ``gone`` ones (ascending) out, the rest renumbered (each less the
+    gone ones before it), then the positions that joined (after the rest), ascending.
+    Empty if that is not ``n`` positions."""
+    out = np.empty(n, np.int64)
+    g = len(gone)
+    k = 0
+    for p in last:
+        j = np.searchsorted(gone, p)
+        if j < g and gone[j] == p:
+            continue
+        if k == n:
+            return np.empty(0, np.int64)
+        out[k] = p - j
+        k += 1
+    for p in range(len(last) - g, n):
+        if k == n:
+            return np.empty(0, np.int64)
+        out[k] = p
+        k += 1
+    if k != n:
+        return np.empty(0, np.int64)
+    return out
+
+
+@njit(cache=True)
+def _from_hint(cls, secs, hint):
+    """``hint`` (a permutation of the positions) sorted by insertion on (class, seconds
+    left, position), a total order, so the result is the merge sort's (equals in
+    position order); (order, True), or (_, False) when ``hint`` is not a permutation of
+    them or needs more than 8 shifts per position."""
+    n = len(cls)
+    if len(hint) != n:
+        return hint, False
+    seen = np.zeros(n, np.bool_)
+    for p in hint:
+        if p < 0 or p >= n or seen[p]:
+            return hint, False
+        seen[p] = True
+    perm = hint.copy()
+    budget = 8 * n
+    for i in range(1, n):
+        x = perm[i]
+        j = i - 1
+        while j >= 0:
+            y = perm[j]
+            if cls[y] < cls[x] or (cls[y] == cls[x] and (secs[y] < secs[x] or (secs[y] == secs[x] and y < x))):
+                break
+            perm[j + 1] = y
+            j -= 1
+            budget -= 1
+        perm[j + 1] = x
+        if budget < 0:
+            return perm, False
+    return perm, True
 
 
 @njit(cache=True)

@@ -9,7 +9,7 @@ from operator import attrgetter
 import numpy as np
 
 from gearshift.policies.api import JobView, PerfOracle, default_plan
-from gearshift.policies.array_order import SpecRows, break_ties, srtf_order
+from gearshift.policies.array_order import SpecRows, break_ties, renumber, srtf_order
 from gearshift.policies.placement import compact_shape
 from gearshift.policies.protocols import KeyedOracle, TokenedOracle, supports
 
@@ -118,6 +118,7 @@ class RequestSpeeds:
 
 
 _STEPS_DONE = attrgetter("steps_done")
+_NO_HINT = np.empty(0, np.int64)
 
 
 class SrtfKey(RequestSpeeds):
@@ -132,6 +133,7 @@ class SrtfKey(RequestSpeeds):
     def __init__(self) -> None:
         super().__init__()
         self._rows = SpecRows(4)  # per spec: -class, steps, seconds left's factor and divisor
+        self._last: np.ndarray | None = None  # the last order (positions in the last list)
 
     def __call__(self, job: JobView, now: float, perf: PerfOracle | None = None) -> tuple:
         return self.srtf_key(job, now, perf)
@@ -167,11 +169,16 @@ class SrtfKey(RequestSpeeds):
         rows = self._rows
         at = rows.at(jobs, numbers, memo)
         done = np.fromiter(map(_STEPS_DONE, jobs), float, n)
-        perm, runs, ok = srtf_order(rows.rows, at, done)
+        # the last order, in this list's positions, to sort from (a list that says how it follows)
+        last, self._last = self._last, None
+        hint = renumber(last, np.array(rows.told.gone, np.int64), n) if rows.told is not None and last is not None \
+            else _NO_HINT
+        perm, runs, ok = srtf_order(rows.rows, at, done, hint)
         if not ok:
             return None
         if len(runs):  # jobs equal in class and seconds left (about one a round): submitted at, then job id
-            return break_ties(perm, runs.tolist(), lambda i: jobs[i].submitted_at, lambda i: jobs[i].job_id)
+            perm = break_ties(perm, runs.tolist(), lambda i: jobs[i].submitted_at, lambda i: jobs[i].job_id)
+        self._last = perm
         return perm
 
     def many_by_class(self, jobs: Sequence[JobView], now: float, perf: PerfOracle | None) -> list[tuple]:

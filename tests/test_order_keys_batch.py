@@ -121,8 +121,12 @@ def test_srtf_kernel_sorts_as_python_and_refuses_nan():
         return out
 
     def order():
-        perm, runs, ok = srtf_order(rows, at, done)
+        perm, runs, ok = srtf_order(rows, at, done, np.empty(0, np.int64))
         assert ok
+        # from any order to start from (a permutation, else ignored): the same order and runs
+        for hint in (rng.permutation(n), perm[::-1].copy(), perm.copy(), np.arange(n + 1), np.zeros(n, np.int64)):
+            p2, r2, ok2 = srtf_order(rows, at, done, hint.astype(np.int64))
+            assert ok2 and p2.tolist() == perm.tolist() and r2.tolist() == runs.tolist()
         return break_ties(perm.tolist(), runs.tolist(), submitted.__getitem__, names.__getitem__)
 
     t = tuples()
@@ -141,7 +145,27 @@ def test_srtf_kernel_sorts_as_python_and_refuses_nan():
     got = order()
     assert got == _sorted_positions(tuples()) and got[0] == n - 1
     rows[2, at[0]] = float("nan")  # seconds left NaN
-    assert srtf_order(rows, at, done)[2] is False
+    assert srtf_order(rows, at, done, np.arange(n))[2] is False
+
+
+def test_renumber_puts_the_last_order_in_the_new_positions():
+    """``array_order.renumber``: the last order less the gone positions, each moved down by
+    the gone ones before it, then the joined positions; nothing when it does not add up."""
+    import numpy as np
+
+    from gearshift.policies.array_order import renumber
+
+    rng = np.random.default_rng(5)
+    for m in (0, 1, 5, 40):
+        last = rng.permutation(m).astype(np.int64)
+        gone = np.sort(rng.choice(m, size=m // 3, replace=False)).astype(np.int64)
+        joined = int(rng.integers(0, 4))
+        n = m - len(gone) + joined
+        kept = [p for p in range(m) if p not in set(gone.tolist())]  # old positions, in the new order
+        want = [kept.index(p) for p in last.tolist() if p in kept] + list(range(len(kept), n))
+        assert renumber(last, gone, n).tolist() == want
+        if kept:  # a list shorter than the jobs that stayed: it does not add up
+            assert len(renumber(last, gone, len(kept) - 1)) == 0
 
 
 def test_merge_order_is_lexsorts_order():
