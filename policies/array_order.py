@@ -33,6 +33,7 @@ from numba import njit
 from gearshift.policies.views import carry, follows
 
 _SPEC = attrgetter("spec")
+_NO_IDS = np.empty(0, np.int64)
 
 
 class SpecRows:
@@ -75,11 +76,10 @@ class SpecRows:
         told = self.told = follows(jobs, self._last_jobs)  # (read by the caller: how the list followed)
         self._last_jobs = jobs
         if told is not None:  # the last list's columns, carried: only the fresh views' specs looked up
-            at, ids = carry(self._last_at, told, -1), carry(self._last_ids, told, 0)
+            at = carry(self._last_at, told, -1)
             for i in told.fresh:
-                spec = jobs[i].spec
-                ids[i] = id(spec)
-                at[i] = self._column(spec, i, make)
+                at[i] = self._column(jobs[i].spec, i, make)
+            ids = _NO_IDS  # (not kept along: a list that does not say how it follows is looked up afresh)
         else:
             ids = np.fromiter(map(id, map(_SPEC, jobs)), np.int64, n)
             at, missing = follow(self._last_ids, self._last_at, ids)

@@ -175,21 +175,23 @@ class NodeCapacity:
 
     def check(self, decision: Decision, jobs: Mapping[str, HasSpec], free_g: Sequence[int], free_c: Sequence[int],
               holding: Mapping[str, Holding] | None = None, keep: Collection[str] = frozenset(),
-              change: Diff | None = None) -> None:
+              change: Diff | None = None, held_live: bool = False) -> None:
         """Refuse ``decision`` unless the cluster can hold it. ``free_g``/``free_c``:
         free per node now (not changed); ``holding``: what running jobs hold (their
         GPUs count as free unless the job is in ``keep``); jobs in ``keep`` hold the
         same allocation already, checked when it was granted, and are skipped.
         ``change``: ``diff(holding, decision)``, when the caller has it: its ``keep``
         is ``keep``, and only its ``changed`` allocations are looked at one by one
-        (the same checks, in the same order; the kept ones only for being known)."""
+        (the same checks, in the same order; the kept ones only for being known, which
+        ``held_live`` vouches for: every job in ``holding`` is one of ``jobs``, so the
+        first job not known, in the decision's order, is among the changed ones)."""
         free_g = list(free_g)
         free_c = list(free_c)
         idx = self.index
         allocs = decision.allocations
         if change is not None:
             keep = change.keep
-            if not allocs.keys() <= jobs.keys():  # a job not known: the full walk finds which first
+            if not held_live and not allocs.keys() <= jobs.keys():  # a job not known: the full walk finds which first
                 change = None
         if holding:
             for jid in (*change.preempt, *change.reconfigure) if change is not None else holding:  # = held - kept

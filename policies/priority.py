@@ -335,7 +335,7 @@ def _keep_told(order: list[JobView], at: Sequence[int], fresh: Sequence[int], ca
                                 np.frombuffer(bytes(carried.running), bool))
     held = list(map(ids.__getitem__, held.tolist()))
     try:
-        holding = dict(zip(held, map(last.__getitem__, held)))
+        holding = {jid: last[jid] for jid in held}
     except KeyError:  # (a list that does not say truly)
         return _keep_as_before(order, last)
     # the last decision's jobs that hold nothing now: each one's view was built anew, or it is gone

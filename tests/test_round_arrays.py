@@ -17,7 +17,7 @@ from policy_helpers import MODEL, job
 
 from gearshift.bus_schema.messages import JobSpec, JobState, Plan
 from gearshift.policies import priority
-from gearshift.policies.api import Decision, JobView, NodeState, Placement
+from gearshift.policies.api import AllocationError, Changes, Decision, JobView, NodeState, Placement
 from gearshift.policies.decision import NodeCapacity, _diff_changes, diff
 from gearshift.policies.views import Carried, RoundJobs
 from gearshift.policies.registry import make_policy
@@ -330,6 +330,7 @@ class _ChangesAgainstFull:
         free_g = [n.gpus_free for n in nodes]
         free_c = [n.cpus_free for n in nodes]
         cap.check(d, live, free_g, free_c, holding, change=diff(holding, d, jobs))
+        cap.check(d, live, free_g, free_c, holding, change=diff(holding, d, jobs), held_live=True)
         cap.check(d, live, free_g, free_c, holding, change=full)
         self.rounds += 1
         return d
@@ -373,6 +374,15 @@ def test_changes_that_do_not_add_up_are_not_trusted():
     assert _diff_changes(more, d.allocations, d.changes) is None
     assert diff(more, d, jobs).preempt == ("x",)
     assert diff(holding, d, list(jobs)) == diff(holding, d)  # another list than the one handed: the whole split
+    # a start of a job not known: the same refusal with the kept jobs vouched for as live
+    cap = NodeCapacity.of(nodes)
+    ghost = replace_changes(d, Changes(jobs, (*d.changes.placed, "ghost"), d.changes.left))
+    ghost.allocations = {"ghost": next(iter(d.allocations.values())), **d.allocations}
+    free = [n.gpus_free for n in nodes], [n.cpus_free for n in nodes]
+    for live in (False, True):
+        with pytest.raises(AllocationError, match="unknown or finished job 'ghost'"):
+            cap.check(ghost, {j.job_id: j for j in jobs}, *free, holding, change=diff(holding, ghost, jobs),
+                      held_live=live)
 
 
 @pytest.mark.parametrize("name", ["srtf", "las", "antman"])
