@@ -1,6 +1,9 @@
 """The scheduling interface shared by the optimizer service and the simulator.
 
 Changes (newest first; all backward compatible, every new field has a default):
+- ``NodeStates`` (issue 22): nodes handed as a list that names its shape (an object
+  kept while no node's name, totals, domain, type or topology changes), so what
+  depends on the shape alone is not read again every round.
 - ``Decision.changes`` (issue 22): a policy may also tell its decision as what it
   changes against the views it was handed (``Changes``: the jobs placed, the jobs
   left out; every other running job kept as it holds), so ``policies.decision.diff``
@@ -73,6 +76,7 @@ because a plan is the same thing on the bus and in the policy.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -150,6 +154,20 @@ class JobView:
     @property
     def remaining_steps(self) -> float:
         return max(0.0, self.spec.steps - self.steps_done)
+
+
+class NodeStates(list):
+    """A round's ``NodeState`` s (a list) that name their shape: ``shape`` is an object
+    the caller keeps for as long as every node's name, totals, domain, GPU type and
+    topology stay as they are, in the same order (only what is free changes). What
+    depends on the shape alone (``placement.Ledgers``, ``hetero.node_types``) is kept
+    while it is the same object; a plain list is read afresh."""
+
+    __slots__ = ("shape",)
+
+    def __init__(self, nodes: Iterable[NodeState] = (), shape: object = None):
+        super().__init__(nodes)
+        self.shape = shape
 
 
 def placement_type(placement: tuple[Placement, ...]) -> str:

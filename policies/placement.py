@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import compress
 from operator import attrgetter
 
-from gearshift.policies.api import NodeState, Placement
+from gearshift.policies.api import NodeState, NodeStates, Placement
 
 _SHAPE = attrgetter("name", "gpus_total", "cpus_total", "domain", "gpu_type")  # what a Ledger reads of a node
 _POSITIVE = (0).__lt__
@@ -205,18 +205,24 @@ class Ledgers:
     next ones copies of its dicts (the read-only ones shared), equal to
     ``Ledger(nodes)``."""
 
-    __slots__ = ("_shape", "_base", "same")
+    __slots__ = ("_shape", "_base", "_named", "same")
 
     def __init__(self) -> None:
         self._shape: list | None = None
         self._base: Ledger | None = None
+        self._named: object = None  # the shape the last nodes named (api.NodeStates), if they did
         self.same = False  # the last ``fresh`` was for nodes of the shape of the one before
 
     def fresh(self, nodes: list[NodeState]) -> Ledger:
-        shape = list(map(_SHAPE, nodes))
-        self.same = shape == self._shape and self._base is not None
-        if not self.same:
-            self._shape, self._base = shape, Ledger(nodes)
+        named = nodes.shape if type(nodes) is NodeStates else None
+        if named is not None and named is self._named and self._base is not None:
+            self.same = True  # (the same shape, as the nodes say)
+        else:
+            shape = list(map(_SHAPE, nodes))
+            self.same = shape == self._shape and self._base is not None
+            if not self.same:
+                self._shape, self._base = shape, Ledger(nodes)
+            self._named = named
         b = self._base
         led = Ledger.__new__(Ledger)
         led.nodes, led.order, led.domain, led.types = nodes, b.order, b.domain, b.types

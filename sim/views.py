@@ -25,7 +25,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from typing import Any
 
-from gearshift.policies.api import JobView, NodeState, make_job_view
+from gearshift.policies.api import JobView, NodeState, NodeStates, make_job_view
 from gearshift.policies.views import KeptViews, RoundJobs
 from gearshift.sim.progress import RunningRows
 
@@ -179,12 +179,14 @@ class SimViews:
 class NodeViews:
     """The nodes as the policy sees them (``NodeState``): a new list each round, of
     states made anew only for nodes whose free GPUs or CPUs changed since the last
-    round (policies do not change what they are handed)."""
+    round (policies do not change what they are handed), naming the cluster's shape
+    (``NodeStates``: it never changes in a run)."""
 
     def __init__(self, names: list[str], cap_g: list[int], cap_c: list[int], types: list[str]):
         self._states = [NodeState(n, g, g, c, c, "", ty) for n, g, c, ty in zip(names, cap_g, cap_c, types)]
         self._g = list(cap_g)
         self._c = list(cap_c)
+        self._shape = object()  # the cluster's shape, named to the policy (api.NodeStates): it never changes
 
     def states(self, free_g: list[int], free_c: list[int]) -> list[NodeState]:
         states = self._states
@@ -193,4 +195,4 @@ class NodeViews:
                 if st.gpus_free != g or st.cpus_free != c:
                     states[i] = NodeState(st.name, st.gpus_total, g, st.cpus_total, c, "", st.gpu_type)
             self._g, self._c = free_g.copy(), free_c.copy()
-        return states.copy()
+        return NodeStates(states, self._shape)

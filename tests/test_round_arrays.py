@@ -454,3 +454,22 @@ def test_the_simulators_lists_say_truly_how_they_follow(name, seed):
     res = simulate(_queue(seed), pol, config=SimConfig(interval=60, restart_cost=20, noise=0))
     assert all(r.finish is not None for r in res.records)
     assert pol.rounds > 30 and pol.told == pol.rounds - 1  # all but the first follow the one before (skipped rounds too)
+
+
+def test_nodes_that_name_their_shape_give_the_ledger_of_their_states():
+    """``api.NodeStates``: a ledger for nodes naming the shape of the last ones is the
+    ledger of their states (free GPUs as they are now), and a new shape is read afresh."""
+    from gearshift.policies.api import NodeStates
+    from gearshift.policies.placement import Ledger, Ledgers
+
+    rng = random.Random(2)
+    shape = object()
+    ledgers = Ledgers()
+    names = [f"n{i}" for i in range(5)]
+    for step in range(6):
+        if step == 3:  # the cluster changed: a new shape, named anew
+            names, shape = names + ["n9"], object()
+        nodes = NodeStates([NodeState(n, 4, rng.randint(0, 4), 8, rng.randint(0, 8)) for n in names], shape)
+        got, want = ledgers.fresh(nodes), Ledger(nodes)
+        assert (got.free_g, got.free_c, got.order, got.types) == (want.free_g, want.free_c, want.order, want.types)
+        assert ledgers.same == (step not in (0, 3))
