@@ -73,16 +73,17 @@ def same_allocation(d: JobDecision, held: Holding) -> bool:
 @dataclass(slots=True, frozen=True)
 class Diff:
     """A decision against what jobs hold. ``preempt`` in holding order; ``start``,
-    ``reconfigure`` and ``changed`` (both, what to grant) in the decision's order."""
+    ``reconfigure`` and ``changed`` (both, what to grant) in the decision's order;
+    ``keep`` None when the caller did not ask for it (``diff(..., keep=False)``)."""
 
-    keep: frozenset[str]
+    keep: frozenset[str] | None
     preempt: tuple[str, ...]
     start: tuple[str, ...]
     reconfigure: tuple[str, ...]
     changed: tuple[str, ...]
 
 
-def diff(holding: Mapping[str, Holding], decision: Decision, handed: object = None) -> Diff:
+def diff(holding: Mapping[str, Holding], decision: Decision, handed: object = None, keep: bool = True) -> Diff:
     """Keep (same allocation), preempt (held, left out), start (not held),
     reconfigure (held, different plan or placement).
 
@@ -90,10 +91,12 @@ def diff(holding: Mapping[str, Holding], decision: Decision, handed: object = No
     ``holding`` (the caller built them from it). A decision that tells its changes
     against that very list (``Decision.changes``) is then split by looking at the jobs
     it names only: the same result, in work proportional to what changed; if its
-    counts do not add up (edited since), the whole decision is looked at."""
+    counts do not add up (edited since), the whole decision is looked at. ``keep``:
+    also name every kept job (``Diff.keep``; a caller that applies the changes alone,
+    as the simulator does, need not pay for that set: None)."""
     ch = decision.changes
     if ch is not None and handed is not None and ch.jobs is handed:
-        got = _diff_changes(holding, decision.allocations, ch)
+        got = _diff_changes(holding, decision.allocations, ch, keep)
         if got is not None:
             return got
     return _diff_all(holding, decision.allocations)
@@ -121,7 +124,8 @@ def _diff_all(holding: Mapping[str, Holding], allocs: Mapping[str, JobDecision])
     return Diff(frozenset(keep), preempt, tuple(start), tuple(reconfigure), tuple(changed))
 
 
-def _diff_changes(holding: Mapping[str, Holding], allocs: Mapping[str, JobDecision], ch: Changes) -> Diff | None:
+def _diff_changes(holding: Mapping[str, Holding], allocs: Mapping[str, JobDecision], ch: Changes,
+                  keep: bool = True) -> Diff | None:
     """``diff`` of a decision told as changes (``Changes``): its placed jobs looked at one by
     one, its left ones preempted, every other holding kept. None when they do not add up
     (a named job not allocated, a left one not held or allocated, or the allocations not
@@ -149,8 +153,10 @@ def _diff_changes(holding: Mapping[str, Holding], allocs: Mapping[str, JobDecisi
         preempt = tuple(jid for jid in holding if jid in gone)
     else:
         preempt = tuple(left)
-    keep = holding.keys() - {*left, *reconfigure} if left or reconfigure else holding.keys()
-    return Diff(frozenset(keep), preempt, tuple(start), tuple(reconfigure), tuple(changed))
+    kept = None
+    if keep:
+        kept = frozenset(holding.keys() - {*left, *reconfigure} if left or reconfigure else holding.keys())
+    return Diff(kept, preempt, tuple(start), tuple(reconfigure), tuple(changed))
 
 
 class NodeCapacity:
@@ -180,8 +186,8 @@ class NodeCapacity:
         free per node now (not changed); ``holding``: what running jobs hold (their
         GPUs count as free unless the job is in ``keep``); jobs in ``keep`` hold the
         same allocation already, checked when it was granted, and are skipped.
-        ``change``: ``diff(holding, decision)``, when the caller has it: its ``keep``
-        is ``keep``, and only its ``changed`` allocations are looked at one by one
+        ``change``: ``diff(holding, decision)``, when the caller has it: its kept jobs
+        are ``keep``, and only its ``changed`` allocations are looked at one by one
         (the same checks, in the same order; the kept ones only for being known, which
         ``held_live`` vouches for: every job in ``holding`` is one of ``jobs``, so the
         first job not known, in the decision's order, is among the changed ones)."""
@@ -190,8 +196,9 @@ class NodeCapacity:
         idx = self.index
         allocs = decision.allocations
         if change is not None:
-            keep = change.keep
             if not held_live and not allocs.keys() <= jobs.keys():  # a job not known: the full walk finds which first
+                keep = change.keep if change.keep is not None else (
+                    (holding or {}).keys() - {*change.preempt, *change.reconfigure})
                 change = None
         if holding:
             for jid in (*change.preempt, *change.reconfigure) if change is not None else holding:  # = held - kept
@@ -206,7 +213,7 @@ class NodeCapacity:
             job = jobs.get(jid)
             if job is None:
                 raise AllocationError(f"decision names unknown or finished job {jid!r}")
-            if jid in keep:
+            if change is None and jid in keep:  # (the changed ones are not kept)
                 continue
             if jid in waiting:
                 raise AllocationError(f"job {jid}: both allocated and waiting")

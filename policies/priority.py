@@ -333,9 +333,8 @@ def _keep_told(order: list[JobView], at: Sequence[int], fresh: Sequence[int], ca
         return _keep_as_before(order, last)
     held, held_at, walk = split(at if isinstance(at, np.ndarray) else np.array(at, np.intp),
                                 np.frombuffer(bytes(carried.running), bool))
-    held = list(map(ids.__getitem__, held.tolist()))
     try:
-        holding = {jid: last[jid] for jid in held}
+        holding = {jid: last[jid] for jid in map(ids.__getitem__, held.tolist())}
     except KeyError:  # (a list that does not say truly)
         return _keep_as_before(order, last)
     # the last decision's jobs that hold nothing now: each one's view was built anew, or it is gone

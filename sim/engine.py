@@ -450,7 +450,7 @@ class Simulator:
             check_decision(decision, nodes, {v.job_id: v for v in views})
         # Refuse a decision the cluster cannot hold before applying any of it;
         # unchanged allocations were checked when granted.
-        change = diff(self.running, decision, views)  # only what it changed, if it tells (Decision.changes)
+        change = diff(self.running, decision, views, keep=False)  # what it changed, if it tells (Decision.changes)
         self.capacity.check(decision, self.live, self.free_g, self.free_c, self.running, change=change, held_live=True)
         running = self.running
         if self.cfg.checkpoint_interval is not None:

@@ -126,19 +126,20 @@ class SimViews:
             self._number = dict(zip(self._order, range(len(out))))
             self._numbers, self._next = list(range(len(out))), len(out)
         else:
-            cut = sorted(bisect_left(numbers, number.pop(jid)) for jid in gone)
+            cut = sorted([bisect_left(numbers, number.pop(jid)) for jid in gone]) if gone else gone
             for p in reversed(cut):
                 del numbers[p]
-            fresh = set(range(len(numbers), len(numbers) + len(joined)))
+            stay = len(numbers)
             for jid in joined:
                 number[jid] = self._next
                 numbers.append(self._next)
                 self._next += 1
-            for jid in built:
-                fresh.add(bisect_left(numbers, number[jid]))
+            fresh = sorted({bisect_left(numbers, number[jid]) for jid in built}) if built else []
+            if joined:  # (after every place built anew: those stayed)
+                fresh.extend(range(stay, len(numbers)))
             if len(numbers) == len(out):
                 last.base = None  # (no chain of rounds)
-                out.base, out.gone, out.fresh = last, cut, sorted(fresh)
+                out.base, out.gone, out.fresh = last, cut, fresh
             else:  # (not what live did: taken afresh)
                 self._last = None
                 return self._tell([], [], None)
