@@ -87,23 +87,26 @@ class PriorityPolicy:
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
         key = self.key
         # sharing.Shared may put a plain key in place of by_class's
-        at = key.order(jobs, now, perf) if supports(key, BatchOrder) else None
-        if at is None:
+        ranked = key.order(jobs, now, perf) if supports(key, BatchOrder) else None
+        if ranked is None:
             keys = key.many(jobs, now, perf) if supports(key, BatchOrderKey) else [key(j, now, perf) for j in jobs]
-            at = _sorted_by(keys)
+            ranked = _sorted_by(keys)
         perm = None
-        if isinstance(at, np.ndarray):  # (an array order: positions as an array too)
-            perm, at = at, at.tolist()
-        order = list(map(jobs.__getitem__, at))  # = sorted(jobs, key=...)
+        if isinstance(ranked, np.ndarray):  # (an array order: positions as an array too)
+            perm, ranked = ranked, ranked.tolist()
+        # the job at place k in the order is jobs[ranked[k]] (order: the list of them, made where a pass needs it)
+        order: list[JobView] | None = None
         fresh = self._carried.follow(jobs)  # the views built anew, if jobs says how it follows the last list
         ledger = self._ledgers.fresh(nodes)  # = Ledger(nodes)
         kept = self._kept_words()
         got = None
         after = self._after
         if after is not None and after[2] is kept and self._ledgers.same:
-            got = (_keep_as_before(order, self._kept) if fresh is None
-                   else _keep_told(order, at if perm is None else perm, fresh, self._carried, self._kept,
-                                   self._changed))
+            if fresh is None:
+                got = _keep_as_before(order := list(map(jobs.__getitem__, ranked)), self._kept)
+            else:
+                got = _keep_told(jobs, ranked if perm is None else perm, fresh, self._carried, self._kept,
+                                 self._changed)
         if got is not None:
             # every running job holds what the last round decided: they all fit (see _keep_as_before),
             # and what is free is what the last round left plus what its jobs that stopped held
@@ -119,6 +122,8 @@ class PriorityPolicy:
             signed = True
             replanned = walked = ()
         else:
+            if order is None:
+                order = list(map(jobs.__getitem__, ranked))  # = sorted(jobs, key=...)
             holding, held_at, walk, signed, replanned = _keep_pass(order, ledger.free_g, ledger.free_c,
                                                                    self._kept.get, kept)
             walked = [order[k].job_id for k in walk if order[k].placement]  # running, not kept as they hold
@@ -132,7 +137,7 @@ class PriorityPolicy:
         describe_key, waiting = self.describe_key, decision.waiting
         while walk:
             at = heappop(walk)
-            j = order[at]
+            j = jobs[ranked[at]]
             if j.job_id in holding:
                 continue
             if blocked is not None and self.head_of_line and self.blocks is None:
@@ -140,11 +145,11 @@ class PriorityPolicy:
                 if describe_key is _no_words:  # the same words for them all (no job walked is held)
                     walk.sort()
                     walk.insert(0, at)
-                    waiting.update(dict.fromkeys(map(_JOB_ID, map(order.__getitem__, walk)),
+                    waiting.update(dict.fromkeys(map(_JOB_ID, map(jobs.__getitem__, map(ranked.__getitem__, walk))),
                                                  f"waiting: behind {blocked.job_id} in {self.name} order"))
                     break
                 for at in (at, *sorted(walk)):
-                    j = order[at]
+                    j = jobs[ranked[at]]
                     if j.job_id not in holding:
                         why = describe_key(j)
                         msg = behind.get(why)
@@ -172,13 +177,13 @@ class PriorityPolicy:
                 # running jobs after j in the order, from the bottom (walked as far as needed)
                 cands = takewhile(at.__lt__, reversed(held_at))
                 if ck_after is None and held_at and held_at[-1] > at:
-                    ck_after = -1 if countOf(map(_CHECKPOINT_AT, order), None) == len(order) else max(
-                        k for k, j in enumerate(order) if j.checkpoint_at is not None)
+                    ck_after = -1 if countOf(map(_CHECKPOINT_AT, jobs), None) == len(jobs) else max(
+                        k for k, i in enumerate(ranked) if jobs[i].checkpoint_at is not None)
                 if ck_after is not None and ck_after > at:  # any_checkpoint(order[at + 1:]): among equals,
                     cands = sorted(cands, key=lambda vat: (  # least work lost first (victim_order)
-                        order[vat].spec.priority, work_since_checkpoint(order[vat], now)))
+                        jobs[ranked[vat]].spec.priority, work_since_checkpoint(jobs[ranked[vat]], now)))
                 for vat in cands:
-                    v = order[vat]
+                    v = jobs[ranked[vat]]
                     if v.job_id not in holding:  # (only those already passed leave holding here)
                         continue
                     if victim_ok is not None:
@@ -308,17 +313,17 @@ def _keep_as_before(order: list[JobView], last: dict[str, JobDecision]) -> tuple
     return holding, held_at, walk, None
 
 
-def _keep_told(order: list[JobView], at: Sequence[int], fresh: Sequence[int], carried: Carried,
+def _keep_told(jobs: list[JobView], at: Sequence[int], fresh: Sequence[int], carried: Carried,
                last: dict[str, JobDecision], changed: set[str]) -> tuple | None:
-    """``_keep_as_before(order, last)`` for a list that says how it follows the last
-    round's (``policies.views.RoundJobs``), looking at what changed alone: a view not
-    built anew is the last round's, holding what it held, so a job the last decision
-    kept (every running job it did not place or leave out) holds that decision still.
-    The views built anew (``fresh``: positions in the list, ``order`` its jobs at
-    positions ``at``, a list or an array) are looked at one by one; when every job the last decision placed
-    or left out has one, or is gone (the decision was applied), the rest is read off
-    the carried columns (``carried``: ids, who runs, by position), and the jobs of
-    ``last`` that stopped are known (the fourth part: those of them that hold nothing);
+    """``_keep_as_before`` on ``jobs`` in the order ``at`` (positions: a list or an array)
+    for a list that says how it follows the last round's (``policies.views.RoundJobs``),
+    looking at what changed alone: a view not built anew is the last round's, holding
+    what it held, so a job the last decision kept (every running job it did not place
+    or leave out) holds that decision still. The views built anew (``fresh``: positions
+    in ``jobs``) are looked at one by one; when every job the last decision placed or
+    left out has one, or is gone (the decision was applied), the rest is read off the
+    carried columns (``carried``: ids, who runs, by position), and the jobs of ``last``
+    that stopped are known (the fourth part: those of them that hold nothing);
     otherwise, the full ``_keep_as_before``."""
     get = last.get
     for p in fresh:
@@ -330,13 +335,13 @@ def _keep_told(order: list[JobView], at: Sequence[int], fresh: Sequence[int], ca
     ids = carried.ids
     moved = {ids[p] for p in fresh}.union(carried.gone)
     if changed and not changed <= moved:
-        return _keep_as_before(order, last)
+        return _keep_as_before(list(map(jobs.__getitem__, at)), last)
     held, held_at, walk = split(at if isinstance(at, np.ndarray) else np.array(at, np.intp),
                                 np.frombuffer(bytes(carried.running), bool))
     try:
         holding = {jid: last[jid] for jid in map(ids.__getitem__, held.tolist())}
     except KeyError:  # (a list that does not say truly)
-        return _keep_as_before(order, last)
+        return _keep_as_before(list(map(jobs.__getitem__, at)), last)
     # the last decision's jobs that hold nothing now: each one's view was built anew, or it is gone
     return holding, held_at.tolist(), walk.tolist(), [jid for jid in moved if jid in last and jid not in holding]
 

@@ -132,9 +132,9 @@ def test_keep_shortcut_decides_as_the_full_keep_pass(name, seed, monkeypatch):
     told = []
     real, real_told = priority._keep_as_before, priority._keep_told
 
-    def keep_told(order, at, fresh, carried, last, changed):
-        got = real_told(order, at, fresh, carried, last, changed)
-        want = real(order, last)
+    def keep_told(jobs, at, fresh, carried, last, changed):
+        got = real_told(jobs, at, fresh, carried, last, changed)
+        want = real([jobs[i] for i in at], last)
         assert (got is None) == (want is None)
         if got is not None:
             assert list(got[0].items()) == list(want[0].items()) and got[1:3] == want[1:3]
