@@ -171,8 +171,13 @@ class SrtfKey(RequestSpeeds):
         done = np.fromiter(map(_STEPS_DONE, jobs), float, n)
         # the last order, in this list's positions, to sort from (a list that says how it follows)
         last, self._last = self._last, None
-        hint = renumber(last, np.array(rows.told.gone, np.int64), n) if rows.told is not None and last is not None \
-            else _NO_HINT
+        told = rows.told
+        if told is None or last is None:
+            hint = _NO_HINT
+        elif not told.gone and len(last) == n:  # (the same positions: nothing left, nothing joined)
+            hint = last
+        else:
+            hint = renumber(last, np.array(told.gone, np.int64), n)
         perm, runs, ok = srtf_order(rows.rows, at, done, hint)
         if not ok:
             return None

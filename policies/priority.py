@@ -33,7 +33,6 @@ from gearshift.policies.views import Carried, split
 
 OrderKey = Callable[[JobView, float, PerfOracle | None], tuple]
 _CHECKPOINT_AT = attrgetter("checkpoint_at")
-_JOB_ID = attrgetter("job_id")
 _NODE = attrgetter("node")
 
 
@@ -145,7 +144,7 @@ class PriorityPolicy:
                 if describe_key is _no_words:  # the same words for them all (no job walked is held)
                     walk.sort()
                     walk.insert(0, at)
-                    waiting.update(dict.fromkeys(map(_JOB_ID, map(jobs.__getitem__, map(ranked.__getitem__, walk))),
+                    waiting.update(dict.fromkeys(map(self._carried.ids.__getitem__, map(ranked.__getitem__, walk)),
                                                  f"waiting: behind {blocked.job_id} in {self.name} order"))
                     break
                 for at in (at, *sorted(walk)):
