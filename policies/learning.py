@@ -106,11 +106,14 @@ class LearningOracle:
                 step_time: float | None = None, oom: bool = False) -> bool:
         """Record what one configuration did; True if any answer changed."""
         spec = job.spec if isinstance(job, JobView) else job
-        per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
+        if len(placement) == 1:  # (one node: the same values, without the generators)
+            one = placement[0]
+            per_node, gt = ((one.gpus,) if one.gpus > 0 else ()), one.gpu_type or ""
+        else:
+            per_node, gt = tuple(sorted(p.gpus for p in placement if p.gpus > 0)), placement_type(placement)
         if not per_node or sum(per_node) != plan.gpus:
             return False
-        model = _model_of(spec)
-        gt = placement_type(placement)  # memory and speed differ by GPU type
+        model = _model_of(spec)  # (gt: memory and speed differ by GPU type)
         tm = model + (gt,)
         pkey = _norm(plan, spec.global_batch)
         if oom:
