@@ -79,6 +79,7 @@ class PriorityPolicy:
         self._steady_until = -math.inf  # protocols.SteadyPolicy, for the last decision
         self._carried = Carried()  # job ids and who runs, by position in the lists handed (policies.views)
         self._changed: set[str] = set()  # the jobs the last decision placed or left out
+        self._behind: tuple = (None, None, {})  # the last jobs waiting behind a blocked one: (ids, words, dict)
 
     def _protected(self, j: JobView, now: float) -> bool:
         return j.switched_at is not None and now - j.switched_at < self.min_run_time
@@ -144,8 +145,12 @@ class PriorityPolicy:
                 if describe_key is _no_words:  # the same words for them all (no job walked is held)
                     walk.sort()
                     walk.insert(0, at)
-                    waiting.update(dict.fromkeys(map(self._carried.ids.__getitem__, map(ranked.__getitem__, walk)),
-                                                 f"waiting: behind {blocked.job_id} in {self.name} order"))
+                    rest = list(map(self._carried.ids.__getitem__, map(ranked.__getitem__, walk)))
+                    msg = f"waiting: behind {blocked.job_id} in {self.name} order"
+                    same = self._behind  # (the last round's, when the same jobs wait behind the same words)
+                    if same[0] != rest or same[1] != msg:
+                        same = self._behind = (rest, msg, dict.fromkeys(rest, msg))
+                    waiting.update(same[2])
                     break
                 for at in (at, *sorted(walk)):
                     j = jobs[ranked[at]]
