@@ -3,6 +3,8 @@ absolute times here: those are ``python -m loadtest.sim_speed``'s to judge)."""
 
 from __future__ import annotations
 
+from dataclasses import replace as dc_replace
+
 import pytest
 
 from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
@@ -29,6 +31,14 @@ def _trace(n: int = 40, cluster: str = "2x4") -> Trace:
     return Trace("toy", jobs, parse_cluster(cluster))
 
 
+def _fresh(sim: Simulator, r, now: float) -> JobView:
+    """A view built afresh from record ``r``; while it runs its steps done are its row's
+    (``sim.progress``: the row holds them, the record gets them back when it stops)."""
+    v = fresh_view(r, now)
+    i = sim.views.rows.slot.get(r.job.job_id)
+    return v if i is None else dc_replace(v, steps_done=float(sim.views.rows.sd[i]))
+
+
 class _Checked:
     """A policy that, every round, holds the views it is handed against views built
     afresh from the simulator's records (``make_job_view`` through ``fresh_view``)."""
@@ -42,7 +52,7 @@ class _Checked:
 
     def schedule(self, now, nodes, jobs, perf):
         sim = self.box[0]
-        assert jobs == [fresh_view(r, now) for r in sim.live.values()]  # every field, in live's order
+        assert jobs == [_fresh(sim, r, now) for r in sim.live.values()]  # every field, in live's order
         for v in jobs:
             was = self.last.get(v.job_id)
             if was is v:
