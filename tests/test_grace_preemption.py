@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import json
 import signal
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,6 +41,7 @@ from gearshift.policies.registry import make_policy
 from gearshift.policies.victims import victim_order, work_since_checkpoint
 from gearshift.services import lifecycle
 from gearshift.services.alloc_writer import allocation_for
+from tests.wait import eventually
 
 MODEL = {"name": "gpt2", "params": 1560, "layers": 24, "hidden": 1920, "seq_len": 1024}
 
@@ -129,11 +131,14 @@ async def test_an_emulated_rank_scripted_to_ignore_sigterm_keeps_only_its_period
                                                  nnodes=1, gpus=(0, 1)),
                                    {"GEARSHIFT_STEP_TIME": "0.01", "WORKER_CKPT_INTERVAL": "0.2",
                                     "WORKER_IGNORE_SIGTERM": "1"})
-    await asyncio.sleep(0.5)
-    first = runner.manifest(run)
-    assert first["step"] > 0 and first["wall_time"] <= __import__("time").time()
+    # anchored on what the rank shows, never a fixed sleep: its first periodic checkpoint
+    first = await eventually(lambda: (m := runner.manifest(run)) is not None and m["step"] > 0 and m, timeout=30)
+    assert first["wall_time"] <= time.time()
     runner.signal(rank, signal.SIGTERM)
-    await asyncio.sleep(0.3)
+    # the rank has taken the signal off its queue, and a checkpoint interval later it still runs
+    await eventually(lambda: rank._signal.empty(), timeout=30)
+    taken = runner.progress(run)["step"]
+    await eventually(lambda: runner.manifest(run)["step"] > taken or rank.returncode is not None, timeout=30)
     assert rank.returncode is None  # deaf to it
     runner.signal(rank, signal.SIGKILL)
     assert await rank.wait() == -signal.SIGKILL
