@@ -1,9 +1,10 @@
 """Room held for the job at the head of rubick's queue (``reserve``, on).
 
 Pending guarantees (and best-effort jobs that starved, ``rubick_rules.starved_first``)
-are seeded before the greedy, shortest predicted run first, but only into what the
-jobs that may not be moved leave: running guaranteed jobs (until they finish), jobs
-inside their minimum run time (until it ends) and the seeds ahead of them. A job
+are seeded before the greedy, in queue order (``rubick_rules.queue_keys``), but only
+into what the jobs that may not be moved leave: running guaranteed and kept starved
+jobs (until they finish), jobs inside their minimum run time (until it ends) and the
+seeds ahead of them. A job
 that needs whole nodes (rubick-mt's 40- and 48-GPU llama30 guarantees) then waits
 while the greedy starts best-effort jobs on the nodes that free up; each start is
 pinned for the minimum run time, and with starts at different times some node it
@@ -24,6 +25,11 @@ take a reserved node's GPUs and CPUs only as far as the head still fits at ``T``
 unless it is predicted to finish (its restart included) by ``T``; staying where a
 job runs is never limited (at ``T`` the head's seed evicts it, as before). So the
 GPUs do not sit idle: work that fits before ``T`` still runs there.
+
+rubick-mt (measured, seed 0), with ``keep_starved`` and the queue by GPU-time: avg JCT
+1,423 s with it against 1,689 s before either (seeds 1, 2: 1,386 / 1,411 against
+1,773 / 1,757); extended: 1,465 s with it, 1,979 s without it (the rest unchanged).
+Where no seed waits (rubick-base, rubick-bp: no guarantee) it does nothing.
 
 Only what the live system knows: declared steps left (or learned, ``rubick_declared``),
 the belief's speeds, each job's restart estimate, the pin times.
