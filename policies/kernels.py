@@ -16,6 +16,12 @@ Algorithm:
    step up its curve (any candidate with higher utility) has the best
    utility gained per unit of cost; move it there if it fits (its own
    resources are released first), else mark that candidate dead for it.
+   Optionally some nodes hold room for a waiting job (``room_g``/``room_c``:
+   the GPUs and CPUs of each node that new placements may take; a large number
+   where nothing is reserved): a candidate not marked ``backfill`` (one that
+   would not finish before the waiting job can start) takes a node only within
+   its room, and gives it back when it is released. Staying where a job runs is
+   never limited by it.
    Optionally jobs belong to groups (``group``, -1: none) with GPU budgets
    (``budget``): a step that would take a group's jobs past its budget is dead
    too (the greedy only adds to a group's use, so it stays dead). Rubick's
@@ -60,7 +66,8 @@ def _adjust(n, dg, dc, free_g, free_c, hist):
 
 
 @njit(cache=True)
-def _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, sign, hist):
+def _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, sign, hist,
+             room_g, room_c, bf):
     k = level[j]
     if k < 0:
         return
@@ -71,10 +78,14 @@ def _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g,
         per = cg[j, k] // cm[j, k]
         for i in range(cm[j, k]):
             _adjust(out_nodes[j, i], sign * per, sign * per * cc[j, k], free_g, free_c, hist)
+            if not bf[j, k]:
+                room_g[out_nodes[j, i]] += sign * per
+                room_c[out_nodes[j, i]] += sign * per * cc[j, k]
 
 
 @njit(cache=True)
-def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked, hist, big):
+def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked, hist, big,
+                  room_g, room_c, bf):
     """Fill picked[0:m] with nodes for candidate k of job j; False if none."""
     N = free_g.shape[0]
     m = cm[j, k]
@@ -94,6 +105,8 @@ def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, 
         best_key = np.int64(0)
         for n in range(N):
             if free_g[n] < per or free_c[n] < need_c:
+                continue
+            if not bf[j, k] and (room_g[n] < per or room_c[n] < need_c):
                 continue
             taken = False
             for q in range(i):
@@ -123,7 +136,7 @@ def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, 
 
 @njit(cache=True)
 def _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-              free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
+              free_g, free_c, res_g, res_c, own, picked, decided, hist, big, room_g, room_c, bf):
     """Move job j to candidate k if it fits (releasing what it holds first)."""
     if not decided[j]:
         # From now on j's old holding is no longer "someone else's".
@@ -131,20 +144,24 @@ def _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hol
             res_g[hold_node[t]] -= hold_g[t]
             res_c[hold_node[t]] -= hold_c[t]
         decided[j] = True
-    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, 1, hist)
+    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, 1, hist,
+             room_g, room_c, bf)
     if k == stay[j]:
         ok = _holds_fit(j, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c)
     else:
-        ok = _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked, hist, big)
+        ok = _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked, hist, big,
+                           room_g, room_c, bf)
     if ok:
         old = level[j]
         level[j] = k
         if k != stay[j]:
             for i in range(cm[j, k]):
                 out_nodes[j, i] = picked[i]
-        _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1, hist)
+        _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1, hist,
+                 room_g, room_c, bf)
         return True
-    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1, hist)
+    _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c, -1, hist,
+             room_g, room_c, bf)
     return False
 
 
@@ -216,9 +233,11 @@ def _hpop(hr, hj, hv, size):
 
 @njit(cache=True)
 def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-               seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget):
+               seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget, room_g0, room_c0, bf):
     J, K = u.shape
     N = cap_g.shape[0]
+    room_g = room_g0.copy()
+    room_c = room_c0.copy()
     gused = np.zeros(budget.shape[0])
     free_g = cap_g.copy()
     free_c = cap_c.copy()
@@ -251,7 +270,7 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
         ok = False
         if k >= 0:
             ok = _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-                           free_g, free_c, res_g, res_c, own, picked, decided, hist, big)
+                           free_g, free_c, res_g, res_c, own, picked, decided, hist, big, room_g, room_c, bf)
         if not ok and seed_any[j]:
             # cheapest allowed candidate that fits (rows need not be sorted by cost)
             tried = np.zeros(nk[j], np.bool_)
@@ -266,7 +285,7 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
                     break
                 tried[k2] = True
                 if _try_move(j, k2, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-                             free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
+                             free_g, free_c, res_g, res_c, own, picked, decided, hist, big, room_g, room_c, bf):
                     ok = True
                     break
         if not ok:
@@ -303,7 +322,7 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
         if g >= 0 and gused[g] - was + cg[j, k] > budget[g] + 1e-9:
             dead[j, k] = True  # past its group's budget (the greedy only adds to a group's use)
         elif not _try_move(j, k, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c,
-                           free_g, free_c, res_g, res_c, own, picked, decided, hist, big):
+                           free_g, free_c, res_g, res_c, own, picked, decided, hist, big, room_g, room_c, bf):
             dead[j, k] = True
         elif g >= 0:
             gused[g] += cg[j, k] - was
@@ -316,8 +335,10 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
 
 # ---------------------------------------------------------------- numpy reference
 def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-                 seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget):
+                 seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget, room_g0, room_c0, bf):
     J, K = u.shape
+    room_g = room_g0.astype(np.int64).copy()
+    room_c = room_c0.astype(np.int64).copy()
     gused = np.zeros(len(budget))
     N = cap_g.shape[0]
     free_g = cap_g.astype(np.int64).copy()
@@ -351,12 +372,17 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
             nodes = out_nodes[j, : cm[j, k]]
             free_g[nodes] += sign * per
             free_c[nodes] += sign * per * cc[j, k]
+            if not bf[j, k]:
+                room_g[nodes] += sign * per
+                room_c[nodes] += sign * per * cc[j, k]
 
     def choose(j, k):
         m = int(cm[j, k])
         per = cg[j, k] // m
         need_c = per * cc[j, k]
         ok = (free_g >= per) & (free_c >= need_c)
+        if not bf[j, k]:
+            ok &= (room_g >= per) & (room_c >= need_c)
         if ok.sum() < m:
             return None
         tier = np.where((free_g - res_g >= per) & (free_c - res_c >= need_c), 1, 2)
@@ -445,20 +471,25 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
 
 
 def greedy_allocate(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-                    seed_order, seed, seed_any, fixed, cap_g, cap_c, group=None, budget=None, *,
-                    use_numba: bool = True):
+                    seed_order, seed, seed_any, fixed, cap_g, cap_c, group=None, budget=None,
+                    room_g=None, room_c=None, backfill=None, *, use_numba: bool = True):
     """Dtype-fixing front door; returns (chosen candidate per job or -1,
     nodes per job padded with -1). ``group`` (per job, -1: none) and ``budget`` (GPUs
     per group): the greedy never takes a group's jobs past its budget (seeds count
-    against it but are never refused); None: no groups."""
+    against it but are never refused); None: no groups. ``room_g``/``room_c`` (per
+    node) and ``backfill`` (per job and candidate): what new placements of
+    candidates not marked ``backfill`` may take of each node; None: no limit."""
     i8, f8, b1 = np.int64, np.float64, np.bool_
     if group is None:
         group, budget = np.full(len(nk), -1), np.zeros(0)
+    if room_g is None:
+        room_g, room_c = np.asarray(cap_g), np.asarray(cap_c)
+        backfill = np.ones(np.shape(u), bool)
     args = (
         _as(cg, i8), _as(cc, i8), _as(cm, i8), _as(u, f8), _as(cost, f8), _as(nk, i8), _as(stay, i8),
         _as(hold_ptr, i8), _as(hold_node, i8), _as(hold_g, i8), _as(hold_c, i8),
         _as(seed_order, i8), _as(seed, i8), _as(seed_any, b1), _as(fixed, b1), _as(cap_g, i8), _as(cap_c, i8),
-        _as(group, i8), _as(budget, f8),
+        _as(group, i8), _as(budget, f8), _as(room_g, i8), _as(room_c, i8), _as(backfill, b1),
     )
     if use_numba:
         return _greedy_nb(*args)

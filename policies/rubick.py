@@ -21,10 +21,12 @@ One round:
    its run), never *whether* it runs before a longer job. Charged in full,
    it ranked a pending job's start by its length, longest first: on
    rubick-base, 40 llama30 jobs with a few minutes of work waited hours
-   behind long ones. ``completion_weight`` (beta, default 0: off) further
-   scales every utility of a job by (R0/(T1+R0))^beta, its completion rate
-   at its request relative to R0 = max(R, 60 s) (Smith's rule: shorter
-   remaining work first among equal normalised gains). ``resume_charge``
+   behind long ones. ``completion_weight`` (beta, default 1) further
+   scales every utility of a job by (C/(T1+R))^beta, its completion rate
+   at its request, restart included, on one scale C for every job (Smith's
+   rule: shorter remaining work first among equal normalised gains; it was
+   off, and relative to each job's own max(R, 60 s), which with per-job
+   restarts favoured llama30's 530 s ones). ``resume_charge``
    (on): every utility of a running job is divided by its request's
    T1/(T1+R), since a preempted job pays R again to resume
    (``rubick_rules.py``): a job minutes from done is not displaced.
@@ -53,14 +55,23 @@ One round:
    guarantee may then evict one inside the minimum run time). While any
    guarantee is pending, a best-effort job that has never started and has
    waited ``starved_seed`` (1) times its own predicted run (restart included)
-   joins the pending guarantees' queue, shortest predicted run first, at its
-   cheapest allowed candidate (``rubick_rules.starved_first``; 0: off).
+   joins the pending guarantees' queue at its cheapest allowed candidate
+   (``rubick_rules.starved_first``; 0: off) and, admitted, is kept like a
+   guarantee until it ends (``keep_starved``). The queue goes by predicted
+   GPU-time, GPUs x (run at the request + restart), least first
+   (``queue_key="area"``; "time": the run alone, as before). When its head
+   cannot start, the GPUs it will need are held for it: only work predicted
+   to end before it can start may take them (``reserve``,
+   ``rubick_reserve.py``: EASY backfilling on the seeds).
 5. Everything else: greedy by normalised marginal gain per unit of resource
    (GPUs plus CPUs weighed by their scarcity), along each job's curve. A
    running job competes from zero, its current allocation being its cheapest
    way up (no restart charge): it is shrunk or preempted exactly when its
    resources give more normalised throughput elsewhere, net of restart
-   costs; leftovers go to the highest marginal gains.
+   costs; leftovers go to the highest marginal gains. A best-effort job is
+   not given fewer GPUs than it asked for where finishing there needs more
+   than 1/``min_efficiency`` (0.9) times the GPU-time its request would,
+   restart included (``rubick_rules.py``).
 The search runs in numba (``kernels.py``) with a numpy reference.
 """
 
@@ -88,6 +99,7 @@ from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import describe
 from gearshift.policies.rubick_declared import DeclaredSteps
 from gearshift.policies.rubick_problem import Problem, ProblemBuilder
+from gearshift.policies.rubick_reserve import reserve_room
 
 
 class Rubick:
@@ -105,7 +117,7 @@ class Rubick:
         max_scale: float = 2.0,
         utility_exponent: float = 0.5,
         start_unavoidable: bool = True,
-        completion_weight: float = 0.0,
+        completion_weight: float = 1.0,
         resume_charge: bool = True,
         guarantee_wait_bound: bool = False,
         starved_seed: float = 1.0,
@@ -114,6 +126,10 @@ class Rubick:
         own_restart: bool = True,
         monotone_utility: bool = True,
         learn_steps: bool = True,
+        reserve: bool = True,
+        keep_starved: bool = True,
+        queue_key: str = "area",
+        min_efficiency: float = 0.9,
     ):
         self.name = name
         self.vary_plan = vary_plan
@@ -141,6 +157,15 @@ class Rubick:
         # rubick_declared.py: steps left learned from finished jobs (declared steps may be an
         # upper bound); False: the declaration as it is
         self.declared = DeclaredSteps() if learn_steps else None
+        self.reserve = reserve  # rubick_reserve.py: room held for the head of the seed queue
+        # rubick_rules.py: a best-effort job admitted as starved keeps its place like a guarantee
+        self.keep_starved = keep_starved
+        self.protected: set[str] = set()  # those jobs, while they run
+        self.queue_key = queue_key  # rubick_rules.queue_keys: order of the pending seeds
+        # rubick_rules.py: a best-effort job is not given fewer GPUs than it asked for where that
+        # needs more than 1 / min_efficiency times the GPU-time its request would (0: off)
+        self.min_efficiency = min_efficiency
+        self.held_for: tuple | None = None  # the last round's reservation: (job, seconds to its start)
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
         self._fallback = AnalyticOracle()
         self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
@@ -186,7 +211,10 @@ class Rubick:
         if self.declared is not None:
             self.declared.observe(now, jobs, self.restart_of)
         pb = self.build_problem(now, nodes, jobs, perf)
-        level, out_nodes = self.solve(pb)
+        level, out_nodes = self.solve(pb, jobs, now)
+        if self.keep_starved:  # kept while they run: admitted as starved now, or before and still running
+            keep = ~pb.guaranteed & (level >= 0) & (pb.seed_any | (pb.protected & (pb.stay >= 0)))
+            self.protected = {jobs[i].job_id for i in np.flatnonzero(keep).tolist()}
         if self._preempted:
             live = {j.job_id for j in jobs}
             self._preempted = {k: v for k, v in self._preempted.items() if k in live and now - v < self.min_run_time}
@@ -203,8 +231,19 @@ class Rubick:
         """Belief of the steps left: learned from finished jobs (``rubick_declared``), else declared."""
         return self.declared.remaining(j) if self.declared is not None else j.remaining_steps
 
-    def solve(self, pb: "Problem"):
-        return greedy_allocate(*pb.kernel_args(), use_numba=self.use_numba)
+    def solve(self, pb: "Problem", jobs: list[JobView] | None = None, now: float = 0.0):
+        """The kernel's search; with ``reserve``, searched again keeping room for the head of
+        the seed queue when it waits (``rubick_reserve.py``)."""
+        got = greedy_allocate(*pb.kernel_args(), use_numba=self.use_numba)
+        self.held_for = None
+        if not self.reserve or jobs is None:
+            return got
+        room = reserve_room(self, pb, *got, jobs, now)
+        if room is None:
+            return got
+        *args, head, T = room
+        self.held_for = (jobs[head].job_id, T)
+        return greedy_allocate(*pb.kernel_args(), *args, use_numba=self.use_numba)
 
     def build_problem(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Problem:
         """The round as arrays: candidates, utilities, costs, holdings, seeds (``rubick_problem.py``)."""
@@ -260,14 +299,19 @@ class Rubick:
         allowed = (u[wait] >= 0) & (np.arange(u.shape[1])[None, :] < pb.nrows[wait, None])
         size = np.where(pb.guaranteed[wait, None], pb.cg[wait] * (1 << 20) + pb.cc[wait], pb.cg[wait])
         least = np.where(allowed, size, np.iinfo(np.int64).max).argmin(axis=1)
+        held = ""
+        if self.held_for is not None:  # rubick_reserve.py
+            held = (f"; room held for {self.held_for[0]} (can start in {self.held_for[1]:.0f} s): "
+                    "only work that ends by then may start there")
         for i, any_, k in zip(wait.tolist(), allowed.any(axis=1).tolist(), least.tolist()):
             j = jobs[i]
             c = rows[i][k] if any_ else None
+            note = held if self.held_for is not None and j.job_id != self.held_for[0] else ""
             if j.spec.guaranteed:
                 if any_:
                     d.waiting[j.job_id] = (
                         f"waiting: guarantee {targets[i]:.3g} samples/s needs at least {c.describe()}; "
-                        f"largest free block is {block} GPUs ({total_free} free)"
+                        f"largest free block is {block} GPUs ({total_free} free){note}"
                     )
                 else:
                     d.waiting[j.job_id] = "waiting: no allocation in this cluster reaches its guaranteed throughput"
@@ -283,11 +327,11 @@ class Rubick:
                 if c.per_node > block:
                     d.waiting[j.job_id] = (
                         f"{lead}: needs {c.gpus} GPUs within {c.nodes} node(s) ({c.per_node} per node), "
-                        f"largest free block is {block}"
+                        f"largest free block is {block}{note}"
                     )
                 else:
                     d.waiting[j.job_id] = (
                         f"{lead}: lower normalised marginal gain ({c.throughput / refs[i]:.2f}x request on "
-                        f"{c.gpus} GPUs) than the jobs given resources this round"
+                        f"{c.gpus} GPUs) than the jobs given resources this round{note}"
                     )
         return d

@@ -24,8 +24,11 @@ import numpy as np
 from gearshift.policies.api import JobView, NodeState, PerfOracle, Placement, default_plan
 from gearshift.policies.candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
 from gearshift.policies.placement import compact_shape, symmetric_shape
-from gearshift.policies.rubick_rules import resume_weights, seed_groups, starved_first
+from gearshift.policies.rubick_rules import queue_keys, resume_weights, seed_groups, starved_first
 from gearshift.policies.rubick_utility import restart_speed_utility
+
+
+COMPLETION_SCALE_S = 600.0  # the completion weight's unit (``_assemble``): any constant orders jobs alike
 
 
 @dataclass(slots=True)
@@ -281,12 +284,14 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
                     f1 = T1 / (T1 + R)
                     f = np.where(~running[:, None], f / f1[:, None], f)
                 u = u * f
-        # Completion weight (off by default): a job's utilities scale with its
-        # completion rate at its request, 1 / (time left + restart), relative to
-        # the restart cost: among equal normalised gains the job closer to done
-        # goes first (Smith's rule per unit of resource).
-        R0 = np.maximum(R, 60.0)
-        w = (R0 / (T1 + R0)) ** pol.completion_weight if pol.completion_weight else np.ones(J)
+        # Completion weight (beta = 1 by default): a job's utilities scale with its
+        # completion rate at its request, 1 / (time left + restart), on one scale for
+        # every job (COMPLETION_SCALE_S; only the ratios between jobs matter): among
+        # equal normalised gains the job closer to done goes first (Smith's rule per
+        # unit of resource). It was scaled by each job's own max(R, 60 s), which with
+        # each job's own restart favoured the jobs with the longest restart (llama30).
+        w = ((COMPLETION_SCALE_S / np.maximum(T1 + R, 1e-9)) ** pol.completion_weight if pol.completion_weight
+             else np.ones(J))
         if pol.resume_charge:  # a preempted job pays the restart again (rubick_rules.py)
             w = w * resume_weights(running, T1, R)
         u = u * w[:, None]
@@ -297,6 +302,13 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
         g_ok[i, : len(got[i].g_ok)] = got[i].g_ok
     valid &= ~guar[:, None] | g_ok
     valid &= ~held[:, None]
+    if pol.min_efficiency > 0:  # fewer GPUs than asked, for more GPU-time to finish: not for a best-effort job
+        req = np.array([max(j.spec.gpus, 1) for j in jobs], float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            area_req = req * (T1 + R)
+            area = table[:, :, 0] * (left[:, None] / thr + R[:, None])
+            eff = area_req[:, None] / area
+        valid &= guar[:, None] | (table[:, :, 0] >= req[:, None]) | (eff >= pol.min_efficiency)
     u = np.where(valid, u, -1.0)
     cg = table[:, :, 0].astype(np.int64)
     cc = table[:, :, 1].astype(np.int64)
@@ -344,21 +356,25 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
     np.cumsum(counts, out=hold_ptr[1:])
     # seeds: pinned guaranteed, running guaranteed, pending guaranteed, pinned best-effort
     seed = np.full(J, -1, np.int64)
+    # best-effort jobs admitted as starved keep their place like guarantees (rubick_rules.py)
+    prot = np.array([j.job_id in pol.protected for j in jobs], bool) & (stay >= 0) & ~guar
     g0 = np.flatnonzero(guar & pinned)
-    g1 = np.flatnonzero(guar & ~pinned & (stay >= 0))
+    g1 = np.flatnonzero((guar | prot) & ~pinned & (stay >= 0))
     g3 = np.flatnonzero(~guar & pinned)
     seed[g0] = stay[g0]
     seed[g1] = np.where(u[g1, stay[g1]] >= 0, stay[g1], -1)
     seed[g3] = stay[g3]
     # Pending guaranteed jobs: shortest predicted run at their request first
     # (fewest job-seconds spent waiting behind long ones), then by arrival.
+    qkey = queue_keys(pol.queue_key, left, np.where(guar, targets, refs), R,
+                      np.array([j.spec.gpus for j in jobs], float))
     g2 = sorted(np.flatnonzero(guar & (stay < 0)).tolist(),
-                key=lambda i: (left[i] / max(targets[i], 1e-9), jobs[i].submitted_at, jobs[i].job_id))
+                key=lambda i: (qkey[i], jobs[i].submitted_at, jobs[i].job_id))
     g2 = np.array(g2, np.int64)
     if pol.starved_seed and len(g2):  # rubick_rules.py: only while a guarantee is pending
         g2, seed_any = starved_first(g2, guar, stay, held, valid, left, targets, refs, R,
                                      np.array([now - j.submitted_at for j in jobs], float), jobs,
-                                     float(pol.starved_seed))
+                                     float(pol.starved_seed), qkey if pol.queue_key != "time" else None)
     else:
         seed_any = guar.copy()
     groups = seed_groups([g0, g1, g2, g3], [now - j.submitted_at for j in jobs], pol.min_run_time,
@@ -369,7 +385,7 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
         hold_node=np.array(hn, np.int64), hold_g=np.array(hg, np.int64), hold_c=np.array(hc, np.int64),
         seed_order=np.concatenate(groups).astype(np.int64), seed=seed, seed_any=seed_any, pinned=pinned,
         cap_g=space_cap(nodes, "g"), cap_c=space_cap(nodes, "c"), rows=[r.rows for r in got], thr=thr, refs=refs,
-        targets=targets, guaranteed=guar, running=running, nrows=nrows,
+        targets=targets, guaranteed=guar, running=running, nrows=nrows, left=left, restarts=R, protected=prot,
     )
 
 
@@ -403,6 +419,9 @@ class Problem:
     nrows: np.ndarray | None = None  # candidates per job before "stay"
     group: np.ndarray | None = None  # per job: its budget group (-1: none); None: no budgets
     budget: np.ndarray | None = None  # GPUs per group
+    left: np.ndarray | None = None  # samples left per job (steps left x global batch)
+    restarts: np.ndarray | None = None  # each job's restart cost, seconds
+    protected: np.ndarray | None = None  # running best-effort jobs kept like guarantees (``rubick_rules``)
 
     def kernel_args(self) -> tuple:
         return (

@@ -1,6 +1,7 @@
-"""Three of Rubick's rules (``rubick.py``), kept here: what preempting a running
-job costs it, how long a pending guarantee waits for pinned jobs, and when a
-best-effort job goes before pending guarantees.
+"""Rubick's rules (``rubick.py``), kept here: what preempting a running job costs
+it, how long a pending guarantee waits for pinned jobs, when a best-effort job
+goes before pending guarantees and how it is kept then, the order of the
+pending seeds, and how far a best-effort job may be shrunk.
 
 **Resume charge** (``resume_charge``, on). Rubick charges a restart to the
 allocation that causes it: a running job's change of plan or placement is
@@ -58,8 +59,32 @@ guarantee pending nothing changes (on rubick-base, applied always, it cost 1.55x
 1.07x and 1.14x on rubick-mt (measured) before the never-started condition: noisy,
 so not tuned. ``docs/evaluation.md`` has the ablation.
 
-All use only what the live system knows: declared steps, the belief's
-throughput of the request, the restart cost the policy charges, and times.
+**Starved jobs are kept** (``keep_starved``, on). A starved best-effort job admitted
+this way was an ordinary running best-effort job from the next round: once its pin
+ended, the next guarantee's seed evicted it (a llama30 restart is ~530 s of the 600 s
+pin, so it had barely started), and having started once it never counted as starved
+again. On rubick-mt two such llama30 jobs (1,275 s and 163 s of work) finished at
+79,398 s and 77,916 s, the run's last, 12 h after they came. Now it is seeded where it
+runs, with the running guarantees, until it ends.
+
+**The queue goes by GPU-time** (``queue_key="area"``). Pending seeds (guarantees and
+starved jobs) were ordered by their predicted run at the request alone, so a 40-GPU
+llama30 guarantee with 5 s of work and a 530 s restart went before a 2-GPU bert one
+with 10 minutes; the first holds 40 x 535 = 21,400 GPU-seconds, the second 1,230.
+Smith's rule for jobs that use several of the machines at once orders them by
+GPU-time, GPUs x (run + restart) (``queue_keys``; "time" keeps the old order).
+
+**A best-effort job is not shrunk to where it wastes GPUs** (``min_efficiency``, 0.9).
+Its candidates below its request are allowed only where finishing there needs at most
+1/0.9 times the GPU-time of its request, restart included (so a short job, whose
+restart dominates, may still run on a few GPUs). The utility's exponent (0.5) makes a
+job's first GPUs worth the most, so a 16-GPU llama7 job ran on 1 GPU with offload at
+1% of its request's speed (6x the GPU-time) and was switched between 1, 2 and 4 GPUs
+every 10 minutes: 16 restarts, 15,600 s for 2,100 s of work.
+
+All use only what the live system knows: declared steps (or learned,
+``rubick_declared``), the belief's throughput, the restart cost the policy charges,
+and times.
 """
 
 from __future__ import annotations
@@ -90,7 +115,19 @@ def seed_groups(groups: list[list[int]], waited: list[float], min_run_time: floa
     return [pinned_g, running_g, over, pinned_be, young]
 
 
-def starved_first(g2: np.ndarray, guar, stay, held, valid, left, targets, refs, restarts, waited, jobs, factor=1.0):
+def queue_keys(how: str, left, speed, restarts, gpus) -> np.ndarray:
+    """Per job, its place in the queue of pending seeds: ``time``, the predicted run at
+    the request's (target's) speed; ``run``, with its restart; ``area``, that times its GPUs."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.asarray(left, float) / np.maximum(np.asarray(speed, float), 1e-9)
+    if how == "time":
+        return t
+    t = t + np.asarray(restarts, float)
+    return t if how == "run" else t * np.asarray(gpus, float)
+
+
+def starved_first(g2: np.ndarray, guar, stay, held, valid, left, targets, refs, restarts, waited, jobs, factor=1.0,
+                  qkey=None):
     """Pending guarantees merged, shortest predicted run first, with the pending best-effort
     jobs that have waited at least their own predicted run (at the request, restart
     included): those are seeded too, at their cheapest allowed candidate that fits.
@@ -103,10 +140,11 @@ def starved_first(g2: np.ndarray, guar, stay, held, valid, left, targets, refs, 
     starved = be[waited[be] >= run]
     if not len(starved):
         return g2, guar.copy()
-    key = {int(i): (left[i] / max(targets[i], 1e-9), jobs[i].submitted_at, jobs[i].job_id) for i in g2.tolist()}
+    key = {int(i): (left[i] / max(targets[i], 1e-9) if qkey is None else qkey[i], jobs[i].submitted_at, jobs[i].job_id)
+           for i in g2.tolist()}
     for i, r in zip(be.tolist(), run.tolist()):
         if waited[i] >= r:
-            key[i] = (r, jobs[i].submitted_at, jobs[i].job_id)
+            key[i] = (r if qkey is None else qkey[i], jobs[i].submitted_at, jobs[i].job_id)
     merged = np.array(sorted(key, key=key.__getitem__), np.int64)
     seed_any = guar.copy()
     seed_any[starved] = True

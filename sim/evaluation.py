@@ -54,6 +54,10 @@ ABLATIONS = [("rubick as before issue 10's start fix: a pending job's start char
 MT_ABLATIONS = [("with the bounded guarantee wait (an option, off)", '{"guarantee_wait_bound": true}'),
                 ("with the bounded wait, without the resume charge", '{"guarantee_wait_bound": true, "resume_charge": false}'),
                 ("without the starved best-effort seed (rubick before it)", '{"starved_seed": 0}'),
+                ("without the room held for the queue's head (policies/rubick_reserve.py)", '{"reserve": false}'),
+                ("without keeping admitted starved jobs", '{"keep_starved": false}'),
+                ("with the queue by run time, not GPU-time", '{"queue_key": "time"}'),
+                ("without the efficiency floor for best-effort shrinks", '{"min_efficiency": 0}'),
                 ("without the resume charge", '{"resume_charge": false}')]
 # the same option in the extended regime, where it costs rubick's JCT lead (policies/rubick_rules.py)
 MT_EXT_BOUND = '{"guarantee_wait_bound": true}'

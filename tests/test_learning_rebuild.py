@@ -92,8 +92,10 @@ def test_remembered_answers_decide_exactly_as_fresh_evaluation():
 def test_old_revisions_curves_are_dropped_and_decisions_do_not_change():
     specs = _specs(24)
     kept, swept = [], []
-    got = _rounds(LearningOracle(PerfModelOracle()), specs, rounds=6, slack=0, sizes=swept)
-    want = _rounds(LearningOracle(PerfModelOracle()), specs, rounds=6, slack=10**9, sizes=kept)
+    # 8 rounds: since rubick's completion weight and reservation (issue 21) fewer jobs start
+    # in a round, so fewer report and old revisions' curves pile up more slowly than in 6
+    got = _rounds(LearningOracle(PerfModelOracle()), specs, rounds=8, slack=0, sizes=swept)
+    want = _rounds(LearningOracle(PerfModelOracle()), specs, rounds=8, slack=10**9, sizes=kept)
     assert got == want
     live = len({(s.model, s.gpus) for s in specs})  # jobs sharing a curve
     assert kept[-1] > 3 * live  # every revision's curves piled up...

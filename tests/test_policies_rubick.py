@@ -175,8 +175,9 @@ def test_shrinks_a_job_when_the_net_normalised_gain_is_positive():
     assert d.allocations["new"].plan.gpus == 4
     # with plain sums (alpha = 1) the newcomer at twice its request (8/4 = 2.0) beats
     # sharing (4/4.2 + 4/4 = 1.95) and the running job is preempted: why alpha defaults to 0.5
-    d = decide(make_policy("rubick", restart_cost=60, min_run_time=0, utility_exponent=1.0), 10_000.0, ns,
-               [big, new], perf)
+    # (the completion weight off: it weighs big, 5% shorter at its request, 5% more, a tie)
+    d = decide(make_policy("rubick", restart_cost=60, min_run_time=0, utility_exponent=1.0, completion_weight=0),
+               10_000.0, ns, [big, new], perf)
     assert "big" in d.waiting and d.allocations["new"].plan.gpus == 8
 
 
@@ -305,12 +306,12 @@ def test_a_pending_short_job_is_not_deferred_behind_a_long_one():
     d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [short, long], perf)
     assert "short" in d.allocations and "long" in d.waiting
     # the old charge (the restart relative to the whole run) starts the long job first
-    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, start_unavoidable=False), 10_000.0, ns,
-               [short, long], perf)
+    # (without the completion weight, which would put the short one first on its own)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, start_unavoidable=False, completion_weight=0),
+               10_000.0, ns, [short, long], perf)
     assert "long" in d.allocations and "short" in d.waiting
-    # with the completion weight (Smith's rule) the short job goes first whatever the order
-    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, completion_weight=1.0), 10_000.0, ns,
-               [long, short], perf)
+    # with the completion weight (Smith's rule, the default) the short job goes first whatever the order
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [long, short], perf)
     assert "short" in d.allocations and "long" in d.waiting
 
 
@@ -330,8 +331,13 @@ def test_a_short_pending_job_grows_into_idle_gpus_when_the_restart_dominates():
     assert d.allocations["short"].plan.gpus == 2  # the earlier form, kept as an option for ablation
     d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [long], perf)
     assert d.allocations["long"].plan.gpus == 8
-    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [short, long], perf)
+    # without the completion weight the node is shared; with it (Smith's rule, the default) the
+    # short job, done in ~340 s on 8 GPUs, takes the node and the 8-day job waits for it
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, completion_weight=0), 10_000.0, ns,
+               [short, long], perf)
     assert sum(a.plan.gpus for a in d.allocations.values()) == 8 and set(d.allocations) == {"short", "long"}
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [short, long], perf)
+    assert d.allocations["short"].plan.gpus == 8 and "long" in d.waiting
 
 
 def test_a_running_job_near_its_end_is_not_preempted_for_a_start():
@@ -354,11 +360,17 @@ def test_a_running_job_near_its_end_is_not_preempted_for_a_start():
     assert "near" in d.waiting and "new" in d.allocations
     # a job with days left (its charge is 1 + R / T1, ~1) yielded under the earlier utility,
     # whose 1.33 for "new" came from its start factor rising as "new" ran slower
+    # (the completion weight off: with it the one-step job goes first, next)
     far = job("far", 8, curve="whole", steps=10**6, running_on=(Placement("n0", 8, 16),), since=0)
-    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, monotone_utility=False), 10_000.0, ns,
-               [far, new], perf)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, monotone_utility=False, completion_weight=0),
+               10_000.0, ns, [far, new], perf)
     assert "far" in d.waiting and "new" in d.allocations
     # restart included (rubick_utility.py), "new" on 8 GPUs is ((4.44 + 260) / (8 + 260))^0.5 = 0.993 of
     # its request's speed, below the 1.0 "far" keeps: no restart is spent for a slower start
-    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [far, new], perf)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0, completion_weight=0), 10_000.0, ns,
+               [far, new], perf)
     assert d.allocations["far"].placement == far.placement and "new" in d.waiting
+    # Smith's rule (the default): "new" is done ~270 s from now, "far" in 92 days; it goes first,
+    # and "far" pays one restart (it is not near its end, so the resume charge barely weighs)
+    d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [far, new], perf)
+    assert "far" in d.waiting and "new" in d.allocations
