@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 from nats.js.api import DeliverPolicy
 
+from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import JobRecord, NodeReport
 from gearshift.bus_schema.topology import islands, parse_path
@@ -271,27 +272,57 @@ class _Gpus(msgspec.Struct):
 _GPUS = msgspec.json.Decoder(_Gpus)
 
 
-class NodeCapacityView(_GpuCounts, KvView[bytes]):
-    """``gs_nodes`` as the admission needs it: each node's GPU count, read by a
-    partial decode of its report (the GPUs' entries are not parsed), and the
-    report's bytes, decoded only when nodes are listed. At 2,000 nodes a thousand
-    heartbeats a second arrive; decoding each whole one cost the admission CPU in
-    proportion to the nodes, not to the jobs it admits."""
+class NodeCapacity(_GpuCounts):
+    """``gs_nodes`` as the admission needs it: each node's GPU count and topology
+    path (a partial decode of its report: the GPUs' entries are not parsed), read
+    from a snapshot of the bucket, not from a watch. Every agent writes its report
+    every heartbeat, a thousand a second at 2,000 nodes, and a watch cost the
+    admission a message each (more CPU than its submits, issue 24), while what it
+    needs of them, the cluster's capacity, hardly ever changes. So it is read again
+    when a caller finds it older than ``every`` seconds (``stale``; the caller
+    refreshes it off the request path) and before anything is refused for want of
+    capacity (``refresh``): a node that registered since is counted then. Node
+    lists read the bucket when asked (``reports``)."""
 
-    def __init__(self, js: Any, bucket: str):
-        super().__init__(js, bucket, lambda b: b)
+    def __init__(self, js: Any, bucket: str, every: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.js = js
+        self.bucket = bucket
+        self.every = every
+        self.clock = clock
+        self.read_at = float("-inf")  # when (``clock``) the snapshot was taken
+        self.reads = 0
+        self._kv: Any = None
         self._init_counts()
 
-    def changed(self, key: str, old: bytes | None, new: bytes) -> None:
-        try:
-            got = _GPUS.decode(new)
-            self._count(key, len(got.gpus), got.topology)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
+    async def start(self) -> "NodeCapacity":
+        self._kv = await self.js.key_value(self.bucket)
+        await self.refresh()
+        return self
 
-    def reports(self) -> list[NodeReport]:
+    async def stop(self) -> None: ...
+
+    def stale(self) -> bool:
+        return self.clock() - self.read_at > self.every
+
+    async def refresh(self) -> None:
+        """Read every node's report again (one consumer pass over the bucket)."""
+        at = self.clock()
+        snap = await kv_snapshot(self._kv)
+        for key in [k for k in self._gpus if k not in snap]:
+            self.removed(key, None)
+        for key, (raw, _) in snap.items():
+            try:
+                got = _GPUS.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            self._count(key, len(got.gpus), got.topology)
+        self.read_at = at
+        self.reads += 1
+
+    async def reports(self) -> list[NodeReport]:
+        """Every node's last report, read now."""
         out = []
-        for raw in self.values():
+        for raw, _ in (await kv_snapshot(self._kv)).values():
             try:
                 out.append(codec.decode(raw, NodeReport))
             except (msgspec.DecodeError, msgspec.ValidationError):

@@ -97,6 +97,7 @@ from gearshift.services.fencing import Deposed
 from gearshift.services.jobstore import JobStore
 from gearshift.services.leadership import Leadership
 from gearshift.services.liveness import NodeLiveness
+from gearshift.services.pacing import RoundPacer
 from gearshift.services.policy_bridge import LiveModels, PolicyStep
 from gearshift.services.queues import QueueStore
 from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
@@ -126,6 +127,11 @@ class OptimizerConfig(ServiceConfig):
     wait_for_models: Annotated[bool, option(
         "jobs without a fitted or shipped performance model wait for the profiler",
         env="GEARSHIFT_WAIT_FOR_MODELS")] = False
+    round_gap: Annotated[NonNegative, option(
+        "seconds at least between the end of a round and the start of the next (what arrives meanwhile "
+        "goes into one round)")] = 0.1
+    round_duty: Annotated[float, Meta(gt=0, le=1), option(
+        "the most of the time rounds may take: after a round of W s the next waits W x (1 - duty) / duty")] = 0.5
     bandwidth: Annotated[str, option(
         "inter-node bandwidth per topology level a placement spans, as a factor of the fitted one: "
         "LEVEL=FACTOR,..., e.g. cluster=0.25: across racks a quarter of in-rack (default: none, the fitted "
@@ -176,6 +182,8 @@ class Optimizer:
         drain_timeout: float = _D.drain_timeout,
         wait_for_models: bool = _D.wait_for_models,
         bandwidth: str = _D.bandwidth,
+        round_gap: float = _D.round_gap,
+        round_duty: float = _D.round_duty,
         write_parallel: int = 32,
         archive_after: float = _D.archive_after,
         clock: Clock = SYSTEM,  # what stamps times: records, allocations, events, the policy's now
@@ -184,6 +192,7 @@ class Optimizer:
         self.js = nc.jetstream()
         self.policy = make_policy(policy, **(policy_options or {}))
         self.interval = interval
+        self.pacer = RoundPacer(round_gap, round_duty)  # kicked rounds close together become one
         self.node_timeout = node_timeout
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.lease_ttl = lease_ttl
@@ -327,7 +336,7 @@ class Optimizer:
     async def _consume_reports(self) -> None:
         try:
             await consume_reports(self.js, self.apply_report, self._round_lock, lambda: self.is_leader,
-                                  apply_many=self.apply_reports)
+                                  apply_many=self.apply_reports, turn_gap=self.pacer.gap)
         except Deposed as exc:
             self.leadership.deposed(exc)
 
@@ -454,13 +463,18 @@ class Optimizer:
 
 
 async def round_loop(opt: "Optimizer") -> None:
-    """The leader's rounds: on a kick or every ``interval``, until it is no longer leader."""
+    """The leader's rounds: on a kick or every ``interval``, paced (``services.pacing``),
+    until it is no longer leader."""
     while opt.is_leader:
         try:
             await asyncio.wait_for(opt.kick.wait(), timeout=opt.interval)
         except asyncio.TimeoutError:
             pass
+        wait = opt.pacer.delay(time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)  # what arrives meanwhile goes into this round
         opt.kick.clear()
+        started = time.monotonic()
         try:
             await opt.round()
         except asyncio.CancelledError:
@@ -472,6 +486,7 @@ async def round_loop(opt: "Optimizer") -> None:
             log.exception("round failed")
             opt._reconcile_at = 0.0  # what it wrote may be half done: the next round heals it
             await asyncio.sleep(0.5)
+        opt.pacer.ended(started, time.monotonic())
 
 
 class OperatorActions:
@@ -524,6 +539,7 @@ async def amain(stop: asyncio.Event, args: OptimizerConfig) -> None:
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
         lease_ttl=args.lease_ttl, archive_after=args.archive_after, bandwidth=args.bandwidth,
+        round_gap=args.round_gap, round_duty=args.round_duty,
     ).open()
     # a standby is ready too (it waits for the lease); readyz says which one leads
     obs = await observe.serve_http("optimizer", "optimizer", nc, lambda: {"leader": opt.is_leader, "round": opt.round_no})

@@ -116,12 +116,13 @@ class PolicyStep:
     async def decide(self, records: dict[str, JobRecord], node_states: list, alive: set[str]
                      ) -> tuple[Decision, list[JobView], float]:
         """The policy's decision for the live records on ``node_states``; its views; seconds it took."""
-        unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
+        models = await self.models.snapshot()  # gs_models, read again only when it changed
+        unmodelled = await self._unmodelled(records, models) if self.wait_for_models else {}
         self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
         self.models.priced.set_free({n.name: n.gpus_free for n in node_states})
         t = self.clock.now()
         views = self.views(records, alive, t, unmodelled)
-        await self.models.refresh([records[v.job_id] for v in views])
+        await self.models.refresh([records[v.job_id] for v in views], models)
         if self.queues is not None:
             self.policy.set_config(await self.queues.config(self.share_base))
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
@@ -139,11 +140,11 @@ class PolicyStep:
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
         return decision, views, t_policy
 
-    async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
-        """Pending jobs whose model has no fit yet: job id -> model key."""
+    async def _unmodelled(self, records: dict[str, JobRecord], models: dict) -> dict[str, str]:
+        """Pending jobs whose model has no fit yet: job id -> model key (``models``: gs_models' snapshot)."""
         from gearshift.services.perfmodel_service import unmodelled_jobs
 
-        got = await unmodelled_jobs(self.models.kv, records.values())
+        got = await unmodelled_jobs(self.models.kv, records.values(), have=models.keys())
         return {job_id: key for job_id, (key, _) in got.items()}
 
 
@@ -193,19 +194,25 @@ class LiveModels:
         ran per type (a V100's step time must not correct the A100 answers)."""
         return tuple(Placement(p.node, len(p.gpus), p.cpus, self.node_type.get(p.node, "")) for p in rec.placement)
 
-    async def refresh(self, records: list[JobRecord]) -> int:
-        """Load parameters that changed since the last round; returns how many."""
+    async def snapshot(self) -> dict[str, tuple[bytes, int]]:
+        """``gs_models``: key -> (value, revision), read again only when the bucket
+        changed (one stream-info request)."""
+        last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
+        if last != self._snap[0]:
+            self._snap = (last, await kv_snapshot(self.kv))
+        return self._snap[1]
+
+    async def refresh(self, records: list[JobRecord], snap: dict | None = None) -> int:
+        """Load parameters that changed since the last round; returns how many.
+        ``snap``: the round's ``snapshot()`` (else read here)."""
         import msgspec
 
         from gearshift import perfmodel
         from gearshift.bus_schema.perfmodel import model_kv_key
         from gearshift.perfmodel.model import PerfParams
 
-        # the bucket is read again only when it changed (one stream-info request a round)
-        last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
-        if last != self._snap[0]:
-            self._snap = (last, await kv_snapshot(self.kv))
-        snap = self._snap[1]
+        if snap is None:
+            snap = await self.snapshot()
         loaded = 0
         for model in {rec.spec.model for rec in records}:
             name = model.name

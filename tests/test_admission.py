@@ -163,6 +163,17 @@ async def test_gpus_checked_against_registered_nodes(nc):
         await submit(nc, {"spec": spec(gpus=8, plan={"dp": 1, "tp": 8})})
     assert err.value.field == "spec.plan.tp"
     assert (await submit(nc, {"spec": spec(gpus=8)})).created
+    # the nodes are read, not watched: one that registers later counts before a job is refused
+    reads = adm.nodes_view.reads
+    await kv.put("n2", codec.encode(NodeReport(node="n2", ts=0, gpus=gpus, cpus=16)))
+    assert (await submit(nc, {"spec": spec(gpus=12)})).created
+    assert adm.nodes_view.reads == reads + 1
+    with pytest.raises(ServiceCallError) as err:
+        await submit(nc, {"spec": spec(gpus=13)})
+    assert "at most 12" in err.value.message
+    with pytest.raises(ServiceCallError) as err:  # refused for another reason: the nodes are not read again
+        await submit(nc, {"spec": spec(gpus=1, steps=0)})
+    assert adm.nodes_view.reads == reads + 2
     await svc.stop()
 
 
