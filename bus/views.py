@@ -158,10 +158,17 @@ class JobsView(KvView[JobRecord]):
         self.finished: dict[str, JobRecord] = {}  # terminal, still in the hot bucket
         self.tenant_live: Counter[str] = Counter()
         self.order: list[tuple[float, str]] = []  # (submitted_at, job_id), sorted
+        self.dirty: set[str] = set()  # keys applied since a reader last took them (the optimizer's rounds)
+        # called with (record, revision) for each key seen for the first time (the optimizer's
+        # leader publishes a new record's events and kicks a round)
+        self.on_new: Callable[[JobRecord, int], None] | None = None
 
     def changed(self, key: str, old: JobRecord | None, new: JobRecord) -> None:
+        self.dirty.add(key)
         if old is None:
             bisect.insort(self.order, (new.submitted_at, key))
+            if self.on_new is not None:
+                self.on_new(new, self.entries[key][1])
         if old is not None and not old.terminal:
             self.tenant_live[old.spec.tenant] -= 1
         if not new.terminal:
@@ -175,6 +182,7 @@ class JobsView(KvView[JobRecord]):
             self.finished[key] = new
 
     def removed(self, key: str, old: JobRecord) -> None:
+        self.dirty.add(key)
         if not old.terminal:
             self.tenant_live[old.spec.tenant] -= 1
         self.live.pop(key, None)
@@ -239,14 +247,46 @@ def _path(text: str) -> tuple:
 
 
 class NodesView(_GpuCounts, KvView[NodeReport]):
-    """``gs_nodes`` with liveness by the server's clock."""
+    """``gs_nodes`` with liveness by the server's clock. ``dirty``: the nodes whose
+    report changed since a reader last took them; ``live_names``: who is alive,
+    found from the nodes heard from longest ago (the server stamps reports in the
+    order it stores them, so the silent ones are at the front of ``_heard``)."""
 
     def __init__(self, js: Any, bucket: str):
         super().__init__(js, bucket, lambda b: codec.decode(b, NodeReport))
         self._init_counts()
+        self.dirty: set[str] = set()
+        self._heard: dict[str, float] = {}  # node -> server time of its last report, oldest first
+        self._live: tuple[frozenset, list[str]] | None = None  # (silent names, live names sorted), last given
 
     def changed(self, key: str, old: NodeReport | None, new: NodeReport) -> None:
         self._count(key, len(new.gpus), new.topology)
+        self.dirty.add(key)
+        if old is None:
+            self._live = None
+        self._heard.pop(key, None)
+        self._heard[key] = self.entries[key][2]
+
+    def removed(self, key: str, old: Any) -> None:
+        super().removed(key, old)
+        self.dirty.add(key)
+        self._heard.pop(key, None)
+        self._live = None
+
+    def live_names(self, timeout: float) -> tuple[list[str], list[tuple[NodeReport, float]]]:
+        """(names of the nodes heard from within ``timeout``, sorted: the same list
+        object while nobody came or went; [(silent node, its age)]). Costs the silent
+        nodes, not all."""
+        now = self.server_now()
+        silent = []
+        for key, ts in self._heard.items():
+            if now - ts <= timeout:
+                break
+            silent.append((self.entries[key][0], now - ts))
+        gone = frozenset(n.node for n, _ in silent)
+        if self._live is None or self._live[0] != gone:
+            self._live = (gone, sorted(k for k in self._heard if k not in gone))
+        return self._live[1], silent
 
     def age(self, key: str) -> float | None:
         """Seconds since the server stored this node's last report."""

@@ -2,10 +2,9 @@
 
 Thin by design: decode (the runtime turns bad input into an error reply that
 names the field), check the spec against the cluster, write the record with
-compare-and-set, publish the event through the job's outbox. A submit awaits
-one write, the record's; its event is published and its outbox cleared in
-the background (``services.outbox``), and what a crash leaves in outboxes is
-published at the next start.
+compare-and-set, its event in the job's outbox. A submit awaits one write,
+the record's, and makes no other: the optimizer's leader publishes the event
+(``services.outbox``).
 
 Nothing here scans a bucket per request: the capacity, the live jobs per
 tenant and the lists come from materialised views (``services.views``) kept
@@ -58,7 +57,6 @@ from gearshift.services import dependencies
 from gearshift.services.usage import usage as window_usage
 from gearshift.services.dependencies import bounded
 from gearshift.services.jobstore import JobStore, with_event
-from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.paging import BadCursor, list_page
 from gearshift.services.queues import QueueStore, most_gpus, to_core
 
@@ -97,10 +95,12 @@ def same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
     return SubmitReply(job_id=rec.job_id, created=False, state=rec.state)
 
 
-async def create_record(store: JobStore, outbox: OutboxFlusher, job_id: str, req: SubmitRequest, ts: float,
+async def create_record(store: JobStore, job_id: str, req: SubmitRequest, ts: float,
                         after: list, array: int | None) -> SubmitReply | None:
-    """Write one new record (an array's element: its index from its id); None
-    when written, else the reply of the submission that got there first."""
+    """Write one new record (an array's element: its index from its id), its
+    ``job.submitted`` event in its outbox (the optimizer's leader publishes it:
+    ``services.outbox``); None when written, else the reply of the submission
+    that got there first."""
     spec = req.spec
     index = int(job_id.rsplit("-", 1)[1]) if array else None
     rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted",
@@ -109,7 +109,6 @@ async def create_record(store: JobStore, outbox: OutboxFlusher, job_id: str, req
                      guaranteed=spec.guaranteed)
     rev = await store.create(rec, flush=False)
     if rev is not None:
-        outbox.add(rec, rev)  # the event goes out in the background
         return None
     existing = await store.get(job_id)  # a concurrent submit with the same token won the race
     assert existing is not None
@@ -198,7 +197,6 @@ class Admission:
         self.queues_view: KvView[QueueSpec] | None = None  # the submit check reads this, not the bucket
         self._share: tuple[int, Any] = (-1, None)  # (view revision, ShareConfig built from it)
         self.check: SpecCheck | None = None  # specs against the cluster (set by open)
-        self.outbox = OutboxFlusher(self.store)
 
     async def open(self) -> "Admission":
         await self.store.open()
@@ -210,16 +208,11 @@ class Admission:
         self.queues_view = await KvView(js, subj.QUEUES_BUCKET, lambda b: codec.decode(b, QueueSpec),
                                         skip=lambda k: k.startswith("_") or "." in k).start()
         self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
-        self.outbox.start()
-        left = await self.outbox.recover(self.jobs_view.values())  # events a dead admission never published
-        if left:
-            log.info("published events left in outboxes", records=left)
         return self
 
     async def close(self) -> None:
         if self.check is not None:
             self.check.close()
-        await self.outbox.stop()
         for view in (self.jobs_view, self.nodes_view, self.queues_view):
             if view is not None:
                 await view.stop()
@@ -295,7 +288,7 @@ class Admission:
         mine.update(ids)
         ts = self.clock.now()
         try:
-            made = await bounded([create_record(self.store, self.outbox, j, req, ts, after, spec.array) for j in ids], 32)
+            made = await bounded([create_record(self.store, j, req, ts, after, spec.array) for j in ids], 32)
         except BaseException:
             mine.difference_update(fresh)
             raise
