@@ -91,8 +91,7 @@ class RecordWriter:
         if done:
             self._archived_at = now
             await self.store.publish_usage(done)  # their accounts first (bus_schema.usage)
-        await bounded([self.store.archive(r) for r in done], self.parallel)
-        return len(done)
+        return await self.store.archive_many(done, parallel=self.parallel)
 
     def hint(self, job_id: str) -> tuple[JobRecord, int] | None:
         """The record and revision the view holds: the first CAS try (no read)."""

@@ -162,8 +162,9 @@ class FakeStore:
             self.records[job_id] = new
         return new
 
-    async def archive(self, r: JobRecord) -> None:
-        self.archived.append(r.job_id)
+    async def archive_many(self, recs: list[JobRecord], parallel: int = 32) -> int:
+        self.archived += [r.job_id for r in recs]
+        return len(recs)
 
     async def publish_usage(self, recs: list[JobRecord]) -> None:
         self.accounted = [r.job_id for r in recs]

@@ -11,6 +11,7 @@ import msgspec
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobCompleted, JobRecord, JobSpec, JobState, JobSubmitted, ModelSpec
+from gearshift.services.fencing import Fence
 from gearshift.services.jobstore import JobStore, with_event
 from gearshift.services.optimizer import Optimizer
 from gearshift.services.outbox import OutboxFlusher
@@ -113,3 +114,23 @@ async def test_lazy_clear_drops_published_events_with_the_next_write(nc):
     other = await JobStore(nc).open()
     await other.publish(stored)  # returns once the stream acknowledged each (stored or dropped as a duplicate)
     assert len(await events(nc)) == 2
+
+
+async def test_archiving_many_moves_them_with_one_fenced_batch(nc):
+    store = await JobStore(nc).open()
+    store.fence = Fence(nc, [subj.JOBS_BUCKET], "test-leader")
+    await store.fence.take()
+    done = []
+    for i in range(3):
+        r = msgspec.structs.replace(record(f"ja{i}"), state=JobState.COMPLETED, finished_at=2.0)
+        await store.create(r, flush=False)
+        done.append(r)
+    js = nc.jetstream()
+    before = (await js.stream_info("KV_" + subj.JOBS_BUCKET)).state.last_seq
+    assert await store.archive_many(done) == 3
+    assert (await js.stream_info("KV_" + subj.JOBS_BUCKET)).state.last_seq == before + 4  # 3 deletes + the fence mark
+    for i in range(3):
+        assert await store.get(f"ja{i}", history=False) is None
+        hist, _ = await store.get(f"ja{i}")
+        assert hist.state == JobState.COMPLETED and hist.outbox == []
+    assert sorted(m for _, m in await events(nc)) == ["ja0:1", "ja1:1", "ja2:1"]  # what was left in the outboxes
