@@ -131,7 +131,8 @@ class OptimizerConfig(ServiceConfig):
         "seconds at least between the end of a round and the start of the next (what arrives meanwhile "
         "goes into one round)")] = 0.1
     round_duty: Annotated[float, Meta(gt=0, le=1), option(
-        "the most of the time rounds may take: after a round of W s the next waits W x (1 - duty) / duty")] = 0.5
+        "the most of the time rounds may take: after a round of W s the next waits W x (1 - duty) / duty "
+        "(the leader's CPU for rounds: at most this share of a core)")] = 0.25
     bandwidth: Annotated[str, option(
         "inter-node bandwidth per topology level a placement spans, as a factor of the fitted one: "
         "LEVEL=FACTOR,..., e.g. cluster=0.25: across racks a quarter of in-rack (default: none, the fitted "

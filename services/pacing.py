@@ -21,7 +21,7 @@ from __future__ import annotations
 
 
 class RoundPacer:
-    def __init__(self, gap: float = 0.1, duty: float = 0.5):
+    def __init__(self, gap: float = 0.1, duty: float = 0.25):
         if gap < 0 or not 0 < duty <= 1:
             raise ValueError("gap must be >= 0 and duty in (0, 1]")
         self.gap = gap
