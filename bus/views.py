@@ -51,6 +51,32 @@ def _seq_and_ts(msg: Any) -> tuple[int, float]:
     return md.sequence.stream, md.timestamp.timestamp()
 
 
+class Marks:
+    """Keys changed since a reader last took them (``take``), bounded: past ``limit``
+    keys the set is dropped and the next ``take`` says so (None: look at everything),
+    so a view nobody takes from (a standby's) does not grow without end."""
+
+    __slots__ = ("keys", "lost", "limit")
+
+    def __init__(self, limit: int = 50_000):
+        self.keys: set[str] = set()
+        self.lost = False
+        self.limit = limit
+
+    def add(self, key: str) -> None:
+        keys = self.keys
+        keys.add(key)
+        if len(keys) > self.limit:
+            keys.clear()
+            self.lost = True
+
+    def take(self) -> set[str] | None:
+        """The keys marked since the last take; None when more than ``limit`` were."""
+        keys, lost = self.keys, self.lost
+        self.keys, self.lost = set(), False
+        return None if lost else keys
+
+
 class KvView(Generic[T]):
     """key -> (decoded value, revision, server timestamp), kept current."""
 
@@ -158,7 +184,7 @@ class JobsView(KvView[JobRecord]):
         self.finished: dict[str, JobRecord] = {}  # terminal, still in the hot bucket
         self.tenant_live: Counter[str] = Counter()
         self.order: list[tuple[float, str]] = []  # (submitted_at, job_id), sorted
-        self.dirty: set[str] = set()  # keys applied since a reader last took them (the optimizer's rounds)
+        self.dirty = Marks()  # keys applied since a reader last took them (the optimizer's rounds)
         # called with (record, revision) for each key seen for the first time (the optimizer's
         # leader publishes a new record's events and kicks a round)
         self.on_new: Callable[[JobRecord, int], None] | None = None
@@ -255,7 +281,7 @@ class NodesView(_GpuCounts, KvView[NodeReport]):
     def __init__(self, js: Any, bucket: str):
         super().__init__(js, bucket, lambda b: codec.decode(b, NodeReport))
         self._init_counts()
-        self.dirty: set[str] = set()
+        self.dirty = Marks()
         self._heard: dict[str, float] = {}  # node -> server time of its last report, oldest first
         self._live: tuple[frozenset, list[str]] | None = None  # (silent names, live names sorted), last given
 

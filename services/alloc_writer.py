@@ -19,7 +19,7 @@ from typing import Any
 
 from gearshift.bus.alloc_watch import node_key
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.views import KvView
+from gearshift.bus.views import KvView, Marks
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import ACTIVE_STATES, Allocation, JobRecord, Plan
@@ -68,7 +68,7 @@ class AllocView(KvView[Allocation]):
     def __init__(self, js: Any):
         super().__init__(js, subj.ALLOC_BUCKET, _decode)
         self.copies: dict[str, set[str]] = {}
-        self.dirty: set[str] = set()  # jobs whose key or a copy changed since ``reconcile`` last took them
+        self.dirty = Marks()  # jobs whose key or a copy changed since ``reconcile`` last took them
         # node copy key -> the sequence of its delete: an agent whose heartbeat says it acted
         # on that (``NodeReport.alloc_rev``) and runs nothing of the job has none of it left
         self.withdrawn: dict[str, int] = {}
@@ -166,8 +166,8 @@ class AllocWriter:
         since the last look (``AllocView.dirty``): what can disagree since a pass
         that found everything in order (not with ``copies``). Returns the writes made."""
         await self.view.sync()
-        dirty, self.view.dirty = self.view.dirty, set()
-        if jobs is not None and not copies:
+        dirty = self.view.dirty.take()
+        if jobs is not None and dirty is not None and not copies:
             return await self._reconcile_some(live, jobs | dirty)
         allocs = self.view.jobs()
         todo: list[Awaitable[Any]] = []

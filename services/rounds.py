@@ -55,30 +55,40 @@ class Rounds:
         self.mismatches = 0  # full rounds whose rebuilt indexes differed from the kept ones
         self._alive: tuple[list[str], set[str]] = ([], set())  # (live names, as a set), last round's
 
-    def _take_changes(self, records: RoundRecords, full: bool) -> set[str]:
+    def _take_changes(self, records: RoundRecords, full: bool) -> tuple[set[str], bool]:
         """The jobs whose record changed since the last round (the jobs view's marks),
-        the indexes brought up to date; a full round rebuilds them from scratch."""
-        opt = self.opt
-        changed, opt.jobs.dirty = opt.jobs.dirty, set()
-        nodes_changed, opt.nodes.dirty = opt.nodes.dirty, set()
-        if full:
-            fresh = JobIndex.of(records)
+        the job index brought up to date, and whether the round is a full one: a full
+        round (or one after more changes than the view keeps marks of) rebuilds the
+        index from scratch, counting any difference from the kept one."""
+        changed = self.opt.jobs.dirty.take()
+        if not full and changed is not None:
+            self.jobs_index.apply(records, changed)
+            return changed, False
+        fresh = JobIndex.of(records)
+        if changed is not None:
             self.jobs_index.apply(records, changed)
             if self.jobs_index.differences(fresh):
                 self.mismatches += 1
                 log.warning("kept job index differed from a rebuild", parts=self.jobs_index.differences(fresh))
-            self.jobs_index = fresh
-            fresh_nodes = NodeIndex.of({k: e[0] for k, e in opt.nodes.entries.items()})
-            self.nodes_index.update(opt.nodes, nodes_changed)
-            if self.nodes_index.differences(fresh_nodes):
-                self.mismatches += 1
-                log.warning("kept node index differed from a rebuild", parts=self.nodes_index.differences(fresh_nodes))
-            self.nodes_index = fresh_nodes
+        self.jobs_index = fresh
+        return changed or set(), True
+
+    def _take_node_changes(self, full: bool) -> None:
+        """The node index brought up to date with the nodes view's marks (taken after
+        the view's sync: every live node has its facts); rebuilt in a full round."""
+        opt = self.opt
+        changed = opt.nodes.dirty.take()
+        if full or changed is None:
+            fresh = NodeIndex.of({k: e[0] for k, e in opt.nodes.entries.items()})
+            if changed is not None:
+                self.nodes_index.update(opt.nodes, changed)
+                if self.nodes_index.differences(fresh):
+                    self.mismatches += 1
+                    log.warning("kept node index differed from a rebuild", parts=self.nodes_index.differences(fresh))
+            self.nodes_index = fresh
         else:
-            self.jobs_index.apply(records, changed)
-            self.nodes_index.update(opt.nodes, nodes_changed)
+            self.nodes_index.update(opt.nodes, changed)
         opt.models.node_type = self.nodes_index.node_type  # what ran teaches the oracle per GPU type
-        return changed
 
     def _note(self, records: RoundRecords, written: set[str]) -> None:
         """Records the round replaced since the last note: into the index, and remembered."""
@@ -96,9 +106,10 @@ class Rounds:
         self.full_next = False
         await opt.jobs.sync()
         records = RoundRecords(opt.jobs.live)  # O(live jobs), a copy: finished ones are not here
-        changed = self._take_changes(records, full)
+        changed, full = self._take_changes(records, full)
         index, written = self.jobs_index, set()
         names = await opt.liveness.live_names(opt.nodes, opt.leader_since)
+        self._take_node_changes(full)
         if names is not self._alive[0]:
             self._alive = (names, set(names))
         alive = self._alive[1]

@@ -85,3 +85,18 @@ async def test_the_admissions_capacity_counts_gpus_as_the_full_view_does(nc):
     finally:
         await full.stop()
         await light.stop()
+
+
+def test_marks_are_taken_once_and_a_flood_of_them_says_look_at_everything():
+    from gearshift.bus.views import Marks
+
+    m = Marks(limit=3)
+    m.add("a")
+    m.add("b")
+    m.add("a")
+    assert m.take() == {"a", "b"} and m.take() == set()
+    for k in "wxyz":  # more than the limit: a standby nobody takes from stays small
+        m.add(k)
+    assert not m.keys and m.take() is None  # the reader looks at everything instead
+    m.add("q")
+    assert m.take() == {"q"}
