@@ -76,6 +76,8 @@ class RecordWriter:
         self._cancelling_since: dict[str, float] = {}  # this leader's first sight of each cancelling job
         self._reasons_due = float("-inf")  # clock time the next batch of waiting reasons may go out
         self._agent_at_drain: dict[tuple[str, str], float] = {}  # (job, node) -> agent started_at at first sight
+        # node -> its last report (the optimizer's nodes view): the incarnation a drain begins under
+        self.node_report: Callable[[str], NodeReport | None] = lambda node: None
         self._archived_at = float("-inf")  # when the last pass moved something
 
     async def archive(self, most: int = 2000) -> int:
@@ -215,6 +217,19 @@ class RecordWriter:
             if gone:
                 updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
         return await self.changed(records, updates) + await self.settle_cancels(records, alive, cancelling)
+
+    def note_drains(self, recs: Iterable[JobRecord]) -> None:
+        """Remember the incarnation of each node's agent as a drain written here begins
+        (the first sight ``restarted_without`` compares with): taken at the write, not at
+        the next round's look, an agent killed and restarted between the two (a paced
+        round comes later) is seen to have restarted, and the drain ends on its report."""
+        for rec in recs:
+            for p in rec.draining:
+                key = (rec.job_id, p.node)
+                if key not in self._agent_at_drain:
+                    hb = self.node_report(p.node)
+                    if hb is not None:
+                        self._agent_at_drain[key] = hb.started_at
 
     def restarted_without(self, rec: JobRecord, node: str, hb: NodeReport | None, seen: dict) -> bool:
         """Has ``node``'s agent restarted since this leader saw the drain begin,

@@ -210,3 +210,26 @@ async def test_record_writer_stamps_its_clock_and_times_out_drains_and_archives_
     assert await w.archive() == 0 and store.archived == []
     clock.advance(1.0)
     assert await w.archive() == 1 and store.archived == ["j1"] and store.accounted == ["j1"]
+
+
+@pytest.mark.parametrize("noted", [True, False])
+async def test_a_drain_whose_agent_restarts_before_the_next_round_ends_on_its_heartbeat(noted):
+    """The agent's incarnation is taken when the drain is written (``note_drains``):
+    killed and restarted before the next (paced) round looks, its successor's heartbeat
+    (it acted on the withdrawal, runs nothing of the job) ends the drain at once.
+    Taken only at that round's look, the new incarnation would be the first seen and
+    the drain would wait out the timeout."""
+    clock = ManualClock(1000.0)
+    draining = msgspec.structs.replace(rec(JobState.PENDING), generation=2, draining=[
+        NodePlacement(node="n0", gpus=[0, 1], cpus=0)], drain_generation=1, drain_started=1000.0)
+    store = FakeStore(draining)
+    w = writer(store, clock)
+    w.writer.view = type("View", (), {"withdrawn": {"n0.j1": 50}, "entries": {}})()
+    old = NodeReport(node="n0", ts=0.0, gpus=[], cpus=8, started_at=1.0, alloc_rev=40, running=["j1@1"])
+    w.node_report = {"n0": old}.get
+    if noted:
+        w.note_drains([draining])  # the round that wrote the drain
+    back = msgspec.structs.replace(old, started_at=2.0, alloc_rev=51, running=[])  # restarted, acted, idle
+    records = {"j1": draining}
+    assert await w.settle_drains(records, {"n0"}, {"n0": back}) == (1 if noted else 0)
+    assert (records["j1"].draining == []) is noted
