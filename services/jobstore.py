@@ -55,6 +55,9 @@ class JobStore:
         self.lazy_clear = False  # see the module's doc
         self.published: dict[str, int] = {}  # job -> highest event seq this store saw acknowledged
         self.conflicts = 0  # compare-and-sets refused because the record had moved (then re-read)
+        # applied to every record this store writes by compare-and-set (the optimizer's:
+        # ``record_writer.with_drain_agents``); None: written as changed
+        self.before_write: Callable[[JobRecord], JobRecord] | None = None
 
     async def open(self) -> "JobStore":
         self.kv = await self.js.key_value(subj.JOBS_BUCKET)
@@ -183,6 +186,8 @@ class JobStore:
                 continue
             if new.state != hint[0].state:
                 hint[0].check_transition(new.state)
+            if self.before_write is not None:
+                new = self.before_write(new)
             fast.append((i, job_id, self._strip_published(job_id, new), hint[1]))
         parts = [fast[k:k + chunk] for k in range(0, len(fast), chunk)]
         while parts:
@@ -228,6 +233,8 @@ class JobStore:
                 return None
             if new.state != rec.state:
                 rec.check_transition(new.state)  # the state machine, enforced on every write
+            if self.before_write is not None:
+                new = self.before_write(new)
             new = self._strip_published(job_id, new)
             try:
                 if self.fence is not None:  # a leader's write: refused once it is deposed

@@ -99,7 +99,7 @@ from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.pacing import RoundPacer
 from gearshift.services.policy_bridge import LiveModels, PolicyStep
 from gearshift.services.queues import QueueStore
-from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
+from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter, with_drain_agents  # noqa: F401
 from gearshift.services.report_consumer import ReportApplier, consume_reports
 from gearshift.services.rounds import Rounds
 
@@ -251,7 +251,7 @@ class Optimizer:
         self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel, clock=self.clock)
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
                                     drain_timeout=self.drain_timeout, archive_after=self.archive_after, clock=self.clock)
-        self.records.node_report = self.nodes.get  # the incarnation each drain begins under
+        self.store.before_write = lambda rec: with_drain_agents(rec, self.nodes.get)  # each drain's agent incarnation
         self.deps = DependencyGate(self.store, self.jobs.entries, self.records.hint, self.clock, self.write_parallel)
         self.report_applier = ReportApplier(self.store, self.writer, self.records.hint, self.models,
                                             max_retries=lambda: self.max_retries, parallel=self.write_parallel,
@@ -361,7 +361,7 @@ class Optimizer:
     async def apply_reports(self, reports: list[RunReport]) -> None:
         """A turn of reports (``report_consumer.ReportApplier``)."""
         try:
-            if await self.report_applier.apply(reports, self.records.note_drains):
+            if await self.report_applier.apply(reports):
                 self.kick.set()
         except Deposed:
             raise

@@ -55,6 +55,25 @@ def _among(records: Mapping[str, JobRecord], job_ids: Iterable[str] | None) -> I
     return [records[j] for j in sorted(job_ids) if j in records]
 
 
+def with_drain_agents(rec: JobRecord, report: Callable[[str], NodeReport | None]) -> JobRecord:
+    """``rec`` with ``drain_agents`` following ``draining``: the incarnation (``started_at``)
+    of each draining node's agent, taken from its last report when its drain begins,
+    kept while it lasts. Written with the record (``JobStore.before_write``), so a leader
+    that takes over mid-drain knows whether the agent restarted since; taken at the next
+    round's look instead, an agent killed and restarted between the two was the first
+    incarnation seen and its drain waited out ``--drain-timeout``."""
+    have = rec.drain_agents
+    if not rec.draining:
+        return msgspec.structs.replace(rec, drain_agents={}) if have else rec
+    agents = {p.node: have[p.node] for p in rec.draining if p.node in have}
+    for p in rec.draining:
+        if p.node not in agents:
+            hb = report(p.node)
+            if hb is not None:
+                agents[p.node] = hb.started_at
+    return rec if agents == have else msgspec.structs.replace(rec, drain_agents=agents)
+
+
 def explain_entries(decision: Decision, records: Mapping[str, JobRecord]) -> list[ExplainEntry]:
     """Why each job waits or runs: the explain endpoint's entries."""
     out = [ExplainEntry(job_id=job_id, state=records[job_id].state.value, reason=why)
@@ -76,8 +95,6 @@ class RecordWriter:
         self._cancelling_since: dict[str, float] = {}  # this leader's first sight of each cancelling job
         self._reasons_due = float("-inf")  # clock time the next batch of waiting reasons may go out
         self._agent_at_drain: dict[tuple[str, str], float] = {}  # (job, node) -> agent started_at at first sight
-        # node -> its last report (the optimizer's nodes view): the incarnation a drain begins under
-        self.node_report: Callable[[str], NodeReport | None] = lambda node: None
         self._archived_at = float("-inf")  # when the last pass moved something
 
     async def archive(self, most: int = 2000) -> int:
@@ -218,19 +235,6 @@ class RecordWriter:
                 updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
         return await self.changed(records, updates) + await self.settle_cancels(records, alive, cancelling)
 
-    def note_drains(self, recs: Iterable[JobRecord]) -> None:
-        """Remember the incarnation of each node's agent as a drain written here begins
-        (the first sight ``restarted_without`` compares with): taken at the write, not at
-        the next round's look, an agent killed and restarted between the two (a paced
-        round comes later) is seen to have restarted, and the drain ends on its report."""
-        for rec in recs:
-            for p in rec.draining:
-                key = (rec.job_id, p.node)
-                if key not in self._agent_at_drain:
-                    hb = self.node_report(p.node)
-                    if hb is not None:
-                        self._agent_at_drain[key] = hb.started_at
-
     def restarted_without(self, rec: JobRecord, node: str, hb: NodeReport | None, seen: dict) -> bool:
         """Has ``node``'s agent restarted since this leader saw the drain begin,
         acted on the withdrawal of the job's allocation there (its heartbeat's
@@ -240,7 +244,9 @@ class RecordWriter:
         of that node is over. An agent that stayed up reports its run's exit."""
         if hb is None:
             return False
-        first = seen.get((rec.job_id, node), hb.started_at)
+        # the incarnation the drain began under: written into the record then (with_drain_agents),
+        # else (a record from before) the first one this leader saw
+        first = rec.drain_agents.get(node) or seen.get((rec.job_id, node), hb.started_at)
         self._agent_at_drain[(rec.job_id, node)] = first  # the incarnation the drain began under
         if hb.started_at == first:
             return False

@@ -126,9 +126,8 @@ class ReportApplier:
         self.max_retries = max_retries
         self.parallel = parallel
 
-    async def apply(self, reports: list[RunReport], note_drains: Callable[[list[JobRecord]], None] | None = None) -> bool:
-        """Apply a turn; True when a job ended or released GPUs (a round should run).
-        ``note_drains``: told the records written that drain (``RecordWriter.note_drains``)."""
+    async def apply(self, reports: list[RunReport]) -> bool:
+        """Apply a turn; True when a job ended or released GPUs (a round should run)."""
         by_job: dict[str, list[RunReport]] = {}
         for r in reports:
             by_job.setdefault(r.job_id, []).append(r)
@@ -152,8 +151,6 @@ class ReportApplier:
         jobs = list(by_job)
         got = await self.store.update_many([(j, change_for(j, by_job[j]), self.hint(j)) for j in jobs],
                                            parallel=self.parallel, publish=False)
-        if note_drains is not None:
-            note_drains([r for r in got if r is not None and r.draining])
         puts, deletes, kick = [], [], False
         for job_id, new in zip(jobs, got):
             outs = outcomes.get(job_id, [])

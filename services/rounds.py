@@ -94,7 +94,6 @@ class Rounds:
         """Records the round replaced since the last note: into the index, and remembered."""
         if records.touched:
             self.jobs_index.apply(records, records.touched)
-            self.opt.records.note_drains(records[j] for j in records.touched if j in records and records[j].draining)
             written |= records.touched
             records.touched = set()
 
