@@ -547,7 +547,7 @@ def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
             "worst_against_budget": r(max(ratio), 2), "fit": cpu_fit(rows),
             # the same fit over the rounds of each band of live jobs (N, 2N, 4N, ...): does a
             # round's cost per live job grow with the live jobs?
-            "fit_by_live_jobs": {f"{lo}-{hi}": cpu_fit(band) | {"rounds": len(band)}
+            "fit_by_live_jobs": {f"{lo}-{hi}": {"rounds": len(band), "fit": cpu_fit(band)}
                                  for lo, hi, band in live_bands(rows) if band},
             "cpu_ms_per_live_job_p50": r(pct([cpu / max(1, n) for cpu, _, n in rows], 50), 4)}
 
