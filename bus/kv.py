@@ -7,6 +7,7 @@ from typing import Any
 
 from nats.js.api import DeliverPolicy, Header
 
+from gearshift.bus.publish import publisher
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import AnyJobEvent, Event
 
@@ -21,7 +22,7 @@ async def publish_event(js: Any, ev: Event, msg_id: str, subject: str, fence: An
     if fence is not None:
         await fence.publish(subject, codec.encode(ev), msg_id)
     else:
-        await js.publish(subject, codec.encode(ev), headers={Header.MSG_ID: msg_id})
+        await publisher(js._nc).publish(subject, codec.encode(ev), {Header.MSG_ID: msg_id})
 
 
 async def kv_snapshot(kv: Any, keys: str = ">") -> dict[str, tuple[bytes, int]]:

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +157,11 @@ def job_states(records: Iterable[Any]) -> None:
     for r in records:
         key = (r.state.value, r.spec.tenant)
         counts[key] = counts.get(key, 0) + 1
+    job_counts(counts)
+
+
+def job_counts(counts: Mapping[tuple[str, str], int]) -> None:
+    """Set ``gearshift_jobs`` from the jobs per (state, tenant), kept by the caller."""
     for labels in [tuple(s.labels.values()) for m in JOBS.collect() for s in m.samples]:
         if labels not in counts:
             JOBS.labels(*labels).set(0)  # a state nobody is in any more reads 0, not its last value

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 from nats.js.api import DeliverPolicy
 
+from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema import codec
 from gearshift.bus_schema.messages import JobRecord, NodeReport
 from gearshift.bus_schema.topology import islands, parse_path
@@ -48,6 +49,32 @@ def _seq_and_ts(msg: Any) -> tuple[int, float]:
         return int(t[7]), int(t[9]) / 1e9
     md = msg.metadata  # anything else: nats-py's parser (raises if not JetStream)
     return md.sequence.stream, md.timestamp.timestamp()
+
+
+class Marks:
+    """Keys changed since a reader last took them (``take``), bounded: past ``limit``
+    keys the set is dropped and the next ``take`` says so (None: look at everything),
+    so a view nobody takes from (a standby's) does not grow without end."""
+
+    __slots__ = ("keys", "lost", "limit")
+
+    def __init__(self, limit: int = 50_000):
+        self.keys: set[str] = set()
+        self.lost = False
+        self.limit = limit
+
+    def add(self, key: str) -> None:
+        keys = self.keys
+        keys.add(key)
+        if len(keys) > self.limit:
+            keys.clear()
+            self.lost = True
+
+    def take(self) -> set[str] | None:
+        """The keys marked since the last take; None when more than ``limit`` were."""
+        keys, lost = self.keys, self.lost
+        self.keys, self.lost = set(), False
+        return None if lost else keys
 
 
 class KvView(Generic[T]):
@@ -157,10 +184,17 @@ class JobsView(KvView[JobRecord]):
         self.finished: dict[str, JobRecord] = {}  # terminal, still in the hot bucket
         self.tenant_live: Counter[str] = Counter()
         self.order: list[tuple[float, str]] = []  # (submitted_at, job_id), sorted
+        self.dirty = Marks()  # keys applied since a reader last took them (the optimizer's rounds)
+        # called with (record, revision) for each key seen for the first time (the optimizer's
+        # leader publishes a new record's events and kicks a round)
+        self.on_new: Callable[[JobRecord, int], None] | None = None
 
     def changed(self, key: str, old: JobRecord | None, new: JobRecord) -> None:
+        self.dirty.add(key)
         if old is None:
             bisect.insort(self.order, (new.submitted_at, key))
+            if self.on_new is not None:
+                self.on_new(new, self.entries[key][1])
         if old is not None and not old.terminal:
             self.tenant_live[old.spec.tenant] -= 1
         if not new.terminal:
@@ -174,6 +208,7 @@ class JobsView(KvView[JobRecord]):
             self.finished[key] = new
 
     def removed(self, key: str, old: JobRecord) -> None:
+        self.dirty.add(key)
         if not old.terminal:
             self.tenant_live[old.spec.tenant] -= 1
         self.live.pop(key, None)
@@ -238,14 +273,46 @@ def _path(text: str) -> tuple:
 
 
 class NodesView(_GpuCounts, KvView[NodeReport]):
-    """``gs_nodes`` with liveness by the server's clock."""
+    """``gs_nodes`` with liveness by the server's clock. ``dirty``: the nodes whose
+    report changed since a reader last took them; ``live_names``: who is alive,
+    found from the nodes heard from longest ago (the server stamps reports in the
+    order it stores them, so the silent ones are at the front of ``_heard``)."""
 
     def __init__(self, js: Any, bucket: str):
         super().__init__(js, bucket, lambda b: codec.decode(b, NodeReport))
         self._init_counts()
+        self.dirty = Marks()
+        self._heard: dict[str, float] = {}  # node -> server time of its last report, oldest first
+        self._live: tuple[frozenset, list[str]] | None = None  # (silent names, live names sorted), last given
 
     def changed(self, key: str, old: NodeReport | None, new: NodeReport) -> None:
         self._count(key, len(new.gpus), new.topology)
+        self.dirty.add(key)
+        if old is None:
+            self._live = None
+        self._heard.pop(key, None)
+        self._heard[key] = self.entries[key][2]
+
+    def removed(self, key: str, old: Any) -> None:
+        super().removed(key, old)
+        self.dirty.add(key)
+        self._heard.pop(key, None)
+        self._live = None
+
+    def live_names(self, timeout: float) -> tuple[list[str], list[tuple[NodeReport, float]]]:
+        """(names of the nodes heard from within ``timeout``, sorted: the same list
+        object while nobody came or went; [(silent node, its age)]). Costs the silent
+        nodes, not all."""
+        now = self.server_now()
+        silent = []
+        for key, ts in self._heard.items():
+            if now - ts <= timeout:
+                break
+            silent.append((self.entries[key][0], now - ts))
+        gone = frozenset(n.node for n, _ in silent)
+        if self._live is None or self._live[0] != gone:
+            self._live = (gone, sorted(k for k in self._heard if k not in gone))
+        return self._live[1], silent
 
     def age(self, key: str) -> float | None:
         """Seconds since the server stored this node's last report."""
@@ -271,27 +338,57 @@ class _Gpus(msgspec.Struct):
 _GPUS = msgspec.json.Decoder(_Gpus)
 
 
-class NodeCapacityView(_GpuCounts, KvView[bytes]):
-    """``gs_nodes`` as the admission needs it: each node's GPU count, read by a
-    partial decode of its report (the GPUs' entries are not parsed), and the
-    report's bytes, decoded only when nodes are listed. At 2,000 nodes a thousand
-    heartbeats a second arrive; decoding each whole one cost the admission CPU in
-    proportion to the nodes, not to the jobs it admits."""
+class NodeCapacity(_GpuCounts):
+    """``gs_nodes`` as the admission needs it: each node's GPU count and topology
+    path (a partial decode of its report: the GPUs' entries are not parsed), read
+    from a snapshot of the bucket, not from a watch. Every agent writes its report
+    every heartbeat, a thousand a second at 2,000 nodes, and a watch cost the
+    admission a message each (more CPU than its submits, issue 24), while what it
+    needs of them, the cluster's capacity, hardly ever changes. So it is read again
+    when a caller finds it older than ``every`` seconds (``stale``; the caller
+    refreshes it off the request path) and before anything is refused for want of
+    capacity (``refresh``): a node that registered since is counted then. Node
+    lists read the bucket when asked (``reports``)."""
 
-    def __init__(self, js: Any, bucket: str):
-        super().__init__(js, bucket, lambda b: b)
+    def __init__(self, js: Any, bucket: str, every: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.js = js
+        self.bucket = bucket
+        self.every = every
+        self.clock = clock
+        self.read_at = float("-inf")  # when (``clock``) the snapshot was taken
+        self.reads = 0
+        self._kv: Any = None
         self._init_counts()
 
-    def changed(self, key: str, old: bytes | None, new: bytes) -> None:
-        try:
-            got = _GPUS.decode(new)
-            self._count(key, len(got.gpus), got.topology)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
+    async def start(self) -> "NodeCapacity":
+        self._kv = await self.js.key_value(self.bucket)
+        await self.refresh()
+        return self
 
-    def reports(self) -> list[NodeReport]:
+    async def stop(self) -> None: ...
+
+    def stale(self) -> bool:
+        return self.clock() - self.read_at > self.every
+
+    async def refresh(self) -> None:
+        """Read every node's report again (one consumer pass over the bucket)."""
+        at = self.clock()
+        snap = await kv_snapshot(self._kv)
+        for key in [k for k in self._gpus if k not in snap]:
+            self.removed(key, None)
+        for key, (raw, _) in snap.items():
+            try:
+                got = _GPUS.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+            self._count(key, len(got.gpus), got.topology)
+        self.read_at = at
+        self.reads += 1
+
+    async def reports(self) -> list[NodeReport]:
+        """Every node's last report, read now."""
         out = []
-        for raw in self.values():
+        for raw, _ in (await kv_snapshot(self._kv)).values():
             try:
                 out.append(codec.decode(raw, NodeReport))
             except (msgspec.DecodeError, msgspec.ValidationError):

@@ -346,6 +346,10 @@ class JobRecord(_Msg, kw_only=True, frozen=True):
     draining: list[NodePlacement] = []
     drain_generation: NonNegInt = 0
     drain_started: float | None = None
+    # node -> the ``started_at`` its agent reported when the drain there began (its own
+    # clock, compared only with its own later reports): a leader that did not see the
+    # drain begin still knows whether that agent restarted since (issue 24)
+    drain_agents: dict[str, float] = {}
     switch: "SwitchTiming | None" = None  # the plan switch in progress, for its JobSwitched event
     failures: NonNegInt = 0  # crashes retried from the last checkpoint
     checkpoint_step: NonNegInt = 0  # step of the last checkpoint an agent reported

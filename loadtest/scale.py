@@ -540,20 +540,40 @@ def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
         return {"rounds": 0, "within_budget_share": None}
     budget = [FLOORS["round_cpu_ms_per_changed_job"] * c + FLOORS["round_cpu_ms_per_live_job"] * n for _, c, n in rows]
     ratio = [cpu / max(b, 1e-9) for (cpu, _, _), b in zip(rows, budget)]
+    cpus = [cpu for cpu, _, _ in rows]
+    return {"rounds": len(rows), "cpu_ms_p50": r(pct(cpus, 50), 2), "cpu_ms_p99": r(pct(cpus, 99), 2),
+            "changed_jobs_p50": pct([c for _, c, _ in rows], 50), "live_jobs_max": max(n for *_, n in rows),
+            "within_budget_share": round(sum(1 for x in ratio if x <= 1.0) / len(rows), 4),
+            "worst_against_budget": r(max(ratio), 2), "fit": cpu_fit(rows),
+            # the same fit over the rounds of each band of live jobs (N, 2N, 4N, ...): does a
+            # round's cost per live job grow with the live jobs?
+            "fit_by_live_jobs": {f"{lo}-{hi}": {"rounds": len(band), "fit": cpu_fit(band)}
+                                 for lo, hi, band in live_bands(rows) if band},
+            "cpu_ms_per_live_job_p50": r(pct([cpu / max(1, n) for cpu, _, n in rows], 50), 4)}
+
+
+def cpu_fit(rows: list[tuple[float, int, int]]) -> dict | None:
+    """Least squares ``cpu_ms = a * changed + b * live`` through 0 (None: too few rounds)."""
     sxx = sum(c * c for _, c, _ in rows)
     sxy = sum(c * n for _, c, n in rows)
     syy = sum(n * n for _, _, n in rows)
     bx = sum(cpu * c for cpu, c, _ in rows)
     by = sum(cpu * n for cpu, _, n in rows)
     det = sxx * syy - sxy * sxy
-    fit = None if det <= 0 else {"ms_per_changed_job": round((bx * syy - by * sxy) / det, 4),
-                                 "ms_per_live_job": round((sxx * by - sxy * bx) / det, 5)}
-    cpus = [cpu for cpu, _, _ in rows]
-    return {"rounds": len(rows), "cpu_ms_p50": r(pct(cpus, 50), 2), "cpu_ms_p99": r(pct(cpus, 99), 2),
-            "changed_jobs_p50": pct([c for _, c, _ in rows], 50), "live_jobs_max": max(n for *_, n in rows),
-            "within_budget_share": round(sum(1 for x in ratio if x <= 1.0) / len(rows), 4),
-            "worst_against_budget": r(max(ratio), 2), "fit": fit,
-            "cpu_ms_per_live_job_p50": r(pct([cpu / max(1, n) for cpu, _, n in rows], 50), 4)}
+    if det <= 1e-9 * max(sxx * syy, 1.0):
+        return None
+    return {"ms_per_changed_job": round((bx * syy - by * sxy) / det, 4),
+            "ms_per_live_job": round((sxx * by - sxy * bx) / det, 5)}
+
+
+def live_bands(rows: list[tuple[float, int, int]], first: int = 1250) -> list[tuple[int, int, list]]:
+    """Rounds grouped by live jobs in doubling bands: [0, first), [first, 2 first), ..."""
+    out, lo, hi = [], 0, first
+    top = max(n for *_, n in rows)
+    while lo <= top:
+        out.append((lo, hi, [x for x in rows if lo <= x[2] < hi]))
+        lo, hi = hi, hi * 2
+    return out
 
 
 def unfinished_detail(rows: list[dict]) -> dict:

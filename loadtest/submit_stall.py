@@ -32,8 +32,11 @@ import sys
 import time
 from typing import Any
 
+import psutil
+
 from gearshift.bus_schema.messages import JobSpec
 from loadtest.optimality_gap import BATCH, MODELS
+from loadtest.scale import handling_summary, request_buckets
 
 TENANTS = ("default", "vision", "nlp", "llm")  # the admission's default limit is 1,000 live jobs a tenant
 SLOW_MS = 100.0
@@ -76,6 +79,23 @@ def summary(lat: list[float], at: list[float]) -> dict[str, Any]:
             "passed": p99 <= 3 * p50}
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[name] = t.user + t.system
+    return out
+
+
+def cpu_per_submit(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    """Each process's CPU milliseconds per submit between two ``cpu_seconds`` samples."""
+    return {k: round((after[k] - before[k]) / n * 1e3, 3) for k in sorted(after) if k in before}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.submit_stall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--submits", type=int, default=3000)
@@ -91,8 +111,21 @@ def main(argv: list[str] | None = None) -> int:
                            tenants=list(TENANTS))  # as ``gearshift up`` makes it
     try:
         url = cluster.start()
+        assert cluster.server is not None and cluster.server.proc is not None
+        pids = {n: p.pid for n, p in cluster.procs.items()} | {"nats-server": cluster.server.proc.pid,
+                                                               "client": os.getpid()}
+        load_before, cpu0 = [round(x, 2) for x in os.getloadavg()], cpu_seconds(pids)
+        hist0 = request_buckets(cluster.observe_dir, "admission", "submit")
         lat, at = asyncio.run(submit_all(url, cluster.admin_creds, a.submits))
-        out = summary(lat, at) | {"load_average": [round(x, 2) for x in os.getloadavg()]}
+        hist1 = request_buckets(cluster.observe_dir, "admission", "submit")
+        # where the CPU went while submitting: on a small box every process's work per
+        # submit is time some submit waits for a core
+        # the admission's own time per submit (its request histogram): a stall inside it
+        # (a write waiting on the stream) shows here, one outside it (CPU, the bus) does not
+        out = summary(lat, at) | {"cpu_ms_per_submit": cpu_per_submit(cpu0, cpu_seconds(pids), len(lat)),
+                                  "admission_submit_handling": handling_summary(hist0, hist1, 3 * pct(lat, 50) / 1e3),
+                                  "load_average_before": load_before,
+                                  "load_average": [round(x, 2) for x in os.getloadavg()]}
     finally:
         cluster.stop()
     print(json.dumps(out, indent=1) if a.json else

@@ -2,10 +2,9 @@
 
 Thin by design: decode (the runtime turns bad input into an error reply that
 names the field), check the spec against the cluster, write the record with
-compare-and-set, publish the event through the job's outbox. A submit awaits
-one write, the record's; its event is published and its outbox cleared in
-the background (``services.outbox``), and what a crash leaves in outboxes is
-published at the next start.
+compare-and-set, its event in the job's outbox. A submit awaits one write,
+the record's, and makes no other: the optimizer's leader publishes the event
+(``services.outbox``).
 
 Nothing here scans a bucket per request: the capacity, the live jobs per
 tenant and the lists come from materialised views (``services.views``) kept
@@ -29,7 +28,7 @@ from gearshift.bus.infra import ensure_infra
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus.server import Endpoint, RequestError, bad_request, serve
-from gearshift.bus.views import JobsView, KvView, NodeCapacityView
+from gearshift.bus.views import JobsView, KvView, NodeCapacity
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
@@ -58,7 +57,6 @@ from gearshift.services import dependencies
 from gearshift.services.usage import usage as window_usage
 from gearshift.services.dependencies import bounded
 from gearshift.services.jobstore import JobStore, with_event
-from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.paging import BadCursor, list_page
 from gearshift.services.queues import QueueStore, most_gpus, to_core
 
@@ -97,10 +95,12 @@ def same_submission(rec: JobRecord, req: SubmitRequest) -> SubmitReply:
     return SubmitReply(job_id=rec.job_id, created=False, state=rec.state)
 
 
-async def create_record(store: JobStore, outbox: OutboxFlusher, job_id: str, req: SubmitRequest, ts: float,
+async def create_record(store: JobStore, job_id: str, req: SubmitRequest, ts: float,
                         after: list, array: int | None) -> SubmitReply | None:
-    """Write one new record (an array's element: its index from its id); None
-    when written, else the reply of the submission that got there first."""
+    """Write one new record (an array's element: its index from its id), its
+    ``job.submitted`` event in its outbox (the optimizer's leader publishes it:
+    ``services.outbox``); None when written, else the reply of the submission
+    that got there first."""
     spec = req.spec
     index = int(job_id.rsplit("-", 1)[1]) if array else None
     rec = JobRecord(job_id=job_id, spec=spec, token=req.token, submitted_at=ts, reason="waiting: submitted",
@@ -109,11 +109,70 @@ async def create_record(store: JobStore, outbox: OutboxFlusher, job_id: str, req
                      guaranteed=spec.guaranteed)
     rev = await store.create(rec, flush=False)
     if rev is not None:
-        outbox.add(rec, rev)  # the event goes out in the background
         return None
     existing = await store.get(job_id)  # a concurrent submit with the same token won the race
     assert existing is not None
     return same_submission(existing[0], req)
+
+
+class SpecCheck:
+    """A submitted spec against the cluster (``check_spec``): the GPUs it may ask
+    for come from the configured maximum or the registered nodes, read by a
+    ``NodeCapacity`` (not watched: heartbeats cost the admission nothing). A spec
+    refused only for want of capacity is checked again against the nodes read now:
+    one may have registered since the last read."""
+
+    def __init__(self, nodes: NodeCapacity, max_gpus: int | None, max_grace: float):
+        self.nodes_view = nodes
+        self.max_gpus = max_gpus
+        self.max_checkpoint_grace = max_grace
+        self._refreshing: asyncio.Task | None = None  # a read of the nodes under way
+
+    def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+
+    async def check(self, spec: JobSpec) -> None:
+        """Raise a 400 naming the field, or return."""
+        if self.nodes_view.capacity()[1] is None:  # no node read yet: look again (an empty bucket is one request)
+            await self.nodes_view.refresh()
+        for fresh in (False, True):
+            max_gpus, per_node = self._capacity()
+            try:
+                check_spec(spec, max_gpus=max_gpus, max_gpus_per_node=per_node, max_grace=self.max_checkpoint_grace)
+                return
+            except SpecError as err:
+                refused = err
+            if fresh or not self._fits_without_capacity(spec):
+                break
+            await self.nodes_view.refresh()
+        raise bad_request(f"spec.{refused.field}: {refused.message}", f"spec.{refused.field}")
+
+    def _capacity(self) -> tuple[int | None, int | None]:
+        """(most GPUs a job could ever get, GPUs per node) from config and registered nodes."""
+        if self.nodes_view.stale() and self._refreshing is None:  # read again, off the request path
+            self._refreshing = asyncio.create_task(self._refresh())
+        total, per_node = self.nodes_view.capacity()
+        if self.max_gpus is not None:
+            return self.max_gpus, per_node
+        if per_node is None:
+            return None, None  # no node has registered yet: nothing to compare with
+        return total, per_node
+
+    async def _refresh(self) -> None:
+        try:
+            await self.nodes_view.refresh()
+        except Exception as exc:  # the next stale read tries again
+            log.warning("reading the nodes' capacity failed", error=str(exc) or type(exc).__name__)
+        finally:
+            self._refreshing = None
+
+    def _fits_without_capacity(self, spec: JobSpec) -> bool:
+        try:
+            check_spec(spec, max_grace=self.max_checkpoint_grace)
+        except SpecError:
+            return False
+        return True
 
 
 _D = defaults(AdmissionConfig)  # the keyword defaults below are the config's, written once
@@ -129,7 +188,7 @@ class Admission:
         self.max_jobs_per_tenant = max_jobs_per_tenant
         self.max_checkpoint_grace = max_checkpoint_grace
         self.jobs_view: JobsView | None = None
-        self.nodes_view: NodeCapacityView | None = None
+        self.nodes_view: NodeCapacity | None = None
         self._created: dict[str, set[str]] = {}  # tenant -> ids created here, not yet in the view
         # job -> its latest progress report (running jobs only; see with_live)
         self.progress: dict[str, JobProgress] = {}
@@ -137,25 +196,23 @@ class Admission:
         self.queues = QueueStore(nc)
         self.queues_view: KvView[QueueSpec] | None = None  # the submit check reads this, not the bucket
         self._share: tuple[int, Any] = (-1, None)  # (view revision, ShareConfig built from it)
-        self.outbox = OutboxFlusher(self.store)
+        self.check: SpecCheck | None = None  # specs against the cluster (set by open)
 
     async def open(self) -> "Admission":
         await self.store.open()
         await self.queues.open()
         js = self.nc.jetstream()
         self.jobs_view = await JobsView(js, subj.JOBS_BUCKET).start()
-        self.nodes_view = await NodeCapacityView(js, subj.NODES_BUCKET).start()  # GPU counts, not whole reports
+        self.nodes_view = await NodeCapacity(js, subj.NODES_BUCKET).start()  # GPU counts, read when needed
+        self.check = SpecCheck(self.nodes_view, self.max_gpus, self.max_checkpoint_grace)
         self.queues_view = await KvView(js, subj.QUEUES_BUCKET, lambda b: codec.decode(b, QueueSpec),
                                         skip=lambda k: k.startswith("_") or "." in k).start()
         self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
-        self.outbox.start()
-        left = await self.outbox.recover(self.jobs_view.values())  # events a dead admission never published
-        if left:
-            log.info("published events left in outboxes", records=left)
         return self
 
     async def close(self) -> None:
-        await self.outbox.stop()
+        if self.check is not None:
+            self.check.close()
         for view in (self.jobs_view, self.nodes_view, self.queues_view):
             if view is not None:
                 await view.stop()
@@ -186,17 +243,7 @@ class Admission:
 
     async def nodes(self) -> list[NodeReport]:
         assert self.nodes_view is not None
-        return sorted(self.nodes_view.reports(), key=lambda n: n.node)
-
-    async def _capacity(self) -> tuple[int | None, int | None]:
-        """(most GPUs a job could ever get, GPUs per node) from config and registered nodes."""
-        assert self.nodes_view is not None
-        total, per_node = self.nodes_view.capacity()
-        if self.max_gpus is not None:
-            return self.max_gpus, per_node
-        if per_node is None:
-            return None, None  # no node has registered yet: nothing to compare with
-        return total, per_node
+        return sorted(await self.nodes_view.reports(), key=lambda n: n.node)
 
     def _live_count(self, tenant: str) -> int:
         """Live jobs of ``tenant``: the view's counter, plus those created here
@@ -210,11 +257,8 @@ class Admission:
     # ------------------------------------------------------------ endpoints
     async def submit(self, req: SubmitRequest) -> SubmitReply:
         spec = req.spec
-        max_gpus, per_node = await self._capacity()
-        try:
-            check_spec(spec, max_gpus=max_gpus, max_gpus_per_node=per_node, max_grace=self.max_checkpoint_grace)
-        except SpecError as err:
-            raise bad_request(f"spec.{err.field}: {err.message}", f"spec.{err.field}") from None
+        assert self.check is not None
+        await self.check.check(spec)
         await self._check_quota(spec)
         job_id = job_id_for(spec.tenant, req.token)
         ids = dependencies.array_ids(job_id, spec.array) if spec.array else [job_id]
@@ -244,7 +288,7 @@ class Admission:
         mine.update(ids)
         ts = self.clock.now()
         try:
-            made = await bounded([create_record(self.store, self.outbox, j, req, ts, after, spec.array) for j in ids], 32)
+            made = await bounded([create_record(self.store, j, req, ts, after, spec.array) for j in ids], 32)
         except BaseException:
             mine.difference_update(fresh)
             raise

@@ -19,7 +19,7 @@ from typing import Any
 
 from gearshift.bus.alloc_watch import node_key
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.views import KvView
+from gearshift.bus.views import KvView, Marks
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import ACTIVE_STATES, Allocation, JobRecord, Plan
@@ -68,16 +68,19 @@ class AllocView(KvView[Allocation]):
     def __init__(self, js: Any):
         super().__init__(js, subj.ALLOC_BUCKET, _decode)
         self.copies: dict[str, set[str]] = {}
+        self.dirty = Marks()  # jobs whose key or a copy changed since ``reconcile`` last took them
         # node copy key -> the sequence of its delete: an agent whose heartbeat says it acted
         # on that (``NodeReport.alloc_rev``) and runs nothing of the job has none of it left
         self.withdrawn: dict[str, int] = {}
 
     def changed(self, key: str, old: Allocation | None, new: Allocation) -> None:
+        self.dirty.add(key.split(".", 1)[1] if "." in key else key)
         if "." in key:
             self.copies.setdefault(key.split(".", 1)[1], set()).add(key)
             self.withdrawn.pop(key, None)
 
     def tombstone(self, key: str, seq: int) -> None:
+        self.dirty.add(key.split(".", 1)[1] if "." in key else key)
         if "." in key:
             self.withdrawn[key] = seq
 
@@ -156,11 +159,16 @@ class AllocWriter:
             batch.extend(writes)
         await self.fence.batch(self.bucket, batch)
 
-    async def reconcile(self, live: dict[str, JobRecord], *, copies: bool = True) -> int:
+    async def reconcile(self, live: dict[str, JobRecord], *, copies: bool = True, jobs: set[str] | None = None) -> int:
         """Make ``gs_alloc`` agree with the live records (a lookup per job), and
         with ``copies`` the node copies with the job keys (a pass over every
-        key). Returns the writes made."""
+        key). ``jobs``: look only at these jobs and those whose allocation changed
+        since the last look (``AllocView.dirty``): what can disagree since a pass
+        that found everything in order (not with ``copies``). Returns the writes made."""
         await self.view.sync()
+        dirty = self.view.dirty.take()
+        if jobs is not None and dirty is not None and not copies:
+            return await self._reconcile_some(live, jobs | dirty)
         allocs = self.view.jobs()
         todo: list[Awaitable[Any]] = []
         handled: set[str] = set()  # jobs whose keys and copies are rewritten whole
@@ -199,5 +207,19 @@ class AllocWriter:
             for n in a.nodes():
                 if node_key(n, job) not in have:
                     todo.append(self.fence.put(self.bucket, node_key(n, job), codec.encode(a)))
+        await bounded(todo, self.parallel)
+        return len(todo)
+
+    async def _reconcile_some(self, live: dict[str, JobRecord], jobs: set[str]) -> int:
+        """``reconcile``'s job-key pass over ``jobs`` only."""
+        todo: list[Awaitable[Any]] = []
+        for job_id in sorted(jobs):
+            rec = live.get(job_id)
+            a = self.view.get(job_id)
+            if rec is not None and rec.state in ACTIVE_STATES and not rec.draining:
+                if a is None or a.generation != rec.generation:
+                    todo.append(self.put(rec))
+            elif a is not None:
+                todo.append(self.delete(job_id))
         await bounded(todo, self.parallel)
         return len(todo)

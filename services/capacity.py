@@ -4,7 +4,7 @@ No I/O; the optimizer's round calls these on its materialised views."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from functools import lru_cache
 from types import SimpleNamespace
 
@@ -55,13 +55,13 @@ def node_states(nodes: Iterable[NodeReport], held: dict[str, set[int]]) -> list[
     for n in nodes:
         gpus = len(n.gpus) - len(held.get(n.node, ()))
         out.append(NodeState(name=n.node, gpus_total=gpus, gpus_free=gpus, cpus_total=n.cpus, cpus_free=n.cpus,
-                             gpu_type=n.gpu_type or _type_of_names(tuple(g.name for g in n.gpus)),
-                             topology=_path(n.topology) if n.topology else ()))
+                             gpu_type=n.gpu_type or type_of_names(tuple(g.name for g in n.gpus)),
+                             topology=topology_of(n.topology) if n.topology else ()))
     return out
 
 
 @lru_cache(maxsize=4096)
-def _path(text: str) -> tuple:
+def topology_of(text: str) -> tuple:
     """A node's topology path (``bus_schema.topology``); one that does not parse counts
     as none (the agent refuses to start with one, so only a foreign writer sends it)."""
     try:
@@ -71,7 +71,7 @@ def _path(text: str) -> tuple:
 
 
 @lru_cache(maxsize=256)
-def _type_of_names(names: tuple[str, ...]) -> str:
+def type_of_names(names: tuple[str, ...]) -> str:
     """``node_gpu_type`` of GPUs with these names (a report without ``gpu_type``):
     every node every round, the same few answers."""
     return node_gpu_type([SimpleNamespace(name=n) for n in names])
@@ -118,10 +118,13 @@ def assign(rec: JobRecord, d: JobDecision, used: dict[str, set[int]], gpu_count:
     return placement
 
 
-def apply_pins(decision: Decision, records: dict[str, JobRecord], nodes: list[NodeState], eligible: set[str]) -> None:
+def apply_pins(decision: Decision, records: dict[str, JobRecord], nodes: list[NodeState], eligible: Container[str],
+               candidates: Iterable[str] | None = None) -> None:
     """Operator-pinned plans replace the policy's choice for their jobs,
-    where the GPUs the other jobs leave allow it."""
-    pinned = [r for r in records.values() if r.pinned is not None and r.job_id in eligible]
+    where the GPUs the other jobs leave allow it. ``candidates``: the jobs that
+    may have a pin (None: every record is looked at)."""
+    recs = records.values() if candidates is None else (records[j] for j in candidates if j in records)
+    pinned = [r for r in recs if r.pinned is not None and r.job_id in eligible]
     if not pinned:
         return
     decision.changes = None  # (it edits the allocations)

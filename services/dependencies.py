@@ -220,9 +220,11 @@ class DependencyGate:
         got = await self.store.get(job_id)  # gs_jobs (a view behind), else the history store
         return None if got is None else got[0]
 
-    async def gate(self, records: dict[str, JobRecord]) -> int:
-        """Write the verdicts; keep ``records`` current; return how many changed."""
-        waiting = [r for r in records.values() if r.after and r.waits_on_dependencies]
+    async def gate(self, records: dict[str, JobRecord], candidates: Any = None) -> int:
+        """Write the verdicts; keep ``records`` current; return how many changed.
+        ``candidates``: the jobs that may wait on dependencies (None: every record is looked at)."""
+        recs = records.values() if candidates is None else [records[j] for j in sorted(candidates) if j in records]
+        waiting = [r for r in recs if r.after and r.waits_on_dependencies]
         self.blocked = {}
         if not waiting:
             return 0

@@ -38,6 +38,7 @@ from typing import Any
 from nats.js.api import Header
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
 
+from gearshift.bus.publish import publisher
 from gearshift.bus_schema import subjects as subj
 
 EPOCH_KEY = "_epoch"
@@ -98,14 +99,15 @@ class Fence:
         """Publish an event (deduplicated by ``msg_id``) into GS_EVENTS, refused by
         the server once another writer published a newer epoch mark (``Deposed``)."""
         headers = {Header.MSG_ID: msg_id}
+        pub = publisher(self.nc)
         if self.events is None or self.event_epoch is None:
-            await self.js.publish(subject, data, headers=headers)
+            await pub.publish(subject, data, headers)
             return
         headers |= {"Nats-Expected-Last-Subject-Sequence": str(self.event_epoch),
                     "Nats-Expected-Last-Subject-Sequence-Subject": self.events}
         for attempt in range(RETRIES):
             try:
-                await self.js.publish(subject, data, headers=headers)
+                await pub.publish(subject, data, headers)
                 return
             except BadRequestError as exc:
                 if exc.err_code not in WRONG_LAST:
@@ -130,9 +132,10 @@ class Fence:
             return True
 
     async def _fenced(self, bucket: str, key: str, data: bytes, headers: dict[str, str], what: str) -> int:
+        pub = publisher(self.nc)
         for attempt in range(RETRIES):
             try:
-                ack = await self.js.publish(f"$KV.{bucket}.{key}", data, headers={**self._headers(bucket), **headers})
+                seq = await pub.publish(f"$KV.{bucket}.{key}", data, {**self._headers(bucket), **headers})
             except BadRequestError as exc:
                 if exc.err_code not in WRONG_LAST:
                     raise
@@ -141,7 +144,7 @@ class Fence:
                     raise Deposed(f"{what} of {bucket}/{key} refused: a newer leader holds {bucket}") from None
                 await asyncio.sleep(0.005 * (attempt + 1))  # another fenced write was in flight
                 continue
-            return ack.seq
+            return seq
         raise RuntimeError(f"{what} of {bucket}/{key}: refused {RETRIES} times while the epoch did not move")
 
     async def put(self, bucket: str, key: str, data: bytes) -> int:

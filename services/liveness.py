@@ -31,10 +31,18 @@ class NodeLiveness:
 
     async def live(self, nodes: Any, leader_since: float | None) -> list[NodeReport]:
         """The live nodes of ``nodes`` (a ``NodesView``); newly silent ones announced as lost."""
+        names = await self.live_names(nodes, leader_since)
+        return [nodes.entries[n][0] for n in names]
+
+    async def live_names(self, nodes: Any, leader_since: float | None) -> list[str]:
+        """The names of the live nodes of ``nodes`` (sorted; ``NodesView.live_names``:
+        the same list while nobody came or went); newly silent ones announced as lost.
+        Costs the silent and the lost nodes, not all."""
         await nodes.sync()
-        alive, silent = nodes.alive(self.node_timeout)
-        for n in alive:
-            self.lost.discard(n.node)
+        alive, silent = nodes.live_names(self.node_timeout)
+        if self.lost:
+            quiet = {n.node for n, _ in silent}
+            self.lost.intersection_update(quiet)  # a lost node heard from again is alive (or gone from the bucket)
         for n, age in silent:
             if n.node not in self.lost and self.grace_over(leader_since):
                 self.lost.add(n.node)

@@ -52,6 +52,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar
 
 import msgspec
@@ -62,9 +63,8 @@ from gearshift.bus.client import connect
 from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.config import NonNegative, NonNegInt, Positive, ServiceConfig, defaults, load, option
 from gearshift.bus.infra import ensure_infra
-from gearshift.bus.kv import publish_event
 from gearshift.bus.log import get_logger
-from gearshift.bus.process import GcClock, run_service
+from gearshift.bus.process import run_service
 from gearshift.bus.server import Endpoint, RequestError, serve
 from gearshift.bus.views import JobsView, NodesView
 from gearshift.bus_schema import codec
@@ -73,13 +73,11 @@ from gearshift.bus_schema.messages import (
     ACTIVE_STATES,
     ExplainEntry,
     ExplainReply,
-    JobPreempted,
     JobProgress,
     JobRecord,
     NodeReport,
     ReconfigureReply,
     ReconfigureRequest,
-    RoundCompleted,
     RoundReply,
     RunReport,
 )
@@ -90,17 +88,20 @@ from gearshift.perfmodel.kernels import warm_up as warm_up_perfmodel
 from gearshift.policies.kernels import warm_up
 from gearshift.policies.registry import make_policy, policy_names
 from gearshift.policies.sharing import Shared
-from gearshift.services import capacity, node_modes
+from gearshift.services import node_modes
 from gearshift.services.alloc_writer import AllocView, AllocWriter, allocation_for, bounded, emulated_step_time  # noqa: F401
 from gearshift.services.dependencies import DependencyGate
 from gearshift.services.fencing import Deposed
 from gearshift.services.jobstore import JobStore
 from gearshift.services.leadership import Leadership
 from gearshift.services.liveness import NodeLiveness
+from gearshift.services.outbox import OutboxFlusher
+from gearshift.services.pacing import RoundPacer
 from gearshift.services.policy_bridge import LiveModels, PolicyStep
 from gearshift.services.queues import QueueStore
-from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter  # noqa: F401
+from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter, with_drain_agents  # noqa: F401
 from gearshift.services.report_consumer import ReportApplier, consume_reports
+from gearshift.services.rounds import Rounds
 
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_DRAIN_TIMEOUT = 120.0
@@ -126,6 +127,12 @@ class OptimizerConfig(ServiceConfig):
     wait_for_models: Annotated[bool, option(
         "jobs without a fitted or shipped performance model wait for the profiler",
         env="GEARSHIFT_WAIT_FOR_MODELS")] = False
+    round_gap: Annotated[NonNegative, option(
+        "seconds at least between the end of a round and the start of the next (what arrives meanwhile "
+        "goes into one round)")] = 0.1
+    round_duty: Annotated[float, Meta(gt=0, le=1), option(
+        "the most of the time rounds may take: after a round of W s the next waits W x (1 - duty) / duty "
+        "(the leader's CPU for rounds: at most this share of a core)")] = 0.25
     bandwidth: Annotated[str, option(
         "inter-node bandwidth per topology level a placement spans, as a factor of the fitted one: "
         "LEVEL=FACTOR,..., e.g. cluster=0.25: across racks a quarter of in-rack (default: none, the fitted "
@@ -176,6 +183,8 @@ class Optimizer:
         drain_timeout: float = _D.drain_timeout,
         wait_for_models: bool = _D.wait_for_models,
         bandwidth: str = _D.bandwidth,
+        round_gap: float = _D.round_gap,
+        round_duty: float = _D.round_duty,
         write_parallel: int = 32,
         archive_after: float = _D.archive_after,
         clock: Clock = SYSTEM,  # what stamps times: records, allocations, events, the policy's now
@@ -184,6 +193,7 @@ class Optimizer:
         self.js = nc.jetstream()
         self.policy = make_policy(policy, **(policy_options or {}))
         self.interval = interval
+        self.pacer = RoundPacer(round_gap, round_duty)  # kicked rounds close together become one
         self.node_timeout = node_timeout
         self.instance = instance or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.lease_ttl = lease_ttl
@@ -195,8 +205,9 @@ class Optimizer:
         self.archive_after = archive_after
         self.store = JobStore(nc)
         self.store.lazy_clear = True  # an outbox is cleared by the record's next write, not a write of its own
+        self.outbox = OutboxFlusher(self.store, clear=False)  # new records' events (services.outbox), as leader
         self.round_no = 0
-        self.last_explain: list[ExplainEntry] = []
+        self.last_explain: Callable[[], list[ExplainEntry]] = list  # the last round's entries, made when asked
         self.kick = asyncio.Event()
         self.liveness = NodeLiveness(self.js, node_timeout, clock)
         self.lost_nodes = self.liveness.lost  # nodes this leader called lost
@@ -211,6 +222,7 @@ class Optimizer:
         self.reconcile_every = 10.0  # seconds between full gs_alloc reconciliations while nothing failed
         self._reconcile_at = 0.0  # monotonic time the next one is due (0: the first round as leader)
         self.operator = OperatorActions(self)
+        self.rounds = Rounds(self)
 
     async def open(self) -> "Optimizer":
         await self.store.open()
@@ -227,6 +239,7 @@ class Optimizer:
             await self._load_sharing_memory()
         # standbys keep their views warm too: a takeover need not read the buckets
         self.jobs = await JobsView(self.js, subj.JOBS_BUCKET).start()
+        self.jobs.on_new = self._new_record  # a leader publishes a new job's event and runs a round
         self.nodes = await NodesView(self.js, subj.NODES_BUCKET).start()
         self.allocs = await AllocView(self.js).start()
         self.leadership = Leadership(
@@ -238,6 +251,7 @@ class Optimizer:
         self.writer = AllocWriter(self.leadership.fence, self.allocs, parallel=self.write_parallel, clock=self.clock)
         self.records = RecordWriter(self.store, self.writer, self.jobs, parallel=self.write_parallel,
                                     drain_timeout=self.drain_timeout, archive_after=self.archive_after, clock=self.clock)
+        self.store.before_write = lambda rec: with_drain_agents(rec, self.nodes.get)  # each drain's agent incarnation
         self.deps = DependencyGate(self.store, self.jobs.entries, self.records.hint, self.clock, self.write_parallel)
         self.report_applier = ReportApplier(self.store, self.writer, self.records.hint, self.models,
                                             max_retries=lambda: self.max_retries, parallel=self.write_parallel,
@@ -265,8 +279,9 @@ class Optimizer:
     async def _lead(self, stop: asyncio.Event, lost: asyncio.Event) -> None:
         self.is_leader = True
         self.leader_since = time.monotonic()
-        self._reconcile_at = 0.0  # a new leader heals what a dead one left half-written
+        self._reconcile_at = 0.0  # a new leader heals what a dead one left half-written (a full round)
         self.store.fence = self.leadership.fence
+        self.outbox.start()
         observe.LEADER.set(1)
         if self.queues is not None:  # a standby goes on from what the last leader saved, not from its start
             await self._load_sharing_memory()
@@ -296,9 +311,8 @@ class Optimizer:
         async def on_kick(_msg: Any) -> None:
             self.kick.set()
 
-        self._subs = [
+        self._subs = [  # (new jobs kick a round from the jobs view: _new_record)
             await self.nc.subscribe(subj.OPTIMIZER_KICK, cb=on_kick),
-            await self.nc.subscribe("gs.evt.job.*.submitted", cb=on_kick),
             await self.nc.subscribe("gs.job.*.progress", cb=self.on_progress),
         ]
         self._tasks = [
@@ -315,8 +329,17 @@ class Optimizer:
         for s in self._subs:
             await s.unsubscribe()
         await self._svc.stop()
+        await self.outbox.stop()
         self.store.fence = None
         observe.LEADER.set(0)
+
+    def _new_record(self, rec: JobRecord, rev: int) -> None:
+        """A job seen for the first time (``JobsView.on_new``): as leader, its
+        ``job.submitted`` goes out (the admission only wrote it) and a round runs."""
+        if self.is_leader:
+            if rec.outbox:
+                self.outbox.add(rec, rev)
+            self.kick.set()
 
     async def _flush_outboxes(self) -> None:
         await self.jobs.sync()
@@ -327,7 +350,7 @@ class Optimizer:
     async def _consume_reports(self) -> None:
         try:
             await consume_reports(self.js, self.apply_report, self._round_lock, lambda: self.is_leader,
-                                  apply_many=self.apply_reports)
+                                  apply_many=self.apply_reports, turn_gap=self.pacer.gap)
         except Deposed as exc:
             self.leadership.deposed(exc)
 
@@ -363,7 +386,7 @@ class Optimizer:
         return await self.round(flush=True)  # asked for: its waiting reasons are in the records when it answers
 
     async def _explain_endpoint(self, _: None) -> ExplainReply:
-        return ExplainReply(policy=self.policy.name, round=self.round_no, jobs=self.last_explain)
+        return ExplainReply(policy=self.policy.name, round=self.round_no, jobs=self.last_explain())
 
     async def live_nodes(self) -> list[NodeReport]:
         """Nodes heard from within ``node_timeout`` by the server's clock (``liveness``)."""
@@ -377,90 +400,28 @@ class Optimizer:
             return await self._round(flush)
 
     async def _round(self, flush: bool = False) -> RoundReply:
-        started, cpu_started = time.perf_counter(), time.process_time()
-        gc_before, conflicts_before = GcClock.total, self.store.conflicts
-        self.round_no += 1
-        await self.jobs.sync()
-        live_now = dict(self.jobs.live)  # O(live jobs): finished ones are not here
-        records, before, self._live_before = dict(live_now), self._live_before, live_now
-        nodes = await self.live_nodes()
-        alive = {n.node for n in nodes}
-        changes = await self.records.requeue_lost(records, alive) if self._grace_over() else 0
-        changes += await self.records.settle_drains(records, alive, {n.node: n for n in nodes})
-        # Operators' cordons and drains (services.node_modes).
-        modes = await node_modes.read_modes(self.modes_kv)
-        changes += await self.records.changed(records, [
-            (rec.job_id, self.records.back_to_queue(rec, why, JobPreempted))
-            for rec, why in node_modes.to_move(records.values(), modes)])
-        self.records_seen = records
+        return await self.rounds.run(flush)  # services.rounds
 
-        held = capacity.held_gpus(records.values(), nodes)
-        seen_held = capacity.held_gpus(records.values(), nodes, for_policy=True)
-        for node, gpus in node_modes.cordon_held(nodes, records.values(), modes).items():
-            held.setdefault(node, set()).update(gpus)
-            seen_held.setdefault(node, set()).update(gpus)
-        node_states = capacity.node_states(nodes, seen_held)
-        self.models.node_type = {n.name: n.gpu_type for n in node_states}  # what ran teaches the oracle per GPU type
-        changes += await self.deps.gate(records)  # jobs waiting on dependencies stay out of the policy's view
-        blocked = self.deps.blocked
-        decision, views, t_policy = await self.policy_step.decide(
-            {k: r for k, r in records.items() if k not in blocked} if blocked else records, node_states, alive)
-        decision.waiting.update(blocked)
+    def pause_if_asked(self) -> None:
+        """Fault injection (``PAUSE_ENV``): stop here, after deciding and before writing."""
         if _pause_requested():
             self.leadership.stop_renewing()
             _pause()
 
-        gpu_count = {n.node: len(n.gpus) for n in nodes}
-        t_write = time.perf_counter()
-        changes += await self.records.apply(decision, records, gpu_count, held)
-        t_write = time.perf_counter() - t_write
-        t_rest = time.perf_counter()
-        # gs_alloc follows the records: each live job's allocation every round
-        # (cancels withdraw theirs this way); the pass over every node copy on
-        # taking the lease, after a failed round, and every ``reconcile_every``
-        # s -- a round's own writes fail the round if any fails.
-        full = time.monotonic() >= self._reconcile_at
-        if full:
-            self._reconcile_at = float("inf")  # until this round has ended well
-        await self.writer.reconcile(records, copies=full)
-        self.last_explain = await self.records.explain(decision, records, flush=flush)
-        await self.records.archive()
-        t_rest = time.perf_counter() - t_rest
-
-        if self._reconcile_at == float("inf"):
-            self._reconcile_at = time.monotonic() + self.reconcile_every
-        pending = sum(1 for v in views if v.job_id not in decision.allocations)
-        # what changed: records that moved since the last round began (a new object
-        # per KV revision), and those this round wrote -- the cost's unit (loadtest.scale)
-        changed_jobs = sum(1 for j, r in records.items() if before.get(j) is not r or live_now.get(j) is not r)
-        ms = (time.perf_counter() - started) * 1e3
-        cpu_ms = (time.process_time() - cpu_started) * 1e3
-        observe.ROUND_SECONDS.labels(self.policy.name).observe(ms / 1e3)
-        log.debug("round", round=self.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
-                  write_ms=round(t_write * 1e3, 1), after_ms=round(t_rest * 1e3, 1),
-                  gc_ms=round((GcClock.total - gc_before) * 1e3, 1), cas_conflicts=self.store.conflicts - conflicts_before,
-                  cpu_ms=round(cpu_ms, 1), changed_jobs=changed_jobs,
-                  live=len(records), nodes=len(nodes), changes=changes)
-        observe.job_states(records.values())  # the live jobs (finished ones leave the round's view)
-        if changes:
-            ev = RoundCompleted(
-                ts=self.clock.now(), round=self.round_no, policy=self.policy.name, pending=pending,
-                running=len(decision.allocations), changes=changes, duration_ms=ms, cpu_ms=cpu_ms,
-                changed_jobs=changed_jobs,
-            )
-            await publish_event(self.js, ev, f"round:{self.instance}:{self.round_no}",
-                                subj.round_event(ev.__struct_config__.tag), self.leadership.fence)
-        return RoundReply(round=self.round_no, allocations=len(decision.allocations), pending=pending, duration_ms=ms)
-
 
 async def round_loop(opt: "Optimizer") -> None:
-    """The leader's rounds: on a kick or every ``interval``, until it is no longer leader."""
+    """The leader's rounds: on a kick or every ``interval``, paced (``services.pacing``),
+    until it is no longer leader."""
     while opt.is_leader:
         try:
             await asyncio.wait_for(opt.kick.wait(), timeout=opt.interval)
         except asyncio.TimeoutError:
             pass
+        wait = opt.pacer.delay(time.monotonic())
+        if wait > 0:
+            await asyncio.sleep(wait)  # what arrives meanwhile goes into this round
         opt.kick.clear()
+        started = time.monotonic()
         try:
             await opt.round()
         except asyncio.CancelledError:
@@ -472,6 +433,7 @@ async def round_loop(opt: "Optimizer") -> None:
             log.exception("round failed")
             opt._reconcile_at = 0.0  # what it wrote may be half done: the next round heals it
             await asyncio.sleep(0.5)
+        opt.pacer.ended(started, time.monotonic())
 
 
 class OperatorActions:
@@ -524,6 +486,7 @@ async def amain(stop: asyncio.Event, args: OptimizerConfig) -> None:
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
         lease_ttl=args.lease_ttl, archive_after=args.archive_after, bandwidth=args.bandwidth,
+        round_gap=args.round_gap, round_duty=args.round_duty,
     ).open()
     # a standby is ready too (it waits for the lease); readyz says which one leads
     obs = await observe.serve_http("optimizer", "optimizer", nc, lambda: {"leader": opt.is_leader, "round": opt.round_no})

@@ -1,16 +1,21 @@
 """Publishing new records' outboxes off the request path.
 
 A submit is acknowledged once its record (with the ``job.submitted`` event
-in its outbox) is stored: one awaited write. ``OutboxFlusher`` then publishes
-the events and clears the outboxes in the background, many records at once
-with bounded parallelism, so a burst of submits costs the client one round
-trip each and the server a few pipelined writes.
+in its outbox) is stored: one awaited write, the admission's only one. The
+optimizer's leader sees the new record in its jobs view and its
+``OutboxFlusher`` publishes the event in the background (fenced, many records
+at once with bounded parallelism), without clearing the outbox: the leader's
+next write of the record drops what it has published (``JobStore.lazy_clear``).
+So a submit costs the admission one round trip and the server one stored
+revision; publishing and clearing from the admission cost it two more round
+trips and the bucket a second revision of every new record, which every view
+of ``gs_jobs`` read (issue 24).
 
-A process that dies before its flusher got to a record leaves the event in
-the record's outbox: ``recover`` (admission start-up) publishes every outbox
-its view holds, the optimizer does the same when it takes the lease, and any
-later write of the record publishes it too. Message ids make a second publish
-a no-op (``services.jobstore``): every event lands exactly once.
+Events a leader has not published when it dies stay in the outbox: the next
+leader publishes every outbox its view holds when it takes the lease, and any
+later write of the record publishes them too. Message ids make a second publish
+a no-op (``services.jobstore``): every event lands exactly once. ``recover``
+publishes every outbox of a list of records (a flusher's start-up).
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ log = get_logger(service="outbox")
 
 
 class OutboxFlusher:
-    def __init__(self, store: JobStore, *, parallel: int = 64, batch: int = 512):
+    def __init__(self, store: JobStore, *, parallel: int = 64, batch: int = 512, clear: bool = True):
         self.store = store
+        self.clear = clear  # False: published only; the record's next write drops them (``JobStore.lazy_clear``)
         self.parallel = parallel
         self.batch = batch
         self.queue: asyncio.Queue[tuple[JobRecord, int]] = asyncio.Queue()
@@ -62,7 +68,7 @@ class OutboxFlusher:
                 self._idle.set()
 
     async def _one(self, rec: JobRecord, rev: int) -> None:
-        await self.store.flush(rec.job_id, have=(rec, rev), clear=True)
+        await self.store.flush(rec.job_id, have=(rec, rev), clear=self.clear)
 
     async def recover(self, records: list[JobRecord]) -> int:
         """Publish the outboxes a dead process left behind; returns how many."""

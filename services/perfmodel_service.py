@@ -28,8 +28,10 @@ from gearshift.bus.kv import kv_snapshot
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus.server import Endpoint, RequestError, bad_request, serve
+from gearshift.bus.views import KvView
+from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
-from gearshift.bus_schema.messages import JobState, ModelSpec, Plan
+from gearshift.bus_schema.messages import JobRecord, JobState, ModelSpec, Plan
 
 # The request/reply structs live in bus_schema; re-exported for callers that
 # import them from the service module.
@@ -66,12 +68,14 @@ class PerfmodelConfig(ServiceConfig):
 log = get_logger(service="perfmodel")
 
 
-async def unmodelled_jobs(models_kv: Any, records: Any) -> dict[str, tuple[str, Any]]:
+async def unmodelled_jobs(models_kv: Any, records: Any, have: Any = None) -> dict[str, tuple[str, Any]]:
     """Pending jobs whose model has neither a fit in ``gs_models`` nor a shipped
     one: job id -> (model key, record). Shared by the optimizer (which holds
-    such jobs back) and the profiler (which profiles their models)."""
+    such jobs back) and the profiler (which profiles their models). ``have``: the
+    bucket's keys, where the caller holds them already (else read here)."""
 
-    have = set(await kv_snapshot(models_kv))  # not kv.keys(): its watcher can miss keys
+    if have is None:
+        have = set(await kv_snapshot(models_kv))  # not kv.keys(): its watcher can miss keys
     out: dict[str, tuple[str, Any]] = {}
     for rec in records:
         if rec.state != JobState.PENDING or rec.spec.model.name in MODELS:
@@ -83,6 +87,55 @@ async def unmodelled_jobs(models_kv: Any, records: Any) -> dict[str, tuple[str, 
         if model_kv_key(key) not in have:
             out[rec.job_id] = (key, rec)
     return out
+
+
+class _ModelName(msgspec.Struct, frozen=True):
+    name: str = ""
+
+
+class _SpecModel(msgspec.Struct, frozen=True):
+    model: _ModelName = _ModelName()
+
+
+class _StateAndModel(msgspec.Struct):
+    """What of a ``JobRecord`` says whether it may wait for a model (the rest is skipped)."""
+
+    state: str = ""
+    spec: _SpecModel = _SpecModel()
+
+
+_STATE_AND_MODEL = msgspec.json.Decoder(_StateAndModel)
+
+
+class UnshippedPendingView(KvView[bytes]):
+    """``gs_jobs`` as the profiler needs it: the pending jobs whose model has no
+    shipped fit (the only ones that can wait for a model), kept current by a watch.
+    Each revision is read for its state and model name only, and only those jobs'
+    records are kept (and decoded when asked for). It replaced a snapshot of the
+    whole bucket on every submit and every second: a per-submit scan of every job,
+    in the profiler and in nats-server (issue 24)."""
+
+    def __init__(self, js: Any):
+        super().__init__(js, subj.JOBS_BUCKET, self._keep)
+
+    @staticmethod
+    def _keep(data: bytes) -> bytes:
+        """The record if its job may wait for a model, else b"" (nothing kept)."""
+        try:
+            got = _STATE_AND_MODEL.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return b""
+        return data if got.state == JobState.PENDING.value and got.spec.model.name not in MODELS else b""
+
+    def records(self) -> list[JobRecord]:
+        out = []
+        for raw, _, _ in self.entries.values():
+            if raw:
+                try:
+                    out.append(codec.decode(raw, JobRecord))
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass
+        return out
 
 
 def _shape(model: ModelSpec):

@@ -64,8 +64,54 @@ class JobViews:
         """Forget the views of jobs that left the round (ended, archived)."""
         self._kept.keep(job_ids)
 
+    def drop(self, job_ids: Any) -> None:
+        """Forget the views of these jobs."""
+        self._kept.drop(job_ids)
+
 
 ROUND_STATES = frozenset((JobState.PENDING, *ACTIVE))  # the jobs a round hands its policy
+
+
+class ViewOrder:
+    """The live jobs in the records' order (the jobs view's: first seen first), each
+    with its view (None: not a job a round hands its policy), kept across rounds as
+    the simulator keeps its own (``sim.views.SimViews``): jobs seen for the first time
+    join at the end, jobs gone leave, and only what changed is looked at."""
+
+    def __init__(self) -> None:
+        self._order: dict[str, JobView | None] = {}
+        self.gone: list[str] = []  # jobs that left at the last ``follow``
+
+    def forget(self) -> None:
+        self._order = {}
+
+    def follow(self, records: dict[str, JobRecord], changed: set[str]) -> list[str]:
+        """Take ``records``' changes: drop the jobs gone, append those new; returns the
+        jobs whose view is to be made again (``changed`` and the new ones)."""
+        order = self._order
+        self.gone = [j for j in changed if j in order and j not in records]
+        for job_id in self.gone:
+            del order[job_id]
+        new = []
+        for job_id in reversed(records):  # new jobs come last, in the order they came
+            if job_id in order:
+                break
+            new.append(job_id)
+        if len(order) + len(new) != len(records):  # not only appended: take the order afresh
+            self.gone += [j for j in order if j not in records]
+            self._order = order = dict.fromkeys(records)
+            return list(records)
+        for job_id in reversed(new):
+            order[job_id] = None
+        return [j for j in changed if j in order and j not in new] + new[::-1]
+
+    def put(self, job_id: str, view: JobView | None) -> None:
+        self._order[job_id] = view
+
+    def views(self, excluded: set[str]) -> list[JobView]:
+        if excluded:
+            return [v for j, v in self._order.items() if v is not None and j not in excluded]
+        return [v for v in self._order.values() if v is not None]
 
 
 class PolicyStep:
@@ -85,6 +131,7 @@ class PolicyStep:
         self.progress: dict[str, tuple[int, int]] = {}  # job -> (generation, steps) from JobProgress
         self.checkpoints: dict[str, float] = {}  # job -> wall time of its latest checkpoint (JobProgress)
         self.cache = JobViews()
+        self.order = ViewOrder()
 
     def on_progress(self, p: Any) -> None:
         got = self.progress.get(p.job_id)
@@ -102,7 +149,8 @@ class PolicyStep:
         return v
 
     def views(self, records: dict[str, JobRecord], alive: set[str], now: float, skip: Any = ()) -> list[JobView]:
-        """The views of pending and active jobs but those in ``skip`` and those on nodes not alive."""
+        """The views of pending and active jobs but those in ``skip`` and those on nodes not alive:
+        a pass over every record (``kept_views`` follows the changes instead)."""
         views = [self.view(r, now) for r in records.values() if r.state in ROUND_STATES and r.job_id not in skip]
         views = [v for v in views if all(p.node in alive for p in v.placement)]
         live = {v.job_id for v in views}
@@ -111,17 +159,48 @@ class PolicyStep:
         if len(self.checkpoints) > len(views):
             self.checkpoints = {k: v for k, v in self.checkpoints.items() if k in live}
         self.cache.keep(live)
+        self.order.forget()  # the kept order starts again from the records next time
         return views
 
-    async def decide(self, records: dict[str, JobRecord], node_states: list, alive: set[str]
-                     ) -> tuple[Decision, list[JobView], float]:
-        """The policy's decision for the live records on ``node_states``; its views; seconds it took."""
-        unmodelled = await self._unmodelled(records) if self.wait_for_models else {}
+    def kept_views(self, records: dict[str, JobRecord], now: float, changed: set[str], active: Any,
+                   excluded: set[str]) -> list[JobView]:
+        """``views``, with work in proportion to what changed (``ViewOrder``): the views
+        of ``changed`` jobs made again, those of ``active`` ones (running: their steps and
+        service move) refreshed, the others handed over as kept; ``excluded``: jobs left
+        out this round (``skip`` and those placed on nodes not alive)."""
+        order = self.order
+        for job_id in order.follow(records, changed):
+            rec = records.get(job_id)
+            order.put(job_id, self.view(rec, now) if rec is not None and rec.state in ROUND_STATES else None)
+        for job_id in order.gone:
+            self.progress.pop(job_id, None)
+            self.checkpoints.pop(job_id, None)
+        self.cache.drop(order.gone)
+        for job_id in active:
+            if job_id not in changed:
+                order.put(job_id, self.view(records[job_id], now))
+        return order.views(excluded)
+
+    async def decide(self, records: dict[str, JobRecord], node_states: list, alive: set[str], *,
+                     skip: Any = (), changed: set[str] | None = None, active: Any = (), on_dead: Any = (),
+                     pinned: Any = ()) -> tuple[Decision, list[JobView], float]:
+        """The policy's decision for the live records but ``skip`` on ``node_states``; its
+        views; seconds it took. ``changed``: the jobs whose record changed since the last
+        round (``kept_views``, with ``active`` the running jobs, ``on_dead`` the jobs on
+        nodes not alive and ``pinned`` those with an operator's pin); None: every record
+        looked at (``views``)."""
+        models = await self.models.snapshot()  # gs_models, read again only when it changed
+        unmodelled = await self._unmodelled(records, models) if self.wait_for_models else {}
         self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
         self.models.priced.set_free({n.name: n.gpus_free for n in node_states})
         t = self.clock.now()
-        views = self.views(records, alive, t, unmodelled)
-        await self.models.refresh([records[v.job_id] for v in views])
+        if changed is None:
+            views = self.views(records, alive, t, {*skip, *unmodelled} if unmodelled else skip)
+        else:
+            views = self.kept_views(records, t, changed, active, {*skip, *unmodelled, *on_dead})
+        # the models of the jobs whose record changed (a full round: of every job handed over)
+        await self.models.refresh([records[v.job_id] for v in views] if changed is None
+                                  else [records[j] for j in changed if j in records], models)
         if self.queues is not None:
             self.policy.set_config(await self.queues.config(self.share_base))
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
@@ -132,18 +211,18 @@ class PolicyStep:
             await self.queues.save_usage(self.policy.memory())
         by_id = {v.job_id: v for v in views}
         refuse_unsupported(decision, by_id)
-        capacity.apply_pins(decision, records, node_states, {v.job_id for v in views})
+        capacity.apply_pins(decision, records, node_states, by_id, None if changed is None else pinned)
         arrange(decision, node_states, by_id)  # gangs within their topology (policies.topology)
         check_decision(decision, node_states, by_id)
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
         return decision, views, t_policy
 
-    async def _unmodelled(self, records: dict[str, JobRecord]) -> dict[str, str]:
-        """Pending jobs whose model has no fit yet: job id -> model key."""
+    async def _unmodelled(self, records: dict[str, JobRecord], models: dict) -> dict[str, str]:
+        """Pending jobs whose model has no fit yet: job id -> model key (``models``: gs_models' snapshot)."""
         from gearshift.services.perfmodel_service import unmodelled_jobs
 
-        got = await unmodelled_jobs(self.models.kv, records.values())
+        got = await unmodelled_jobs(self.models.kv, records.values(), have=models.keys())
         return {job_id: key for job_id, (key, _) in got.items()}
 
 
@@ -184,6 +263,7 @@ class LiveModels:
         self._revisions: dict[str, int] = {}
         self._keys: dict[Any, str] = {}  # ModelSpec -> its key in gs_models
         self._snap: tuple[int, dict] = (-1, {})  # (stream's last sequence, snapshot of gs_models then)
+        self._loaded_seq = -2  # the snapshot's sequence the models in use were last loaded from
         self._stepped: dict[str, tuple] = {}
         self._progress_at: dict[str, tuple[int, float]] = {}  # job -> (generation, ts) of its last progress fed  # job -> (generation, ts, step, plan, placement)
         self.node_type: dict[str, str] = {}  # node -> GPU type (the optimizer's node view, every round)
@@ -193,21 +273,32 @@ class LiveModels:
         ran per type (a V100's step time must not correct the A100 answers)."""
         return tuple(Placement(p.node, len(p.gpus), p.cpus, self.node_type.get(p.node, "")) for p in rec.placement)
 
-    async def refresh(self, records: list[JobRecord]) -> int:
-        """Load parameters that changed since the last round; returns how many."""
+    async def snapshot(self) -> dict[str, tuple[bytes, int]]:
+        """``gs_models``: key -> (value, revision), read again only when the bucket
+        changed (one stream-info request)."""
+        last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
+        if last != self._snap[0]:
+            self._snap = (last, await kv_snapshot(self.kv))
+        return self._snap[1]
+
+    async def refresh(self, records: list[JobRecord], snap: dict | None = None) -> int:
+        """Load parameters that changed since the last round; returns how many.
+        ``snap``: the round's ``snapshot()`` (else read here)."""
         import msgspec
 
         from gearshift import perfmodel
         from gearshift.bus_schema.perfmodel import model_kv_key
         from gearshift.perfmodel.model import PerfParams
 
-        # the bucket is read again only when it changed (one stream-info request a round)
-        last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
-        if last != self._snap[0]:
-            self._snap = (last, await kv_snapshot(self.kv))
-        snap = self._snap[1]
+        if snap is None:
+            snap = await self.snapshot()
+        if self._snap[0] != self._loaded_seq:  # the bucket changed: every model in use may have
+            models = {*self._keys, *(rec.spec.model for rec in records)}
+            self._loaded_seq = self._snap[0]
+        else:  # else only models not seen before (a job whose record did not change brings none)
+            models = {m for m in (rec.spec.model for rec in records) if m not in self._keys}
         loaded = 0
-        for model in {rec.spec.model for rec in records}:
+        for model in models:
             name = model.name
             key = self._keys.get(model)
             if key is None:

@@ -78,7 +78,7 @@ from gearshift.bus_schema.profiler import (
 )
 from gearshift.perfmodel.catalog import params_for_shape, shape_from_spec
 from gearshift.services.jobstore import JobStore, with_event
-from gearshift.services.perfmodel_service import unmodelled_jobs
+from gearshift.services.perfmodel_service import UnshippedPendingView, unmodelled_jobs
 
 
 class ProfilerConfig(ServiceConfig):
@@ -174,7 +174,11 @@ class Profiler:
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.alloc_kv = await self.js.key_value(subj.ALLOC_BUCKET)
+        self.pending = await UnshippedPendingView(self.js).start()  # jobs that may wait for a model
         return self
+
+    async def close(self) -> None:
+        await self.pending.stop()
 
     # ------------------------------------------------------------ profiling
     async def _free_nodes(self) -> list[tuple[str, int, int]]:
@@ -273,7 +277,11 @@ class Profiler:
         """model key -> pending jobs whose model has no fit yet."""
 
         out: dict[str, list[JobRecord]] = {}
-        waiting = await unmodelled_jobs(self.models_kv, (rec for rec, _ in await self.store.all()))
+        await self.pending.sync()  # what was submitted before the wake-up is in it
+        recs = self.pending.records()  # a view of the few jobs that can wait, not a scan of every job
+        if not recs:
+            return out
+        waiting = await unmodelled_jobs(self.models_kv, recs)
         for key, rec in waiting.values():
             out.setdefault(key, []).append(rec)
         return out
@@ -365,6 +373,7 @@ async def amain(stop: asyncio.Event, args: ProfilerConfig) -> None:
     log.info("profiler ready")
     await prof.watch(stop)
     await svc.stop()
+    await prof.close()
     await obs.close()
     await nc.drain()
 

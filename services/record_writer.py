@@ -7,6 +7,7 @@ try, so a write costs no read unless the record moved."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -47,6 +48,40 @@ REASON_EVERY_S = 1.0
 ARCHIVE_EVERY_S = 5.0
 
 
+def _among(records: Mapping[str, JobRecord], job_ids: Iterable[str] | None) -> Iterable[JobRecord]:
+    """The records of ``job_ids`` (sorted, those still there), or all of them (None)."""
+    if job_ids is None:
+        return records.values()
+    return [records[j] for j in sorted(job_ids) if j in records]
+
+
+def with_drain_agents(rec: JobRecord, report: Callable[[str], NodeReport | None]) -> JobRecord:
+    """``rec`` with ``drain_agents`` following ``draining``: the incarnation (``started_at``)
+    of each draining node's agent, taken from its last report when its drain begins,
+    kept while it lasts. Written with the record (``JobStore.before_write``), so a leader
+    that takes over mid-drain knows whether the agent restarted since; taken at the next
+    round's look instead, an agent killed and restarted between the two was the first
+    incarnation seen and its drain waited out ``--drain-timeout``."""
+    have = rec.drain_agents
+    if not rec.draining:
+        return msgspec.structs.replace(rec, drain_agents={}) if have else rec
+    agents = {p.node: have[p.node] for p in rec.draining if p.node in have}
+    for p in rec.draining:
+        if p.node not in agents:
+            hb = report(p.node)
+            if hb is not None:
+                agents[p.node] = hb.started_at
+    return rec if agents == have else msgspec.structs.replace(rec, drain_agents=agents)
+
+
+def explain_entries(decision: Decision, records: Mapping[str, JobRecord]) -> list[ExplainEntry]:
+    """Why each job waits or runs: the explain endpoint's entries."""
+    out = [ExplainEntry(job_id=job_id, state=records[job_id].state.value, reason=why)
+           for job_id, why in decision.waiting.items()]
+    out += [ExplainEntry(job_id=job_id, state="allocated", reason=d.reason) for job_id, d in decision.allocations.items()]
+    return out
+
+
 class RecordWriter:
     def __init__(self, store: JobStore, allocs: AllocWriter, jobs: JobsView, *, parallel: int,
                  drain_timeout: float, archive_after: float, clock: Clock = SYSTEM):
@@ -75,8 +110,7 @@ class RecordWriter:
         if done:
             self._archived_at = now
             await self.store.publish_usage(done)  # their accounts first (bus_schema.usage)
-        await bounded([self.store.archive(r) for r in done], self.parallel)
-        return len(done)
+        return await self.store.archive_many(done, parallel=self.parallel)
 
     def hint(self, job_id: str) -> tuple[JobRecord, int] | None:
         """The record and revision the view holds: the first CAS try (no read)."""
@@ -93,10 +127,12 @@ class RecordWriter:
                 n += 1
         return n
 
-    async def requeue_lost(self, records: dict[str, JobRecord], alive: set[str]) -> int:
-        """Jobs on lost nodes go back to the queue; ranks on nodes still alive drain first."""
+    async def requeue_lost(self, records: dict[str, JobRecord], alive: set[str],
+                           candidates: Iterable[str] | None = None) -> int:
+        """Jobs on lost nodes go back to the queue; ranks on nodes still alive drain first.
+        ``candidates``: the jobs that may be on a lost node (None: every record is looked at)."""
         updates = []
-        for rec in records.values():
+        for rec in _among(records, candidates):
             gone = [p.node for p in rec.placement if p.node not in alive]
             if rec.state in ACTIVE and gone:
                 updates.append((rec.job_id, self.back_to_queue(
@@ -104,10 +140,14 @@ class RecordWriter:
         return await self.changed(records, updates)
 
     async def apply(
-        self, decision: Decision, records: dict[str, JobRecord], gpu_count: dict[str, int], held: dict[str, set[int]]
+        self, decision: Decision, records: dict[str, JobRecord], gpu_count: Mapping[str, int],
+        held: dict[str, set[int]], used: dict[str, set[int]] | None = None, holding: Mapping | None = None,
     ) -> int:
-        used = capacity.in_use(records.values(), held)
-        change = diff(capacity.holding(records.values()), decision)
+        """Write ``decision``; ``used`` and ``holding``: ``capacity.in_use`` and
+        ``capacity.holding`` of ``records``, where the caller keeps them."""
+        if used is None:
+            used = capacity.in_use(records.values(), held)
+        change = diff(capacity.holding(records.values()) if holding is None else holding, decision)
         # Preemptions first, so their GPUs are free for what follows.
         changes = await self.queue_many(records, [
             (records[job_id], decision.waiting.get(job_id, "preempted by policy"), JobPreempted)
@@ -172,14 +212,17 @@ class RecordWriter:
         return new
 
     async def settle_drains(self, records: dict[str, JobRecord], alive: set[str],
-                            nodes: dict[str, NodeReport] | None = None) -> int:
+                            nodes: Mapping[str, NodeReport] | None = None, draining: Iterable[str] | None = None,
+                            cancelling: Iterable[str] | None = None) -> int:
         """End drains that cannot finish: nodes that are gone, nodes whose agent
         restarted and has nothing of the job (``restarted_without``), or a drain
-        older than ``drain_timeout`` (the agent's SIGKILL should have come long before)."""
+        older than ``drain_timeout`` (the agent's SIGKILL should have come long before).
+        ``draining``/``cancelling``: the jobs that may drain / be cancelling (None: every
+        record is looked at)."""
         t = self.clock.now()
         updates = []
         agents, self._agent_at_drain = self._agent_at_drain, {}
-        for rec in records.values():
+        for rec in _among(records, draining):
             if not rec.draining:
                 continue
             # a job's own checkpoint grace may be longer than the default wait
@@ -190,7 +233,7 @@ class RecordWriter:
                 gone = [p.node for p in rec.draining if self.restarted_without(rec, p.node, nodes.get(p.node), agents)]
             if gone:
                 updates.append((rec.job_id, self.settle(rec.job_id, gone, timed_out)))
-        return await self.changed(records, updates) + await self.settle_cancels(records, alive)
+        return await self.changed(records, updates) + await self.settle_cancels(records, alive, cancelling)
 
     def restarted_without(self, rec: JobRecord, node: str, hb: NodeReport | None, seen: dict) -> bool:
         """Has ``node``'s agent restarted since this leader saw the drain begin,
@@ -201,7 +244,9 @@ class RecordWriter:
         of that node is over. An agent that stayed up reports its run's exit."""
         if hb is None:
             return False
-        first = seen.get((rec.job_id, node), hb.started_at)
+        # the incarnation the drain began under: written into the record then (with_drain_agents),
+        # else (a record from before) the first one this leader saw
+        first = rec.drain_agents.get(node) or seen.get((rec.job_id, node), hb.started_at)
         self._agent_at_drain[(rec.job_id, node)] = first  # the incarnation the drain began under
         if hb.started_at == first:
             return False
@@ -211,10 +256,12 @@ class RecordWriter:
         prefix = rec.job_id + "@"
         return not any(r.startswith(prefix) and int(r[len(prefix):]) < rec.generation for r in hb.running)
 
-    async def settle_cancels(self, records: dict[str, JobRecord], alive: set[str]) -> int:
+    async def settle_cancels(self, records: dict[str, JobRecord], alive: set[str],
+                             candidates: Iterable[str] | None = None) -> int:
         """End cancels that no report will end (``lifecycle.cancel_unreported``)."""
         t = self.clock.now()
-        since = {j: self._cancelling_since.get(j, t) for j, r in records.items() if r.state == JobState.CANCELLING}
+        since = {r.job_id: self._cancelling_since.get(r.job_id, t) for r in _among(records, candidates)
+                 if r.state == JobState.CANCELLING}
         self._cancelling_since = since
         updates = []
         for job_id, first in since.items():
@@ -242,33 +289,31 @@ class RecordWriter:
         return new
 
     async def explain(self, decision: Decision, records: dict[str, JobRecord], *,
-                      flush: bool = False) -> list[ExplainEntry]:
-        """Why each job waits or runs (the explain endpoint's entries), and the
-        waiting reasons written into records (``flush``: now, whatever the rate
-        limit; a round a client asked for, ``gs.optimizer.round``, writes what it decided)."""
-        explain, stale = [], []
-        for job_id, why in decision.waiting.items():
-            rec = records[job_id]
-            explain.append(ExplainEntry(job_id=job_id, state=rec.state.value, reason=why))
-            if rec.reason != why and rec.state == JobState.PENDING:
-                stale.append((rec.submitted_at, job_id, why))
+                      flush: bool = False) -> Callable[[], list[ExplainEntry]]:
+        """The waiting reasons written into records (``flush``: now, whatever the rate
+        limit; a round a client asked for, ``gs.optimizer.round``, writes what it
+        decided), and what makes the explain endpoint's entries (``explain_entries``)
+        when it is asked: a round does not build one per job."""
         # A waiting job's reason can change every round for every pending job
         # (FIFO's "behind <head>"): a bounded number of record writes per round,
         # oldest first; the explain endpoint always has all of them fresh. One atomic
         # batch: a commit costs the server a disk sync, and while 64 single commits
         # synced one after the other every admission write to gs_jobs queued behind
-        # them (the submit stall of issue 24: 1 submit in 20 waited ~250 ms).
+        # them (the submit stall of issue 24: 1 submit in 20 waited ~250 ms). Which
+        # reasons are stale is looked at only when a batch may go out.
+        stale = []
         now = self.clock.now()
-        if now < self._reasons_due and not flush:  # at most one batch every REASON_EVERY_S
-            stale = []
-        elif stale:
-            self._reasons_due = now + REASON_EVERY_S
+        if now >= self._reasons_due or flush:  # at most one batch every REASON_EVERY_S
+            for job_id, why in decision.waiting.items():
+                rec = records[job_id]
+                if rec.reason != why and rec.state == JobState.PENDING:
+                    stale.append((rec.submitted_at, job_id, why))
+            if stale:
+                self._reasons_due = now + REASON_EVERY_S
         await self.store.update_many([(
             job_id, lambda r, why=why: msgspec.structs.replace(r, reason=why) if r.state == JobState.PENDING else None,
             self.hint(job_id)) for _, job_id, why in sorted(stale)[:REASON_WRITES_PER_ROUND]], parallel=self.parallel)
-        for job_id, d in decision.allocations.items():
-            explain.append(ExplainEntry(job_id=job_id, state="allocated", reason=d.reason))
-        return explain
+        return lambda: explain_entries(decision, records)
 
     async def pin(self, req: ReconfigureRequest) -> ReconfigureReply:
         """An operator's plan pin (``gs.optimizer.reconfigure``) into the job's record."""

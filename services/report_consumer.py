@@ -28,12 +28,15 @@ log = get_logger(service="optimizer")
 
 async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]], lock: asyncio.Lock,
                           running: Callable[[], bool], *, batch: int = 512, parallel: int = 64,
-                          apply_many: Callable[[list[RunReport]], Awaitable[None]] | None = None) -> None:
+                          apply_many: Callable[[list[RunReport]], Awaitable[None]] | None = None,
+                          turn_gap: float = 0.0) -> None:
     """Each turn takes what is waiting (up to ``batch``) and applies it under
     the lock, ``parallel`` jobs at a time: a round holds the lock for seconds
     at scale, so a turn must not be a handful of reports (a thousand agents
     report hundreds a second). ``apply_many``: applies a whole turn at once
-    (each job's reports in order), then all are acked."""
+    (each job's reports in order), then all are acked. ``turn_gap``: seconds
+    between the end of a turn and the next fetch, so reports that come close
+    together are one turn (one commit of their records, not one each)."""
     psub = await js.pull_subscribe(
         subj.REPORTS_SUBJECTS,
         durable="optimizer",
@@ -64,6 +67,8 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
                     await _apply_turn(msgs, apply_many)
                 else:
                     await _apply_all(msgs, apply, parallel)
+            if turn_gap > 0:
+                await asyncio.sleep(turn_gap)
     finally:
         # a pull subscription left open blocks drain() on shutdown
         await psub.unsubscribe()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -13,6 +14,7 @@ from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import GpuReport, JobList, JobRecord, JobState, NodeReport, SubmitReply
 from gearshift.services.admission import start_admission
+from gearshift.services.optimizer import Optimizer
 
 SPEC = {
     "name": "gpt2-small",
@@ -55,7 +57,6 @@ async def test_admission_stamps_the_clock_it_is_given(nc):
     adm, svc = await start_admission(nc, max_gpus=64, clock=clock)
     try:
         reply = await submit(nc, {"spec": spec()})
-        await adm.outbox.idle()
         rec = await call(nc, subj.ADMISSION_GET, {"job_id": reply.job_id}, JobRecord)
         assert rec.submitted_at == 5000.0
         clock.advance(7.0)
@@ -67,19 +68,33 @@ async def test_admission_stamps_the_clock_it_is_given(nc):
 
 
 async def test_submit_get_list_and_event(nc, admission):
+    kv = await nc.jetstream().key_value(subj.JOBS_BUCKET)
+    before = (await nc.jetstream().stream_info("KV_" + subj.JOBS_BUCKET)).state.last_seq
     reply = await submit(nc, {"spec": spec()})
     assert reply.created and reply.state == JobState.PENDING
-    await admission.outbox.idle()  # the event is published off the request path
     rec = await call(nc, subj.ADMISSION_GET, {"job_id": reply.job_id}, JobRecord)
     assert rec.spec.name == "gpt2-small" and rec.state == JobState.PENDING
-    assert rec.outbox == [] and rec.event_seq == 1  # the event left the outbox
+    # one write: the record with its event in the outbox; the optimizer's leader publishes it
+    assert rec.event_seq == 1 and [e.__struct_config__.tag for e in rec.outbox] == ["job.submitted"]
+    assert (await kv.get(reply.job_id)).revision == before + 1
     listed = await call(nc, subj.ADMISSION_LIST, {}, JobList)
     assert [j.job_id for j in listed.jobs] == [reply.job_id]
-    sub = await nc.jetstream().subscribe("gs.evt.job.>", ordered_consumer=True)
-    msg = await sub.next_msg(timeout=2)
-    ev = codec.decode_event(msg.data)
-    assert ev.job_id == reply.job_id and msg.subject == f"gs.evt.job.{reply.job_id}.submitted"
-    assert msg.headers["Nats-Msg-Id"] == f"{reply.job_id}:1"
+    assert (await nc.jetstream().stream_info("GS_EVENTS")).state.messages == 0  # nobody leads: not yet out
+    opt = await Optimizer(nc, interval=3600, lease_ttl=2).open()
+    stop = asyncio.Event()
+    task = asyncio.create_task(opt.run(stop))
+    try:
+        sub = await nc.jetstream().subscribe("gs.evt.job.>", ordered_consumer=True)
+        msg = await sub.next_msg(timeout=10)
+        ev = codec.decode_event(msg.data)
+        assert ev.job_id == reply.job_id and msg.subject == f"gs.evt.job.{reply.job_id}.submitted"
+        assert msg.headers["Nats-Msg-Id"] == f"{reply.job_id}:1"
+        reply2 = await submit(nc, {"spec": spec(name="second")})  # while it leads: out at once
+        msg = await sub.next_msg(timeout=10)
+        assert msg.subject == f"gs.evt.job.{reply2.job_id}.submitted"
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
 
 
 async def test_submit_is_idempotent_on_token(nc, admission):
@@ -125,8 +140,7 @@ BAD = [
 
 @pytest.mark.parametrize("case,body,field,text", BAD, ids=[b[0] for b in BAD])
 async def test_bad_input_is_rejected_and_changes_nothing(nc, admission, case, body, field, text):
-    await submit(nc, {"spec": spec(name="keep")})
-    await admission.outbox.idle()  # its outbox cleared: the bucket is still from here on
+    await submit(nc, {"spec": spec(name="keep")})  # one write: the bucket is still from here on
     before = await jobs_state(nc)
     with pytest.raises(ServiceCallError) as err:
         await submit(nc, body)
@@ -163,6 +177,17 @@ async def test_gpus_checked_against_registered_nodes(nc):
         await submit(nc, {"spec": spec(gpus=8, plan={"dp": 1, "tp": 8})})
     assert err.value.field == "spec.plan.tp"
     assert (await submit(nc, {"spec": spec(gpus=8)})).created
+    # the nodes are read, not watched: one that registers later counts before a job is refused
+    reads = adm.nodes_view.reads
+    await kv.put("n2", codec.encode(NodeReport(node="n2", ts=0, gpus=gpus, cpus=16)))
+    assert (await submit(nc, {"spec": spec(gpus=12)})).created
+    assert adm.nodes_view.reads == reads + 1
+    with pytest.raises(ServiceCallError) as err:
+        await submit(nc, {"spec": spec(gpus=13)})
+    assert "at most 12" in err.value.message
+    with pytest.raises(ServiceCallError) as err:  # refused for another reason: the nodes are not read again
+        await submit(nc, {"spec": spec(gpus=1, steps=0)})
+    assert adm.nodes_view.reads == reads + 2
     await svc.stop()
 
 

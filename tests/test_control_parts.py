@@ -27,7 +27,7 @@ from gearshift.policies import Placement
 from gearshift.policies.api import JobDecision
 from gearshift.services import capacity, lifecycle
 from gearshift.services.alloc_writer import allocation_for
-from gearshift.services.record_writer import RecordWriter
+from gearshift.services.record_writer import RecordWriter, with_drain_agents
 
 SPEC = JobSpec(name="a", model=ModelSpec(name="m", params=100, layers=4, hidden=64, seq_len=128),
                global_batch=8, steps=100, gpus=2, tenant="t1")
@@ -162,8 +162,9 @@ class FakeStore:
             self.records[job_id] = new
         return new
 
-    async def archive(self, r: JobRecord) -> None:
-        self.archived.append(r.job_id)
+    async def archive_many(self, recs: list[JobRecord], parallel: int = 32) -> int:
+        self.archived += [r.job_id for r in recs]
+        return len(recs)
 
     async def publish_usage(self, recs: list[JobRecord]) -> None:
         self.accounted = [r.job_id for r in recs]
@@ -209,3 +210,40 @@ async def test_record_writer_stamps_its_clock_and_times_out_drains_and_archives_
     assert await w.archive() == 0 and store.archived == []
     clock.advance(1.0)
     assert await w.archive() == 1 and store.archived == ["j1"] and store.accounted == ["j1"]
+
+
+@pytest.mark.parametrize("written", [True, False])
+async def test_a_drain_whose_agent_restarted_ends_on_its_heartbeat_for_any_leader(written):
+    """The agent's incarnation is written into the record as the drain begins
+    (``with_drain_agents``): killed and restarted before the next (paced) round looks,
+    or before a new leader took over, its successor's heartbeat (it acted on the
+    withdrawal, runs nothing of the job) ends the drain at once. Without it the new
+    incarnation is the first one seen, and the drain would wait out the timeout."""
+    clock = ManualClock(1000.0)
+    old = NodeReport(node="n0", ts=0.0, gpus=[], cpus=8, started_at=1.0, alloc_rev=40, running=["j1@1"])
+    draining = msgspec.structs.replace(rec(JobState.PENDING), generation=2, draining=[
+        NodePlacement(node="n0", gpus=[0, 1], cpus=0)], drain_generation=1, drain_started=1000.0)
+    if written:
+        draining = with_drain_agents(draining, {"n0": old}.get)  # as the leader wrote the drain
+        assert draining.drain_agents == {"n0": 1.0}
+    store = FakeStore(draining)
+    w = writer(store, clock)  # a leader that never saw the drain begin
+    w.writer.view = type("View", (), {"withdrawn": {"n0.j1": 50}, "entries": {}})()
+    back = msgspec.structs.replace(old, started_at=2.0, alloc_rev=51, running=[])  # restarted, acted, idle
+    records = {"j1": draining}
+    assert await w.settle_drains(records, {"n0"}, {"n0": back}) == (1 if written else 0)
+    assert (records["j1"].draining == []) is written
+
+
+def test_drain_agents_follow_the_drain():
+    hb = {"n0": NodeReport(node="n0", ts=0.0, gpus=[], cpus=8, started_at=5.0),
+          "n1": NodeReport(node="n1", ts=0.0, gpus=[], cpus=8, started_at=7.0)}
+    r = msgspec.structs.replace(rec(), draining=[NodePlacement(node="n0", gpus=[0], cpus=0)])
+    r = with_drain_agents(r, hb.get)
+    assert r.drain_agents == {"n0": 5.0}
+    hb["n0"] = msgspec.structs.replace(hb["n0"], started_at=9.0)  # restarted: the drain keeps the first
+    r = with_drain_agents(msgspec.structs.replace(r, draining=[*r.draining, NodePlacement(node="n1", gpus=[0])]), hb.get)
+    assert r.drain_agents == {"n0": 5.0, "n1": 7.0}
+    assert with_drain_agents(msgspec.structs.replace(r, draining=[]), hb.get).drain_agents == {}  # over
+    plain = rec()
+    assert with_drain_agents(plain, hb.get) is plain  # no drain: the record as it was

@@ -4,15 +4,18 @@ a restart, and when a finished record leaves for the history store."""
 
 from __future__ import annotations
 
+import asyncio
 
 import msgspec
 
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobCompleted, JobRecord, JobSpec, JobState, JobSubmitted, ModelSpec
-from gearshift.services.admission import start_admission
+from gearshift.services.fencing import Fence
 from gearshift.services.jobstore import JobStore, with_event
+from gearshift.services.optimizer import Optimizer
 from gearshift.services.outbox import OutboxFlusher
+from wait import eventually
 
 
 def record(job_id: str) -> JobRecord:
@@ -23,15 +26,17 @@ def record(job_id: str) -> JobRecord:
 
 
 async def events(nc) -> list[tuple[str, str]]:
-    """Every job event in GS_EVENTS: (subject, message id)."""
+    """Every job event in GS_EVENTS: (subject, message id). (The stream holds other
+    subjects too: a leader's epoch mark, round events.)"""
     js = nc.jetstream()
-    info = await js.stream_info("GS_EVENTS")
+    info = await js.stream_info("GS_EVENTS", subjects_filter="gs.evt.job.>")
+    want = sum((info.state.subjects or {}).values())
     out = []
-    if info.state.messages == 0:
+    if not want:
         return out
     sub = await js.subscribe("gs.evt.job.>", ordered_consumer=True)
     try:
-        while len(out) < info.state.messages:
+        while len(out) < want:
             msg = await sub.next_msg(timeout=5)
             out.append((msg.subject, msg.headers["Nats-Msg-Id"]))
     finally:
@@ -39,24 +44,32 @@ async def events(nc) -> list[tuple[str, str]]:
     return out
 
 
+async def _count_at_least(nc, n: int) -> bool:
+    return len(await events(nc)) >= n
+
+
 async def test_a_crash_before_the_publish_loses_no_event_and_duplicates_none(nc):
     store = await JobStore(nc).open()
-    # a submit acknowledged, then the admission died before its flusher ran
+    # submits acknowledged (the admission writes the record, its event in the outbox) while
+    # no optimizer led, or its leader died before its flusher got to them
     for i in range(5):
         assert await store.create(record(f"jc{i}"), flush=False) is not None
-    # one of them had been published already (the process died before clearing it)
+    # one of them had been published already (the leader died before its next write of it)
     await store.publish(record("jc0"))
     assert len(await events(nc)) == 1
-    adm, svc = await start_admission(nc, max_gpus=8)  # a new admission: recover() at start
+    opt = await Optimizer(nc, interval=3600, lease_ttl=2).open()  # a new leader: every outbox at the start
+    stop = asyncio.Event()
+    task = asyncio.create_task(opt.run(stop))
     try:
-        got = await events(nc)
-        assert sorted(got) == sorted((f"gs.evt.job.jc{i}.submitted", f"jc{i}:1") for i in range(5))
-        for i in range(5):
-            rec, _ = await store.get(f"jc{i}")
-            assert rec.outbox == []
+        want = sorted((f"gs.evt.job.jc{i}.submitted", f"jc{i}:1") for i in range(5))
+        await eventually(lambda: _count_at_least(nc, 5), timeout=15)
+        assert sorted(await events(nc)) == want  # each once
+        await store.create(record("jc5"), flush=False)  # submitted while it leads: published from its view
+        await eventually(lambda: _count_at_least(nc, 6), timeout=15)
+        assert sorted(await events(nc)) == sorted([*want, ("gs.evt.job.jc5.submitted", "jc5:1")])
     finally:
-        await svc.stop()
-        await adm.close()
+        stop.set()
+        await asyncio.wait_for(task, 30)
 
 
 async def test_the_flusher_publishes_a_burst_once_each_and_clears_the_outboxes(nc):
@@ -101,3 +114,23 @@ async def test_lazy_clear_drops_published_events_with_the_next_write(nc):
     other = await JobStore(nc).open()
     await other.publish(stored)  # returns once the stream acknowledged each (stored or dropped as a duplicate)
     assert len(await events(nc)) == 2
+
+
+async def test_archiving_many_moves_them_with_one_fenced_batch(nc):
+    store = await JobStore(nc).open()
+    store.fence = Fence(nc, [subj.JOBS_BUCKET], "test-leader")
+    await store.fence.take()
+    done = []
+    for i in range(3):
+        r = msgspec.structs.replace(record(f"ja{i}"), state=JobState.COMPLETED, finished_at=2.0)
+        await store.create(r, flush=False)
+        done.append(r)
+    js = nc.jetstream()
+    before = (await js.stream_info("KV_" + subj.JOBS_BUCKET)).state.last_seq
+    assert await store.archive_many(done) == 3
+    assert (await js.stream_info("KV_" + subj.JOBS_BUCKET)).state.last_seq == before + 4  # 3 deletes + the fence mark
+    for i in range(3):
+        assert await store.get(f"ja{i}", history=False) is None
+        hist, _ = await store.get(f"ja{i}")
+        assert hist.state == JobState.COMPLETED and hist.outbox == []
+    assert sorted(m for _, m in await events(nc)) == ["ja0:1", "ja1:1", "ja2:1"]  # what was left in the outboxes

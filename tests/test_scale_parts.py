@@ -140,6 +140,20 @@ def test_round_cpu_is_judged_against_changed_and_live_jobs_and_fitted():
     assert over["within_budget_share"] == 0.8 and over["worst_against_budget"] > 10
 
 
+def test_round_cpu_is_fitted_per_band_of_live_jobs():
+    from loadtest.scale import round_cpu_summary
+
+    # 0.2 ms per changed job, and per live job 0.01 ms below 2,500 live but 0.04 ms above 5,000
+    rows = [(0.2 * c + (0.01 if n < 2500 else 0.04) * n, c, n)
+            for c, n in [(10, 1300), (200, 2000), (50, 1800), (30, 6000), (300, 8000), (100, 9000)]]
+    bands = round_cpu_summary(rows + [(99.0, 5, 30000)])["fit_by_live_jobs"]  # one round alone: no fit
+    assert set(bands) == {"1250-2500", "5000-10000", "20000-40000"}  # the bands with rounds in them
+    low, high = bands["1250-2500"]["fit"], bands["5000-10000"]["fit"]
+    assert abs(low["ms_per_live_job"] - 0.01) < 1e-4 and abs(high["ms_per_live_job"] - 0.04) < 1e-4
+    assert abs(low["ms_per_changed_job"] - 0.2) < 1e-3 and bands["1250-2500"]["rounds"] == 3
+    assert bands["20000-40000"] == {"rounds": 1, "fit": None}
+
+
 def test_growth_check_says_whether_per_job_cpu_stays_flat():
     from loadtest.scale import growth_check
 

@@ -55,8 +55,8 @@ async def test_the_fast_reply_parser_agrees_with_nats_py(nc):
         await sub.unsubscribe()
 
 
-async def test_the_admissions_capacity_view_counts_gpus_as_the_full_view_does(nc):
-    from gearshift.bus.views import NodeCapacityView
+async def test_the_admissions_capacity_counts_gpus_as_the_full_view_does(nc):
+    from gearshift.bus.views import NodeCapacity
 
     kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
 
@@ -67,16 +67,36 @@ async def test_the_admissions_capacity_view_counts_gpus_as_the_full_view_does(nc
 
     await kv.put("n1", report("n1", 8))
     await kv.put("n2", report("n2", 4))
+    now = [0.0]
     full = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
-    light = await NodeCapacityView(nc.jetstream(), subj.NODES_BUCKET).start()
+    light = await NodeCapacity(nc.jetstream(), subj.NODES_BUCKET, every=30.0, clock=lambda: now[0]).start()
     try:
         assert light.capacity() == full.capacity() == (12, 8)
         await kv.put("n2", report("n2", 16))  # a node that grew
         await kv.delete("n1")
         await full.sync()
-        await light.sync()
-        assert light.capacity() == full.capacity() == (16, 16)
-        assert [r.node for r in light.reports()] == ["n2"] and len(light.reports()[0].gpus) == 16
+        assert light.capacity() == (12, 8) and not light.stale()  # read, not watched: a heartbeat costs it nothing
+        now[0] = 31.0
+        assert light.stale()
+        await light.refresh()
+        assert light.capacity() == full.capacity() == (16, 16) and not light.stale()
+        reports = await light.reports()
+        assert [r.node for r in reports] == ["n2"] and len(reports[0].gpus) == 16
     finally:
         await full.stop()
         await light.stop()
+
+
+def test_marks_are_taken_once_and_a_flood_of_them_says_look_at_everything():
+    from gearshift.bus.views import Marks
+
+    m = Marks(limit=3)
+    m.add("a")
+    m.add("b")
+    m.add("a")
+    assert m.take() == {"a", "b"} and m.take() == set()
+    for k in "wxyz":  # more than the limit: a standby nobody takes from stays small
+        m.add(k)
+    assert not m.keys and m.take() is None  # the reader looks at everything instead
+    m.add("q")
+    assert m.take() == {"q"}
