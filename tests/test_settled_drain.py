@@ -49,7 +49,8 @@ async def test_an_allocation_written_and_withdrawn_while_its_agent_was_down_sett
         req = {"job_id": job, "plan": {"dp": 1, "grad_ckpt": True}, "placement": [{"node": "a", "gpus": 1}]}
         assert (await call(nc, subj.OPTIMIZER_RECONFIGURE, json.dumps(req).encode(), ReconfigureReply)).pinned
         draining = await eventually(lambda: _draining(nc, job, g), timeout=30)
-        await asyncio.sleep(2.0)
+        seen = opt.round_no  # three whole rounds after the drain was written, each of which could have ended it
+        await eventually(lambda: asyncio.sleep(0, opt.round_no >= seen + 4 or None), timeout=60)
         assert (await get(nc, job)).draining == draining.draining  # no report ends it while the agent is down
 
         t0 = time.monotonic()

@@ -23,9 +23,14 @@ async def test_liveness_uses_the_servers_clock_not_the_agents(nc):
     view = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
     try:
         await kv.put("quiet", report("quiet", time.time()))  # an honest clock, but it goes silent
-        await asyncio.sleep(1.5)
-        await kv.put("skewed", report("skewed", time.time() - 3600))  # its clock is an hour behind
-        rev = await view.sync()
+        await view.sync()
+        quiet_ts = view.entries["quiet"][2]
+        while True:  # until the server's own stamps put "quiet" more than 1.2 s in the past
+            await kv.put("skewed", report("skewed", time.time() - 3600))  # its clock is an hour behind
+            rev = await view.sync()
+            if view.entries["skewed"][2] - quiet_ts > 1.2:
+                break
+            await asyncio.sleep(0.1)
         assert rev == view.revision and view.get("skewed") is not None
         alive, silent = view.alive(timeout=1.0)
         assert [n.node for n in alive] == ["skewed"]  # heard from just now, whatever its clock says
