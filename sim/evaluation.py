@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -462,6 +463,46 @@ def _load(json_dir: Path) -> dict[tuple, tuple]:
     return got
 
 
+def _saved(argv, summaries, rat, per_model, wall, vs_best) -> dict:
+    """A run as ``--json-dir`` saves it: what `gearshift simulate ... -o json` prints, plus the per-model means."""
+    from gearshift.sim.cli import _clean
+
+    doc = {"command": _cmd(argv), "wall_s": round(wall, 1), "results": summaries,
+           "ratios_vs_best_baseline": rat, "vs_best_baseline": vs_best,
+           "per_model": {p: {m: {"avg_jct_s": v[0], "jobs": v[1], "avg_queue_s": v[2]}
+                             for m, v in pm.items()} for p, pm in per_model.items()}}
+    return _clean(doc)
+
+
+def _timeless(x):
+    """A saved run less its wall-clock times (``wall_s``), the only part that may differ when it is run again."""
+    if isinstance(x, dict):
+        return {k: _timeless(v) for k, v in x.items() if k != "wall_s"}
+    if isinstance(x, list):
+        return [_timeless(v) for v in x]
+    return x
+
+
+def check(json_dir: Path, workers: int = 2, only: str | None = None) -> dict:
+    """Run every saved run of ``json_dir`` again (those whose command contains ``only``) and
+    compare: every result, ratio and per-model mean must be the same, wall-clock times aside
+    (issue 22: "every committed docs/evaluation-runs/*.json reproduces")."""
+    import json
+
+    saved = {d["command"]: d for d in (json.loads(f.read_text()) for f in sorted(json_dir.glob("*.json")))}
+    runs = [a for a in all_runs() if _cmd(a) in saved and (not only or only in _cmd(a))]
+    unknown = sorted(set(saved) - {_cmd(a) for a in all_runs()})
+    differ, same = [], []
+    with ProcessPoolExecutor(max_workers=workers) as ex:
+        for argv, summaries, rat, per_model, wall, vs_best in ex.map(_run, runs):
+            now = json.loads(json.dumps(_saved(argv, summaries, rat, per_model, wall, vs_best)))
+            ok = _timeless(now) == _timeless(saved[_cmd(argv)])
+            (same if ok else differ).append(_cmd(argv))
+            print(f"  {'same' if ok else 'DIFFERS'}: {_cmd(argv)} ({wall:.0f} s)", file=sys.stderr, flush=True)
+    return {"checked": len(runs), "same": len(same), "differ": differ, "not_in_the_generator": unknown,
+            "ok": bool(runs) and not differ and not unknown}
+
+
 def _with_geomean(rat: dict, vs_best: dict) -> dict:
     """``rat`` with rubick's per-job geometric-mean ratio (``sim.compare``) beside its avg ratios."""
     out = {p: dict(v) for p, v in rat.items()}
@@ -474,8 +515,6 @@ def _with_geomean(rat: dict, vs_best: dict) -> dict:
 def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | None = None,
              only: str | None = None, from_json: bool = False) -> str:
     import json
-
-    from gearshift.sim.cli import _clean
 
     t0 = time.time()
     runs = all_runs()
@@ -491,12 +530,9 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
         for argv, summaries, rat, per_model, wall, vs_best in ex.map(_run, runs):
             got[tuple(argv)] = (summaries, _with_geomean(rat, vs_best), per_model)
             print(f"  {_cmd(argv)}: rubick {_x(rat.get('rubick', {}).get('jct_x'))} ({wall:.0f} s)", flush=True)
-            if json_dir is not None:  # what `gearshift simulate ... -o json` prints, plus the per-model means
-                doc = {"command": _cmd(argv), "wall_s": round(wall, 1), "results": summaries,
-                       "ratios_vs_best_baseline": rat, "vs_best_baseline": vs_best,
-                       "per_model": {p: {m: {"avg_jct_s": v[0], "jobs": v[1], "avg_queue_s": v[2]}
-                                         for m, v in pm.items()} for p, pm in per_model.items()}}
-                (json_dir / f"{_slug(argv)}.json").write_text(json.dumps(_clean(doc), indent=1))
+            if json_dir is not None:
+                doc = _saved(argv, summaries, rat, per_model, wall, vs_best)
+                (json_dir / f"{_slug(argv)}.json").write_text(json.dumps(doc, indent=1))
 
     def res(argv):
         return got.get(tuple(argv))
@@ -630,9 +666,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json-dir", help="also write each run's summaries, ratios and per-model means here as JSON")
     ap.add_argument("--from-json", action="store_true", help="reuse the runs already saved in --json-dir")
     ap.add_argument("--only", help="run only the commands containing this text (e.g. --jobs for the sweep)")
+    ap.add_argument("--check", action="store_true",
+                    help="run the runs saved in --json-dir again and say (JSON) whether each reproduces, wall times aside")
     a = ap.parse_args(argv)
-    if a.from_json and not a.json_dir:
-        ap.error("--from-json needs --json-dir")
+    if (a.from_json or a.check) and not a.json_dir:
+        ap.error("--from-json and --check need --json-dir")
+    if a.check:
+        import json
+
+        got = check(Path(a.json_dir), a.workers, a.only)
+        print(json.dumps(got, indent=1))
+        return 0 if got["ok"] else 1
     generate(Path(a.out), a.workers, a.quick, Path(a.json_dir) if a.json_dir else None, a.only, a.from_json)
     print(f"wrote {a.out}")
     return 0

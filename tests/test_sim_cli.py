@@ -118,3 +118,28 @@ def test_evaluation_page_rebuilds_from_saved_runs(tmp_path):
             assert d["command"] in text
     rows = [line for line in text.splitlines() if line.startswith("| rubick-")]
     assert rows and all(line.rstrip(" |").endswith(("met", "**not met**")) for line in rows)
+
+
+def test_evaluation_check_reruns_a_saved_run_and_tells_a_changed_one(tmp_path, capsys):
+    """``python -m sim.evaluation --check`` (issue 22: every committed evaluation run
+    reproduces): a committed run run again is the same, wall times aside; the same file
+    with one number changed is reported as differing, and the exit status says so."""
+    import shutil
+    from pathlib import Path
+
+    from gearshift.sim.evaluation import main as evaluation
+
+    runs = Path(__file__).resolve().parent.parent / "docs" / "evaluation-runs"
+    name = "rubick-base_rubick+sia_extended_systematic_0_jobs_60.json"
+    only = "--systematic 0 --jobs 60"
+    shutil.copy(runs / name, tmp_path / name)
+    assert evaluation(["--check", "--json-dir", str(tmp_path), "--only", only, "--workers", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["checked"] == 1 and got["same"] == 1 and got["differ"] == [] and got["ok"]
+
+    d = json.loads((tmp_path / name).read_text())
+    d["results"][0]["avg_jct_s"] += 1.0
+    (tmp_path / name).write_text(json.dumps(d))
+    assert evaluation(["--check", "--json-dir", str(tmp_path), "--only", only, "--workers", "1"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert got["differ"] == [d["command"]] and not got["ok"]
