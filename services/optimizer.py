@@ -287,14 +287,16 @@ class Optimizer:
             await self._load_sharing_memory()
         log.info("leading", instance=self.instance, policy=self.policy.name, epochs=self.leadership.fence.epochs)
 
+        try:  # events a dead leader (or no leader: the admission only writes) left unpublished,
+            # before the kernels below: on a cold numba cache they take tens of seconds, and
+            # followers would wait that long for a job.submitted already written
+            await self._flush_outboxes()
+        except Deposed as exc:
+            self.leadership.deposed(exc)
         # compile/load the numba kernels before the first round: the policy's and the
         # performance model's its oracle calls (compiled lazily inside a round, they held
         # the GIL for tens of seconds on a cold cache, and shutdown waited for the thread)
         await asyncio.to_thread(lambda: (warm_up(), warm_up_perfmodel()))
-        try:
-            await self._flush_outboxes()  # events a dead leader wrote but never published
-        except Deposed as exc:
-            self.leadership.deposed(exc)
         self._svc = await serve(
             self.nc,
             "optimizer",
