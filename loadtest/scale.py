@@ -119,6 +119,18 @@ def r(x: float | None, nd: int = 1) -> float | None:
     return None if x is None else round(x, nd)
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far (a process gone is left out)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[name] = t.user + t.system
+    return out
+
+
 class Procs:
     """The service processes, their peak RSS sampled twice a second."""
 
@@ -152,15 +164,8 @@ class Procs:
             await asyncio.sleep(0.5)
 
     def cpu_seconds(self, extra: dict[str, int]) -> dict[str, float]:
-        """CPU seconds (user + system) each process has used so far."""
-        out = {}
-        for name, pid in ({n: p.pid for n, p in self.procs.items()} | extra).items():
-            try:
-                t = psutil.Process(pid).cpu_times()
-            except psutil.Error:
-                continue
-            out[name] = t.user + t.system
-        return out
+        """CPU seconds (user + system) each service and each of ``extra`` has used so far."""
+        return cpu_seconds({n: p.pid for n, p in self.procs.items()} | extra)
 
     def alive(self) -> dict[str, int | None]:
         return {n: p.poll() for n, p in self.procs.items()}

@@ -32,11 +32,9 @@ import sys
 import time
 from typing import Any
 
-import psutil
-
 from gearshift.bus_schema.messages import JobSpec
 from loadtest.optimality_gap import BATCH, MODELS
-from loadtest.scale import handling_summary, request_buckets
+from loadtest.scale import cpu_seconds, handling_summary, request_buckets
 
 TENANTS = ("default", "vision", "nlp", "llm")  # the admission's default limit is 1,000 live jobs a tenant
 SLOW_MS = 100.0
@@ -77,18 +75,6 @@ def summary(lat: list[float], at: list[float]) -> dict[str, Any]:
             "slow_gap_s_median": round(statistics.median(gaps), 3) if gaps else None,
             "rate_per_s": round(len(lat) / max(at[-1] + lat[-1] / 1e3, 1e-9), 1),
             "passed": p99 <= 3 * p50}
-
-
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """CPU seconds (user + system) each process has used so far."""
-    out = {}
-    for name, pid in pids.items():
-        try:
-            t = psutil.Process(pid).cpu_times()
-        except psutil.Error:
-            continue
-        out[name] = t.user + t.system
-    return out
 
 
 def cpu_per_submit(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
