@@ -390,7 +390,8 @@ class Run:
                         self.workdir / "admission.log", a.profile)
             procs.start("optimizer", ["gearshift.services.optimizer", "--policy", a.policy, "--interval", str(a.interval),
                                       *(["--policy-options", a.policy_options] if a.policy_options else []),
-                                      "--node-timeout", str(a.node_timeout), "--archive-after", "10"], env,
+                                      "--node-timeout", str(a.node_timeout), "--archive-after", "10",
+                                      *a.optimizer_args.split()], env,
                         self.workdir / "optimizer.log", a.profile)
             procs.start("perfmodel", ["gearshift.services.perfmodel_service"], env, self.workdir / "perfmodel.log")
             procs.start("fleet", ["loadtest.fleet", "--nodes", str(self.nodes), "--gpus-per-node", str(a.gpus_per_node),
@@ -428,6 +429,11 @@ class Run:
             out["heartbeat_lag_nodes_sampled"] = len(range(0, self.nodes, step))
             load_before = os.getloadavg()
             pids = {"nats-server": server.proc.pid, "scale": os.getpid()}
+            if a.idle_seconds > 0:  # the fixed cost: the fleet heartbeating, timer rounds, no jobs
+                c0, ti = procs.cpu_seconds(pids), time.monotonic()
+                await asyncio.sleep(a.idle_seconds)
+                c1, dt = procs.cpu_seconds(pids), time.monotonic() - ti
+                out["cpu_cores_idle"] = {n: round((c1[n] - c0[n]) / dt, 3) for n in sorted(c1) if n in c0}
             cpu0, box0, t0 = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic()
             hist0 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
             watch = asyncio.create_task(self._watch_loop())
@@ -685,6 +691,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stall-timeout", type=float, default=60.0,
                     help="stop waiting once no job finished for this many seconds")
     ap.add_argument("--start-timeout", type=float, default=240.0)
+    ap.add_argument("--idle-seconds", type=float, default=10.0,
+                    help="before submitting, how long to measure each process's CPU with no jobs (cpu_cores_idle)")
+    ap.add_argument("--optimizer-args", default="", help="more options for the optimizer, e.g. '--round-gap 0.5'")
     ap.add_argument("--log-level", default="WARNING", help="services' log level")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workdir", default=None, help="keep the services' logs and data here")

@@ -19,12 +19,23 @@ stream, ``KV_gs_jobs``, and waited behind those syncs: a plain put's p50 went fr
 0.55 to 15.5 ms while a leader committed fenced updates in a loop. Stopping the
 optimizer (SIGSTOP) removed the stall; the reasons now go out as one batch a round
 (``RecordWriter.explain``): one sync instead of 64.
+
+What is left (issue 24, stop 34) is the same mechanism at a lower rate: every atomic
+batch the leader commits to ``KV_gs_jobs`` (report turns: a job started or finished;
+a round's allocations; its waiting reasons) holds up plain writes to that stream
+while it commits, and the admission's create of a record is one. ``--probe-streams``
+measures it (``StreamProbe``): writes to ``KV_gs_jobs`` against writes to another
+stream on the same disk, and how many slow writes and slow submits had a commit in
+flight against the share of all of them that had one. With the optimizer stopped
+(SIGSTOP) the stall goes (p99/p50 1.5); with it at the lowest CPU priority (nice 19)
+it stays (14x): the stall is the stream, not the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import statistics
@@ -45,12 +56,102 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
 
 
-async def submit_all(url: str, creds: str | None, n: int) -> tuple[list[float], list[float]]:
-    """Latency (ms) of each of ``n`` sequential submits, and when each was sent (s since the first)."""
+class StreamProbe:
+    """``--probe-streams``: while the submits run, a write every ``every`` seconds to
+    ``KV_gs_jobs`` (key ``_probe``: keys starting with ``_`` are fencing marks to every
+    reader of the bucket) and to a scratch bucket on the same disk, each waiting for
+    its acknowledgement; and the times of the atomic batch commits the optimizer
+    makes to ``KV_gs_jobs`` (``services.fencing``: the commit is the ``_fence``
+    message with ``Nats-Batch-Commit``). ``report`` says how the two streams' writes
+    compare, and how many slow writes and slow submits had a commit in flight, against
+    the share of all of them that had one (what chance alone gives)."""
+
+    SCRATCH = "gs_probe_scratch"
+    WINDOW_S = 0.03  # a commit sent this long before a write started still counts as in flight
+
+    def __init__(self, every: float = 0.02):
+        self.every = every
+        self.commits: list[float] = []
+        self.writes: dict[str, list[tuple[float, float]]] = {"jobs_stream": [], "other_stream": []}
+        self._task: asyncio.Task | None = None
+        self._nc: Any = None
+
+    async def start(self, url: str, creds: str | None) -> None:
+        from gearshift.bus.auth import connect_options, load_creds
+        from gearshift.bus.client import connect
+
+        self._nc = await connect(url, name="stall-probe", retry_for=10,
+                                 **(connect_options(load_creds(creds)) if creds else {}))
+        js = self._nc.jetstream()
+        await js.create_key_value(bucket=self.SCRATCH, history=1)
+
+        async def on_fence(msg: Any) -> None:
+            if (msg.headers or {}).get("Nats-Batch-Commit"):
+                self.commits.append(time.perf_counter())
+
+        await self._nc.subscribe("$KV.gs_jobs._fence", cb=on_fence)
+        self._task = asyncio.create_task(self._loop(js))
+
+    async def _loop(self, js: Any) -> None:
+        subjects = {"jobs_stream": "$KV.gs_jobs._probe", "other_stream": f"$KV.{self.SCRATCH}._probe"}
+        while True:
+            for name, subject in subjects.items():
+                t = time.perf_counter()
+                await js.publish(subject, b"")
+                self.writes[name].append((t, time.perf_counter()))
+            await asyncio.sleep(self.every)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._nc is not None:
+            try:
+                await self._nc.jetstream().delete_key_value(self.SCRATCH)
+            finally:
+                await self._nc.close()
+
+    def _in_flight(self, span: tuple[float, float]) -> bool:
+        i = bisect.bisect_left(self.commits, span[0] - self.WINDOW_S)
+        return i < len(self.commits) and self.commits[i] <= span[1]
+
+    def _share(self, spans: list[tuple[float, float]]) -> float | None:
+        return round(sum(map(self._in_flight, spans)) / len(spans), 3) if spans else None
+
+    def report(self, submits: list[tuple[float, float]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"atomic_commits_to_jobs_stream": len(self.commits)}
+        for name, spans in self.writes.items():
+            ms = [(b - a) * 1e3 for a, b in spans]
+            out[name] = {"writes": len(ms), "p50_ms": round(pct(ms, 50), 2), "p99_ms": round(pct(ms, 99), 2),
+                         "max_ms": round(max(ms), 1)} if ms else None
+        jobs = self.writes["jobs_stream"]
+        if jobs:
+            slow_at = 3 * pct([(b - a) for a, b in jobs], 50)
+            out["jobs_stream_slow_writes"] = {
+                "over_3x_p50": sum(1 for a, b in jobs if b - a > slow_at),
+                "with_commit_in_flight": self._share([(a, b) for a, b in jobs if b - a > slow_at]),
+                "all_with_commit_in_flight": self._share(jobs)}
+        if submits:
+            slow_at = 3 * pct([b - a for a, b in submits], 50)
+            out["slow_submits"] = {"over_3x_p50": sum(1 for a, b in submits if b - a > slow_at),
+                                   "with_commit_in_flight": self._share([(a, b) for a, b in submits if b - a > slow_at]),
+                                   "all_with_commit_in_flight": self._share(submits)}
+        return out
+
+
+async def submit_all(url: str, creds: str | None, n: int,
+                     probe: StreamProbe | None = None) -> tuple[list[float], list[float], dict | None]:
+    """Latency (ms) of each of ``n`` sequential submits, when each was sent (s since
+    the first), and with ``probe`` its report."""
     from gearshift.client import Client
 
     client = await Client.connect(url, creds=creds, retry_for=10, timeout=30)
-    lat, at = [], []
+    lat, at, spans = [], [], []
+    if probe is not None:
+        await probe.start(url, creds)
     try:
         t0 = time.perf_counter()
         for i in range(n):
@@ -59,11 +160,15 @@ async def submit_all(url: str, creds: str | None, n: int) -> tuple[list[float], 
                            tenant=TENANTS[i % len(TENANTS)])
             t = time.perf_counter()
             await client.submit(spec)
-            lat.append((time.perf_counter() - t) * 1e3)
+            done = time.perf_counter()
+            lat.append((done - t) * 1e3)
             at.append(t - t0)
+            spans.append((t, done))
     finally:
+        if probe is not None:
+            await probe.stop()
         await client.close()
-    return lat, at
+    return lat, at, (probe.report(spans) if probe is not None else None)
 
 
 def summary(lat: list[float], at: list[float]) -> dict[str, Any]:
@@ -87,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--submits", type=int, default=3000)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--probe-streams", action="store_true",
+                    help="also time writes to KV_gs_jobs and to another stream while submitting, against the "
+                         "optimizer's atomic commits (stream_probe)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     if a.submits < 2 or a.nodes < 1 or a.gpus_per_node < 1:
@@ -102,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                "client": os.getpid()}
         load_before, cpu0 = [round(x, 2) for x in os.getloadavg()], cpu_seconds(pids)
         hist0 = request_buckets(cluster.observe_dir, "admission", "submit")
-        lat, at = asyncio.run(submit_all(url, cluster.admin_creds, a.submits))
+        lat, at, probed = asyncio.run(submit_all(url, cluster.admin_creds, a.submits,
+                                                 StreamProbe() if a.probe_streams else None))
         hist1 = request_buckets(cluster.observe_dir, "admission", "submit")
         # where the CPU went while submitting: on a small box every process's work per
         # submit is time some submit waits for a core
@@ -112,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "admission_submit_handling": handling_summary(hist0, hist1, 3 * pct(lat, 50) / 1e3),
                                   "load_average_before": load_before,
                                   "load_average": [round(x, 2) for x in os.getloadavg()]}
+        if probed is not None:
+            out["stream_probe"] = probed
     finally:
         cluster.stop()
     print(json.dumps(out, indent=1) if a.json else

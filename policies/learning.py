@@ -127,8 +127,12 @@ class LearningOracle:
         old = self._exact.get(ck)
         if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:  # (the prediction is not needed then)
             return self._bump(model) if relaxed else False
-        view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
-        predicted = float(self.base.throughput(view, plan, placement))
+        memo = self._memo(spec, placement, "one")  # the base's answer, remembered as ``throughput`` does
+        predicted = memo.get(plan)
+        if predicted is None:
+            view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
+            predicted = memo[plan] = self.base.throughput(view, plan, placement)
+        predicted = float(predicted)
         self._exact[ck] = self._exact_at.setdefault((model, per_node, gt), {})[pkey] = (observed, predicted)
         if predicted > 0:  # the model's error here refits the family's scale
             fk = (model, plan_family(plan), gt)

@@ -162,3 +162,23 @@ def test_growth_check_says_whether_per_job_cpu_stays_flat():
     assert growth_check(rows)["cpu_per_job_flat"] and growth_check(rows)["round_cpu_grows_no_faster_than_live"]
     rows[1]["control_plane_ms_per_job_submitting"] = 2.0
     assert not growth_check(rows)["cpu_per_job_flat"]
+
+
+def test_the_stream_probe_counts_slow_writes_with_a_commit_in_flight_against_chance():
+    from loadtest.submit_stall import StreamProbe
+
+    probe = StreamProbe()
+    probe.commits = [10.0, 20.0]  # the optimizer's atomic commits to KV_gs_jobs
+    fast = [(t, t + 0.001) for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)]
+    slow_during = (10.01, 10.04)  # started 10 ms after a commit, slow
+    slow_alone = (15.0, 15.05)  # slow, nothing in flight
+    probe.writes = {"jobs_stream": [*fast, slow_during, slow_alone], "other_stream": fast}
+    got = probe.report([*fast, (19.99, 20.03)])
+    assert got["atomic_commits_to_jobs_stream"] == 2
+    assert got["jobs_stream"]["writes"] == 8 and got["jobs_stream"]["max_ms"] == 50.0
+    assert got["jobs_stream_slow_writes"] == {"over_3x_p50": 2, "with_commit_in_flight": 0.5,
+                                              "all_with_commit_in_flight": 0.125}
+    # a commit sent 10 ms after the submit started is in flight too
+    assert got["slow_submits"] == {"over_3x_p50": 1, "with_commit_in_flight": 1.0,
+                                   "all_with_commit_in_flight": round(1 / 7, 3)}
+    assert got["other_stream"]["p99_ms"] == 1.0
