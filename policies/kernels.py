@@ -84,6 +84,15 @@ def _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g,
 
 
 @njit(cache=True)
+def _taken(n, i, picked):
+    """n is one of picked[0:i]."""
+    for q in range(i):
+        if picked[q] == n:
+            return True
+    return False
+
+
+@njit(cache=True)
 def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, res_c, own, picked, hist, big,
                   room_g, room_c, bf):
     """Fill picked[0:m] with nodes for candidate k of job j; False if none."""
@@ -103,28 +112,38 @@ def _choose_nodes(j, k, cg, cc, cm, hold_ptr, hold_node, free_g, free_c, res_g, 
     for i in range(m):
         best = np.int64(-1)
         best_key = np.int64(0)
-        for n in range(N):
-            if free_g[n] < per or free_c[n] < need_c:
-                continue
-            if not bf[j, k] and (room_g[n] < per or room_c[n] < need_c):
-                continue
-            taken = False
-            for q in range(i):
-                if picked[q] == n:
-                    taken = True
-                    break
-            if taken:
-                continue
-            if own[n]:
-                tier = 0
-            elif free_g[n] - res_g[n] >= per and free_c[n] - res_c[n] >= need_c:
-                tier = 1
-            else:
-                tier = 2
-            key = tier * big + (free_g[n] - per) * N + n
-            if best < 0 or key < best_key:
-                best = n
-                best_key = key
+        # The lowest key wins: tier (the job's own nodes, then nodes nobody else holds,
+        # then the rest), then the GPUs left over, then the node's index. An own node
+        # beats every other (tier 0), so the job's few own nodes are looked at first and
+        # the pass over every node is skipped when one will do.
+        for t in range(hold_ptr[j], hold_ptr[j + 1]):
+            n = hold_node[t]
+            if free_g[n] >= per and free_c[n] >= need_c and (bf[j, k] or (room_g[n] >= per and room_c[n] >= need_c)) \
+                    and not _taken(n, i, picked):
+                key = (free_g[n] - per) * N + n
+                if best < 0 or key < best_key:
+                    best = n
+                    best_key = key
+        if best < 0:
+            for n in range(N):
+                if free_g[n] < per or free_c[n] < need_c:
+                    continue
+                if not bf[j, k] and (room_g[n] < per or room_c[n] < need_c):
+                    continue
+                if _taken(n, i, picked):
+                    continue
+                if own[n]:
+                    tier = 0
+                elif free_g[n] - res_g[n] >= per and free_c[n] - res_c[n] >= need_c:
+                    tier = 1
+                else:
+                    tier = 2
+                key = tier * big + (free_g[n] - per) * N + n
+                if best < 0 or key < best_key:
+                    best = n
+                    best_key = key
+                    if tier == 1 and free_g[n] == per:
+                        break  # no own node fits: nothing after this one can have a lower key
         if best < 0:
             ok = False
             break
