@@ -674,7 +674,10 @@ def main(argv=None) -> int:
     if a.check:
         import json
 
-        got = check(Path(a.json_dir), a.workers, a.only)
+        from gearshift.sim.cli import stdout_to_stderr
+
+        with stdout_to_stderr(True):  # the workers inherit it: HiGHS's notes (Sia's MILP) go to stderr
+            got = check(Path(a.json_dir), a.workers, a.only)
         print(json.dumps(got, indent=1))
         return 0 if got["ok"] else 1
     generate(Path(a.out), a.workers, a.quick, Path(a.json_dir) if a.json_dir else None, a.only, a.from_json)
