@@ -556,6 +556,11 @@ def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
             "changed_jobs_p50": pct([c for _, c, _ in rows], 50), "live_jobs_max": max(n for *_, n in rows),
             "within_budget_share": round(sum(1 for x in ratio if x <= 1.0) / len(rows), 4),
             "worst_against_budget": r(max(ratio), 2), "fit": cpu_fit(rows),
+            # which rounds missed it: the k-th round with changes (of ``rounds``), so a
+            # start-up round (cold caches) tells itself from one in the drain
+            "over_budget": [{"kth": i + 1, "cpu_ms": r(rows[i][0], 1), "changed": rows[i][1], "live": rows[i][2],
+                             "x_budget": r(ratio[i], 2)}
+                            for i in sorted(range(len(rows)), key=lambda i: -ratio[i])[:8] if ratio[i] > 1.0],
             # the same fit over the rounds of each band of live jobs (N, 2N, 4N, ...): does a
             # round's cost per live job grow with the live jobs?
             "fit_by_live_jobs": {f"{lo}-{hi}": {"rounds": len(band), "fit": cpu_fit(band)}

@@ -138,6 +138,8 @@ def test_round_cpu_is_judged_against_changed_and_live_jobs_and_fitted():
     assert abs(got["fit"]["ms_per_changed_job"] - 0.5) < 1e-3 and abs(got["fit"]["ms_per_live_job"] - 0.01) < 1e-4
     over = round_cpu_summary(rows + [(500.0, 10, 1000)])  # 500 ms for a round whose budget is 30 ms
     assert over["within_budget_share"] == 0.8 and over["worst_against_budget"] > 10
+    assert got["over_budget"] == []
+    assert over["over_budget"] == [{"kth": 5, "cpu_ms": 500.0, "changed": 10, "live": 1000, "x_budget": 16.67}]
 
 
 def test_round_cpu_is_fitted_per_band_of_live_jobs():
