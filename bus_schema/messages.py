@@ -44,11 +44,16 @@ NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 
 
-class _Input(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+# ``gc=False`` (both bases, so every message): instances are not tracked by Python's
+# cycle collector. They are frozen data decoded from JSON and cannot form a cycle, and
+# the services hold tens of thousands of them in their views: untracked, a view of
+# 20,000 job records is 140,000 tracked objects instead of 200,000 (only the lists
+# inside remain), and a full collection over it takes 7 ms instead of 19 (issue 24).
+class _Input(Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, gc=False):
     """Base of documents written by users: unknown fields are errors."""
 
 
-class _Msg(Struct, kw_only=True, frozen=True):
+class _Msg(Struct, kw_only=True, frozen=True, gc=False):
     """Base of internal messages: unknown fields are ignored (forward compatible)."""
 
 

@@ -45,3 +45,25 @@ def test_unknown_fields_rejected_in_specs_but_ignored_in_records():
         codec.decode(json.dumps({**spec, "extra": 1}).encode(), JobSpec)
     rec = codec.decode(json.dumps({"job_id": "j1", "spec": spec, "future_field": 3}).encode(), JobRecord)
     assert rec.job_id == "j1"
+
+
+def test_decoded_messages_are_not_tracked_by_the_cycle_collector():
+    """Views hold tens of thousands of decoded records: the structs themselves stay out
+    of the cycle collector's lists (``gc=False`` on both bases); only the lists inside do."""
+    import gc
+
+    from test_live_learning import _rec
+
+    from gearshift.bus_schema import codec
+    from gearshift.bus_schema.messages import JobRecord, NodeReport
+
+    rec = codec.decode(codec.encode(_rec()), JobRecord)
+    assert not gc.is_tracked(rec) and not gc.is_tracked(rec.spec) and not gc.is_tracked(rec.spec.model)
+    node = NodeReport(node="n0", ts=1.0, gpus=[], cpus=8, memory_total=1, memory_used=0, probe="fake")
+    assert not gc.is_tracked(codec.decode(codec.encode(node), NodeReport))
+    # every message type inherits it: a new base or a type outside them would be tracked again
+    import gearshift.bus_schema.messages as m
+
+    types = [t for t in vars(m).values() if isinstance(t, type) and issubclass(t, msgspec.Struct)
+             and t.__module__ == m.__name__]
+    assert types and all(not t.__struct_config__.gc for t in types)
