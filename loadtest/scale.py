@@ -429,11 +429,7 @@ class Run:
             out["heartbeat_lag_nodes_sampled"] = len(range(0, self.nodes, step))
             load_before = os.getloadavg()
             pids = {"nats-server": server.proc.pid, "scale": os.getpid()}
-            if a.idle_seconds > 0:  # the fixed cost: the fleet heartbeating, timer rounds, no jobs
-                c0, ti = procs.cpu_seconds(pids), time.monotonic()
-                await asyncio.sleep(a.idle_seconds)
-                c1, dt = procs.cpu_seconds(pids), time.monotonic() - ti
-                out["cpu_cores_idle"] = {n: round((c1[n] - c0[n]) / dt, 3) for n in sorted(c1) if n in c0}
+            out["cpu_cores_idle"] = await idle_cores(procs, pids, a.idle_seconds)  # the heartbeats, no jobs
             cpu0, box0, t0 = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic()
             hist0 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
             watch = asyncio.create_task(self._watch_loop())
@@ -524,6 +520,16 @@ class Run:
             if nc is not None:
                 await nc.close()
             server.stop()
+
+
+async def idle_cores(procs: Procs, pids: dict[str, int], seconds: float) -> dict[str, float] | None:
+    """Each process's CPU cores over ``seconds`` of waiting (no jobs submitted); None for 0 s."""
+    if seconds <= 0:
+        return None
+    c0, t0 = procs.cpu_seconds(pids), time.monotonic()
+    await asyncio.sleep(seconds)
+    c1, dt = procs.cpu_seconds(pids), time.monotonic() - t0
+    return {n: round((c1[n] - c0[n]) / dt, 3) for n in sorted(c1) if n in c0}
 
 
 def cpu_cost(cpu0: dict[str, float], cpu1: dict[str, float], cpu2: dict[str, float], jobs: int) -> dict:
