@@ -127,18 +127,12 @@ class StreamProbe:
             ms = [(b - a) * 1e3 for a, b in spans]
             out[name] = {"writes": len(ms), "p50_ms": round(pct(ms, 50), 2), "p99_ms": round(pct(ms, 99), 2),
                          "max_ms": round(max(ms), 1)} if ms else None
-        jobs = self.writes["jobs_stream"]
-        if jobs:
-            slow_at = 3 * pct([(b - a) for a, b in jobs], 50)
-            out["jobs_stream_slow_writes"] = {
-                "over_3x_p50": sum(1 for a, b in jobs if b - a > slow_at),
-                "with_commit_in_flight": self._share([(a, b) for a, b in jobs if b - a > slow_at]),
-                "all_with_commit_in_flight": self._share(jobs)}
-        if submits:
-            slow_at = 3 * pct([b - a for a, b in submits], 50)
-            out["slow_submits"] = {"over_3x_p50": sum(1 for a, b in submits if b - a > slow_at),
-                                   "with_commit_in_flight": self._share([(a, b) for a, b in submits if b - a > slow_at]),
-                                   "all_with_commit_in_flight": self._share(submits)}
+        for key, spans in (("jobs_stream_slow_writes", self.writes["jobs_stream"]), ("slow_submits", submits)):
+            if spans:
+                slow_at = 3 * pct([b - a for a, b in spans], 50)
+                slow = [(a, b) for a, b in spans if b - a > slow_at]
+                out[key] = {"over_3x_p50": len(slow), "with_commit_in_flight": self._share(slow),
+                            "all_with_commit_in_flight": self._share(spans)}
         return out
 
 

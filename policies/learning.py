@@ -127,12 +127,7 @@ class LearningOracle:
         old = self._exact.get(ck)
         if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:  # (the prediction is not needed then)
             return self._bump(model) if relaxed else False
-        memo = self._memo(spec, placement, "one")  # the base's answer, remembered as ``throughput`` does
-        predicted = memo.get(plan)
-        if predicted is None:
-            view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
-            predicted = memo[plan] = self.base.throughput(view, plan, placement)
-        predicted = float(predicted)
+        predicted = float(self._base_one(job, plan, placement))
         self._exact[ck] = self._exact_at.setdefault((model, per_node, gt), {})[pkey] = (observed, predicted)
         if predicted > 0:  # the model's error here refits the family's scale
             fk = (model, plan_family(plan), gt)
@@ -206,11 +201,17 @@ class LearningOracle:
         return t * self._factor.get((model, plan_family(plan), gt), 1.0)
 
     def throughput(self, job: JobView, plan: Plan, placement: tuple[Placement, ...]) -> float:
-        memo = self._memo(job.spec, placement, "one")
+        return self._adjust(job.spec, plan, placement, self._base_one(job, plan, placement))
+
+    def _base_one(self, job: JobView | JobSpec, plan: Plan, placement: tuple[Placement, ...]) -> float:
+        """The base's answer for one plan, remembered (``_memo``) while its key for the spec stands."""
+        spec = job.spec if isinstance(job, JobView) else job
+        memo = self._memo(spec, placement, "one")
         t = memo.get(plan)
         if t is None:
-            t = memo[plan] = self.base.throughput(job, plan, placement)
-        return self._adjust(job.spec, plan, placement, t)
+            view = job if isinstance(job, JobView) else JobView(job_id="_", spec=spec, submitted_at=0.0)
+            t = memo[plan] = self.base.throughput(view, plan, placement)
+        return t
 
     def throughput_many(self, job: JobView, plans, placement: tuple[Placement, ...]):
         memo = self._memo(job.spec, placement, "many")  # plan -> (base's answer, normalised plan, family)
