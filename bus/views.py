@@ -278,16 +278,27 @@ class NodesView(_GpuCounts, KvView[NodeReport]):
     found from the nodes heard from longest ago (the server stamps reports in the
     order it stores them, so the silent ones are at the front of ``_heard``)."""
 
-    def __init__(self, js: Any, bucket: str):
+    def __init__(self, js: Any, bucket: str, facts: Callable[[NodeReport], Any] | None = None):
         super().__init__(js, bucket, lambda b: codec.decode(b, NodeReport))
         self._init_counts()
         self.dirty = Marks()
+        # ``facts``: what a reader needs of a report (the optimizer's ``round_state.node_facts``);
+        # given, a node is marked dirty only when its facts changed, not on every heartbeat, so a
+        # reader's work follows the nodes that changed and the heartbeats are paid for here, once
+        self._facts_of = facts
+        self.facts: dict[str, Any] = {}
         self._heard: dict[str, float] = {}  # node -> server time of its last report, oldest first
         self._live: tuple[frozenset, list[str]] | None = None  # (silent names, live names sorted), last given
 
     def changed(self, key: str, old: NodeReport | None, new: NodeReport) -> None:
         self._count(key, len(new.gpus), new.topology)
-        self.dirty.add(key)
+        if self._facts_of is None:
+            self.dirty.add(key)
+        else:
+            f = self._facts_of(new)
+            if old is None or self.facts.get(key) != f:
+                self.facts[key] = f
+                self.dirty.add(key)
         if old is None:
             self._live = None
         self._heard.pop(key, None)
@@ -295,6 +306,7 @@ class NodesView(_GpuCounts, KvView[NodeReport]):
 
     def removed(self, key: str, old: Any) -> None:
         super().removed(key, old)
+        self.facts.pop(key, None)
         self.dirty.add(key)
         self._heard.pop(key, None)
         self._live = None

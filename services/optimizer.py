@@ -101,6 +101,7 @@ from gearshift.services.policy_bridge import LiveModels, PolicyStep
 from gearshift.services.queues import QueueStore
 from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter, with_drain_agents  # noqa: F401
 from gearshift.services.report_consumer import ReportApplier, consume_reports
+from gearshift.services.round_state import node_facts
 from gearshift.services.rounds import Rounds
 
 DEFAULT_MAX_RETRIES = 3
@@ -240,7 +241,7 @@ class Optimizer:
         # standbys keep their views warm too: a takeover need not read the buckets
         self.jobs = await JobsView(self.js, subj.JOBS_BUCKET).start()
         self.jobs.on_new = self._new_record  # a leader publishes a new job's event and runs a round
-        self.nodes = await NodesView(self.js, subj.NODES_BUCKET).start()
+        self.nodes = await NodesView(self.js, subj.NODES_BUCKET, facts=node_facts).start()  # dirty: facts changed
         self.allocs = await AllocView(self.js).start()
         self.leadership = Leadership(
             self.nc, await self.js.key_value(subj.LEASE_BUCKET), "optimizer", self.instance, ttl=self.lease_ttl,

@@ -193,6 +193,8 @@ class NodeIndex:
         self.node_type: dict[str, str] = {}
         self.holding: set[str] = set()
         self._order: tuple[list[str], list[NodeState]] | None = None  # (alive names, their states), last built
+        self._stale: set[str] = set()  # nodes whose facts changed since ``node_states`` last looked
+        self._held_at: set[str] = set()  # nodes whose last state was built with GPUs held
 
     @classmethod
     def of(cls, reports: Mapping[str, NodeReport]) -> "NodeIndex":
@@ -200,15 +202,17 @@ class NodeIndex:
         index.update(reports, reports.keys())
         return index
 
-    def update(self, reports: Mapping[str, NodeReport], names: Iterable[str]) -> None:
-        """Read the facts of these nodes again (changed, new or gone)."""
+    def update(self, reports: Mapping[str, NodeReport], names: Iterable[str],
+               facts: Mapping[str, tuple] | None = None) -> None:
+        """Read the facts of these nodes again (changed, new or gone); ``facts``: the
+        facts already worked out as the reports came in (``NodesView.facts``)."""
         for name in names:
             rep = reports.get(name)
-            f = None if rep is None else node_facts(rep)
+            f = None if rep is None else (facts.get(name) if facts is not None else None) or node_facts(rep)
             if self.facts.get(name) == f:
                 continue
             self.states.pop(name, None)  # built again when asked
-            self._order = None
+            self._stale.add(name)
             if f is None:
                 for d in (self.facts, self.held_count, self.node_type):
                     d.pop(name, None)
@@ -230,7 +234,14 @@ class NodeIndex:
         (``capacity.node_states``)."""
         states, held_count, facts = self.states, self.held_count, self.facts
         built = False
-        for name in alive:
+        if self._order is not None and self._order[0] is alive:
+            # the same nodes as last time: only those whose facts or held GPUs changed
+            todo: Iterable[str] = [n for n in (self._stale | self._held_at | seen_held.keys()) if n in facts]
+        else:
+            todo = alive
+        self._stale = set()
+        self._held_at = {n for n in seen_held if seen_held[n]}
+        for name in todo:
             h = len(seen_held.get(name, ()))
             st = states.get(name)
             if st is None or held_count.get(name) != h:

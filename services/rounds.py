@@ -81,13 +81,13 @@ class Rounds:
         if full or changed is None:
             fresh = NodeIndex.of({k: e[0] for k, e in opt.nodes.entries.items()})
             if changed is not None:
-                self.nodes_index.update(opt.nodes, changed)
+                self.nodes_index.update(opt.nodes, changed, opt.nodes.facts)
                 if self.nodes_index.differences(fresh):
                     self.mismatches += 1
                     log.warning("kept node index differed from a rebuild", parts=self.nodes_index.differences(fresh))
             self.nodes_index = fresh
         else:
-            self.nodes_index.update(opt.nodes, changed)
+            self.nodes_index.update(opt.nodes, changed, opt.nodes.facts)
         opt.models.node_type = self.nodes_index.node_type  # what ran teaches the oracle per GPU type
 
     def _note(self, records: RoundRecords, written: set[str]) -> None:

@@ -107,8 +107,10 @@ def test_kept_state_equals_a_rebuild_and_decides_the_same(seed):
     dead: set[str] = set()
     changed: set[str] = set(records)
     decided = 0
+    alive_names: list[str] = []
     for rnd in range(12):
-        alive_names = sorted(n_ for n_ in NODES if n_ not in dead)
+        if alive_names != sorted(n_ for n_ in NODES if n_ not in dead):  # the same list while nobody came or
+            alive_names = sorted(n_ for n_ in NODES if n_ not in dead)  # went (NodesView.live_names): kept states
         alive = set(alive_names)
         # the round's copy, and a write of its own (``RoundRecords.touched``) folded into the index
         round_records = RoundRecords(records)

@@ -105,3 +105,38 @@ def test_marks_are_taken_once_and_a_flood_of_them_says_look_at_everything():
     assert not m.keys and m.take() is None  # the reader looks at everything instead
     m.add("q")
     assert m.take() == {"q"}
+
+
+async def test_with_facts_a_heartbeat_marks_a_node_only_when_its_facts_change(nc):
+    """``NodesView(facts=...)``: the optimizer's rounds look at the nodes whose facts
+    (GPUs, health, reservations, CPUs, type, topology) changed, not at every heartbeat."""
+    from gearshift.bus_schema.messages import GpuHealth
+    from gearshift.services.round_state import node_facts
+
+    kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
+    view = await NodesView(nc.jetstream(), subj.NODES_BUCKET, facts=node_facts).start()
+
+    def rep(node: str, ts: float, util: float = 0.0, health: GpuHealth = GpuHealth.OK) -> bytes:
+        return codec.encode(NodeReport(node=node, ts=ts, cpus=4, gpus=[
+            GpuReport(index=0, uuid=f"{node}-0", utilization=util, health=health)]))
+
+    try:
+        await kv.put("a", rep("a", 1.0))
+        await kv.put("b", rep("b", 1.0))
+        await view.sync()
+        assert view.dirty.take() == {"a", "b"}  # new nodes
+        for i in range(5):  # heartbeats: time and utilisation move, nothing a round reads
+            await kv.put("a", rep("a", 2.0 + i, util=10.0 * i))
+            await kv.put("b", rep("b", 2.0 + i, util=5.0 * i))
+        await view.sync()
+        assert view.dirty.take() == set()
+        assert view.get("a").ts == 6.0  # the report itself is current
+        await kv.put("b", rep("b", 9.0, health=GpuHealth.XID))  # a GPU fails: a fact
+        await view.sync()
+        assert view.dirty.take() == {"b"} and view.facts["b"] == node_facts(view.get("b"))
+        assert view.facts["b"][1] == (0,)  # its GPU 0 is not healthy
+        await kv.delete("a")
+        await view.sync()
+        assert view.dirty.take() == {"a"} and "a" not in view.facts
+    finally:
+        await view.stop()
