@@ -170,6 +170,27 @@ class NodeStates(list):
         self.shape = shape
 
 
+class ShapeMemo:
+    """One value worked out from a round's nodes (``make(nodes)``), kept while the
+    nodes name the same shape (``NodeStates``): a plain list is read afresh. So a
+    round's per-node work (index by name, capacity arrays, the candidate space) is
+    done once per shape, not once per round. One tuple is swapped in, so a reader
+    on another thread sees a value with the shape it was made for."""
+
+    __slots__ = ("_hit",)
+
+    def __init__(self) -> None:
+        self._hit: tuple = (None, None)
+
+    def get(self, nodes: list[NodeState], make: Any) -> Any:
+        named = nodes.shape if type(nodes) is NodeStates else None
+        hit = self._hit
+        if named is None or hit[0] is not named:
+            hit = (named, make(nodes))
+            self._hit = hit
+        return hit[1]
+
+
 def placement_type(placement: tuple[Placement, ...]) -> str:
     """The GPU type of a placement (a job runs on one type): its first typed part."""
     for p in placement:

@@ -29,7 +29,9 @@ from typing import Protocol
 from gearshift.bus_schema.messages import JobSpec, Plan
 from gearshift.bus_schema.plan_support import plan_refusal
 from gearshift.bus_schema.topology import within
-from gearshift.policies.api import AllocationError, Changes, Decision, JobDecision, NodeState, Placement, accepts
+from gearshift.policies.api import (
+    AllocationError, Changes, Decision, JobDecision, NodeState, Placement, ShapeMemo, accepts,
+)
 
 
 class Holding(Protocol):
@@ -264,8 +266,11 @@ def check_decision(decision: Decision, nodes: list[NodeState], jobs: Mapping[str
     Capacity is checked against totals: the decision is a full desired state,
     so what running jobs hold now does not count against it.
     """
-    cap = NodeCapacity.of(nodes)
+    cap = _CAPACITY.get(nodes, NodeCapacity.of)  # once per shape of the nodes (api.NodeStates)
     cap.check(decision, jobs, cap.gpus, cap.cpus)
+
+
+_CAPACITY = ShapeMemo()
 
 
 def refuse_unsupported(decision: Decision, jobs: Mapping[str, HasSpec]) -> list[str]:

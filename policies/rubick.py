@@ -90,6 +90,7 @@ from gearshift.policies.api import (
     NodeState,
     PerfOracle,
     Placement,
+    ShapeMemo,
     default_plan,
 )
 from gearshift.policies.candidates import CandidateSpace
@@ -167,6 +168,8 @@ class Rubick:
         self.min_efficiency = min_efficiency
         self.held_for: tuple | None = None  # the last round's reservation: (job, seconds to its start)
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
+        self._sizes = ShapeMemo()  # the nodes' sizes, once per shape (api.NodeStates)
+        self._totals = ShapeMemo()  # node -> its GPUs, and the nodes by GPUs (``_decide``'s free block)
         self._fallback = AnalyticOracle()
         self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
         self.last_stats: dict = {}
@@ -180,10 +183,9 @@ class Rubick:
 
     # ---------------------------------------------------------------- helpers
     def _space(self, nodes: list[NodeState]) -> CandidateSpace:
-        g = max((n.gpus_total for n in nodes), default=8)
-        c = max((n.cpus_total for n in nodes), default=8 * g)
+        g, c, total = self._sizes.get(nodes, _sizes)
         return CandidateSpace(
-            gpus_per_node=g, cpus_per_node=c, total_gpus=sum(n.gpus_total for n in nodes), n_nodes=len(nodes),
+            gpus_per_node=g, cpus_per_node=c, total_gpus=total, n_nodes=len(nodes),
             vary_plan=self.vary_plan, vary_cpu=self.vary_cpu, vary_locality=self.vary_locality,
             max_scale=self.max_scale,
         )
@@ -256,10 +258,21 @@ class Rubick:
         return pb
 
     # ---------------------------------------------------------------- output
+    def _free_block(self, nodes: list[NodeState], used: dict[str, int]) -> tuple[int, int]:
+        """(the most GPUs free on one node, GPUs free in all) after ``used``: a look at the
+        nodes placed on and at the largest node not placed on, not at every node."""
+        gpus, by_size, total = self._totals.get(nodes, _totals)
+        block = max((gpus[n] - g for n, g in used.items()), default=0)
+        for size, name in by_size:
+            if name not in used:
+                block = max(block, size)
+                break
+        return block, total - sum(used.values())
+
     def _decide(self, jobs, nodes, pb: Problem, level, out_nodes, now=0.0) -> Decision:
         rows, stay, thr, refs, targets, u, pinned = pb.rows, pb.stay, pb.thr, pb.refs, pb.targets, pb.u, pb.pinned
         d = Decision()
-        used = {n.name: 0 for n in nodes}
+        used: dict[str, int] = {}  # GPUs placed per node, on the nodes placed on
         for i in np.flatnonzero(level >= 0).tolist():
             j, k = jobs[i], int(level[i])
             if k == stay[i]:
@@ -267,7 +280,7 @@ class Rubick:
                 why = "kept (within minimum run time)" if pinned[i] else "kept: no better use of its resources net of the restart cost"
                 d.allocations[j.job_id] = JobDecision(j.placement, plan, f"{self.name}: {why}", float(thr[i, k]), 0.0)
                 for p in j.placement:
-                    used[p.node] += p.gpus
+                    used[p.node] = used.get(p.node, 0) + p.gpus
                 continue
             c = rows[i][k]
             per = c.per_node
@@ -275,7 +288,7 @@ class Rubick:
                 Placement(nodes[int(out_nodes[i, q])].name, per, per * c.cpus_per_gpu) for q in range(c.nodes)
             )
             for p in placement:
-                used[p.node] += p.gpus
+                used[p.node] = used.get(p.node, 0) + p.gpus
             if j.running:
                 old = thr[i, stay[i]] if stay[i] >= 0 else 0.0
                 gain = float(c.throughput / old - 1.0) if old > 0 else None  # a numpy float does not encode
@@ -290,9 +303,7 @@ class Rubick:
             if j.spec.guaranteed:
                 why += f"; guarantee {targets[i]:.3g} samples/s kept ({c.throughput:.3g})"
             d.allocations[j.job_id] = JobDecision(placement, c.plan, f"{self.name}: {why} on {describe(placement)}", float(c.throughput), None if gain is None else float(gain))
-        free = {n.name: n.gpus_total - used[n.name] for n in nodes}
-        block = max(free.values(), default=0)
-        total_free = sum(free.values())
+        block, total_free = self._free_block(nodes, used)
         # per waiting job, its allowed candidate with the fewest GPUs (a guaranteed
         # job's: then the fewest CPUs per GPU), the first in its row on ties
         wait = np.flatnonzero(level < 0)
@@ -335,3 +346,14 @@ class Rubick:
                         f"{c.gpus} GPUs) than the jobs given resources this round{note}"
                     )
         return d
+
+
+def _sizes(nodes: list[NodeState]) -> tuple[int, int, int]:
+    """(most GPUs on a node, most CPUs on a node, GPUs in all): the candidate space's sizes."""
+    g = max((n.gpus_total for n in nodes), default=8)
+    return g, max((n.cpus_total for n in nodes), default=8 * g), sum(n.gpus_total for n in nodes)
+
+
+def _totals(nodes: list[NodeState]) -> tuple[dict[str, int], list[tuple[int, str]], int]:
+    gpus = {n.name: n.gpus_total for n in nodes}
+    return gpus, sorted(((g, n) for n, g in gpus.items()), key=lambda x: -x[0]), sum(gpus.values())

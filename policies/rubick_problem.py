@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from gearshift.policies.api import JobView, NodeState, PerfOracle, Placement, default_plan
+from gearshift.policies.api import JobView, NodeState, PerfOracle, Placement, ShapeMemo, default_plan
 from gearshift.policies.candidates import Candidate, CandidateCache, CandidateSpace, resource_cost
 from gearshift.policies.placement import compact_shape, symmetric_shape
 from gearshift.policies.rubick_rules import queue_keys, resume_weights, seed_groups, starved_first
@@ -65,6 +65,7 @@ class ProblemBuilder:
         self.stay: dict = {}
         self.tables: dict = {}
         self.rows: dict[str, _Row] = {}
+        self._nodes = ShapeMemo()  # node -> index, and the capacity arrays, once per shape (api.NodeStates)
 
     # ---------------------------------------------------------------- per curve
     def _candidates(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:
@@ -216,7 +217,7 @@ class ProblemBuilder:
         if jobs and (self.cache is None or self.cache.space != space):
             self.cache = CandidateCache(space)
             self.tables.clear(), self.ref.clear(), self.stay.clear(), self.rows.clear()
-        node_ix = {n.name: i for i, n in enumerate(nodes)}
+        node_ix, cap_g, cap_c = self._nodes.get(nodes, _node_arrays)
         cpg_cluster = max(space.cpus_per_node / space.gpus_per_node, 1e-9)
         J = len(jobs)
         old, rows_now = self.rows, {}
@@ -245,11 +246,12 @@ class ProblemBuilder:
             left[i] = max(pol.steps_left(j), 1.0) * j.spec.global_batch
         self.rows = rows_now
         restarts = np.array([pol.restart_of(j) for j in jobs], float)
-        return _assemble(pol, now, jobs, got, np.array(held, bool), np.array(left, float), node_ix, nodes, restarts)
+        return _assemble(pol, now, jobs, got, np.array(held, bool), np.array(left, float), node_ix, (cap_g, cap_c),
+                         restarts)
 
 
 def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.ndarray, left: np.ndarray,
-              node_ix: dict[str, int], nodes: list[NodeState], restarts: np.ndarray) -> "Problem":
+              node_ix: dict[str, int], caps: tuple[np.ndarray, np.ndarray], restarts: np.ndarray) -> "Problem":
     """The arrays of one round from its jobs' rows (see ``kernels.py`` for the fields)."""
     J = len(jobs)
     nrows = np.array([len(r.rows) for r in got], np.int64)
@@ -384,7 +386,7 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
         cg=cg, cc=cc, cm=cm, u=u, cost=cost, nk=nk, stay=stay, hold_ptr=hold_ptr,
         hold_node=np.array(hn, np.int64), hold_g=np.array(hg, np.int64), hold_c=np.array(hc, np.int64),
         seed_order=np.concatenate(groups).astype(np.int64), seed=seed, seed_any=seed_any, pinned=pinned,
-        cap_g=space_cap(nodes, "g"), cap_c=space_cap(nodes, "c"), rows=[r.rows for r in got], thr=thr, refs=refs,
+        cap_g=caps[0], cap_c=caps[1], rows=[r.rows for r in got], thr=thr, refs=refs,
         targets=targets, guaranteed=guar, running=running, nrows=nrows, left=left, restarts=R, protected=prot,
     )
 
@@ -433,6 +435,10 @@ class Problem:
     def objective(self, level: np.ndarray) -> float:
         i = np.flatnonzero(level >= 0)
         return float(sum(self.u[i, level[i]].tolist()))
+
+
+def _node_arrays(nodes: list[NodeState]) -> tuple[dict[str, int], np.ndarray, np.ndarray]:
+    return {n.name: i for i, n in enumerate(nodes)}, space_cap(nodes, "g"), space_cap(nodes, "c")
 
 
 def space_cap(nodes: list[NodeState], what: str) -> np.ndarray:

@@ -18,7 +18,7 @@ from gearshift.bus_schema.messages import JobRecord, JobState
 from gearshift.bus_schema.plan_support import with_refused
 from gearshift.bus_schema.topology import LinkFactors
 from gearshift.policies import Decision, JobView, Placement, check_decision
-from gearshift.policies.api import make_job_view
+from gearshift.policies.api import NodeStates, make_job_view
 from gearshift.policies.decision import refuse_unsupported
 from gearshift.policies.topology import arrange
 from gearshift.policies.topology_price import TopologyPricedOracle
@@ -132,6 +132,7 @@ class PolicyStep:
         self.checkpoints: dict[str, float] = {}  # job -> wall time of its latest checkpoint (JobProgress)
         self.cache = JobViews()
         self.order = ViewOrder()
+        self._shape: object = None  # the nodes' shape the oracle's paths and free GPUs were last set for
 
     def on_progress(self, p: Any) -> None:
         got = self.progress.get(p.job_id)
@@ -191,8 +192,11 @@ class PolicyStep:
         looked at (``views``)."""
         models = await self.models.snapshot()  # gs_models, read again only when it changed
         unmodelled = await self._unmodelled(records, models) if self.wait_for_models else {}
-        self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
-        self.models.priced.set_free({n.name: n.gpus_free for n in node_states})
+        shape = node_states.shape if type(node_states) is NodeStates else None
+        if shape is None or shape is not self._shape:  # the round's nodes (``NodeIndex``: a new shape when
+            self._shape = shape  # any node's state is new, its free GPUs included)
+            self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
+            self.models.priced.set_free({n.name: n.gpus_free for n in node_states})
         t = self.clock.now()
         if changed is None:
             views = self.views(records, alive, t, {*skip, *unmodelled} if unmodelled else skip)

@@ -34,6 +34,7 @@ from typing import Any
 
 from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, NodeReport
 from gearshift.policies import NodeState
+from gearshift.policies.api import NodeStates
 from gearshift.policies.decision import Held
 from gearshift.services import capacity
 
@@ -192,7 +193,7 @@ class NodeIndex:
         self.held_count: dict[str, int] = {}  # node -> held GPUs its state was built with
         self.node_type: dict[str, str] = {}
         self.holding: set[str] = set()
-        self._order: tuple[list[str], list[NodeState]] | None = None  # (alive names, their states), last built
+        self._order: tuple[list[str], list[NodeState], object] | None = None  # (alive names, states, shape)
         self._stale: set[str] = set()  # nodes whose facts changed since ``node_states`` last looked
         self._held_at: set[str] = set()  # nodes whose last state was built with GPUs held
 
@@ -252,8 +253,9 @@ class NodeIndex:
                 held_count[name] = h
                 built = True
         if built or self._order is None or self._order[0] is not alive:
-            self._order = (alive, [states[n] for n in alive])
-        return list(self._order[1])
+            # a new shape whenever any node's state is new (its free GPUs too: here free = total)
+            self._order = (alive, [states[n] for n in alive], object())
+        return NodeStates(self._order[1], self._order[2])
 
     def differences(self, other: "NodeIndex") -> list[str]:
         return [name for name in ("facts", "node_type", "holding") if getattr(self, name) != getattr(other, name)]

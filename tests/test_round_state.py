@@ -171,3 +171,38 @@ def test_kept_state_equals_a_rebuild_and_decides_the_same(seed):
         jobs_index.apply(records, changed)
         now += 5.0
     assert decided > 100  # the policy placed jobs round after round: the comparison meant something
+
+
+def test_shape_memo_works_out_once_per_shape_and_always_for_a_plain_list():
+    from gearshift.policies.api import NodeState, NodeStates, ShapeMemo
+
+    memo, calls = ShapeMemo(), []
+
+    def make(nodes):
+        calls.append(len(nodes))
+        return sum(n.gpus_total for n in nodes)
+
+    a = [NodeState("a", 8, 8, 64, 64), NodeState("b", 4, 4, 32, 32)]
+    shape = object()
+    assert memo.get(NodeStates(a, shape), make) == 12
+    assert memo.get(NodeStates(list(a), shape), make) == 12  # the same shape named again: kept
+    assert calls == [2]
+    assert memo.get(NodeStates(a[:1], object()), make) == 8  # a new shape: worked out again
+    assert memo.get(a, make) == 12 and memo.get(a, make) == 12  # a plain list names none: every time
+    assert calls == [2, 1, 2, 2]
+
+
+def test_node_states_name_a_new_shape_only_when_a_state_changes():
+    reports = {n: NodeReport(node=n, ts=1.0, cpus=32, gpus=[GpuReport(index=i, uuid=f"{n}-{i}") for i in range(4)])
+               for n in ("a", "b", "c")}
+    index = NodeIndex.of(reports)
+    alive = sorted(reports)
+    first = index.node_states(alive, {})
+    again = index.node_states(alive, {})
+    assert again.shape is first.shape and again == first
+    held = index.node_states(alive, {"b": {0, 1}})  # two of b's GPUs held outside any decision
+    assert held.shape is not first.shape and [s.gpus_total for s in held] == [4, 2, 4]
+    back = index.node_states(alive, {})
+    assert back.shape is not held.shape and [s.gpus_total for s in back] == [4, 4, 4]
+    index.update(reports, {"c"})  # a heartbeat with the same facts: nothing new
+    assert index.node_states(alive, {}).shape is back.shape
