@@ -198,9 +198,10 @@ class NodeIndex:
         self._held_at: set[str] = set()  # nodes whose last state was built with GPUs held
 
     @classmethod
-    def of(cls, reports: Mapping[str, NodeReport]) -> "NodeIndex":
+    def of(cls, reports: Mapping[str, NodeReport], facts: Mapping[str, tuple] | None = None) -> "NodeIndex":
+        """The index of every node of ``reports``; ``facts``: as ``update``'s."""
         index = cls()
-        index.update(reports, reports.keys())
+        index.update(reports, reports.keys(), facts)
         return index
 
     def update(self, reports: Mapping[str, NodeReport], names: Iterable[str],

@@ -79,7 +79,9 @@ class Rounds:
         opt = self.opt
         changed = opt.nodes.dirty.take()
         if full or changed is None:
-            fresh = NodeIndex.of({k: e[0] for k, e in opt.nodes.entries.items()})
+            # from the facts the view worked out as each report came in (``NodesView``, on every
+            # report, marked or not): a rebuild that does not read every node's GPUs again
+            fresh = NodeIndex.of({k: e[0] for k, e in opt.nodes.entries.items()}, opt.nodes.facts)
             if changed is not None:
                 self.nodes_index.update(opt.nodes, changed, opt.nodes.facts)
                 if self.nodes_index.differences(fresh):
