@@ -180,7 +180,7 @@ class RecordWriter:
         for (rec, d, pl), r in zip(todo, got):
             if r is not None:
                 records[r.job_id] = r
-                log.info("job scheduled", job_id=r.job_id, generation=r.generation, plan=d.plan.label(),
+                log.debug("job scheduled", job_id=r.job_id, generation=r.generation, plan=d.plan.label(),
                          nodes=[p.node for p in pl], draining=[p.node for p in r.draining])
         return len(new)
 

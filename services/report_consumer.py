@@ -18,7 +18,7 @@ from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.log import get_logger
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
-from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, RunReport
+from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, RunReport
 from gearshift.services import lifecycle
 from gearshift.services.alloc_writer import AllocWriter, bounded
 from gearshift.services.jobstore import JobStore
@@ -160,8 +160,11 @@ class ReportApplier:
             if new is None:
                 continue
             last = by_job[job_id][-1]
-            log.info("job state", job_id=job_id, state=new.state.value, generation=last.generation,
-                     kind=last.kind.value, draining=[p.node for p in new.draining])
+            # one line per job per move: debug (each move is a job.* event on the durable
+            # stream); a failure stays at info
+            (log.info if new.state == JobState.FAILED else log.debug)(
+                "job state", job_id=job_id, state=new.state.value, generation=last.generation,
+                kind=last.kind.value, draining=[p.node for p in new.draining])
             if ended and new.state not in ACTIVE_STATES:
                 deletes.append(job_id)
             elif released:
