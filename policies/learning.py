@@ -106,16 +106,11 @@ class LearningOracle:
                 step_time: float | None = None, oom: bool = False) -> bool:
         """Record what one configuration did; True if any answer changed."""
         spec = job.spec if isinstance(job, JobView) else job
-        if len(placement) == 1:  # (one node: the same values, without the generators)
-            one = placement[0]
-            per_node, gt = ((one.gpus,) if one.gpus > 0 else ()), one.gpu_type or ""
-        else:
-            per_node, gt = tuple(sorted(p.gpus for p in placement if p.gpus > 0)), placement_type(placement)
-        if not per_node or sum(per_node) != plan.gpus:
+        ck = self.config_key(spec, plan, placement)
+        if ck is None:
             return False
-        model = _model_of(spec)  # (gt: memory and speed differ by GPU type)
+        model, pkey, per_node, gt = ck  # (gt: memory and speed differ by GPU type)
         tm = model + (gt,)
-        pkey = _norm(plan, spec.global_batch)
         if oom:
             self._oom_models.add(model)
             return self._bump(model) if self._mem.oom(spec, tm, pkey, plan) else False
@@ -123,7 +118,6 @@ class LearningOracle:
             return False
         relaxed = self._mem.ran(spec, tm, pkey, plan)  # it fits, and so does what needs no more
         observed = spec.global_batch / step_time
-        ck = (model, pkey, per_node, gt)
         old = self._exact.get(ck)
         if old is not None and abs(observed / old[0] - 1) <= CHANGE_TOL:  # (the prediction is not needed then)
             return self._bump(model) if relaxed else False
@@ -135,6 +129,19 @@ class LearningOracle:
             logs[(pkey, per_node)] = math.log(observed / predicted)
             self._factor[fk] = math.exp(sum(logs.values()) / (len(logs) + self.prior))
         return self._bump(model)
+
+    @staticmethod
+    def config_key(spec: JobSpec, plan: Plan, placement: tuple[Placement, ...]) -> tuple | None:
+        """The configuration an observation is of: (model and batch, normalised plan, GPUs
+        per node, GPU type); None when the placement does not hold the plan's GPUs."""
+        if len(placement) == 1:  # (one node: the same values, without the generators)
+            one = placement[0]
+            per_node, gt = ((one.gpus,) if one.gpus > 0 else ()), one.gpu_type or ""
+        else:
+            per_node, gt = tuple(sorted(p.gpus for p in placement if p.gpus > 0)), placement_type(placement)
+        if not per_node or sum(per_node) != plan.gpus:
+            return None
+        return _model_of(spec), _norm(plan, spec.global_batch), per_node, gt
 
     def _bump(self, model: tuple) -> bool:
         self._version[model] = self._version.get(model, 0) + 1

@@ -8,6 +8,7 @@ policy sees the same ``JobView``/``PerfOracle`` shapes the simulator gives it.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from gearshift.bus_schema.topology import LinkFactors
 from gearshift.policies import Decision, JobView, Placement, check_decision
 from gearshift.policies.api import NodeStates, make_job_view
 from gearshift.policies.decision import refuse_unsupported
+from gearshift.policies.learning import CHANGE_TOL
 from gearshift.policies.topology import arrange
 from gearshift.policies.topology_price import TopologyPricedOracle
 from gearshift.policies.views import KeptViews
@@ -242,6 +244,32 @@ def segment_gpu_s(rec: JobRecord, ts: float) -> float:
 
 
 PROGRESS_EVERY_S = 30.0  # a job's progress teaches the oracle at most this often
+POOL_JOBS = 32  # a configuration's step time: the mean of the latest of at most this many jobs
+
+
+class _Pool:
+    """One configuration's step time as the jobs that ran it measured it (each job's
+    latest, the last ``POOL_JOBS`` jobs), and the mean last taught to the oracle.
+
+    Live step times are wall-clock measurements: two jobs on the same configuration
+    differ by a few percent (start-up, a busy host), more than the oracle's
+    ``CHANGE_TOL``. Taught one by one, each job's figure replaced the other's and every
+    replacement made the policy rebuild that model's candidates, for every job of the
+    model, round after round. Their mean moves only when the evidence does."""
+
+    __slots__ = ("by_job", "taught")
+
+    def __init__(self) -> None:
+        self.by_job: dict[str, float] = {}
+        self.taught: float | None = None
+
+    def add(self, job_id: str, step_time: float) -> float:
+        """Take a job's latest figure; the mean over the jobs kept."""
+        by_job = self.by_job
+        if by_job.pop(job_id, None) is None and len(by_job) >= POOL_JOBS:
+            del by_job[next(iter(by_job))]  # the job heard from longest ago
+        by_job[job_id] = step_time
+        return sum(by_job.values()) / len(by_job)
 
 
 class LiveModels:
@@ -269,8 +297,9 @@ class LiveModels:
         self._keys: dict[Any, str] = {}  # ModelSpec -> its key in gs_models
         self._snap: tuple[int, dict] = (-1, {})  # (stream's last sequence, snapshot of gs_models then)
         self._loaded_seq = -2  # the snapshot's sequence the models in use were last loaded from
-        self._stepped: dict[str, tuple] = {}
-        self._progress_at: dict[str, tuple[int, float]] = {}  # job -> (generation, ts) of its last progress fed  # job -> (generation, ts, step, plan, placement)
+        self._stepped: dict[str, tuple] = {}  # job -> (generation, ts, step, plan, placement, spec) of STEPPED
+        self._progress_at: dict[str, tuple[int, float]] = {}  # job -> (generation, ts) of its last progress fed
+        self._pools: dict[tuple, _Pool] = {}  # configuration (LearningOracle.config_key) -> its step times
         self.node_type: dict[str, str] = {}  # node -> GPU type (the optimizer's node view, every round)
 
     def _placement(self, rec: JobRecord) -> tuple[Placement, ...]:
@@ -346,7 +375,7 @@ class LiveModels:
         steps = max(int(r.progress_step or 0), int(r.steps_done or 0))
         if steps <= s0 or r.ts <= t0:
             return False
-        return self.oracle.observe(rec.spec, plan, placement, step_time=(r.ts - t0) / (steps - s0))
+        return self._teach(rec.job_id, rec.spec, plan, placement, (r.ts - t0) / (steps - s0))
 
     def observe_progress(self, job_id: str, generation: int, ts: float, steps: int) -> bool:
         """A progress line of a generation that reported STEPPED: the step time since
@@ -361,7 +390,23 @@ class LiveModels:
         if len(self._progress_at) > 4 * max(1, len(self._stepped)):  # ended jobs
             self._progress_at = {j: v for j, v in self._progress_at.items() if j in self._stepped}
         _, t0, s0, plan, placement, spec = mark
-        return self.oracle.observe(spec, plan, placement, step_time=(ts - t0) / (steps - s0))
+        return self._teach(job_id, spec, plan, placement, (ts - t0) / (steps - s0))
+
+    def _teach(self, job_id: str, spec: Any, plan: Any, placement: tuple[Placement, ...], step_time: float) -> bool:
+        """Teach the oracle a configuration's step time: the mean of its jobs' latest
+        figures (``_Pool``), once it moved by more than the oracle's tolerance from what
+        it was last taught. True if the oracle changed."""
+        key = self.oracle.config_key(spec, plan, placement)
+        if key is None or not step_time > 0 or not math.isfinite(step_time):
+            return self.oracle.observe(spec, plan, placement, step_time=step_time)
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool()
+        mean = pool.add(job_id, step_time)
+        if pool.taught is not None and abs(pool.taught / mean - 1) <= CHANGE_TOL:
+            return False
+        pool.taught = mean
+        return self.oracle.observe(spec, plan, placement, step_time=mean)
 
 
 def is_oom(message: str) -> bool:

@@ -127,3 +127,28 @@ def test_what_ran_on_a_typed_node_teaches_that_type_only():
     assert abs(m.oracle.observed(SPEC, rec.plan, (Placement("n0", 2, 4, "v100"),)) - SPEC.global_batch / 2.0) < 1e-9
     assert m.oracle.observed(SPEC, rec.plan, (Placement("n0", 2, 4),)) is None
     assert m.oracle.observed(SPEC, rec.plan, (Placement("n0", 2, 4, "a100"),)) is None
+
+
+def test_jobs_on_one_configuration_teach_their_mean_not_each_figure_in_turn():
+    """Two jobs on the same plan and GPUs measure 2.0 and 2.1 s/step (wall clocks on a busy
+    host): taught one by one, each figure replaced the other and every replacement bumped
+    the oracle (the policy rebuilt the model's candidates each round). Pooled, the oracle
+    learns their mean, and again only when the mean moves past its tolerance."""
+    from gearshift.policies.api import Placement
+    from gearshift.services.policy_bridge import LiveModels
+
+    m = LiveModels(None)
+    a, b = _rec(job_id="a", generation=1), _rec(job_id="b", generation=1,
+                                                placement=[NodePlacement(node="n1", gpus=[0, 1], cpus=4)])
+    for rec in (a, b):
+        m.observe_report(rec, RunReport(job_id=rec.job_id, generation=1, node=rec.placement[0].node,
+                                        kind=RunReportKind.STEPPED, ts=0.0, start_step=0))
+    rev0 = m.oracle.revision
+    taught = 0
+    for k in range(1, 11):  # every 40 s each job reports its speed since its first step
+        ts = 40.0 * k
+        taught += m.observe_progress("a", 1, ts, int(ts / 2.0) + 1)  # 2.0 s/step
+        taught += m.observe_progress("b", 1, ts, int(ts / 2.1) + 1)  # about 2.1 s/step
+    assert taught == m.oracle.revision - rev0 <= 3  # not 20: once at first, then as the mean settled
+    speed = m.oracle.observed(SPEC, a.plan, (Placement("n0", 2, 4),))
+    assert abs(SPEC.global_batch / speed - 2.05) < 2.05 * 0.02  # the mean of the two, within the tolerance
