@@ -36,9 +36,9 @@ from gearshift.policies.api import (
     Decision,
     JobView,
     NodeState,
-    NodeStates,
     PerfOracle,
     Placement,
+    ShapeMemo,
     accepts,
     default_plan,
     placement_type,
@@ -143,7 +143,7 @@ class ByType:
         self._one = None  # the inner policy that decided the last round alone (one type), if one did
         self._speed: dict = {}
         self._asked: tuple = (None, True)  # the last list of jobs, whether any of them asked for a GPU type
-        self._types: tuple = (None, [])  # the shape the last nodes named (api.NodeStates), their types
+        self._types = ShapeMemo()  # the nodes' GPU types, once per shape (api.NodeStates)
         self.last_types: dict[str, str] = {}
 
     _OWN = frozenset({"name", "chooser", "restart_cost", "min_run_time", "last_types", "schedule"})
@@ -195,10 +195,7 @@ class ByType:
         return asked
 
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:
-        named = nodes.shape if type(nodes) is NodeStates else None
-        if named is None or named is not self._types[0]:
-            self._types = (named, node_types(nodes))
-        types = self._types[1]
+        types = self._types.get(nodes, node_types)
         if len(types) <= 1 and not self._ask_types(jobs):
             t = types[0] if types else ""
             self._one = self.inner(t)

@@ -168,8 +168,7 @@ class Rubick:
         self.min_efficiency = min_efficiency
         self.held_for: tuple | None = None  # the last round's reservation: (job, seconds to its start)
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
-        self._sizes = ShapeMemo()  # the nodes' sizes, once per shape (api.NodeStates)
-        self._totals = ShapeMemo()  # node -> its GPUs, and the nodes by GPUs (``_decide``'s free block)
+        self._sizes = ShapeMemo()  # the nodes' sizes, once per shape (api.NodeStates): ``_sizes``
         self._fallback = AnalyticOracle()
         self._preempted: dict[str, float] = {}  # job -> when this policy last preempted it
         self.last_stats: dict = {}
@@ -183,7 +182,7 @@ class Rubick:
 
     # ---------------------------------------------------------------- helpers
     def _space(self, nodes: list[NodeState]) -> CandidateSpace:
-        g, c, total = self._sizes.get(nodes, _sizes)
+        g, c, total, _, _ = self._sizes.get(nodes, _sizes)
         return CandidateSpace(
             gpus_per_node=g, cpus_per_node=c, total_gpus=total, n_nodes=len(nodes),
             vary_plan=self.vary_plan, vary_cpu=self.vary_cpu, vary_locality=self.vary_locality,
@@ -261,7 +260,7 @@ class Rubick:
     def _free_block(self, nodes: list[NodeState], used: dict[str, int]) -> tuple[int, int]:
         """(the most GPUs free on one node, GPUs free in all) after ``used``: a look at the
         nodes placed on and at the largest node not placed on, not at every node."""
-        gpus, by_size, total = self._totals.get(nodes, _totals)
+        _, _, total, gpus, by_size = self._sizes.get(nodes, _sizes)
         block = max((gpus[n] - g for n, g in used.items()), default=0)
         for size, name in by_size:
             if name not in used:
@@ -348,12 +347,10 @@ class Rubick:
         return d
 
 
-def _sizes(nodes: list[NodeState]) -> tuple[int, int, int]:
-    """(most GPUs on a node, most CPUs on a node, GPUs in all): the candidate space's sizes."""
-    g = max((n.gpus_total for n in nodes), default=8)
-    return g, max((n.cpus_total for n in nodes), default=8 * g), sum(n.gpus_total for n in nodes)
-
-
-def _totals(nodes: list[NodeState]) -> tuple[dict[str, int], list[tuple[int, str]], int]:
+def _sizes(nodes: list[NodeState]) -> tuple[int, int, int, dict[str, int], list[tuple[int, str]]]:
+    """(most GPUs on a node, most CPUs on a node, GPUs in all: the candidate space's sizes;
+    node -> its GPUs, and (GPUs, node) largest first: ``_free_block``'s)."""
     gpus = {n.name: n.gpus_total for n in nodes}
-    return gpus, sorted(((g, n) for n, g in gpus.items()), key=lambda x: -x[0]), sum(gpus.values())
+    g = max(gpus.values(), default=8)
+    by_size = sorted(((k, n) for n, k in gpus.items()), key=lambda x: -x[0])
+    return g, max((n.cpus_total for n in nodes), default=8 * g), sum(n.gpus_total for n in nodes), gpus, by_size

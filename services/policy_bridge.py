@@ -19,7 +19,7 @@ from gearshift.bus_schema.messages import JobRecord, JobState
 from gearshift.bus_schema.plan_support import with_refused
 from gearshift.bus_schema.topology import LinkFactors
 from gearshift.policies import Decision, JobView, Placement, check_decision
-from gearshift.policies.api import NodeStates, make_job_view
+from gearshift.policies.api import ShapeMemo, make_job_view
 from gearshift.policies.decision import refuse_unsupported
 from gearshift.policies.learning import CHANGE_TOL
 from gearshift.policies.topology import arrange
@@ -135,7 +135,7 @@ class PolicyStep:
         self.checkpoints: dict[str, float] = {}  # job -> wall time of its latest checkpoint (JobProgress)
         self.cache = JobViews()
         self.order = ViewOrder()
-        self._shape: object = None  # the nodes' shape the oracle's paths and free GPUs were last set for
+        self._nodes_set = ShapeMemo()  # the nodes' shape the oracle's paths and free GPUs were last set for
 
     def on_progress(self, p: Any) -> None:
         got = self.progress.get(p.job_id)
@@ -195,11 +195,9 @@ class PolicyStep:
         looked at (``views``)."""
         models = await self.models.snapshot()  # gs_models, read again only when it changed
         unmodelled = await self._unmodelled(records, models) if self.wait_for_models else {}
-        shape = node_states.shape if type(node_states) is NodeStates else None
-        if shape is None or shape is not self._shape:  # the round's nodes (``NodeIndex``: a new shape when
-            self._shape = shape  # any node's state is new, its free GPUs included)
-            self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
-            self.models.priced.set_free({n.name: n.gpus_free for n in node_states})
+        # the round's nodes, once per shape (``NodeIndex``: a new one when any node's state is new,
+        # its free GPUs included)
+        self._nodes_set.get(node_states, self._set_nodes)
         t = self.clock.now()
         if changed is None:
             views = self.views(records, alive, t, {*skip, *unmodelled} if unmodelled else skip)
@@ -224,6 +222,10 @@ class PolicyStep:
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
         return decision, views, t_policy
+
+    def _set_nodes(self, node_states: list) -> None:
+        self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
+        self.models.priced.set_free({n.name: n.gpus_free for n in node_states})
 
     async def _unmodelled(self, records: dict[str, JobRecord], models: dict) -> dict[str, str]:
         """Pending jobs whose model has no fit yet: job id -> model key (``models``: gs_models' snapshot)."""
