@@ -1,7 +1,20 @@
 """Heartbeats: the node's ``NodeReport`` (GPUs from the probe, CPUs, host
 memory, what runs, GPUs reserved for profiling) on ``gs.node.<node>.heartbeat``
-and in KV ``gs_nodes``, every ``interval`` seconds. The optimizer judges
-liveness by the server's timestamps of these writes, never by ``ts``."""
+every ``interval`` seconds, and in KV ``gs_nodes`` whenever what the services
+act on changed (``report_state``) and at least every ``REFRESH_BEATS`` beats.
+The optimizer judges liveness by the server's timestamps of these writes, never
+by ``ts``.
+
+Why not every beat: the bucket's watchers (the optimizer) take in every write,
+and at 2,000 nodes and 2 s beats that was 1,000 stored, acknowledged and
+delivered messages a second, most saying only that the GPUs' utilisation moved
+(issue 24). Kubernetes made the same split: the kubelet renews a small Lease
+for liveness and writes the node's status only when it changed or every few
+minutes (KEP-589, ``nodeStatusReportFrequency``). Here the liveness write and
+the status are one: a report written at least every ``REFRESH_BEATS`` beats,
+so a node timeout must be longer than that many beats (the defaults: 1-2 s
+beats, a 10 s timeout). The subject still carries every beat, readings
+included, for whoever follows the nodes live."""
 
 from __future__ import annotations
 
@@ -16,6 +29,16 @@ from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.gputypes import node_gpu_type
 from gearshift.bus_schema.messages import NodeReport
+
+REFRESH_BEATS = 2  # the KV copy is written at least every this many beats, and on every change of state
+
+
+def report_state(r: NodeReport) -> tuple:
+    """What the services act on in a report: all of it but the time and the
+    readings that move by themselves (utilisation, memory used, GPU processes)."""
+    return (tuple((g.index, g.uuid, g.name, g.memory_total, g.health, g.health_reason) for g in r.gpus),
+            r.cpus, r.memory_total, r.probe, tuple(r.reserved), tuple(r.running), r.agent_version, r.started_at,
+            r.address, r.gpu_type, r.topology, r.alloc_rev)
 
 
 class Heartbeat:
@@ -40,6 +63,8 @@ class Heartbeat:
         # set by the agent: the highest gs_alloc sequence applied to its desired state, and
         # acted on by a reconcile pass (NodeReport.alloc_rev)
         self.applied_rev = self.alloc_rev = 0
+        self._written: tuple | None = None  # report_state of the last report written to gs_nodes
+        self._beats_since_write = 0
 
     async def report(self) -> NodeReport:
         mem_total, mem_used = self.memory()
@@ -67,7 +92,11 @@ class Heartbeat:
         observe.gpu_report(report)
         data = codec.encode(report)
         await self.nc.publish(subj.node_heartbeat(self.node), data)
-        await self.nodes_kv().put(self.node, data)
+        state = report_state(report)
+        self._beats_since_write += 1
+        if state != self._written or self._beats_since_write >= REFRESH_BEATS:
+            await self.nodes_kv().put(self.node, data)
+            self._written, self._beats_since_write = state, 0
 
     async def loop(self) -> None:
         failing = False
