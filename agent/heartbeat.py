@@ -63,6 +63,7 @@ class Heartbeat:
         # set by the agent: the highest gs_alloc sequence applied to its desired state, and
         # acted on by a reconcile pass (NodeReport.alloc_rev)
         self.applied_rev = self.alloc_rev = 0
+        self.refresh_beats = REFRESH_BEATS  # 1: every beat written (what agents did before; loadtest A/B)
         self._written: tuple | None = None  # report_state of the last report written to gs_nodes
         self._beats_since_write = 0
 
@@ -94,7 +95,7 @@ class Heartbeat:
         await self.nc.publish(subj.node_heartbeat(self.node), data)
         state = report_state(report)
         self._beats_since_write += 1
-        if state != self._written or self._beats_since_write >= REFRESH_BEATS:
+        if state != self._written or self._beats_since_write >= self.refresh_beats:
             await self.nodes_kv().put(self.node, data)
             self._written, self._beats_since_write = state, 0
 

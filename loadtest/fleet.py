@@ -141,8 +141,9 @@ class SharedHostMemory:
 class Fleet:
     def __init__(self, nc: Any, nodes: int, gpus_per_node: int, *, prefix: str = "fleet", heartbeat: float = 2.0,
                  progress_interval: float = 5.0, grace: float = 5.0, workdir: str | None = None, cpus: int = 64,
-                 topology: Any = None):
+                 topology: Any = None, refresh_beats: int | None = None):
         self.nc = nc
+        self.refresh_beats = refresh_beats  # agent.heartbeat.REFRESH_BEATS unless given
         self.names = [f"{prefix}-{i:05d}" for i in range(nodes)]
         self.gpus = gpus_per_node
         self.heartbeat = heartbeat
@@ -177,6 +178,8 @@ class Fleet:
                       heartbeat=self.heartbeat, grace=self.grace, progress_interval=self.progress_interval,
                       runner=runner, alloc_watch=self.watch.watch, topology=self.topology.get(name, ""))
         agent.heartbeat.memory = self.host_memory
+        if self.refresh_beats is not None:
+            agent.heartbeat.refresh_beats = self.refresh_beats
         await agent.start()
         self.agents[name] = agent
         self.runners[name] = runner
@@ -216,7 +219,8 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> dict:
 
     nc = await connect(args.server, name="gearshift-fleet", retry_for=10)
     t0 = time.monotonic()
-    fleet = await Fleet(nc, args.nodes, args.gpus_per_node, heartbeat=args.heartbeat, prefix=args.prefix).start()
+    fleet = await Fleet(nc, args.nodes, args.gpus_per_node, heartbeat=args.heartbeat, prefix=args.prefix,
+                        refresh_beats=args.refresh_beats).start()
     started_s = time.monotonic() - t0
     # The agents' state lives as long as the fleet: out of the collector's way.
     # Otherwise each full collection walks 2,000 agents' objects (measured: 480 ms,
@@ -241,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--server", default=os.environ.get("GEARSHIFT_NATS_URL"))
     ap.add_argument("--heartbeat", type=float, default=2.0, help="seconds between each agent's heartbeats")
+    ap.add_argument("--refresh-beats", type=int, default=None,
+                    help="write each report to gs_nodes at least every this many beats (default: the agent's; 1: every beat)")
     ap.add_argument("--prefix", default="fleet", help="node names are <prefix>-00000 ...")
     ap.add_argument("--duration", type=float, default=None, help="seconds to run (default: until SIGINT/SIGTERM)")
     ap.add_argument("--json", action="store_true")

@@ -395,7 +395,8 @@ class Run:
                         self.workdir / "optimizer.log", a.profile)
             procs.start("perfmodel", ["gearshift.services.perfmodel_service"], env, self.workdir / "perfmodel.log")
             procs.start("fleet", ["loadtest.fleet", "--nodes", str(self.nodes), "--gpus-per-node", str(a.gpus_per_node),
-                                  "--heartbeat", str(a.heartbeat)], env, self.workdir / "fleet.log", a.profile)
+                                  "--heartbeat", str(a.heartbeat),
+                                  *(["--refresh-beats", str(a.refresh_beats)] if a.refresh_beats else [])], env, self.workdir / "fleet.log", a.profile)
             procs.watch({"nats-server": server.proc.pid})
             view = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
             t = time.monotonic()
@@ -688,6 +689,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--policy-options", default="",
                     help="the optimizer's --policy-options (JSON), e.g. {\"restart_cost\": 2}; default: none")
     ap.add_argument("--heartbeat", type=float, default=2.0, help="agents' heartbeat interval")
+    ap.add_argument("--refresh-beats", type=int, default=None,
+                    help="agents write their report to gs_nodes at least every this many beats (default: the agent's)")
     ap.add_argument("--node-timeout", type=float, default=20.0)
     ap.add_argument("--interval", type=float, default=1.0, help="optimizer timer rounds")
     ap.add_argument("--probe-rates", default="auto",
