@@ -134,3 +134,26 @@ async def test_archiving_many_moves_them_with_one_fenced_batch(nc):
         hist, _ = await store.get(f"ja{i}")
         assert hist.state == JobState.COMPLETED and hist.outbox == []
     assert sorted(m for _, m in await events(nc)) == ["ja0:1", "ja1:1", "ja2:1"]  # what was left in the outboxes
+
+
+async def test_a_record_published_again_while_its_events_are_in_flight_sends_each_once(nc):
+    """The outbox flusher, a round and a report turn may each publish the same
+    record at once: the later calls wait for the one in flight and send only
+    what it left (issue 24: under load every event went out about twice)."""
+    store = await JobStore(nc).open()
+    sent = []
+
+    async def seen(m):
+        sent.append((m.subject, m.headers["Nats-Msg-Id"]))
+
+    sub = await nc.subscribe("gs.evt.job.>", cb=seen)
+    rec = record("jd0")
+    later = with_event(rec, JobCompleted, ts=2.0, steps_done=10)  # the same record written again, one more event
+    await asyncio.gather(store.publish(rec), store.publish(rec), store.publish(later), store.publish(rec))
+    await nc.flush()
+    await eventually(lambda: _count_at_least(nc, 2), timeout=10)
+    assert sorted(sent) == [("gs.evt.job.jd0.completed", "jd0:2"), ("gs.evt.job.jd0.submitted", "jd0:1")]
+    assert store.events_sent == 2 and store.published["jd0"] == 2
+    await store.publish(later)  # all acknowledged: nothing to send
+    assert store.events_sent == 2
+    await sub.unsubscribe()
