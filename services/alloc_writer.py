@@ -23,7 +23,7 @@ from gearshift.bus.views import KvView, Marks
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import ACTIVE_STATES, Allocation, JobRecord, Plan
-from gearshift.services.fencing import BATCH_KEYS, Fence
+from gearshift.services.fencing import Fence
 
 DEFAULT_STEP_TIME = 0.1
 DEFAULT_PARALLEL = 32
@@ -145,7 +145,7 @@ class AllocWriter:
     async def delete(self, job_id: str) -> None:
         await self._each(self._delete_writes(job_id))
 
-    async def write_many(self, puts: list[JobRecord], deletes: list[str], *, most: int = BATCH_KEYS) -> None:
+    async def write_many(self, puts: list[JobRecord], deletes: list[str], *, most: int = 500) -> None:
         """A round's allocation writes as atomic batches of about ``most`` keys,
         fenced once each (a commit costs the server a disk sync, so one per
         key would cap a round at a few dozen writes a second). One job's keys

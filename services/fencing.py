@@ -47,10 +47,6 @@ WRONG_LAST_SEQUENCE = 10071  # JSStreamWrongLastSequenceErrF (single server)
 WRONG_LAST_SEQUENCE_CONSTANT = 10164  # JSStreamWrongLastSequenceConstantErr (replicated streams)
 WRONG_LAST = (WRONG_LAST_SEQUENCE, WRONG_LAST_SEQUENCE_CONSTANT)
 RETRIES = 50  # a refused fenced put/delete while the epoch did not move: in-flight contention
-# Atomic batches hold at most 1,000 messages, the fence marker included: nats-server's ceiling
-# (``jetstream { limits { batch { max_msgs } } }``, default 1000). A commit costs the
-# server a disk sync whatever the batch's size, so a round's writes go out in as few as fit.
-BATCH_KEYS = 999  # keys per batch: the ceiling less the marker
 
 
 class Deposed(RuntimeError):

@@ -34,7 +34,6 @@ from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobRecord, UsageBatch, UsageRow, event_kind
 from gearshift.bus_schema.usage import usage_row
 from gearshift.services.alloc_writer import bounded
-from gearshift.services.fencing import BATCH_KEYS
 
 Change = Callable[[JobRecord], JobRecord | None]
 USAGE_BATCH = 500  # usage rows per GS_USAGE message (~150 bytes each: well under the payload limit)
@@ -105,7 +104,7 @@ class JobStore:
         self.published.pop(rec.job_id, None)
         return True
 
-    async def archive_many(self, recs: list[JobRecord], *, parallel: int = 32, chunk: int = BATCH_KEYS) -> int:
+    async def archive_many(self, recs: list[JobRecord], *, parallel: int = 32, chunk: int = 500) -> int:
         """``archive`` of many finished records: their events left in outboxes
         published, their history copies written, then their ``gs_jobs`` keys
         deleted as atomic batches of ``chunk`` (fenced once each while leading: one
@@ -170,7 +169,7 @@ class JobStore:
         return new
 
     async def update_many(self, items: list[tuple[str, Change, tuple[JobRecord, int] | None]], *,
-                          chunk: int = BATCH_KEYS, parallel: int = 32, publish: bool = True) -> list[JobRecord | None]:
+                          chunk: int = 256, parallel: int = 32, publish: bool = True) -> list[JobRecord | None]:
         """``update`` of many records: each change applied to its hint (the
         view's record), all written as atomic batches of ``chunk`` (fenced
         while leading: ``Fence.update_many``), then their events published.

@@ -8,7 +8,7 @@ from nats.js.errors import KeyNotFoundError
 
 from gearshift.bus.kv import kv_snapshot
 from gearshift.bus_schema import subjects as subj
-from gearshift.services.fencing import BATCH_KEYS, Deposed, Fence
+from gearshift.services.fencing import Deposed, Fence
 
 
 async def test_a_batch_writes_and_deletes_all_its_keys_at_once(nc):
@@ -86,18 +86,3 @@ async def test_update_many_applies_every_change_even_from_stale_hints(nc):
         assert rec.state == JobState.CANCELLED
     assert (await store.get("u2"))[0].reason == "moved"  # the conflict was re-read, not overwritten
     assert store.conflicts >= 1
-
-
-async def test_the_largest_batch_the_writers_send_is_one_the_server_takes(nc):
-    """``BATCH_KEYS`` keys and the fence marker: the server's ceiling (1,000
-    messages) exactly; one more key and it refuses the batch, nothing stored."""
-    kv = await nc.jetstream().key_value(subj.JOBS_BUCKET)
-    fence = Fence(nc, [subj.JOBS_BUCKET], "leader")
-    await fence.take()
-    revs = [await kv.put(f"b{i}", b"0") for i in range(BATCH_KEYS + 1)]
-    got = await fence.update_many(subj.JOBS_BUCKET, [(f"b{i}", b"1", revs[i]) for i in range(BATCH_KEYS)])
-    assert [(await kv.get(f"b{i}")).revision for i in (0, BATCH_KEYS - 1)] == [got[0], got[-1]]
-    with pytest.raises(RuntimeError):
-        await fence.update_many(subj.JOBS_BUCKET, [(f"b{i}", b"2", got[i] if i < BATCH_KEYS else revs[i])
-                                                   for i in range(BATCH_KEYS + 1)])
-    assert (await kv.get("b0")).value == b"1"
