@@ -220,6 +220,12 @@ def handling_summary(before: dict[float, float], after: dict[float, float], floo
             "p99_at_most_ms": None if p99_le == float("inf") else round(p99_le * 1e3, 1)}
 
 
+def fleet_args(a: argparse.Namespace, nodes: int) -> list[str]:
+    """The fleet emulator's command line for ``nodes`` nodes."""
+    return ["loadtest.fleet", "--nodes", str(nodes), "--gpus-per-node", str(a.gpus_per_node), "--heartbeat",
+            str(a.heartbeat), *(["--refresh-beats", str(a.refresh_beats)] if a.refresh_beats else [])]
+
+
 class Run:
     def __init__(self, args: argparse.Namespace, nodes: int, workdir: Path):
         self.args = args
@@ -394,9 +400,7 @@ class Run:
                                       *a.optimizer_args.split()], env,
                         self.workdir / "optimizer.log", a.profile)
             procs.start("perfmodel", ["gearshift.services.perfmodel_service"], env, self.workdir / "perfmodel.log")
-            procs.start("fleet", ["loadtest.fleet", "--nodes", str(self.nodes), "--gpus-per-node", str(a.gpus_per_node),
-                                  "--heartbeat", str(a.heartbeat),
-                                  *(["--refresh-beats", str(a.refresh_beats)] if a.refresh_beats else [])], env, self.workdir / "fleet.log", a.profile)
+            procs.start("fleet", fleet_args(a, self.nodes), env, self.workdir / "fleet.log", a.profile)
             procs.watch({"nats-server": server.proc.pid})
             view = await NodesView(nc.jetstream(), subj.NODES_BUCKET).start()
             t = time.monotonic()
