@@ -353,4 +353,4 @@ def _sizes(nodes: list[NodeState]) -> tuple[int, int, int, dict[str, int], list[
     gpus = {n.name: n.gpus_total for n in nodes}
     g = max(gpus.values(), default=8)
     by_size = sorted(((k, n) for n, k in gpus.items()), key=lambda x: -x[0])
-    return g, max((n.cpus_total for n in nodes), default=8 * g), sum(n.gpus_total for n in nodes), gpus, by_size
+    return g, max((n.cpus_total for n in nodes), default=8 * g), sum(gpus.values()), gpus, by_size
