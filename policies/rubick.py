@@ -41,11 +41,17 @@ One round:
    first and are never shrunk below their request; a pending one is admitted
    (at its request when nothing else is trusted) only if it fits, so an
    accepted guarantee can be kept.
-4. Jobs that (re)started less than ``min_run_time`` ago keep their
-   allocation (pinned); pending guaranteed jobs are seeded after pinned
-   best-effort ones (so a guarantee waits at most ``min_run_time`` for them:
-   now that a guarantee is admitted at its full request, evicting freshly
-   (re)started best-effort jobs for it costs them two restarts in a window)
+4. Jobs that (re)started less than ``pin_restarts`` (10) times their own
+   restart ago, and less than ``min_run_time`` (600 s), keep their allocation
+   (pinned; ``pin_window``: the restart is then at most a tenth of the time
+   between two switches of a job; one flat 600 s pin held a bert job whose
+   restart takes 15 s, and the GPUs that waiting jobs could use, for 40
+   restarts' worth of time; ``pin_restarts=0``, or one flat restart price
+   for every job, pins every job for ``min_run_time``); pending guaranteed
+   jobs are seeded after pinned best-effort ones (so a guarantee waits at
+   most ``min_run_time`` for them: now that a guarantee is admitted at its
+   full request, evicting freshly (re)started best-effort jobs for it costs
+   them two restarts in a window)
    and before every other job, shortest predicted run first. With
    ``guarantee_wait_bound`` (off) one that has waited ``min_run_time`` goes
    before them (jobs pinned anew at every switch kept 40-GPU guarantees out
@@ -131,6 +137,7 @@ class Rubick:
         keep_starved: bool = True,
         queue_key: str = "area",
         min_efficiency: float = 0.9,
+        pin_restarts: float = 10.0,
     ):
         self.name = name
         self.vary_plan = vary_plan
@@ -166,6 +173,9 @@ class Rubick:
         # rubick_rules.py: a best-effort job is not given fewer GPUs than it asked for where that
         # needs more than 1 / min_efficiency times the GPU-time its request would (0: off)
         self.min_efficiency = min_efficiency
+        # a job is pinned for pin_restarts x its own restart, at most min_run_time (0, or no
+        # restart_model: every job min_run_time, as before): ``pin_window``
+        self.pin_restarts = pin_restarts
         self.held_for: tuple | None = None  # the last round's reservation: (job, seconds to its start)
         self.problems = ProblemBuilder()  # candidates, per-job rows: cached across rounds
         self._sizes = ShapeMemo()  # the nodes' sizes, once per shape (api.NodeStates): ``_sizes``
@@ -194,8 +204,19 @@ class Rubick:
             return float(self.restart_model(j.spec))
         return float(self.restart_cost)
 
+    def pin_window(self, j: JobView) -> float:
+        """How long after a (re)start ``j`` keeps its allocation (and a preempted ``j`` stays
+        out): ``pin_restarts`` times its own restart, at most ``min_run_time``. The pin is
+        there so that a switch pays for itself; a job that restarts in 15 s has done so long
+        before 600 s, and held the GPUs a waiting job could use (docstring, point 4). Only
+        where each job pays its own restart (``restart_model``); with one flat price for
+        every job (``restart_cost``), every job is pinned for ``min_run_time``."""
+        if self.pin_restarts > 0 and self.restart_model is not None and self.own_restart:
+            return min(self.min_run_time, self.pin_restarts * self.restart_of(j))
+        return self.min_run_time
+
     def _pinned(self, j: JobView, now: float) -> bool:
-        return j.running and j.switched_at is not None and now - j.switched_at < self.min_run_time
+        return j.running and j.switched_at is not None and now - j.switched_at < self.pin_window(j)
 
     def _held_out(self, j: JobView, now: float) -> bool:
         """A best-effort job preempted less than min_run_time ago stays out:
@@ -203,7 +224,7 @@ class Rubick:
         if j.running or j.spec.guaranteed:
             return False
         last = max(self._preempted.get(j.job_id, -math.inf), j.last_switch_at if j.started_at is not None and j.last_switch_at is not None else -math.inf)
-        return now - last < self.min_run_time
+        return now - last < self.pin_window(j)
 
     # ---------------------------------------------------------------- round
     def schedule(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Decision:

@@ -129,6 +129,28 @@ def test_no_switch_within_min_run_time():
     assert d.allocations["a"].plan.gpus > 2 and "grew" in d.allocations["a"].reason
 
 
+def test_a_job_is_pinned_for_ten_of_its_own_restarts_at_most_min_run_time():
+    """The pin is ``pin_restarts`` (10) times the job's own restart, capped at
+    ``min_run_time``: a job that restarts in 15 s may grow after 150 s, one that
+    restarts in 100 s keeps its allocation for the whole 600 s, and
+    ``pin_restarts=0`` pins every job for ``min_run_time`` (as before)."""
+    ns = nodes(1)
+    perf = CurveOracle({"lin": LIN})
+    a = job("a", 2, curve="lin", running_on=(Placement("n0", 2, 4),), since=9_800)  # 200 s ago
+    quick = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0)
+    slow = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 100.0)
+    flat = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0, pin_restarts=0)
+    assert quick.pin_window(a) == 150.0 and slow.pin_window(a) == 600.0 and flat.pin_window(a) == 600.0
+    d = decide(quick, 10_000.0, ns, [a], perf)  # 200 s > 150 s: it may grow into the free GPUs
+    assert d.allocations["a"].plan.gpus > 2 and "grew" in d.allocations["a"].reason
+    for pol in (slow, flat):
+        d = decide(pol, 10_000.0, ns, [a], perf)
+        assert d.allocations["a"].placement == a.placement and "minimum run time" in d.allocations["a"].reason
+    d = decide(make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0),
+               9_900.0, ns, [a], perf)  # 100 s < 150 s: still pinned
+    assert d.allocations["a"].placement == a.placement
+
+
 def test_no_job_switched_twice_within_min_run_time_over_many_rounds():
     rng = random.Random(7)
     ns = nodes(2)
