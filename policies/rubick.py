@@ -219,8 +219,8 @@ class Rubick:
         return j.running and j.switched_at is not None and now - j.switched_at < self.pin_window(j)
 
     def _held_out(self, j: JobView, now: float) -> bool:
-        """A best-effort job preempted less than min_run_time ago stays out:
-        preempting and restarting it would be two switches in that window."""
+        """A best-effort job preempted less than its pin window (``pin_window``) ago stays
+        out: preempting and restarting it would be two switches in that window."""
         if j.running or j.spec.guaranteed:
             return False
         last = max(self._preempted.get(j.job_id, -math.inf), j.last_switch_at if j.started_at is not None and j.last_switch_at is not None else -math.inf)
