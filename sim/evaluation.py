@@ -43,13 +43,15 @@ def command(trace: str, regime: str, policies: str = POLICIES, extra: tuple[str,
     return ["--trace", trace, "--policies", policies, "--regime", regime, *extra, "-o", "json", "--no-progress"]
 
 
+# one min_run_time pin for every job, as before per-job pins (policies/rubick.py, pin_window)
+FLAT_PIN = '{"pin_restarts": 0}'
 ABLATIONS = [("rubick as before issue 10's start fix: a pending job's start charged the restart relative to its "
               "whole run (and no resume charge, which came later)", '{"start_unavoidable": false, "resume_charge": false}'),
              ("rubick without the completion weight (Smith's rule, beta = 1 by default)", '{"completion_weight": 0}'),
              ("rubick without the resume charge (preempting a job free of the restart it pays to resume)",
               '{"resume_charge": false}'),
              ("rubick with one pin for every job, the minimum run time (600 s), instead of 10 of its own restarts",
-              '{"pin_restarts": 0}')]
+              FLAT_PIN)]
 # rubick-mt (measured): policies/rubick_rules.py's rules, one changed at a time
 MT_ABLATIONS = [("with the bounded guarantee wait (an option, off)", '{"guarantee_wait_bound": true}'),
                 ("with the bounded wait, without the resume charge", '{"guarantee_wait_bound": true, "resume_charge": false}'),
@@ -59,7 +61,7 @@ MT_ABLATIONS = [("with the bounded guarantee wait (an option, off)", '{"guarante
                 ("with the queue by run time, not GPU-time", '{"queue_key": "time"}'),
                 ("without the efficiency floor for best-effort shrinks", '{"min_efficiency": 0}'),
                 ("without the resume charge", '{"resume_charge": false}'),
-                ("with one 600 s pin for every job, not 10 of its own restarts", '{"pin_restarts": 0}')]
+                ("with one 600 s pin for every job, not 10 of its own restarts", FLAT_PIN)]
 # the same option in the extended regime, where it costs rubick's JCT lead (policies/rubick_rules.py)
 MT_EXT_BOUND = '{"guarantee_wait_bound": true}'
 
@@ -310,10 +312,9 @@ def _learned(res) -> list[str]:
                    f"{'short of' if ratio < MEASURED_FLOOR else 'above'} the {MEASURED_FLOOR:g}x floor; now a pending job's restart only decides which allocation it gets "
                    "(`policies/rubick.py`, `start_unavoidable`). It uses nothing the live system lacks: the job's "
                    "declared steps and the belief's (or an observed) speed.")
-        flat = res(_ablation('{"pin_restarts": 0}'))
-        me = next(s for s in summaries if s["policy"] == "rubick")
+        flat = res(_ablation(FLAT_PIN))
         if flat is not None:
-            f0 = flat[0][0]
+            f0, me = flat[0][0], next(s for s in summaries if s["policy"] == "rubick")
             out.append("- **Pins sized by each job's own restart.** A job keeps its allocation for 10 of its own "
                        "restarts after a switch, at most the minimum run time (600 s), instead of 600 s for every "
                        "job (`pin_restarts`, `policies/rubick.py`): a bert job restarts in 15 s and was held 600 s "
@@ -619,8 +620,7 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
             a = r[0][0]
             ratio = best["avg_jct_s"] / a["avg_jct_s"] if best and a["unfinished"] == 0 else None
             doc.append(f"| {what} (`--policy-options '{opts}'`) | {_h(a['avg_jct_s'])} | {a['median_jct_s']:.0f} | "
-                       f"{_h(a['makespan_s'])} | "
-                       f"{a['reconfigurations']} | {_x(ratio)} |")
+                       f"{_h(a['makespan_s'])} | {a['reconfigurations']} | {_x(ratio)} |")
         doc.append("")
     mt = res(command("rubick-mt", "measured"))
     mabl = [(what, opts, res(_ablation(opts, "rubick-mt"))) for what, opts in MT_ABLATIONS]
@@ -642,8 +642,7 @@ def generate(out: Path, workers: int = 2, quick: bool = False, json_dir: Path | 
             ok = a["unfinished"] == 0
             label = f"{what} (`--policy-options '{opts}'`)" if opts else f"{what} (`{_cmd(command('rubick-mt', 'measured'))}`)"
             doc.append(f"| {label} | {_h(a['avg_jct_s'])} | {a['median_jct_s']:.0f} | {_h(a['makespan_s'])} | "
-                       f"{a['restarts']} | "
-                       f"{a['guarantees_kept']}/{a['guaranteed_accepted']} | {_x(bj / a['avg_jct_s'] if ok else None)} | "
+                       f"{a['restarts']} | {a['guarantees_kept']}/{a['guaranteed_accepted']} | {_x(bj / a['avg_jct_s'] if ok else None)} | "
                        f"{('%.4fx' % (bm / a['makespan_s'])) if ok else '-'} |")
         doc.append("")
     doc += _artifact(res)
