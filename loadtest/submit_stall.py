@@ -20,15 +20,31 @@ stream, ``KV_gs_jobs``, and waited behind those syncs: a plain put's p50 went fr
 optimizer (SIGSTOP) removed the stall; the reasons now go out as one batch a round
 (``RecordWriter.explain``): one sync instead of 64.
 
-What is left (issue 24, stop 34) is the same mechanism at a lower rate: every atomic
-batch the leader commits to ``KV_gs_jobs`` (report turns: a job started or finished;
-a round's allocations; its waiting reasons) holds up plain writes to that stream
-while it commits, and the admission's create of a record is one. ``--probe-streams``
-measures it (``StreamProbe``): writes to ``KV_gs_jobs`` against writes to another
-stream on the same disk, and how many slow writes and slow submits had a commit in
-flight against the share of all of them that had one. With the optimizer stopped
-(SIGSTOP) the stall goes (p99/p50 1.5); with it at the lowest CPU priority (nice 19)
-it stays (14x): the stall is the stream, not the CPU.
+What stop 34 thought was left was the same mechanism at a lower rate: each atomic
+batch the leader commits to ``KV_gs_jobs`` holding up plain writes to that stream.
+``--probe-streams`` measures that (``StreamProbe``): writes to ``KV_gs_jobs``
+against writes to another stream on the same disk, and how many slow writes and
+slow submits had a commit in flight against the share of all of them that had one.
+
+Stop 38 measured again (2 cores, kernel 6.18, nats-server 2.15.1) and found that
+the commits now set only the maximum, not p99: with every fenced compare-and-set
+replaced by a plain one (an experiment, not kept) p99/p50 stayed at 14.7x (16.2x
+with them), while the probe's slowest write fell from 104 to 36 ms. What goes with
+p99 is the jobs' processes. An emulated rank is a real process: the agent hands
+each job start a warm worker and starts another to replace it, about 80 ms of CPU
+each (a fifth of it in the kernel). With 1-second jobs on 16 GPUs that is 12
+process starts a second, as much CPU as all the cluster's services together, and
+``perf sched`` showed the admission waiting 5-25 ms for a core 61 times in 5 s
+while short-lived processes ran. With 60-second jobs (``--steps 300``) the first
+seconds still hold the warm pools' first fill and the profiling runs (47
+processes): 9.5-12x. The same agents running ranks in-process
+(``agent.emulated_runner``, an experiment, not kept) gave 3.7x with 1-second jobs
+and 2.3x with 60-second ones; stopping the optimizer (nothing placed, no process
+started) gave 1.3x. Niceness 10 or SCHED_IDLE for every process but the
+admission, nats-server and the client, the store on tmpfs, and an admission
+without its jobs view each left it at 15-17x. ``box`` reports this: the busy
+cores, the processes started, and the CPU per submit of the cluster's processes,
+of the jobs' exited processes, and of the rest.
 """
 
 from __future__ import annotations
@@ -42,6 +58,8 @@ import statistics
 import sys
 import time
 from typing import Any
+
+import psutil
 
 from gearshift.bus_schema.messages import JobSpec
 from loadtest.optimality_gap import BATCH, MODELS
@@ -137,7 +155,7 @@ class StreamProbe:
 
 
 async def submit_all(url: str, creds: str | None, n: int,
-                     probe: StreamProbe | None = None) -> tuple[list[float], list[float], dict | None]:
+                     probe: StreamProbe | None = None, steps: int = 5) -> tuple[list[float], list[float], dict | None]:
     """Latency (ms) of each of ``n`` sequential submits, when each was sent (s since
     the first), and with ``probe`` its report."""
     from gearshift.client import Client
@@ -150,7 +168,7 @@ async def submit_all(url: str, creds: str | None, n: int,
         t0 = time.perf_counter()
         for i in range(n):
             m = MODELS[i % len(MODELS)]
-            spec = JobSpec(name=f"stall{i}", model=m, global_batch=BATCH[m.name], steps=5, gpus=1, step_time=0.2,
+            spec = JobSpec(name=f"stall{i}", model=m, global_batch=BATCH[m.name], steps=steps, gpus=1, step_time=0.2,
                            tenant=TENANTS[i % len(TENANTS)])
             t = time.perf_counter()
             await client.submit(spec)
@@ -181,6 +199,70 @@ def cpu_per_submit(before: dict[str, float], after: dict[str, float], n: int) ->
     return {k: round((after[k] - before[k]) / n * 1e3, 3) for k in sorted(after) if k in before}
 
 
+class BoxCpu:
+    """The CPU the whole machine spent between ``start`` and ``stop`` (``psutil.cpu_times``:
+    every process and the kernel), against what the cluster's own processes spent and
+    what the agents' children did (the jobs' worker processes, counted once they exit)."""
+
+    BUSY = ("user", "nice", "system", "irq", "softirq", "steal")
+
+    def __init__(self, pids: dict[str, int], parents: list[str]):
+        self.pids = pids
+        self.parents = parents  # the processes whose children are the jobs' (the agents)
+        self._t0 = 0.0
+        self._box0 = 0.0
+        self._own0: dict[str, float] = {}
+        self._jobs0 = (0.0, 0.0)
+        self._forks0: int | None = None
+
+    def _box(self) -> float:
+        t = psutil.cpu_times()
+        return sum(getattr(t, f, 0.0) for f in self.BUSY)
+
+    @staticmethod
+    def forks() -> int | None:
+        """Processes created on the machine since it booted (``/proc/stat``), None elsewhere."""
+        try:
+            with open("/proc/stat") as f:
+                for line in f:
+                    if line.startswith("processes "):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return None
+
+    def _jobs(self) -> tuple[float, float]:
+        """(user, system) CPU seconds of the parents' exited children."""
+        user = system = 0.0
+        for name in self.parents:
+            try:
+                t = psutil.Process(self.pids[name]).cpu_times()
+            except (KeyError, psutil.Error):
+                continue
+            user, system = user + t.children_user, system + t.children_system
+        return user, system
+
+    def start(self) -> None:
+        self._t0, self._box0 = time.perf_counter(), self._box()
+        self._own0, self._jobs0 = cpu_seconds(self.pids), self._jobs()
+        self._forks0 = self.forks()
+
+    def stop(self, n: int) -> dict[str, Any]:
+        wall = time.perf_counter() - self._t0
+        box = self._box() - self._box0
+        own1 = cpu_seconds(self.pids)
+        own = sum(own1[k] - self._own0[k] for k in own1 if k in self._own0)
+        (u1, s1), (u0, s0) = self._jobs(), self._jobs0
+        jobs = (u1 - u0) + (s1 - s0)
+        forks = self.forks()
+        return {"cores": psutil.cpu_count(), "busy_cores": round(box / wall, 2) if wall > 0 else None,
+                "processes_started": None if forks is None or self._forks0 is None else forks - self._forks0,
+                "cpu_ms_per_submit": {"all": round(box / n * 1e3, 3), "cluster_processes": round(own / n * 1e3, 3),
+                                      "jobs_exited": round(jobs / n * 1e3, 3),
+                                      "jobs_exited_in_kernel": round((s1 - s0) / n * 1e3, 3),
+                                      "rest": round(max(0.0, box - own - jobs) / n * 1e3, 3)}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.submit_stall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--submits", type=int, default=3000)
@@ -189,10 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-streams", action="store_true",
                     help="also time writes to KV_gs_jobs and to another stream while submitting, against the "
                          "optimizer's atomic commits (stream_probe)")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="steps of each submitted job (0.2 s each; 5: 1-second jobs, a job starts and ends on "
+                         "every GPU each second)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    if a.submits < 2 or a.nodes < 1 or a.gpus_per_node < 1:
-        ap.error("--submits must be at least 2, --nodes and --gpus-per-node positive")
+    if a.submits < 2 or a.nodes < 1 or a.gpus_per_node < 1 or a.steps < 1:
+        ap.error("--submits must be at least 2, --nodes, --gpus-per-node and --steps positive")
     from gearshift.cluster import LocalCluster
 
     cluster = LocalCluster(nodes=a.nodes, gpus_per_node=a.gpus_per_node, auth=True,
@@ -204,14 +289,19 @@ def main(argv: list[str] | None = None) -> int:
                                                                "client": os.getpid()}
         load_before, cpu0 = [round(x, 2) for x in os.getloadavg()], cpu_seconds(pids)
         hist0 = request_buckets(cluster.observe_dir, "admission", "submit")
+        box = BoxCpu(pids, parents=[n for n in cluster.procs if n.startswith("node")])  # LocalCluster's agents
+        box.start()
         lat, at, probed = asyncio.run(submit_all(url, cluster.admin_creds, a.submits,
-                                                 StreamProbe() if a.probe_streams else None))
+                                                 StreamProbe() if a.probe_streams else None, a.steps))
+        whole = box.stop(len(lat))
         hist1 = request_buckets(cluster.observe_dir, "admission", "submit")
         # where the CPU went while submitting: on a small box every process's work per
         # submit is time some submit waits for a core
         # the admission's own time per submit (its request histogram): a stall inside it
         # (a write waiting on the stream) shows here, one outside it (CPU, the bus) does not
         out = summary(lat, at) | {"cpu_ms_per_submit": cpu_per_submit(cpu0, cpu_seconds(pids), len(lat)),
+                                  "box": whole,
+                                  "job_steps": a.steps,
                                   "admission_submit_handling": handling_summary(hist0, hist1, 3 * pct(lat, 50) / 1e3),
                                   "load_average_before": load_before,
                                   "load_average": [round(x, 2) for x in os.getloadavg()]}

@@ -184,3 +184,43 @@ def test_the_stream_probe_counts_slow_writes_with_a_commit_in_flight_against_cha
     assert got["slow_submits"] == {"over_3x_p50": 1, "with_commit_in_flight": 1.0,
                                    "all_with_commit_in_flight": round(1 / 7, 3)}
     assert got["other_stream"]["p99_ms"] == 1.0
+
+
+def test_the_box_account_counts_an_agents_exited_children_and_the_processes_started():
+    """``BoxCpu``: a real parent (standing in for an agent) starts a child that burns CPU and
+    exits; the child's CPU shows under the jobs, inside what the whole machine spent, and the
+    child among the processes started; a process that is not a parent adds nothing there."""
+    import subprocess
+    import sys
+
+    from loadtest.submit_stall import BoxCpu
+
+    burn = "x = 0\nfor i in range(4_000_000): x += i"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys\n"
+                               "print('ready', flush=True)\n"
+                               "sys.stdin.readline()\n"
+                               f"subprocess.run([sys.executable, '-c', {burn!r}])\n"
+                               "print('done', flush=True)\n"
+                               "sys.stdin.readline()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    bystander = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline().strip() == "ready"  # its own start-up is not in the window
+        box = BoxCpu({"node0": parent.pid, "admission": bystander.pid}, parents=["node0"])
+        box.start()
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().strip() == "done"  # the child ran, exited and was waited for
+        got = box.stop(n=2)
+    finally:
+        for p in (parent, bystander):
+            p.stdin.close()
+            p.wait(30)
+    cpu = got["cpu_ms_per_submit"]
+    assert cpu["jobs_exited"] > 0
+    assert cpu["jobs_exited_in_kernel"] <= cpu["jobs_exited"]
+    assert cpu["jobs_exited"] <= cpu["all"] + 1e-9  # the machine's busy time holds the child's
+    assert cpu["cluster_processes"] < cpu["jobs_exited"]  # the waiting parent and bystander spent little
+    if got["processes_started"] is not None:  # Linux: /proc/stat
+        assert got["processes_started"] >= 1
+    assert got["cores"] >= 1 and got["busy_cores"] > 0
