@@ -91,3 +91,46 @@ async def test_no_job_stays_pending_when_profiling_fails(nc, tmp_path):
         await asyncio.gather(*tasks, return_exceptions=True)
         await pm_svc.stop()
         await svc.stop()
+
+
+async def test_the_submits_of_one_gap_wake_the_profiler_once(nc):
+    """A pass (a stream-info request, the waiting jobs read) ran for every submit: 1,600
+    in 9 s of sequential submits (issue 24). Submits that come within ``gap`` of a pass
+    now go into one pass. Deterministic: a gap longer than the test, then stop."""
+    from gearshift.services.profiler import Profiler
+
+    passes: list[int] = []
+
+    async def count(prof: Profiler) -> None:
+        passes.append(1)
+        first_pass.set()
+
+    async def run(gap: float, wakes: int) -> tuple[int, bool]:
+        passes.clear()
+        first_pass.clear()
+        prof = await Profiler(nc, interval=3600.0, gap=gap).open()
+        prof._profile_waiting = lambda: count(prof)  # the pass itself is not under test here
+        stop = asyncio.Event()
+        task = asyncio.create_task(prof.watch(stop))
+        try:
+            await asyncio.wait_for(first_pass.wait(), 30)  # the pass at the start
+            first_pass.clear()
+            for i in range(wakes):
+                await nc.publish(f"gs.evt.job.j{i}.submitted", b"{}")
+            await nc.flush()
+            if gap == 0:
+                await asyncio.wait_for(first_pass.wait(), 30)  # no gap: the wakes ran a pass at once
+            await asyncio.sleep(0.2)  # the wakes delivered: the profiler's subscription saw them
+            woken = prof._wake.is_set()  # a wake waiting for the next pass
+            stop.set()
+            await asyncio.wait_for(task, 30)
+        finally:
+            stop.set()
+            await prof.close()
+        return len(passes), woken
+
+    first_pass = asyncio.Event()
+    # the start's pass only: the 50 wakes arrived (one waits) but the gap is not over
+    assert await run(gap=3600.0, wakes=50) == (1, True)
+    # the same wakes without a gap: they ran another pass at once
+    assert (await run(gap=0.0, wakes=50))[0] >= 2
