@@ -85,19 +85,29 @@ class WarmPool:
         self.ready: dict[tuple, list[Any]] = {}  # by warm_key
         self.starting: dict[tuple, int] = {}
         self.refused: set[tuple] = set()
+        self.proven: set[tuple] = set()  # keys a worker has been ready for: filled to ``size`` at once
         self._idle: set[Any] = set()  # every warm worker not handed to a job yet
         self._closed = False
-        for module in prewarm:
+        for module in prewarm:  # asked for by the operator: filled at once
             self.ready.setdefault((sys.executable, module), [])
+            self.proven.add((sys.executable, module))
 
     async def refill(self) -> None:
         """Start warm workers up to ``size`` for every known key; each joins
-        ``ready`` when it reports its imports done."""
+        ``ready`` when it reports its imports done. A key no worker has been ready
+        for yet gets one worker first, and the rest only once that one is ready:
+        a module with nothing worth keeping warm (no ``WARM_IMPORTS``) then costs one
+        interpreter start per key, not ``size`` of them at once (issue 24: on a
+        2-core box the agents' first fills for the emulated worker were 16
+        interpreters at once, 29 of the 47 processes the first seconds of
+        ``loadtest.submit_stall --steps 300`` started)."""
         waits = []
         for key in list(self.ready):
             self.ready[key] = [p for p in self.ready[key] if p.returncode is None]
+            first = key not in self.proven
+            want = 1 if first else self.size
             while not self._closed and key not in self.refused and \
-                    len(self.ready[key]) + self.starting.get(key, 0) < self.size:
+                    len(self.ready[key]) + self.starting.get(key, 0) < want:
                 try:
                     extra = dict(key[2]) if len(key) > 2 else {}
                     argv = warm_argv(key)
@@ -108,8 +118,13 @@ class WarmPool:
                     break
                 self._idle.add(proc)
                 self.starting[key] = self.starting.get(key, 0) + 1
-                waits.append(self._await_ready(key, proc))
+                waits.append(self._first_then_rest(key, proc) if first else self._await_ready(key, proc))
         await asyncio.gather(*waits)
+
+    async def _first_then_rest(self, key: tuple, proc: Any) -> None:
+        await self._await_ready(key, proc)
+        if key in self.proven and not self._closed and self.size > 1:
+            await self.refill()
 
     async def _await_ready(self, key: tuple, proc: Any) -> None:
         try:
@@ -119,6 +134,7 @@ class WarmPool:
         finally:
             self.starting[key] -= 1
         if line.strip() == b"ready" and not self._closed:
+            self.proven.add(key)
             self.ready[key].append(proc)
             self._write_status()
             return

@@ -89,3 +89,34 @@ async def test_a_venvs_python_gets_warm_workers_without_gearshift_installed_ther
     got = await _run_warm(pool, [python, "-m", "usermod"], {"PYTHONPATH": str(lib)}, tmp_path, "venv")
     assert got["prefix"] == str(venv) and os.path.dirname(WARM_SCRIPT) not in got["path"]
     pool.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_new_module_gets_one_warm_worker_first_and_the_rest_only_once_it_is_ready(tmp_path):
+    """A module with nothing worth keeping warm costs one interpreter per key, not a
+    whole pool's worth at once; one that is worth it is filled to the pool's size."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "usermod.py").write_text(MODULE)  # WARM_IMPORTS: worth keeping warm
+    (lib / "plainmod.py").write_text("print('hi')\n")  # nothing to keep warm
+    started: list[list[str]] = []
+
+    async def counting(argv, env=None):
+        started.append(argv)
+        return await spawn(argv, env)
+
+    env = {"PYTHONPATH": str(lib)}
+    pool = WarmPool(4, spawn=counting, log=Log())
+    plain = [sys.executable, "-m", "plainmod"]
+    assert pool.take(plain, env) is None  # first launch: cold, the key is learnt
+    await pool.refill()
+    assert len(started) == 1 and warm_key(plain, env) in pool.refused  # one tried, not four
+    await pool.refill()
+    assert len(started) == 1  # and never again
+
+    cmd = [sys.executable, "-m", "usermod"]
+    assert pool.take(cmd, env) is None
+    await pool.refill()
+    assert len(started) == 1 + 4  # the first, then the other three once it was ready
+    assert len(pool.ready[warm_key(cmd, env)]) == 4
+    pool.close()
