@@ -120,7 +120,11 @@ async def test_the_submits_of_one_gap_wake_the_profiler_once(nc):
             await nc.flush()
             if gap == 0:
                 await asyncio.wait_for(first_pass.wait(), 30)  # no gap: the wakes ran a pass at once
-            await asyncio.sleep(0.2)  # the wakes delivered: the profiler's subscription saw them
+            else:
+                for _ in range(3000):  # until the subscription has seen a wake (no fixed sleep)
+                    if prof._wake.is_set():
+                        break
+                    await asyncio.sleep(0.01)
             woken = prof._wake.is_set()  # a wake waiting for the next pass
             stop.set()
             await asyncio.wait_for(task, 30)

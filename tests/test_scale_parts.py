@@ -219,7 +219,8 @@ def test_the_box_account_counts_an_agents_exited_children_and_the_processes_star
     cpu = got["cpu_ms_per_submit"]
     assert cpu["jobs_exited"] > 0
     assert cpu["jobs_exited_in_kernel"] <= cpu["jobs_exited"]
-    assert cpu["jobs_exited"] <= cpu["all"] + 1e-9  # the machine's busy time holds the child's
+    # the machine's busy time holds the child's (it is counted in 10 ms ticks: a few ticks' slack)
+    assert cpu["jobs_exited"] <= cpu["all"] + 15.0
     assert cpu["cluster_processes"] < cpu["jobs_exited"]  # the waiting parent and bystander spent little
     if got["processes_started"] is not None:  # Linux: /proc/stat
         assert got["processes_started"] >= 1
