@@ -71,11 +71,10 @@ import json
 import os
 import select
 import signal
-import tempfile
+import itertools
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 EXIT_DONE = 0
 EXIT_CHECKPOINTED = 143
@@ -89,8 +88,12 @@ MANIFEST = "manifest.json"
 PLAN_REFUSED_FILE = "plan-refused.json"
 
 
-@dataclass(frozen=True)
-class WorkerEnv:
+class WorkerEnv(NamedTuple):
+    """The rank's contract from its environment (``from_env``). A ``NamedTuple``, not a
+    dataclass: every emulated rank is a new interpreter, and ``dataclasses`` (with the
+    ``inspect`` it imports and the class it generates) and ``tempfile`` were 13-18 ms
+    of the worker's ~36 ms of imports (``python -S -X importtime``; issue 24)."""
+
     job_id: str
     generation: int
     rank: int
@@ -101,7 +104,7 @@ class WorkerEnv:
     nnodes: int
     master_addr: str
     master_port: int
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: dict[str, Any]  # the bus Plan as JSON
     ckpt_dir: Path = Path(".")
     progress_file: Path | None = None
     steps: int = 0
@@ -184,11 +187,26 @@ def plan_refused_generation(run_dir: Path) -> int | None:
 
 
 # ------------------------------------------------------------------ files
+_TMP_IDS = itertools.count()
+
+
+def _fresh(folder: Path, prefix: str, make: Any) -> tuple[Any, str]:
+    """``make(name)`` on a name in ``folder`` nobody holds (``O_EXCL``, ``mkdir``), as
+    ``tempfile`` would, without importing it: (what ``make`` returned, the name)."""
+    while True:
+        name = os.path.join(folder, f"{prefix}{os.getpid()}-{next(_TMP_IDS)}")
+        try:
+            return make(name), name
+        except FileExistsError:
+            continue
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Readers see the old or the new content, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = _fresh(path.parent, f".{path.name}.",
+                     lambda name: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f)
@@ -372,7 +390,8 @@ class CheckpointWriter:
         class _Stage:
             def __enter__(self_inner) -> Path:
                 writer.ckpt_dir.mkdir(parents=True, exist_ok=True)
-                self_inner.tmp = Path(tempfile.mkdtemp(prefix=f"step-{int(step):08d}.tmp-", dir=writer.ckpt_dir))
+                _, name = _fresh(writer.ckpt_dir, f"step-{int(step):08d}.tmp-", lambda n: os.mkdir(n, 0o700))
+                self_inner.tmp = Path(name)
                 return self_inner.tmp
 
             def __exit__(self_inner, exc_type, exc, tb) -> None:
