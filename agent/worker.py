@@ -67,11 +67,11 @@ restored), ``first_step_s`` (restored -> first step done).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import select
 import signal
-import itertools
 import time
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple

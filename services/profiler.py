@@ -152,9 +152,9 @@ def crashed(results: list[ProfileResult]) -> bool:
     return bool(results) and all(r.error.startswith(("exit codes", "launch failed")) for r in results)
 
 
-async def _either(a: asyncio.Event, b: asyncio.Event, timeout: float) -> None:
-    """Until ``a`` or ``b`` is set, or ``timeout`` seconds."""
-    waits = [asyncio.ensure_future(a.wait()), asyncio.ensure_future(b.wait())]
+async def _first_of(timeout: float, *events: asyncio.Event) -> None:
+    """Until one of ``events`` is set, or ``timeout`` seconds."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -169,9 +169,9 @@ class Profiler:
         self.js = nc.jetstream()
         self.interval = interval
         # seconds between two passes however many submits woke it: a pass (a stream-info
-        # request, the waiting jobs read) ran for each submit, 1,600 passes in the 9 s of
-        # 3,000 sequential submits, the profiler's and much of nats-server's CPU per
-        # submit (issue 24); a new model now waits at most this long more for its runs
+        # request to nats-server, the waiting jobs read) ran for each submit, 1,612 in the
+        # 9 s of 3,000 sequential submits, most of the profiler's CPU per submit (issue 24);
+        # a new model now waits at most this long more for its runs
         self.gap = gap
         self.steps = steps
         self.max_dp = max_dp
@@ -313,8 +313,8 @@ class Profiler:
                 except Exception:
                     log.exception("profiling pass failed")
                 if self.gap > 0:  # the submits of the gap go into one pass
-                    await _either(stop, stop, self.gap)
-                await _either(self._wake, stop, self.interval)
+                    await _first_of(self.gap, stop)
+                await _first_of(self.interval, self._wake, stop)
                 self._wake.clear()
         finally:
             await sub.unsubscribe()
