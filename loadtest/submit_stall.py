@@ -216,6 +216,7 @@ class BoxCpu:
         self._own0: dict[str, float] = {}
         self._jobs0 = (0.0, 0.0)
         self._forks0: int | None = None
+        self.per_process: dict[str, float] = {}  # each process's CPU ms per submit (``stop``)
 
     def _box(self) -> float:
         t = psutil.cpu_times()
@@ -253,6 +254,7 @@ class BoxCpu:
         wall = time.perf_counter() - self._t0
         box = self._box() - self._box0
         own1 = cpu_seconds(self.pids)
+        self.per_process = cpu_per_submit(self._own0, own1, n)
         own = sum(own1[k] - self._own0[k] for k in own1 if k in self._own0)
         (u1, s1), (u0, s0) = self._jobs(), self._jobs0
         jobs = (u1 - u0) + (s1 - s0)
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         assert cluster.server is not None and cluster.server.proc is not None
         pids = {n: p.pid for n, p in cluster.procs.items()} | {"nats-server": cluster.server.proc.pid,
                                                                "client": os.getpid()}
-        load_before, cpu0 = [round(x, 2) for x in os.getloadavg()], cpu_seconds(pids)
+        load_before = [round(x, 2) for x in os.getloadavg()]
         hist0 = request_buckets(cluster.observe_dir, "admission", "submit")
         box = BoxCpu(pids, parents=[n for n in cluster.procs if n.startswith("node")])  # LocalCluster's agents
         box.start()
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         # submit is time some submit waits for a core
         # the admission's own time per submit (its request histogram): a stall inside it
         # (a write waiting on the stream) shows here, one outside it (CPU, the bus) does not
-        out = summary(lat, at) | {"cpu_ms_per_submit": cpu_per_submit(cpu0, cpu_seconds(pids), len(lat)),
+        out = summary(lat, at) | {"cpu_ms_per_submit": box.per_process,
                                   "box": whole,
                                   "job_steps": a.steps,
                                   "admission_submit_handling": handling_summary(hist0, hist1, 3 * pct(lat, 50) / 1e3),
