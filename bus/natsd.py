@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 _READY = re.compile(r"Listening for client connections on ([0-9.]+):(\d+)")
+_MONITOR = re.compile(r"Starting http monitor on ([0-9.]+):(\d+)")
 
 
 def nats_server_binary() -> str:
@@ -48,6 +49,7 @@ class NatsServer:
         self.name = name
         self.proc: subprocess.Popen | None = None
         self.url: str | None = None
+        self.monitor_url: str | None = None  # with ``-m PORT`` in extra_args (``-m -1``: a free one)
         self.log: list[str] = []
 
     def start(self, timeout: float = 10.0) -> str:
@@ -72,6 +74,9 @@ class NatsServer:
             m = _READY.search(line)
             if m:
                 self.port = int(m.group(2))
+            mon = _MONITOR.search(line)
+            if mon:
+                self.monitor_url = f"http://{mon.group(1)}:{mon.group(2)}"
             if "Server is ready" in line and self.port > 0:
                 self.url = f"nats://{self.host}:{self.port}"
                 # keep draining stderr so the pipe never fills up

@@ -220,6 +220,43 @@ def handling_summary(before: dict[float, float], after: dict[float, float], floo
             "p99_at_most_ms": None if p99_le == float("inf") else round(p99_le * 1e3, 1)}
 
 
+def bus_counts(monitor_url: str | None) -> dict | None:
+    """What nats-server has handled so far (its monitoring endpoint): messages in
+    and out of each named connection, and the last sequence of each stream
+    (what was stored there, deletes and replaced KV values included)."""
+    import urllib.request
+
+    if not monitor_url:
+        return None
+    try:
+        with urllib.request.urlopen(f"{monitor_url}/connz?limit=4096", timeout=10) as resp:
+            conns = json.loads(resp.read())["connections"]
+        with urllib.request.urlopen(f"{monitor_url}/jsz?streams=true", timeout=10) as resp:
+            jsz = json.loads(resp.read())
+    except (OSError, ValueError, KeyError):
+        return None
+    by_conn: dict[str, list[int]] = {}
+    for c in conns:
+        n = by_conn.setdefault(c.get("name") or "?", [0, 0])
+        n[0] += c.get("in_msgs", 0)
+        n[1] += c.get("out_msgs", 0)
+    streams = {s["name"]: s["state"]["last_seq"] for a in jsz.get("account_details", [])
+               for s in a.get("stream_detail", [])}
+    return {"connections": by_conn, "streams": streams}
+
+
+def bus_per_job(before: dict | None, after: dict | None, jobs: int) -> dict | None:
+    """Messages per job between two ``bus_counts``: each connection's in and out
+    (what it published, what was delivered to it), and what each stream stored."""
+    if not before or not after or jobs <= 0:
+        return None
+    conns = {n: {"in": round((v[0] - before["connections"].get(n, [0, 0])[0]) / jobs, 2),
+                 "out": round((v[1] - before["connections"].get(n, [0, 0])[1]) / jobs, 2)}
+             for n, v in sorted(after["connections"].items())}
+    stored = {n: round((v - before["streams"].get(n, 0)) / jobs, 2) for n, v in sorted(after["streams"].items())}
+    return {"by_connection": conns, "stored_by_stream": stored, "stored": round(sum(stored.values()), 2)}
+
+
 def fleet_args(a: argparse.Namespace, nodes: int) -> list[str]:
     """The fleet emulator's command line for ``nodes`` nodes."""
     return ["loadtest.fleet", "--nodes", str(nodes), "--gpus-per-node", str(a.gpus_per_node), "--heartbeat",
@@ -380,7 +417,7 @@ class Run:
     async def go(self) -> dict:
         a = self.args
         t_start = time.monotonic()
-        server = NatsServer(self.workdir / "js")
+        server = NatsServer(self.workdir / "js", extra_args=["-m", "-1"])  # its monitor counts messages
         server.start()
         observe_dir = self.workdir / "observe"  # the services announce their metrics URLs here
         env = {**os.environ, "GEARSHIFT_NATS_URL": server.url, "GEARSHIFT_LOG_LEVEL": a.log_level,
@@ -435,6 +472,7 @@ class Run:
             load_before = os.getloadavg()
             pids = {"nats-server": server.proc.pid, "scale": os.getpid()}
             out["cpu_cores_idle"] = await idle_cores(procs, pids, a.idle_seconds)  # the heartbeats, no jobs
+            bus0 = await asyncio.to_thread(bus_counts, server.monitor_url)
             cpu0, box0, t0 = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic()
             hist0 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
             watch = asyncio.create_task(self._watch_loop())
@@ -446,6 +484,7 @@ class Run:
             hist1 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
             out["admission_submit_handling"] = handling_summary(hist0, hist1, FLOORS["submit_p99_ms"] / 1e3)
             cpu1, box1, dt = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic() - t0
+            bus1 = await asyncio.to_thread(bus_counts, server.monitor_url)
             busy = sum(getattr(box1, f) - getattr(box0, f) for f in ("user", "nice", "system", "irq", "softirq"))
             out["cpu_cores_during_submit"] = {
                 **{n: round((cpu1[n] - cpu0[n]) / dt, 2) for n in sorted(cpu1) if n in cpu0},
@@ -454,6 +493,9 @@ class Run:
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
             cpu2 = procs.cpu_seconds(pids)  # the main run's jobs' whole life: submit to the last finish
             out["cpu"] = cpu_cost(cpu0, cpu1, cpu2, len(self.sent) or a.jobs)
+            bus2 = await asyncio.to_thread(bus_counts, server.monitor_url)
+            out["messages_per_job"] = {"submitting": bus_per_job(bus0, bus1, len(self.sent) or a.jobs),
+                                       "whole_life": bus_per_job(bus0, bus2, len(self.sent) or a.jobs)}
             main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])

@@ -4,6 +4,7 @@ and progress reports that teach the oracle at most every 30 s per job."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 from test_live_learning import SPEC, _rec
@@ -225,3 +226,49 @@ def test_the_box_account_counts_an_agents_exited_children_and_the_processes_star
     if got["processes_started"] is not None:  # Linux: /proc/stat
         assert got["processes_started"] >= 1
     assert got["cores"] >= 1 and got["busy_cores"] > 0
+
+
+async def test_the_bus_account_counts_each_connections_messages_and_each_streams_stores(tmp_path):
+    """A real nats-server with its monitor: a named connection's publishes, what
+    is delivered to another one, and what a stream stored, per job."""
+    from gearshift.bus.client import connect
+    from gearshift.bus.infra import ensure_infra
+    from gearshift.bus.natsd import NatsServer
+    from loadtest.scale import bus_counts, bus_per_job
+
+    server = NatsServer(tmp_path / "js", extra_args=["-m", "-1"])
+    server.start()
+    try:
+        assert server.monitor_url and server.monitor_url.startswith("http://127.0.0.1:")
+        pub = await connect(server.url, name="pub", retry_for=2)
+        sub = await connect(server.url, name="sub", retry_for=2)
+        await ensure_infra(pub)
+        got = []
+
+        async def on(m):
+            got.append(m)
+
+        s = await sub.subscribe("t.x", cb=on)
+        await sub.flush()
+        before = bus_counts(server.monitor_url)
+        for _ in range(10):
+            await pub.publish("t.x", b"1")
+        js = pub.jetstream()
+        for i in range(4):
+            await js.publish("gs.evt.job.j%d.submitted" % i, b"{}")
+        await pub.flush()
+        while len(got) < 10:
+            await asyncio.sleep(0.01)
+        after = bus_counts(server.monitor_url)
+        per = bus_per_job(before, after, 2)
+        # 10 core publishes and 4 stream publishes from "pub", over 2 jobs; each stream
+        # publish is acknowledged back to it; "sub" got the 10 core messages
+        assert per["by_connection"]["pub"] == {"in": 7.0, "out": 2.0}
+        assert per["by_connection"]["sub"]["out"] == 5.0
+        assert per["stored_by_stream"]["GS_EVENTS"] == 2.0 and per["stored"] == 2.0
+        assert bus_per_job(None, after, 2) is None and bus_counts(None) is None
+        await s.unsubscribe()
+        await pub.close()
+        await sub.close()
+    finally:
+        server.stop()
