@@ -257,6 +257,19 @@ def bus_per_job(before: dict | None, after: dict | None, jobs: int) -> dict | No
     return {"by_connection": conns, "stored_by_stream": stored, "stored": round(sum(stored.values()), 2)}
 
 
+def messages_per_job(start: dict | None, submitted: dict | None, finished: dict | None, jobs: int) -> dict:
+    """``bus_per_job`` over the submit phase and over the jobs' whole life."""
+    return {"submitting": bus_per_job(start, submitted, jobs), "whole_life": bus_per_job(start, finished, jobs)}
+
+
+def cores_during(cpu0: dict, cpu1: dict, box0: Any, box1: Any, dt: float) -> dict:
+    """Each process's cores between two CPU samples, and the whole machine's
+    (``psutil.cpu_times``: every process and the kernel)."""
+    busy = sum(getattr(box1, f) - getattr(box0, f) for f in ("user", "nice", "system", "irq", "softirq"))
+    return {**{n: round((cpu1[n] - cpu0[n]) / dt, 2) for n in sorted(cpu1) if n in cpu0},
+            "machine": round(busy / dt, 2), "machine_cores": psutil.cpu_count()}
+
+
 def fleet_args(a: argparse.Namespace, nodes: int) -> list[str]:
     """The fleet emulator's command line for ``nodes`` nodes."""
     return ["loadtest.fleet", "--nodes", str(nodes), "--gpus-per-node", str(a.gpus_per_node), "--heartbeat",
@@ -485,17 +498,13 @@ class Run:
             out["admission_submit_handling"] = handling_summary(hist0, hist1, FLOORS["submit_p99_ms"] / 1e3)
             cpu1, box1, dt = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic() - t0
             bus1 = await asyncio.to_thread(bus_counts, server.monitor_url)
-            busy = sum(getattr(box1, f) - getattr(box0, f) for f in ("user", "nice", "system", "irq", "softirq"))
-            out["cpu_cores_during_submit"] = {
-                **{n: round((cpu1[n] - cpu0[n]) / dt, 2) for n in sorted(cpu1) if n in cpu0},
-                "machine": round(busy / dt, 2), "machine_cores": psutil.cpu_count()}
+            out["cpu_cores_during_submit"] = cores_during(cpu0, cpu1, box0, box1, dt)
             # every acknowledged job must finish
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
             cpu2 = procs.cpu_seconds(pids)  # the main run's jobs' whole life: submit to the last finish
             out["cpu"] = cpu_cost(cpu0, cpu1, cpu2, len(self.sent) or a.jobs)
             bus2 = await asyncio.to_thread(bus_counts, server.monitor_url)
-            out["messages_per_job"] = {"submitting": bus_per_job(bus0, bus1, len(self.sent) or a.jobs),
-                                       "whole_life": bus_per_job(bus0, bus2, len(self.sent) or a.jobs)}
+            out["messages_per_job"] = messages_per_job(bus0, bus1, bus2, len(self.sent) or a.jobs)
             main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])

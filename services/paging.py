@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
+from gearshift.bus.stream_range import stream_range
 from gearshift.bus.views import JobsView
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
@@ -109,14 +108,14 @@ async def history_page(js: Any, after: int, limit: int, keep: Callable[[JobRecor
     info = await js.stream_info(stream)
     if info.state.messages == 0 or info.state.last_seq <= after:
         return [], after, False
-    sub = await js.subscribe(f"$KV.{subj.HISTORY_BUCKET}.>", stream=stream, ordered_consumer=True,
-                             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                                   opt_start_seq=after + 1))
     out: list[JobRecord] = []
     last = after
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=5)
+    # a pull consumer: a full page stops the reading, and nothing past it but at most
+    # one fetch's worth is delivered (a push consumer sent the rest of the store;
+    # ``bus.stream_range``)
+    async with stream_range(js, stream, f"$KV.{subj.HISTORY_BUCKET}.>", start_seq=after + 1,
+                            chunk=min(max(limit, 16), 512), timeout=5) as msgs:
+        async for msg in msgs:
             seq = msg.metadata.sequence.stream
             op = (msg.headers or {}).get("KV-Operation")
             if op not in ("DEL", "PURGE") and msg.data:
@@ -128,5 +127,6 @@ async def history_page(js: Any, after: int, limit: int, keep: Callable[[JobRecor
             last = seq
             if msg.metadata.num_pending == 0:
                 return out, last, False
-    finally:
-        await sub.unsubscribe()
+            if len(out) >= limit:  # full: what is pending says whether there is more, unread
+                return out, last, True
+    return out, last, False

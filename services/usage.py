@@ -18,12 +18,10 @@ is filtered by the tenant's subject), the admin all.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 from typing import Any
 
-from nats.js.api import ConsumerConfig, DeliverPolicy
-
+from gearshift.bus.stream_range import stream_range
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import UsageBatch, UsageReply, UsageRequest, UsageRow
@@ -43,17 +41,13 @@ async def window_rows(js: Any, since: float, until: float, tenant: str | None) -
         return [], 0
     start = datetime.datetime.fromtimestamp(max(0.0, since - CLOCK_SKEW_S), datetime.timezone.utc)
     stop = until + ARCHIVE_LAG_S
-    sub = await js.subscribe(subj.usage_subject(tenant) if tenant else subj.USAGE_SUBJECTS,
-                             stream=subj.USAGE_STREAM, ordered_consumer=True, pending_msgs_limit=-1,
-                             config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start))
     rows: dict[str, UsageRow] = {}
     read = 0  # rows
-    try:
-        while True:
-            try:
-                msg = await sub.next_msg(timeout=2.0)
-            except asyncio.TimeoutError:
-                break  # nothing stored since ``start``
+    # a pull consumer: a window that ends before the stream does stops the reading,
+    # and at most one fetch past it is delivered (``bus.stream_range``)
+    async with stream_range(js, subj.USAGE_STREAM, subj.usage_subject(tenant) if tenant else subj.USAGE_SUBJECTS,
+                            start_time=start) as msgs:
+        async for msg in msgs:
             md = msg.metadata
             if md.timestamp.timestamp() > stop:
                 break
@@ -62,10 +56,6 @@ async def window_rows(js: Any, since: float, until: float, tenant: str | None) -
             for row in batch:
                 if row.finished_at is not None and since <= row.finished_at <= until:
                     rows[row.job_id] = row  # a row written twice (an archive retried) counts once
-            if md.num_pending == 0:
-                break
-    finally:
-        await sub.unsubscribe()
     return list(rows.values()), read
 
 
