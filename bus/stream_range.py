@@ -8,7 +8,9 @@ lands. Paging through N archived jobs that way delivered about N^2 / (2 x page)
 messages (measured at stop 39: 5.0 history deliveries per job to the admission
 for one `gearshift get jobs --all` over 3,000 jobs; ``loadtest.scale``'s
 ``messages_per_job``). A pull consumer delivers what each fetch asks for, so a
-reader that stops reads at most ``chunk`` messages past that point.
+reader that stops reads at most one fetch past that point. Fetches start small
+and double (``first``, then up to ``chunk``), so a reader that stops early (a
+page full by bytes, not by count) is not sent a full chunk it never reads.
 
 Usage::
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import nats.errors
@@ -34,11 +36,14 @@ INACTIVE_S = 60.0  # the server removes a consumer its reader left behind (a cra
 @contextlib.asynccontextmanager
 async def stream_range(js: Any, stream: str, subject: str, *, start_seq: int | None = None,
                        start_time: datetime.datetime | None = None, chunk: int = DEFAULT_CHUNK,
+                       first: int = 16, want: Callable[[], int] | None = None,
                        timeout: float = 2.0) -> AsyncIterator[AsyncIterator[Any]]:
     """The messages of ``stream`` on ``subject`` from ``start_seq`` (or the first
-    stored at or after ``start_time``, or the first), in order, fetched ``chunk``
-    at a time, up to the last one stored when it was read (``num_pending`` 0).
-    ``timeout``: how long a fetch waits when nothing is stored in the range."""
+    stored at or after ``start_time``, or the first), in order, fetched ``first``
+    at a time, doubling up to ``chunk``, up to the last one stored when it was read
+    (``num_pending`` 0). ``want``: how many more the reader can use at most (a
+    page's room), so no fetch asks for more. ``timeout``: how long a fetch waits
+    when nothing is stored in the range."""
     if start_seq is not None:
         policy = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=max(1, start_seq))
     elif start_time is not None:
@@ -52,15 +57,17 @@ async def stream_range(js: Any, stream: str, subject: str, *, start_seq: int | N
     psub = await js.pull_subscribe_bind(consumer=name, stream=stream)
 
     async def messages() -> AsyncIterator[Any]:
+        n = min(first, chunk)
         while True:
             try:
-                got = await psub.fetch(chunk, timeout=timeout)
+                got = await psub.fetch(max(1, min(n, want()) if want else n), timeout=timeout)
             except nats.errors.TimeoutError:  # nothing (more) stored in the range
                 return
             for msg in got:
                 yield msg
             if not got or got[-1].metadata.num_pending == 0:
                 return
+            n = min(2 * n, chunk)
 
     try:
         yield messages()

@@ -113,8 +113,8 @@ async def history_page(js: Any, after: int, limit: int, keep: Callable[[JobRecor
     # a pull consumer: a full page stops the reading, and nothing past it but at most
     # one fetch's worth is delivered (a push consumer sent the rest of the store;
     # ``bus.stream_range``)
-    async with stream_range(js, stream, f"$KV.{subj.HISTORY_BUCKET}.>", start_seq=after + 1,
-                            chunk=min(max(limit, 16), 512), timeout=5) as msgs:
+    async with stream_range(js, stream, f"$KV.{subj.HISTORY_BUCKET}.>", start_seq=after + 1, chunk=512,
+                            want=lambda: limit - len(out), timeout=5) as msgs:
         async for msg in msgs:
             seq = msg.metadata.sequence.stream
             op = (msg.headers or {}).get("KV-Operation")

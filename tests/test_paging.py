@@ -155,6 +155,12 @@ async def test_a_history_page_has_only_its_own_records_delivered(tmp_path):
         # the page's 50 and a few API replies (nothing past the page is fetched: what is
         # pending says there is more); the push consumer's count here was 1,885
         assert first <= 50 + 10, first
+        # a page full by bytes, not by count: fetches start small and double, so what is
+        # sent past the page is at most about the page again (a fetch of 512 was 16x)
+        before = bus_counts(server.monitor_url)["connections"]["reader"][1]
+        got3, _, more3 = await history_page(rjs, 0, 10_000, lambda r: True, Pager(budget=20 * len(recs[0]) + 16))
+        sent = bus_counts(server.monitor_url)["connections"]["reader"][1] - before
+        assert 15 <= len(got3) <= 20 and more3 and sent <= 2 * len(got3) + 16, (len(got3), sent)
     finally:
         for c in (writer, reader):
             if c is not None:
