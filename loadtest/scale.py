@@ -257,6 +257,25 @@ def bus_per_job(before: dict | None, after: dict | None, jobs: int) -> dict | No
     return {"by_connection": conns, "stored_by_stream": stored, "stored": round(sum(stored.values()), 2)}
 
 
+def cli_list_all(env: dict[str, str], monitor_url: str | None) -> tuple[list[dict], dict]:
+    """``gearshift get jobs --all -o json`` as an operator runs it: the jobs it
+    listed, and how long it took, its exit code, and the messages delivered to
+    the admission while it paged (each page must cost its own records, not the
+    history store's: ``bus.stream_range``)."""
+    before, t = bus_counts(monitor_url), time.monotonic()
+    cli = subprocess.run([sys.executable, "-m", "gearshift.cli", "get", "jobs", "--all", "-o", "json"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    after, took = bus_counts(monitor_url), time.monotonic() - t
+    listed = json.loads(cli.stdout) if cli.returncode == 0 else []
+    adm = "gearshift-admission"
+    delivered = (after["connections"].get(adm, [0, 0])[1] - before["connections"].get(adm, [0, 0])[1]
+                 if before and after else None)
+    return listed, {"listed": len(listed), "seconds": r(took, 2), "rc": cli.returncode,
+                    "error": cli.stderr[-300:] if cli.returncode else None,
+                    "delivered_to_admission": delivered,
+                    "delivered_per_job_listed": round(delivered / len(listed), 2) if delivered and listed else None}
+
+
 def messages_per_job(start: dict | None, submitted: dict | None, finished: dict | None, jobs: int) -> dict:
     """``bus_per_job`` over the submit phase and over the jobs' whole life."""
     return {"submitting": bus_per_job(start, submitted, jobs), "whole_life": bus_per_job(start, finished, jobs)}
@@ -514,12 +533,7 @@ class Run:
             for s in subs:
                 await s.unsubscribe()
             # what an operator sees: the CLI pages through every job
-            t = time.monotonic()
-            cli = subprocess.run([sys.executable, "-m", "gearshift.cli", "get", "jobs", "--all", "-o", "json"],
-                                 env=env, capture_output=True, text=True, timeout=300)
-            listed = json.loads(cli.stdout) if cli.returncode == 0 else []
-            out["cli_get_jobs_all"] = {"listed": len(listed), "seconds": r(time.monotonic() - t, 2),
-                                       "rc": cli.returncode, "error": cli.stderr[-300:] if cli.returncode else None}
+            listed, out["cli_get_jobs_all"] = await asyncio.to_thread(cli_list_all, env, server.monitor_url)
             states = {j["job_id"]: j["state"] for j in listed}
             lost = [j for j in self.sent if j not in states]  # acknowledged, and gone
             unfinished = [j for j in self.sent if states.get(j) in ("pending", "scheduled", "running", "cancelling")]
@@ -567,7 +581,7 @@ class Run:
                 "heartbeat_lag_p99_le_1s": (out["heartbeat_lag_p99_s"] or 1e9) <= FLOORS["heartbeat_lag_p99_s"],
                 "no_lost_jobs": not lost and out["acked"] == a.jobs + sum(p["asked"] for p in out.get("probes", [])),
                 "all_completed": not unfinished and not failed,
-                "cli_pages_through_all": len(listed) >= len(self.sent) and cli.returncode == 0,
+                "cli_pages_through_all": len(listed) >= len(self.sent) and out["cli_get_jobs_all"]["rc"] == 0,
             }
             out["passed"] = all(v is not False for v in out["floors"].values())
             return out

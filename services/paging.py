@@ -57,6 +57,14 @@ class Pager:
         self.budget = budget
         self.size = 16
 
+    def room(self, records: int) -> int:
+        """About how many more records of the size of the ``records`` counted so far
+        fit (one more than that: the one that does not fit ends the page); a
+        large number before any was counted."""
+        if records <= 0:
+            return 1 << 30
+        return int((self.budget - self.size) / ((self.size - 16) / records)) + 1
+
     def add(self, rec: JobRecord) -> bool:
         """Room for ``rec``? (counts it if so)"""
         n = len(codec.encode(rec)) + 1
@@ -114,7 +122,7 @@ async def history_page(js: Any, after: int, limit: int, keep: Callable[[JobRecor
     # one fetch's worth is delivered (a push consumer sent the rest of the store;
     # ``bus.stream_range``)
     async with stream_range(js, stream, f"$KV.{subj.HISTORY_BUCKET}.>", start_seq=after + 1, chunk=512,
-                            want=lambda: limit - len(out), timeout=5) as msgs:
+                            want=lambda: min(limit - len(out), pager.room(len(out))), timeout=5) as msgs:
         async for msg in msgs:
             seq = msg.metadata.sequence.stream
             op = (msg.headers or {}).get("KV-Operation")
