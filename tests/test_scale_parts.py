@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from test_live_learning import SPEC, _rec
+from test_live_learning import _rec
 
 from gearshift.bus_schema.messages import Plan, RunReport, RunReportKind
 from gearshift.services.alloc_writer import emulated_step_time
