@@ -266,9 +266,8 @@ def cli_list_all(env: dict[str, str], monitor_url: str | None) -> tuple[list[dic
                          env=env, capture_output=True, text=True, timeout=300)
     after, took = bus_counts(monitor_url), time.monotonic() - t
     listed = json.loads(cli.stdout) if cli.returncode == 0 else []
-    adm = "gearshift-admission"
-    delivered = (after["connections"].get(adm, [0, 0])[1] - before["connections"].get(adm, [0, 0])[1]
-                 if before and after else None)
+    per = bus_per_job(before, after, 1)  # one "job": the listing
+    delivered = per and int(per["by_connection"].get("gearshift-admission", {}).get("out", 0))
     return listed, {"listed": len(listed), "seconds": r(took, 2), "rc": cli.returncode,
                     "error": cli.stderr[-300:] if cli.returncode else None,
                     "delivered_to_admission": delivered,

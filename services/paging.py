@@ -53,9 +53,11 @@ def _live_pos(cursor: str) -> tuple[float, str]:
 
 
 class Pager:
+    EMPTY = 16  # a reply's bytes before any record
+
     def __init__(self, budget: int = BUDGET):
         self.budget = budget
-        self.size = 16
+        self.size = self.EMPTY
 
     def room(self, records: int) -> int:
         """About how many more records of the size of the ``records`` counted so far
@@ -63,7 +65,7 @@ class Pager:
         large number before any was counted."""
         if records <= 0:
             return 1 << 30
-        return int((self.budget - self.size) / ((self.size - 16) / records)) + 1
+        return int((self.budget - self.size) / ((self.size - self.EMPTY) / records)) + 1
 
     def add(self, rec: JobRecord) -> bool:
         """Room for ``rec``? (counts it if so)"""

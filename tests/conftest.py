@@ -21,6 +21,16 @@ def nats_server(tmp_path):
 
 
 @pytest.fixture
+def monitored_server(tmp_path):
+    """A nats-server with its monitoring endpoint (``monitor_url``): what tests count
+    messages with (``loadtest.scale.bus_counts``)."""
+    server = NatsServer(tmp_path / "js-monitored", extra_args=["-m", "-1"])
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def nats_url(nats_server) -> str:
     return nats_server.url
 

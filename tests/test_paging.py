@@ -3,16 +3,21 @@ limit, filters, and finished jobs paged from the history store."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 
 import msgspec
 
-from gearshift.bus.client import call
+from gearshift.bus.client import call, connect
+from gearshift.bus.infra import ensure_infra
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
-from gearshift.bus_schema.messages import MAX_MESSAGE_BYTES, JobList, JobRecord, JobState, ListRequest, SubmitReply
+from gearshift.bus_schema.messages import MAX_MESSAGE_BYTES, JobList, JobRecord, JobSpec, JobState, ListRequest, SubmitReply
 from gearshift.services.admission import start_admission
 from gearshift.services.jobstore import JobStore
+from gearshift.services.paging import Pager, history_page
+from loadtest.scale import bus_counts, cli_list_all
 
 MODEL = {"name": "m", "params": 100, "layers": 4, "hidden": 64, "seq_len": 128}
 
@@ -116,33 +121,29 @@ async def test_a_job_archived_while_a_client_pages_is_still_listed(nc):
         await adm.close()
 
 
-async def test_a_history_page_has_only_its_own_records_delivered(tmp_path):
+async def archived(js, n: int, prefix: str) -> list[bytes]:
+    """``n`` finished jobs written straight to the history store, ``<prefix>00000`` on,
+    200 writes at a time; their encoded records."""
+    spec = msgspec.convert({"name": "h", "model": MODEL, "global_batch": 8, "steps": 10, "gpus": 1}, JobSpec)
+    recs = [codec.encode(JobRecord(job_id=f"{prefix}{i:05d}", spec=spec, state=JobState.COMPLETED,
+                                   submitted_at=float(i))) for i in range(n)]
+    for i in range(0, n, 200):
+        await asyncio.gather(*(js.publish(f"$KV.{subj.HISTORY_BUCKET}.{prefix}{k:05d}", recs[k])
+                               for k in range(i, min(n, i + 200))))
+    return recs
+
+
+async def test_a_history_page_has_only_its_own_records_delivered(monitored_server):
     """One page of 50 out of 2,000 archived jobs: nats-server's monitor counts what
     it delivered to the reader. A push consumer sent the rest of the store too
     (about N^2 / (2 x page) deliveries to page through N jobs); a pull consumer
     sends what the page reads (``bus.stream_range``)."""
-    import asyncio
-
-    from gearshift.bus.client import connect
-    from gearshift.bus.infra import ensure_infra
-    from gearshift.bus.natsd import NatsServer
-    from gearshift.bus_schema.messages import JobSpec
-    from gearshift.services.paging import Pager, history_page
-    from loadtest.scale import bus_counts
-
-    server = NatsServer(tmp_path / "js", extra_args=["-m", "-1"])
-    server.start()
+    server = monitored_server
     writer = reader = None
     try:
         writer = await connect(server.url, name="writer", retry_for=2)
         await ensure_infra(writer)
-        spec = msgspec.convert({"name": "h", "model": MODEL, "global_batch": 8, "steps": 10, "gpus": 1}, JobSpec)
-        js = writer.jetstream()
-        recs = [codec.encode(JobRecord(job_id=f"j{i:05d}", spec=spec, state=JobState.COMPLETED, submitted_at=float(i)))
-                for i in range(2000)]
-        for i in range(0, 2000, 200):
-            await asyncio.gather(*(js.publish(f"$KV.{subj.HISTORY_BUCKET}.j{k:05d}", recs[k])
-                                   for k in range(i, i + 200)))
+        recs = await archived(writer.jetstream(), 2000, "j")
         reader = await connect(server.url, name="reader", retry_for=2)
         rjs = reader.jetstream()
         before = bus_counts(server.monitor_url)["connections"]["reader"][1]
@@ -166,35 +167,22 @@ async def test_a_history_page_has_only_its_own_records_delivered(tmp_path):
         for c in (writer, reader):
             if c is not None:
                 await c.close()
-        server.stop()
 
 
-async def test_the_scale_harness_counts_what_an_operators_full_listing_costs_the_admission(tmp_path):
+async def test_the_scale_harness_counts_what_an_operators_full_listing_costs_the_admission(monitored_server):
     """``loadtest.scale.cli_list_all``: the real CLI pages through 4 live and 600
     archived jobs served by a real admission; the monitor's count of what was
     delivered to the admission meanwhile is reported, and is about one message
     per archived job (the history records, the requests and the API replies)."""
-    import asyncio
-
-    from gearshift.bus.client import connect
-    from gearshift.bus.infra import ensure_infra
-    from gearshift.bus.natsd import NatsServer
-    from gearshift.bus_schema.messages import JobSpec
-    from loadtest.scale import cli_list_all
-
-    server = NatsServer(tmp_path / "js", extra_args=["-m", "-1"])
-    server.start()
+    server = monitored_server
     nc = adm = svc = None
     try:
         nc = await connect(server.url, name="gearshift-admission", retry_for=2)
         await ensure_infra(nc)
         adm, svc = await start_admission(nc)
         live = [await submit(nc, f"l{i}") for i in range(4)]
-        spec = msgspec.convert({"name": "h", "model": MODEL, "global_batch": 8, "steps": 10, "gpus": 1}, JobSpec)
-        js = nc.jetstream()
-        await asyncio.gather(*(js.publish(f"$KV.{subj.HISTORY_BUCKET}.h{k:04d}", codec.encode(JobRecord(
-            job_id=f"h{k:04d}", spec=spec, state=JobState.COMPLETED, submitted_at=float(k)))) for k in range(600)))
-        env = {**__import__("os").environ, "GEARSHIFT_NATS_URL": server.url}
+        await archived(nc.jetstream(), 600, "h")
+        env = {**os.environ, "GEARSHIFT_NATS_URL": server.url}
         listed, got = await asyncio.to_thread(cli_list_all, env, server.monitor_url)
         assert got["rc"] == 0 and got["listed"] == 604 == len(listed)
         assert set(live) <= {j["job_id"] for j in listed}
@@ -206,4 +194,3 @@ async def test_the_scale_harness_counts_what_an_operators_full_listing_costs_the
             await adm.close()
         if nc is not None:
             await nc.close()
-        server.stop()

@@ -228,16 +228,15 @@ def test_the_box_account_counts_an_agents_exited_children_and_the_processes_star
     assert got["cores"] >= 1 and got["busy_cores"] > 0
 
 
-async def test_the_bus_account_counts_each_connections_messages_and_each_streams_stores(tmp_path):
+async def test_the_bus_account_counts_each_connections_messages_and_each_streams_stores(monitored_server):
     """A real nats-server with its monitor: a named connection's publishes, what
     is delivered to another one, and what a stream stored, per job."""
     from gearshift.bus.client import connect
     from gearshift.bus.infra import ensure_infra
-    from gearshift.bus.natsd import NatsServer
     from loadtest.scale import bus_counts, bus_per_job
 
-    server = NatsServer(tmp_path / "js", extra_args=["-m", "-1"])
-    server.start()
+    server = monitored_server
+    pub = sub = None
     try:
         assert server.monitor_url and server.monitor_url.startswith("http://127.0.0.1:")
         pub = await connect(server.url, name="pub", retry_for=2)
@@ -268,7 +267,7 @@ async def test_the_bus_account_counts_each_connections_messages_and_each_streams
         assert per["stored_by_stream"]["GS_EVENTS"] == 2.0 and per["stored"] == 2.0
         assert bus_per_job(None, after, 2) is None and bus_counts(None) is None
         await s.unsubscribe()
-        await pub.close()
-        await sub.close()
     finally:
-        server.stop()
+        for c in (pub, sub):
+            if c is not None:
+                await c.close()
