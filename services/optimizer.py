@@ -134,6 +134,10 @@ class OptimizerConfig(ServiceConfig):
     round_duty: Annotated[float, Meta(gt=0, le=1), option(
         "the most of the time rounds may take: after a round of W s the next waits W x (1 - duty) / duty "
         "(the leader's CPU for rounds: at most this share of a core)")] = 0.25
+    learn_every: Annotated[NonNegative, option(
+        "seconds at least between lessons of the policy's oracle from measured step times (each makes the "
+        "policy work out again the candidates of every job of the models taught; out-of-memory exits are "
+        "taught at once; 0: every measure at once)")] = 10.0
     bandwidth: Annotated[str, option(
         "inter-node bandwidth per topology level a placement spans, as a factor of the fitted one: "
         "LEVEL=FACTOR,..., e.g. cluster=0.25: across racks a quarter of in-rack (default: none, the fitted "
@@ -186,6 +190,7 @@ class Optimizer:
         bandwidth: str = _D.bandwidth,
         round_gap: float = _D.round_gap,
         round_duty: float = _D.round_duty,
+        learn_every: float = _D.learn_every,
         write_parallel: int = 32,
         archive_after: float = _D.archive_after,
         clock: Clock = SYSTEM,  # what stamps times: records, allocations, events, the policy's now
@@ -203,6 +208,7 @@ class Optimizer:
         self.wait_for_models = wait_for_models
         self.links = parse_factors(bandwidth)  # what the policy's oracle prices spans by (policies.topology_price)
         self.write_parallel = write_parallel
+        self.learn_every = learn_every
         self.archive_after = archive_after
         self.store = JobStore(nc)
         self.store.lazy_clear = True  # an outbox is cleared by the record's next write, not a write of its own
@@ -230,7 +236,7 @@ class Optimizer:
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
-        self.models = LiveModels(self.models_kv, self.links)
+        self.models = LiveModels(self.models_kv, self.links, self.learn_every)
         self.policy_step = PolicyStep(self.policy, self.models, wait_for_models=self.wait_for_models, clock=self.clock)
         self.queues = None
         if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
@@ -489,7 +495,7 @@ async def amain(stop: asyncio.Event, args: OptimizerConfig) -> None:
         policy_options=json.loads(args.policy_options) if args.policy_options else None,
         max_retries=args.max_retries, drain_timeout=args.drain_timeout, wait_for_models=args.wait_for_models,
         lease_ttl=args.lease_ttl, archive_after=args.archive_after, bandwidth=args.bandwidth,
-        round_gap=args.round_gap, round_duty=args.round_duty,
+        round_gap=args.round_gap, round_duty=args.round_duty, learn_every=args.learn_every,
     ).open()
     # a standby is ready too (it waits for the lease); readyz says which one leads
     obs = await observe.serve_http("optimizer", "optimizer", nc, lambda: {"leader": opt.is_leader, "round": opt.round_no})

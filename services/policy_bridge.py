@@ -135,7 +135,9 @@ class PolicyStep:
         self.checkpoints: dict[str, float] = {}  # job -> wall time of its latest checkpoint (JobProgress)
         self.cache = JobViews()
         self.order = ViewOrder()
-        self._nodes_set = ShapeMemo()  # the nodes' shape the oracle's paths and free GPUs were last set for
+        self._nodes_set = ShapeMemo()
+        self.policy_cpu = 0.0  # the last call's own CPU seconds in its thread (``_schedule``)
+        self.learned = 0  # configurations the oracle was taught as the last round began (``LiveModels.learn``)  # the nodes' shape the oracle's paths and free GPUs were last set for
 
     def on_progress(self, p: Any) -> None:
         got = self.progress.get(p.job_id)
@@ -194,6 +196,7 @@ class PolicyStep:
         nodes not alive and ``pinned`` those with an operator's pin); None: every record
         looked at (``views``)."""
         models = await self.models.snapshot()  # gs_models, read again only when it changed
+        self.learned = self.models.learn(self.clock.now())  # step times held since the last lesson
         unmodelled = await self._unmodelled(records, models) if self.wait_for_models else {}
         # the round's nodes, once per shape (``NodeIndex``: a new one when any node's state is new,
         # its free GPUs included)
@@ -210,7 +213,7 @@ class PolicyStep:
             self.policy.set_config(await self.queues.config(self.share_base))
         # the policy is pure CPU work: off the loop, so the lease keeps being renewed
         t_policy = time.perf_counter()
-        decision: Decision = await asyncio.to_thread(self.policy.schedule, t, node_states, views, self.models.oracle)
+        decision: Decision = await asyncio.to_thread(self._schedule, t, node_states, views)
         t_policy = time.perf_counter() - t_policy
         if self.queues is not None:
             await self.queues.save_usage(self.policy.memory())
@@ -222,6 +225,15 @@ class PolicyStep:
         for job_id, key in unmodelled.items():
             decision.waiting[job_id] = f"waiting for its performance model: profiling {key}"
         return decision, views, t_policy
+
+    def _schedule(self, t: float, node_states: list, views: list[JobView]) -> Decision:
+        """The policy's call, in its thread; ``policy_cpu``: that thread's own CPU seconds
+        (the round's wall time less this is time the thread waited for the GIL or a core)."""
+        cpu = time.thread_time()
+        try:
+            return self.policy.schedule(t, node_states, views, self.models.oracle)
+        finally:
+            self.policy_cpu = time.thread_time() - cpu
 
     def _set_nodes(self, node_states: list) -> None:
         self.models.priced.set_paths({n.name: tuple(n.topology) for n in node_states})
@@ -283,7 +295,7 @@ class LiveModels:
     nearest one scaled) for models that were never profiled.
     """
 
-    def __init__(self, models_kv: Any, links: LinkFactors | None = None):
+    def __init__(self, models_kv: Any, links: LinkFactors | None = None, learn_every: float = 0.0):
         from gearshift.policies.learning import LearningOracle
         from gearshift.policies.oracle import PerfModelOracle
 
@@ -303,6 +315,14 @@ class LiveModels:
         self._progress_at: dict[str, tuple[int, float]] = {}  # job -> (generation, ts) of its last progress fed
         self._pools: dict[tuple, _Pool] = {}  # configuration (LearningOracle.config_key) -> its step times
         self.node_type: dict[str, str] = {}  # node -> GPU type (the optimizer's node view, every round)
+        # Step times are taught to the oracle at most once every ``learn_every`` s (``learn``, at a
+        # round's start): each lesson moves the oracle's revision, and a moved revision makes the
+        # policy work out again the keys, candidates and curves of every job of the model taught
+        # (half a round's CPU at 6,000 live jobs, ``loadtest.live_rounds``). Held meanwhile: the
+        # latest figure per configuration. Out-of-memory marks are taught at once. 0: at once.
+        self.learn_every = learn_every
+        self._held: dict[Any, tuple] = {}  # configuration -> (spec, plan, placement, step time)
+        self._learned_at = -math.inf  # when held lessons were last taught (the round's clock)
 
     def _placement(self, rec: JobRecord) -> tuple[Placement, ...]:
         """Where ``rec`` runs, typed by its nodes' GPU type: the learning oracle keeps what
@@ -397,7 +417,8 @@ class LiveModels:
     def _teach(self, job_id: str, spec: Any, plan: Any, placement: tuple[Placement, ...], step_time: float) -> bool:
         """Teach the oracle a configuration's step time: the mean of its jobs' latest
         figures (``_Pool``), once it moved by more than the oracle's tolerance from what
-        it was last taught. True if the oracle changed."""
+        it was last taught; with ``learn_every``, held for ``learn``. True if the oracle
+        changed (or will, at ``learn``)."""
         key = self.oracle.config_key(spec, plan, placement)
         if key is None or not step_time > 0 or not math.isfinite(step_time):
             return self.oracle.observe(spec, plan, placement, step_time=step_time)
@@ -406,9 +427,25 @@ class LiveModels:
             pool = self._pools[key] = _Pool()
         mean = pool.add(job_id, step_time)
         if pool.taught is not None and abs(pool.taught / mean - 1) <= CHANGE_TOL:
+            self._held.pop(key, None)  # back within tolerance of what the oracle knows: nothing to teach
             return False
+        if self.learn_every > 0:
+            self._held[key] = (spec, plan, placement, mean)
+            return True
         pool.taught = mean
         return self.oracle.observe(spec, plan, placement, step_time=mean)
+
+    def learn(self, now: float) -> int:
+        """Teach the oracle the lessons held (``_hold``) if ``learn_every`` s have passed since
+        it was last taught; how many configurations it was taught (0: none held, or too soon)."""
+        if not self._held or now - self._learned_at < self.learn_every:
+            return 0
+        held, self._held = self._held, {}
+        for key, (spec, plan, placement, mean) in held.items():
+            self._pools[key].taught = mean
+            self.oracle.observe(spec, plan, placement, step_time=mean)
+        self._learned_at = now
+        return len(held)
 
 
 def is_oom(message: str) -> bool:

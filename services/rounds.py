@@ -177,6 +177,7 @@ class Rounds:
         cpu_ms = (time.process_time() - cpu_started) * 1e3
         observe.ROUND_SECONDS.labels(opt.policy.name).observe(ms / 1e3)
         log.debug("round", round=opt.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
+                  policy_cpu_ms=round(opt.policy_step.policy_cpu * 1e3, 1), learned=opt.policy_step.learned,
                   write_ms=round(t_write * 1e3, 1), after_ms=round(t_rest * 1e3, 1),
                   gc_ms=round((GcClock.total - gc_before) * 1e3, 1), cas_conflicts=opt.store.conflicts - conflicts_before,
                   cpu_ms=round(cpu_ms, 1), changed_jobs=changed_jobs, full=full,

@@ -152,3 +152,41 @@ def test_jobs_on_one_configuration_teach_their_mean_not_each_figure_in_turn():
     assert taught == m.oracle.revision - rev0 <= 3  # not 20: once at first, then as the mean settled
     speed = m.oracle.observed(SPEC, a.plan, (Placement("n0", 2, 4),))
     assert abs(SPEC.global_batch / speed - 2.05) < 2.05 * 0.02  # the mean of the two, within the tolerance
+
+
+def test_step_times_are_taught_once_per_learn_every_and_out_of_memory_at_once():
+    """Each lesson moves the oracle's revision, and a moved revision makes the policy work out
+    again every job's key, candidates and curve of the model taught. With ``learn_every`` the
+    lessons wait for the round that comes ``learn_every`` s after the last one; the latest
+    figure per configuration is what is taught. An out-of-memory exit is not held."""
+    from gearshift.policies.api import Placement
+    from gearshift.services.policy_bridge import LiveModels
+
+    m = LiveModels(None, learn_every=10.0)
+    pl = (Placement("n0", 2, 4),)
+    rec = _rec(generation=3)
+    m.observe_report(rec, RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.STEPPED, ts=100.0,
+                                    start_step=9))
+    rev0 = m.oracle.revision
+    assert m.observe_progress("x", 3, 150.0, 35)  # 2 s/step: held, the oracle will change
+    assert m.oracle.revision == rev0 and m.oracle.observed(SPEC, rec.plan, pl) is None
+    assert m.learn(0.0) == 1  # the first lesson: at once
+    assert m.oracle.revision > rev0
+    assert abs(m.oracle.observed(SPEC, rec.plan, pl) - SPEC.global_batch / 2.0) < 1e-9
+    rev1 = m.oracle.revision
+    assert m.observe_progress("x", 3, 300.0, 60)  # (300-100) / (60-10) = 4 s/step: held
+    assert m.learn(9.9) == 0 and m.oracle.revision == rev1  # too soon after the last lesson
+    assert m.observe_progress("x", 3, 400.0, 60)  # 6 s/step: replaces the held 4 s/step
+    assert m.learn(10.0) == 1 and m.oracle.revision > rev1
+    assert abs(m.oracle.observed(SPEC, rec.plan, pl) - SPEC.global_batch / 6.0) < 1e-9
+    assert m.learn(100.0) == 0  # nothing held
+    # a figure that came back within tolerance of what was taught is dropped, not taught
+    assert m.observe_progress("x", 3, 500.0, 60)  # 8 s/step: held
+    assert not m.observe_progress("x", 3, 550.0, 86)  # (550-100)/(86-10) = 5.92: within 2% of 6
+    rev2 = m.oracle.revision
+    assert m.learn(200.0) == 0 and m.oracle.revision == rev2
+    # out of memory: at once, whatever learn_every says
+    oom = RunReport(job_id="x", generation=3, node="n0", kind=RunReportKind.EXITED, ts=600.0, exit_code=1,
+                    message="torch.OutOfMemoryError: CUDA out of memory")
+    assert m.observe_report(rec, oom)
+    assert m.oracle.infeasible(SPEC, rec.plan)
