@@ -4,7 +4,9 @@ One round: read the jobs and the live nodes, requeue the jobs of lost nodes,
 settle drains and cancels no report will end, apply operators' node modes,
 work out the GPUs held outside any decision and each node's state, gate jobs
 on their dependencies, ask the policy, write its decision, bring ``gs_alloc``
-in line, write stale waiting reasons, archive finished jobs.
+in line, write stale waiting reasons. Finished jobs are archived between
+rounds (``Optimizer.archive``): that is work per finished job, not a decision,
+and a round that waited for it decided later.
 
 Each of those steps looks at the jobs and nodes it concerns, found in indexes
 kept from round to round (``services.round_state``), and the policy's views are
@@ -27,7 +29,7 @@ from gearshift.bus.log import get_logger
 from gearshift.bus.process import GcClock
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobPreempted, RoundCompleted, RoundReply
-from gearshift.services import capacity, node_modes
+from gearshift.services import node_modes
 from gearshift.services.round_state import InUse, JobIndex, NodeIndex, RoundRecords, held_by_jobs, merge_held
 
 if TYPE_CHECKING:
@@ -163,7 +165,6 @@ class Rounds:
             opt._reconcile_at = float("inf")  # until this round has ended well
         await opt.writer.reconcile(records, copies=full, jobs=None if full else changed | written)
         opt.last_explain = await opt.records.explain(decision, records, flush=flush)
-        await opt.records.archive()
         self._note(records, written)
         t_rest = time.perf_counter() - t_rest
 

@@ -248,3 +248,48 @@ async def test_every_round_compared_with_a_rebuild_finds_the_kept_state_right(nc
         stop.set()
         await task
         await svc.stop()
+
+
+async def test_the_leader_archives_between_rounds_outside_their_paced_time():
+    """``round_loop``: each round is followed by an archive pass, after the pacer took the
+    round's time (the pass is not a round's time, so it neither lengthens the pause before
+    the next round nor the round's own latency). A failed pass is logged and the rounds go
+    on; a deposed one ends the loop."""
+    from gearshift.services.fencing import Deposed
+    from gearshift.services.optimizer import round_loop
+    from gearshift.services.pacing import RoundPacer
+
+    order: list[str] = []
+
+    class Leadership:
+        def deposed(self, exc):
+            order.append("deposed")
+
+    class Opt:
+        is_leader = True
+        interval = 0.0
+        kick = asyncio.Event()
+        pacer = RoundPacer(gap=0.0, duty=0.5)
+        leadership = Leadership()
+        _reconcile_at = 1.0
+
+        async def round(self):
+            order.append("round")
+            await asyncio.sleep(0.02)
+
+        async def archive(self):
+            order.append(f"archive after {self.pacer.took:.2f}")
+            passes = sum(1 for o in order if o.startswith("archive"))
+            await asyncio.sleep(0.2)  # ten times the round: the pacer must not have counted it
+            if passes == 2:
+                raise RuntimeError("history store unavailable")
+            if passes == 3:
+                raise Deposed("a newer leader")
+
+    opt = Opt()
+    await asyncio.wait_for(round_loop(opt), timeout=10)
+    assert [o.split(" ")[0] for o in order] == ["round", "archive", "round", "archive", "round", "archive", "deposed"]
+    for o in order:
+        if o.startswith("archive"):
+            assert 0.0 < float(o.split()[-1]) < 0.15  # the round's 0.02 s (and scheduling), not the pass's 0.2
+    assert opt._reconcile_at == 1.0  # a failed archive is not a failed round: no full round forced
