@@ -20,6 +20,7 @@ makes every view again.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,19 @@ class Rounds:
             records.touched = set()
 
     async def run(self, flush: bool = False) -> RoundReply:
+        """One round, with the cycle collector held off until it ends: its collections
+        then run in the pacer's rest, not in a round (a busy round at 10,000 live jobs
+        spent 40-270 ms in them; ``bus.process.tune_gc``). Reference counting frees
+        what a round drops meanwhile; only cycles wait."""
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return await self._run(flush)
+        finally:
+            if was:
+                gc.enable()
+
+    async def _run(self, flush: bool) -> RoundReply:
         opt = self.opt
         started, cpu_started = time.perf_counter(), time.process_time()
         gc_before, conflicts_before = GcClock.total, opt.store.conflicts

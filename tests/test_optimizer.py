@@ -293,3 +293,31 @@ async def test_the_leader_archives_between_rounds_outside_their_paced_time():
         if o.startswith("archive"):
             assert 0.0 < float(o.split()[-1]) < 0.15  # the round's 0.02 s (and scheduling), not the pass's 0.2
     assert opt._reconcile_at == 1.0  # a failed archive is not a failed round: no full round forced
+
+
+async def test_a_round_holds_the_cycle_collector_off_and_gives_it_back_even_when_it_fails():
+    """Collections wait for the round's end (they run in the pacer's rest); a failed round
+    does not leave the collector off, and a process that had it off keeps it off."""
+    import gc
+
+    from gearshift.services.rounds import Rounds
+
+    seen: list[bool] = []
+
+    async def failing(flush: bool):
+        seen.append(gc.isenabled())
+        raise RuntimeError("a write failed")
+
+    rounds = Rounds.__new__(Rounds)
+    rounds._run = failing
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        await rounds.run()
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError):
+            await rounds.run()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
