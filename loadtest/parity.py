@@ -272,8 +272,10 @@ async def run_live(trace: Trace, cfg: SimConfig, truth, policy_options: dict, gr
     try:
         await ensure_infra(nc)
         _, svc = await start_admission(nc, clock=clock)
+        # learn_every=0: the simulator teaches its oracle each observation at once, and the
+        # two sides are compared on the same inputs (the live default holds lessons 10 s)
         opt = await Optimizer(nc, policy="rubick", interval=1e9, policy_options=policy_options,
-                              max_retries=10_000, node_timeout=1e12, clock=clock).open()
+                              max_retries=10_000, node_timeout=1e12, clock=clock, learn_every=0.0).open()
         # what Optimizer._lead does on taking the lease: fence the buckets it writes
         # (every allocation write carries the epoch), then subscribe to progress
         await opt.leadership.fence.take()  # what leading does: its writes carry the epoch
