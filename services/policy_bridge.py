@@ -319,10 +319,11 @@ class LiveModels:
         # round's start): each lesson moves the oracle's revision, and a moved revision makes the
         # policy work out again the keys, candidates and curves of every job of the model taught
         # (half a round's CPU at 6,000 live jobs, ``loadtest.live_rounds``). Held meanwhile: the
-        # latest figure per configuration. Out-of-memory marks are taught at once. 0: at once.
+        # latest figure per configuration; taught per model (``learn``). Out-of-memory marks are
+        # taught at once. 0: at once.
         self.learn_every = learn_every
         self._held: dict[Any, tuple] = {}  # configuration -> (spec, plan, placement, step time)
-        self._learned_at = -math.inf  # when held lessons were last taught (the round's clock)
+        self._taught_at: dict[Any, float] = {}  # model -> when it was last taught (the round's clock)
 
     def _placement(self, rec: JobRecord) -> tuple[Placement, ...]:
         """Where ``rec`` runs, typed by its nodes' GPU type: the learning oracle keeps what
@@ -436,17 +437,29 @@ class LiveModels:
         return self.oracle.observe(spec, plan, placement, step_time=mean)
 
     def learn(self, now: float) -> int:
-        """Teach the oracle the lessons held (``_hold``) if ``learn_every`` s have passed since
-        it was last taught; how many configurations it was taught (0: none held, or too soon)."""
-        if not self._held or now - self._learned_at < self.learn_every:
+        """Teach the oracle the lessons held (``_teach``) of a model last taught ``learn_every``
+        s ago or more: one model a round, the one taught longest ago, and besides it any model
+        overdue by twice ``learn_every``. Each model taught makes the policy work out again every
+        job of that model, so models taught in one round add up in it; one a round spreads them
+        over rounds. How many configurations were taught (0: none held, or none due)."""
+        if not self._held:
             return 0
-        held, self._held = self._held, {}
-        for key, (spec, plan, placement, mean) in held.items():
-            self._pools[key].taught = mean
-            self.oracle.observe(spec, plan, placement, step_time=mean)
-        self._learned_at = now
-        return len(held)
-
+        keys: dict[Any, list] = {}
+        for key in self._held:  # (model and batch, plan, GPUs per node, type): LearningOracle.config_key
+            keys.setdefault(key[0], []).append(key)
+        due = sorted((self._taught_at.get(m, -math.inf), i, m) for i, m in enumerate(keys)
+                     if now - self._taught_at.get(m, -math.inf) >= self.learn_every)
+        taught = 0
+        for k, (at, _, model) in enumerate(due):
+            if k > 0 and now - at < 2 * self.learn_every:
+                continue
+            for key in keys[model]:
+                spec, plan, placement, mean = self._held.pop(key)
+                self._pools[key].taught = mean
+                self.oracle.observe(spec, plan, placement, step_time=mean)
+                taught += 1
+            self._taught_at[model] = now
+        return taught
 
 def is_oom(message: str) -> bool:
     """Does a worker's exit message say the GPU ran out of memory (PyTorch/CUDA)?"""

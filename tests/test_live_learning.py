@@ -190,3 +190,40 @@ def test_step_times_are_taught_once_per_learn_every_and_out_of_memory_at_once():
                     message="torch.OutOfMemoryError: CUDA out of memory")
     assert m.observe_report(rec, oom)
     assert m.oracle.infeasible(SPEC, rec.plan)
+
+
+def test_models_are_taught_one_a_round_unless_one_is_overdue():
+    """Models whose lessons fall due together are taught in turn, one a round (the one
+    taught longest ago first), so one round does not work out again the jobs of every
+    model at once; a model overdue by twice ``learn_every`` is taught beside the first."""
+    import msgspec
+
+    from gearshift.policies.api import Placement
+    from gearshift.services.policy_bridge import LiveModels
+
+    other = msgspec.structs.replace(SPEC, model=msgspec.structs.replace(SPEC.model, name="m2"))
+    m = LiveModels(None, learn_every=10.0)
+    pl = (Placement("n0", 2, 4),)
+    plan = Plan(dp=2)
+    speed = {"x": 1.0, "y": 1.0}
+
+    def hold():  # a new figure for each model's configuration, past the oracle's tolerance
+        for job, spec in (("x", SPEC), ("y", other)):
+            speed[job] *= 1.5
+            assert m._teach(job, spec, plan, pl, speed[job])
+
+    def taught(now):
+        before = {j: m.oracle.observed(s, plan, pl) for j, s in (("x", SPEC), ("y", other))}
+        m.learn(now)
+        return sorted(j for j, s in (("x", SPEC), ("y", other)) if m.oracle.observed(s, plan, pl) != before[j])
+
+    hold()
+    assert taught(0.0) == ["x", "y"]  # never taught: both overdue
+    hold()
+    assert taught(10.0) == ["x"]  # both due: one a round
+    assert taught(10.5) == ["y"]
+    hold()
+    assert taught(20.0) == ["x"]  # y is not due before 20.5: they stay apart
+    assert taught(20.5) == ["y"]
+    hold()
+    assert taught(45.0) == ["x", "y"]  # y due since 30.5 and overdue (24.5 s >= 20): beside x
