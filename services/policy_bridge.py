@@ -135,9 +135,9 @@ class PolicyStep:
         self.checkpoints: dict[str, float] = {}  # job -> wall time of its latest checkpoint (JobProgress)
         self.cache = JobViews()
         self.order = ViewOrder()
-        self._nodes_set = ShapeMemo()
+        self._nodes_set = ShapeMemo()  # the nodes' shape the oracle's paths and free GPUs were last set for
         self.policy_cpu = 0.0  # the last call's own CPU seconds in its thread (``_schedule``)
-        self.learned = 0  # configurations the oracle was taught as the last round began (``LiveModels.learn``)  # the nodes' shape the oracle's paths and free GPUs were last set for
+        self.learned = 0  # configurations the oracle was taught as the last round began (``LiveModels.learn``)
 
     def on_progress(self, p: Any) -> None:
         got = self.progress.get(p.job_id)
@@ -460,6 +460,7 @@ class LiveModels:
                 taught += 1
             self._taught_at[model] = now
         return taught
+
 
 def is_oom(message: str) -> bool:
     """Does a worker's exit message say the GPU ran out of memory (PyTorch/CUDA)?"""
