@@ -433,7 +433,11 @@ class LiveModels:
         if self.learn_every > 0:
             self._held[key] = (spec, plan, placement, mean)
             return True
-        pool.taught = mean
+        return self._tell(key, spec, plan, placement, mean)
+
+    def _tell(self, key: Any, spec: Any, plan: Any, placement: tuple[Placement, ...], mean: float) -> bool:
+        """The oracle taught a configuration's pooled step time, and its pool told so."""
+        self._pools[key].taught = mean
         return self.oracle.observe(spec, plan, placement, step_time=mean)
 
     def learn(self, now: float) -> int:
@@ -447,16 +451,14 @@ class LiveModels:
         keys: dict[Any, list] = {}
         for key in self._held:  # (model and batch, plan, GPUs per node, type): LearningOracle.config_key
             keys.setdefault(key[0], []).append(key)
-        due = sorted((self._taught_at.get(m, -math.inf), i, m) for i, m in enumerate(keys)
-                     if now - self._taught_at.get(m, -math.inf) >= self.learn_every)
+        last = {m: self._taught_at.get(m, -math.inf) for m in keys}
+        due = sorted((at, i, m) for i, (m, at) in enumerate(last.items()) if now - at >= self.learn_every)
         taught = 0
         for k, (at, _, model) in enumerate(due):
             if k > 0 and now - at < 2 * self.learn_every:
                 continue
             for key in keys[model]:
-                spec, plan, placement, mean = self._held.pop(key)
-                self._pools[key].taught = mean
-                self.oracle.observe(spec, plan, placement, step_time=mean)
+                self._tell(key, *self._held.pop(key))
                 taught += 1
             self._taught_at[model] = now
         return taught

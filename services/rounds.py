@@ -104,8 +104,8 @@ class Rounds:
 
     async def run(self, flush: bool = False) -> RoundReply:
         """One round, with the cycle collector held off until it ends: its collections
-        then run in the pacer's rest, not in a round (a busy round at 10,000 live jobs
-        spent 40-270 ms in them; ``bus.process.tune_gc``). Reference counting frees
+        then run in the pacer's rest, not in a round (a busy round at 5,000-10,000 live jobs
+        spent 40-550 ms in them; ``bus.process.tune_gc``). Reference counting frees
         what a round drops meanwhile; only cycles wait."""
         was = gc.isenabled()
         gc.disable()
