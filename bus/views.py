@@ -3,9 +3,11 @@
 A service keeps what it reads on every request or round in memory, up to
 date from an ordered consumer on the bucket's stream (last value per key,
 then every change), instead of re-reading the whole bucket each time. A
-reader that must see its own or another service's latest writes first calls
-``sync()``: one stream-info request for the stream's last sequence, then it
-waits until the view has applied that revision.
+reader that must see another service's latest writes first calls ``sync()``:
+one stream-info request for the stream's last sequence, then it waits until
+the view has applied that revision. One that must see only its own writes
+calls ``catch_up(seq)`` with the sequence the server acknowledged for the last
+of them: no request.
 
 ``JobsView`` keeps the live (non-terminal) jobs apart from the finished ones
 and counts live jobs per tenant, so a submit never scans, and a round costs
@@ -147,9 +149,14 @@ class KvView(Generic[T]):
         value of a deleted key) when the view starts."""
 
     async def sync(self, timeout: float = 10.0) -> int:
-        """Wait until every write made before this call is applied."""
+        """Wait until every write made before this call is applied (a stream-info request)."""
         info = await self.js.stream_info(self.stream)
-        want = info.state.last_seq
+        return await self.catch_up(info.state.last_seq, timeout)
+
+    async def catch_up(self, want: int, timeout: float = 10.0) -> int:
+        """Wait until the view has applied stream sequence ``want``, with no request:
+        a writer that knows the sequence its own last write was stored at
+        (``services.fencing.Fence.written``) sees that write, and all before it."""
         deadline = time.monotonic() + timeout
         while self.revision < want:
             self._advanced.clear()

@@ -164,8 +164,15 @@ class AllocWriter:
         with ``copies`` the node copies with the job keys (a pass over every
         key). ``jobs``: look only at these jobs and those whose allocation changed
         since the last look (``AllocView.dirty``): what can disagree since a pass
-        that found everything in order (not with ``copies``). Returns the writes made."""
-        await self.view.sync()
+        that found everything in order (not with ``copies``). Returns the writes made.
+
+        The view is brought up to date first: with ``copies`` by asking the server
+        (a stream-info request), else up to this leader's own last acknowledged
+        write (``Fence.written``), the bucket's only writer while it leads."""
+        if copies:
+            await self.view.sync()
+        else:
+            await self.view.catch_up(self.fence.written.get(self.bucket, 0))
         dirty = self.view.dirty.take()
         if jobs is not None and dirty is not None and not copies:
             return await self._reconcile_some(live, jobs | dirty)

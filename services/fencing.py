@@ -78,6 +78,14 @@ class Fence:
         self.events = events
         self.event_epoch: int | None = None
         self.refused = 0  # writes the server refused because we were deposed
+        # bucket -> the highest stream sequence the server acknowledged for a write of ours:
+        # a view of the bucket that has applied it has every write we made (``KvView.catch_up``)
+        self.written: dict[str, int] = {}
+
+    def _stored(self, bucket: str, seq: int) -> int:
+        if seq > self.written.get(bucket, 0):
+            self.written[bucket] = seq
+        return seq
 
     async def take(self) -> dict[str, int]:
         """Become the writer: bump the epoch of every bucket, and of the events."""
@@ -144,7 +152,7 @@ class Fence:
                     raise Deposed(f"{what} of {bucket}/{key} refused: a newer leader holds {bucket}") from None
                 await asyncio.sleep(0.005 * (attempt + 1))  # another fenced write was in flight
                 continue
-            return seq
+            return self._stored(bucket, seq)
         raise RuntimeError(f"{what} of {bucket}/{key}: refused {RETRIES} times while the epoch did not move")
 
     async def put(self, bucket: str, key: str, data: bytes) -> int:
@@ -169,8 +177,10 @@ class Fence:
             reply = await self.nc.request(f"$KV.{bucket}.{CHECK_KEY}", b"", timeout=5, headers={
                 "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(len(writes) + 1), "Nats-Batch-Commit": "1",
                 **self._headers(bucket)})
-            err = json.loads(reply.data).get("error")
+            body = json.loads(reply.data)
+            err = body.get("error")
             if err is None:
+                self._stored(bucket, int(body.get("seq", 0)))
                 return
             if err.get("err_code") not in WRONG_LAST:
                 raise RuntimeError(f"batch of {len(writes)} writes to {bucket} failed: {err}")
@@ -199,7 +209,7 @@ class Fence:
         body = json.loads(reply.data)
         err = body.get("error")
         if err is None:
-            first = int(body["seq"]) - len(items)  # stored in order, the marker last
+            first = self._stored(bucket, int(body["seq"])) - len(items)  # stored in order, the marker last
             return [first + i for i in range(len(items))]
         if err.get("err_code") in WRONG_LAST:
             if await self._epoch_moved(bucket):
@@ -220,7 +230,7 @@ class Fence:
         body = json.loads(reply.data)
         err = body.get("error")
         if err is None:
-            return int(body["seq"]) - 1  # the record is the batch's first message
+            return self._stored(bucket, int(body["seq"])) - 1  # the record is the batch's first message
         if err.get("err_code") in WRONG_LAST:
             if await self._epoch_moved(bucket):
                 self.refused += 1

@@ -34,12 +34,23 @@ class NodeLiveness:
         names = await self.live_names(nodes, leader_since)
         return [nodes.entries[n][0] for n in names]
 
-    async def live_names(self, nodes: Any, leader_since: float | None) -> list[str]:
+    async def live_names(self, nodes: Any, leader_since: float | None, *, strict: bool = True) -> list[str]:
         """The names of the live nodes of ``nodes`` (sorted; ``NodesView.live_names``:
         the same list while nobody came or went); newly silent ones announced as lost.
-        Costs the silent and the lost nodes, not all."""
-        await nodes.sync()
+        Costs the silent and the lost nodes, not all.
+
+        ``strict``: the view is synced with the server first (a stream-info request).
+        Else it is synced only when a node not yet lost looks silent (a view that has
+        not applied a node's last writes makes it look older): a node is called lost
+        only by a synced view, and one called alive wrote within the timeout of the
+        newest server time the view has seen (what a synced view knows, less the
+        view's delivery lag)."""
+        if strict:
+            await nodes.sync()
         alive, silent = nodes.live_names(self.node_timeout)
+        if not strict and any(n.node not in self.lost for n, _ in silent):
+            await nodes.sync()
+            alive, silent = nodes.live_names(self.node_timeout)
         if self.lost:
             quiet = {n.node for n, _ in silent}
             self.lost.intersection_update(quiet)  # a lost node heard from again is alive (or gone from the bucket)

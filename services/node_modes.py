@@ -1,8 +1,9 @@
 """Cordon, drain and uncordon nodes (``gs.optimizer.node``), for the optimizer.
 
 A node's mode lives in KV ``gs_node_modes`` (no key: active), written only by
-the optimizer's leader, so it survives a restart and a failover. Each round
-the optimizer
+the optimizer's leader, so it survives a restart and a failover. The optimizer
+keeps the bucket in a view (``ModesView``): a round reads it with no request,
+and the leader syncs it after its own write. Each round the optimizer
 - holds every GPU of a cordoned or draining node that no job of it uses, so
   the policy places nothing new there (its running jobs keep theirs);
 - moves the jobs of a draining node away: back to the queue with their old
@@ -16,16 +17,23 @@ from collections.abc import Iterable
 from typing import Any
 
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.kv import kv_snapshot
 from gearshift.bus.server import RequestError
+from gearshift.bus.views import KvView
 from gearshift.bus_schema import codec
+from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, NodeReport
 from gearshift.bus_schema.ops import NodeMode, NodeModeEntry, NodeModeReply, NodeModeRequest
 
 
-async def read_modes(kv: Any) -> dict[str, NodeModeEntry]:
-    """Nodes that are not active (a small bucket: one key per such node)."""
-    return {k: codec.decode(v, NodeModeEntry) for k, (v, _) in (await kv_snapshot(kv)).items()}
+class ModesView(KvView[NodeModeEntry]):
+    """``gs_node_modes`` kept current from a watch (``bus.views.KvView``)."""
+
+    def __init__(self, js: Any):
+        super().__init__(js, subj.NODE_MODES_BUCKET, lambda b: codec.decode(b, NodeModeEntry))
+
+    def modes(self) -> dict[str, NodeModeEntry]:
+        """Nodes that are not active (a small bucket: one key per such node)."""
+        return {k: e[0] for k, e in self.entries.items()}
 
 
 def jobs_on(records: Iterable[JobRecord], node: str) -> list[str]:

@@ -97,7 +97,7 @@ from gearshift.services.leadership import Leadership
 from gearshift.services.liveness import NodeLiveness
 from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.pacing import RoundPacer
-from gearshift.services.policy_bridge import LiveModels, PolicyStep
+from gearshift.services.policy_bridge import LiveModels, ModelsView, PolicyStep
 from gearshift.services.queues import QueueStore
 from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter, with_drain_agents  # noqa: F401
 from gearshift.services.report_consumer import ReportApplier, consume_reports
@@ -236,7 +236,10 @@ class Optimizer:
         self.nodes_kv = await self.js.key_value(subj.NODES_BUCKET)
         self.models_kv = await self.js.key_value(subj.MODELS_BUCKET)
         self.modes_kv = await self.js.key_value(subj.NODE_MODES_BUCKET)
+        self.modes = await node_modes.ModesView(self.js).start()
         self.models = LiveModels(self.models_kv, self.links, self.learn_every)
+        self.models.view = await ModelsView(self.js).start()
+        self.models.view.on_change = self._model_changed  # a model just fitted is used at once
         self.policy_step = PolicyStep(self.policy, self.models, wait_for_models=self.wait_for_models, clock=self.clock)
         self.queues = None
         if isinstance(self.policy, Shared):  # tenant queues: config seeds gs_queues, the bucket wins
@@ -272,7 +275,7 @@ class Optimizer:
             self.policy.restore(state)
 
     async def close(self) -> None:
-        for view in (self.jobs, self.nodes, self.allocs):
+        for view in (self.jobs, self.nodes, self.allocs, self.modes, self.models.view):
             await view.stop()
 
     # ------------------------------------------------------------ lifecycle
@@ -342,6 +345,11 @@ class Optimizer:
         self.store.fence = None
         observe.LEADER.set(0)
 
+    def _model_changed(self) -> None:
+        """A model written to ``gs_models`` (``ModelsView.on_change``): as leader, a round runs."""
+        if self.is_leader:
+            self.kick.set()
+
     def _new_record(self, rec: JobRecord, rev: int) -> None:
         """A job seen for the first time (``JobsView.on_new``): as leader, its
         ``job.submitted`` goes out (the admission only wrote it) and a round runs."""
@@ -404,12 +412,15 @@ class Optimizer:
     def _grace_over(self) -> bool:
         return self.liveness.grace_over(self.leader_since)
 
-    async def round(self, *, flush: bool = False) -> RoundReply:
+    async def round(self, *, flush: bool = False, strict: bool = False) -> RoundReply:
+        """One round now. ``flush``: its waiting reasons written before it returns;
+        ``strict`` (implied by ``flush``): every view synced with the server first, as
+        a full round does (``services.rounds``)."""
         async with self._round_lock:
-            return await self._round(flush)
+            return await self._round(flush, strict)
 
-    async def _round(self, flush: bool = False) -> RoundReply:
-        return await self.rounds.run(flush)  # services.rounds
+    async def _round(self, flush: bool = False, strict: bool = False) -> RoundReply:
+        return await self.rounds.run(flush, strict)  # services.rounds
 
     async def archive(self) -> int:
         """Finished jobs to the history store (``RecordWriter.archive``, at most one pass
@@ -480,8 +491,10 @@ class OperatorActions:
             known = {n.node for n in await self.opt.live_nodes()}
             await node_modes.set_mode(self.opt.modes_kv, req, known, self.opt.clock)
             log.info("node mode", node=req.node, mode=req.mode.value, reason=req.reason)
-            await self.opt.round()  # applied before the reply: the jobs it moves are in it
-        return node_modes.reply(await node_modes.read_modes(self.opt.modes_kv), self.opt.records_seen.values(), req.node)
+            await self.opt.round(strict=True)  # applied before the reply: the jobs it moves are in it
+        else:
+            await self.opt.modes.sync()
+        return node_modes.reply(self.opt.modes.modes(), self.opt.records_seen.values(), req.node)
 
     async def reconfigure(self, req: ReconfigureRequest) -> ReconfigureReply:
         try:

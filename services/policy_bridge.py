@@ -14,6 +14,8 @@ from typing import Any
 
 from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.kv import kv_snapshot
+from gearshift.bus.views import KvView
+from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
 from gearshift.bus_schema.messages import JobRecord, JobState
 from gearshift.bus_schema.plan_support import with_refused
@@ -189,13 +191,13 @@ class PolicyStep:
 
     async def decide(self, records: dict[str, JobRecord], node_states: list, alive: set[str], *,
                      skip: Any = (), changed: set[str] | None = None, active: Any = (), on_dead: Any = (),
-                     pinned: Any = ()) -> tuple[Decision, list[JobView], float]:
+                     pinned: Any = (), strict: bool = True) -> tuple[Decision, list[JobView], float]:
         """The policy's decision for the live records but ``skip`` on ``node_states``; its
         views; seconds it took. ``changed``: the jobs whose record changed since the last
         round (``kept_views``, with ``active`` the running jobs, ``on_dead`` the jobs on
         nodes not alive and ``pinned`` those with an operator's pin); None: every record
-        looked at (``views``)."""
-        models = await self.models.snapshot()  # gs_models, read again only when it changed
+        looked at (``views``). ``strict``: the models' view synced with the server first."""
+        models = await self.models.snapshot(strict)  # gs_models, made again only when it changed
         self.learned = self.models.learn(self.clock.now())  # step times held since the last lesson
         unmodelled = await self._unmodelled(records, models) if self.wait_for_models else {}
         # the round's nodes, once per shape (``NodeIndex``: a new one when any node's state is new,
@@ -286,6 +288,19 @@ class _Pool:
         return sum(by_job.values()) / len(by_job)
 
 
+class ModelsView(KvView[bytes]):
+    """``gs_models``' values as stored, kept current from a watch; ``on_change`` is
+    called on each write (the optimizer's leader kicks a round with it)."""
+
+    def __init__(self, js: Any):
+        super().__init__(js, subj.MODELS_BUCKET, bytes)
+        self.on_change: Any = None
+
+    def changed(self, key: str, old: bytes | None, new: bytes) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+
 class LiveModels:
     """The fitted models as ``gs_models`` holds them, and the oracle policies get
     over them (``self.oracle``: a ``LearningOracle`` over a ``PerfModelOracle`` whose
@@ -300,6 +315,7 @@ class LiveModels:
         from gearshift.policies.oracle import PerfModelOracle
 
         self.kv = models_kv
+        self.view: ModelsView | None = None  # the optimizer's view of gs_models (else the bucket is read)
         self.base = PerfModelOracle()
         # The fitted model priced by the topology a placement spans (``links``: the
         # optimizer's ``bandwidth``) with an nvlink-domain one NVLink island; the
@@ -330,12 +346,20 @@ class LiveModels:
         ran per type (a V100's step time must not correct the A100 answers)."""
         return tuple(Placement(p.node, len(p.gpus), p.cpus, self.node_type.get(p.node, "")) for p in rec.placement)
 
-    async def snapshot(self) -> dict[str, tuple[bytes, int]]:
-        """``gs_models``: key -> (value, revision), read again only when the bucket
-        changed (one stream-info request)."""
-        last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
-        if last != self._snap[0]:
-            self._snap = (last, await kv_snapshot(self.kv))
+    async def snapshot(self, strict: bool = True) -> dict[str, tuple[bytes, int]]:
+        """``gs_models``: key -> (value, revision), made again only when the bucket
+        changed. From ``view`` where there is one (``strict``: synced with the server
+        first, a stream-info request; else as it is, no request); else from the
+        bucket (a stream-info request, and a pass when it changed)."""
+        if self.view is None:
+            last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
+            if last != self._snap[0]:
+                self._snap = (last, await kv_snapshot(self.kv))
+            return self._snap[1]
+        if strict:
+            await self.view.sync()
+        if self.view.revision != self._snap[0]:
+            self._snap = (self.view.revision, {k: (v, rev) for k, (v, rev, _) in self.view.entries.items()})
         return self._snap[1]
 
     async def refresh(self, records: list[JobRecord], snap: dict | None = None) -> int:

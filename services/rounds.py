@@ -102,7 +102,7 @@ class Rounds:
             written |= records.touched
             records.touched = set()
 
-    async def run(self, flush: bool = False) -> RoundReply:
+    async def run(self, flush: bool = False, strict: bool = False) -> RoundReply:
         """One round, with the cycle collector held off until it ends: its collections
         then run in the pacer's rest, not in a round (a busy round at 5,000-10,000 live jobs
         spent 40-550 ms in them; ``bus.process.tune_gc``). Reference counting frees
@@ -110,23 +110,30 @@ class Rounds:
         was = gc.isenabled()
         gc.disable()
         try:
-            return await self._run(flush)
+            return await self._run(flush, strict)
         finally:
             if was:
                 gc.enable()
 
-    async def _run(self, flush: bool) -> RoundReply:
+    async def _run(self, flush: bool, strict: bool) -> RoundReply:
         opt = self.opt
         started, cpu_started = time.perf_counter(), time.process_time()
         gc_before, conflicts_before = GcClock.total, opt.store.conflicts
         opt.round_no += 1
         full = self.full_next or time.monotonic() >= opt._reconcile_at
         self.full_next = False
+        # Which views are synced with the server (a stream-info request each): in a full
+        # round and one asked for, all; else only the jobs (others write them: the admission
+        # its submits and cancels). The nodes' is synced when a node looks silent
+        # (``NodeLiveness.live_names``), gs_alloc's view waits for this leader's own last
+        # write (``AllocWriter.reconcile``), and the modes' and models' are used as they are
+        # (the leader syncs the modes' after writing one; a new model kicks a round).
+        strict = strict or flush or full
         await opt.jobs.sync()
         records = RoundRecords(opt.jobs.live)  # O(live jobs), a copy: finished ones are not here
         changed, full = self._take_changes(records, full)
         index, written = self.jobs_index, set()
-        names = await opt.liveness.live_names(opt.nodes, opt.leader_since)
+        names = await opt.liveness.live_names(opt.nodes, opt.leader_since, strict=strict)
         self._take_node_changes(full)
         if names is not self._alive[0]:
             self._alive = (names, set(names))
@@ -141,7 +148,9 @@ class Rounds:
             None if full else index.cancelling)
         self._note(records, written)
         # Operators' cordons and drains (services.node_modes).
-        modes = await node_modes.read_modes(opt.modes_kv)
+        if strict:
+            await opt.modes.sync()
+        modes = opt.modes.modes()
         changes += await opt.records.changed(records, [
             (rec.job_id, opt.records.back_to_queue(rec, why, JobPreempted))
             for rec, why in node_modes.to_move(records.values(), modes)])
@@ -161,7 +170,7 @@ class Rounds:
         blocked = opt.deps.blocked
         decision, views, t_policy = await opt.policy_step.decide(
             records, node_states, alive, skip=blocked, changed=None if full else changed | written,
-            active=index.holding.keys(), on_dead=index.on_nodes_not_in(alive), pinned=index.pinned)
+            active=index.holding.keys(), on_dead=index.on_nodes_not_in(alive), pinned=index.pinned, strict=strict)
         decision.waiting.update(blocked)
         opt.pause_if_asked()
 

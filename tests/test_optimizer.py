@@ -304,7 +304,7 @@ async def test_a_round_holds_the_cycle_collector_off_and_gives_it_back_even_when
 
     seen: list[bool] = []
 
-    async def failing(flush: bool):
+    async def failing(flush: bool, strict: bool):
         seen.append(gc.isenabled())
         raise RuntimeError("a write failed")
 
