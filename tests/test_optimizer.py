@@ -8,6 +8,7 @@ the end-to-end test runs both).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -71,18 +72,27 @@ async def job(nc, job_id) -> JobRecord:
     return await call(nc, subj.ADMISSION_GET, {"job_id": job_id}, JobRecord)
 
 
-@pytest.fixture
-async def cluster(nc):
+@contextlib.asynccontextmanager
+async def leading_optimizer(nc, interval: float = 0.5):
+    """An admission, two nodes' reports and an optimizer that leads, stopped after."""
     _, svc = await start_admission(nc)
     await register_nodes(nc)
-    opt = await Optimizer(nc, interval=0.5, lease_ttl=2, max_retries=1).open()
+    opt = await Optimizer(nc, interval=interval, lease_ttl=2, max_retries=1).open()
     stop = asyncio.Event()
     task = asyncio.create_task(opt.run(stop))
-    await wait_for(lambda: asyncio.sleep(0, opt.is_leader))
-    yield opt
-    stop.set()
-    await task
-    await svc.stop()
+    try:
+        await wait_for(lambda: asyncio.sleep(0, opt.is_leader))
+        yield opt
+    finally:
+        stop.set()
+        await task
+        await svc.stop()
+
+
+@pytest.fixture
+async def cluster(nc):
+    async with leading_optimizer(nc) as opt:
+        yield opt
 
 
 async def test_fifo_schedules_in_order_and_reports_move_states(nc, cluster):

@@ -10,14 +10,14 @@ same real nats-server: it sees each one as the server does."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
-from test_optimizer import register_nodes, submit, wait_for
+from test_optimizer import leading_optimizer, submit, wait_for
 
 from gearshift.bus.views import KvView
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobState
-from gearshift.services.admission import start_admission
 from gearshift.services.fencing import Fence
 from gearshift.services.liveness import NodeLiveness
 from gearshift.services.optimizer import Optimizer
@@ -94,13 +94,8 @@ async def test_the_nodes_view_is_synced_only_when_a_node_not_yet_lost_looks_sile
 
 
 async def test_a_paced_round_asks_only_for_the_jobs_and_a_strict_round_for_every_view(nc):
-    _, svc = await start_admission(nc)
-    await register_nodes(nc)
-    opt = await Optimizer(nc, interval=60.0, lease_ttl=2, max_retries=1).open()
-    stop = asyncio.Event()
-    task = asyncio.create_task(opt.run(stop))
-    try:
-        await wait_for(lambda: asyncio.sleep(0, opt.is_leader))
+    async with leading_optimizer(nc, interval=60.0) as opt:
+        opt.reconcile_every = 3600.0  # one full round (the first as leader), then none
         first = await submit(nc, "a", 2)  # the first round as leader: a full one
         await wait_for(lambda: _scheduled(opt, first))
         asked, sub = await _count_stream_info(nc)
@@ -108,7 +103,7 @@ async def test_a_paced_round_asks_only_for_the_jobs_and_a_strict_round_for_every
         second = await submit(nc, "b", 2)  # kicks a paced round, not a full one
         await wait_for(lambda: _scheduled(opt, second))
         assert opt.round_no > rounds
-        assert opt._reconcile_at > 0  # (no full round was due)
+        assert time.monotonic() < opt._reconcile_at  # (no full round was due)
         await nc.flush()
         assert {v: asked[v] for v in VIEWS} == dict.fromkeys(VIEWS, 0)
         assert asked["KV_gs_jobs"] >= 1
@@ -120,10 +115,6 @@ async def test_a_paced_round_asks_only_for_the_jobs_and_a_strict_round_for_every
         await asyncio.sleep(0.05)
         assert all(asked[v] >= 1 for v in ("KV_gs_nodes", "KV_gs_node_modes", "KV_gs_models", "KV_gs_jobs"))
         await sub.unsubscribe()
-    finally:
-        stop.set()
-        await task
-        await svc.stop()
 
 
 async def _scheduled(opt: Optimizer, job_id: str) -> bool:
