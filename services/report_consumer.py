@@ -3,7 +3,10 @@ of them applied under the round lock (``ReportApplier``: each job's reports
 in order, the records written as atomic batches, then the allocations they
 release or end, then their events) and acked only after its state change is
 written (a crash before the ack redelivers it; applying twice is a no-op
-because stale generations and repeated kinds change nothing)."""
+because stale generations and repeated kinds change nothing). A turn that
+fails (a write the server did not answer in time, say) is not acked: its
+reports are asked back (``nak``, after ``RETRY_S``) and the consumer goes on.
+A deposed leader's turn ends it (``Deposed``)."""
 
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import ACTIVE_STATES, JobRecord, JobState, RunReport
 from gearshift.services import lifecycle
 from gearshift.services.alloc_writer import AllocWriter, bounded
+from gearshift.services.fencing import Deposed
 from gearshift.services.jobstore import JobStore
 
 log = get_logger(service="optimizer")
+RETRY_S = 1.0  # a failed turn's reports come back after this long
 
 
 async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]], lock: asyncio.Lock,
@@ -63,10 +68,16 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
                     raise
                 except Exception:
                     pass
-                if apply_many is not None:
-                    await _apply_turn(msgs, apply_many)
-                else:
-                    await _apply_all(msgs, apply, parallel)
+                try:
+                    if apply_many is not None:
+                        await _apply_turn(msgs, apply_many)
+                    else:
+                        await _apply_all(msgs, apply, parallel)
+                except (asyncio.CancelledError, Deposed):
+                    raise
+                except Exception:
+                    log.exception("report turn failed; its reports come back", reports=len(msgs))
+                    await asyncio.gather(*(m.nak(delay=RETRY_S) for m in msgs), return_exceptions=True)
             if turn_gap > 0:
                 await asyncio.sleep(turn_gap)
     finally:
