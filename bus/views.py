@@ -35,6 +35,11 @@ from gearshift.bus_schema.messages import JobRecord, NodeReport
 from gearshift.bus_schema.topology import islands, parse_path
 
 T = TypeVar("T")
+# A view gives the event loop back after this many messages in a row. nats-py hands a
+# subscription's queued messages to its callback without a pause while any wait, so a
+# burst (a round's batch of 500 records, every node's report after a restart) held the
+# loop until the last was applied, and the requests that came meanwhile (a submit) waited.
+YIELD_EVERY = 64
 
 
 def _seq_and_ts(msg: Any) -> tuple[int, float]:
@@ -96,6 +101,7 @@ class KvView(Generic[T]):
         self._server_seen_at = time.monotonic()
         self._sub: Any = None
         self._advanced = asyncio.Event()
+        self._in_a_row = 0  # messages applied since the loop was last given back
 
     async def start(self) -> "KvView[T]":
         self._sub = await self.js.subscribe(
@@ -138,6 +144,10 @@ class KvView(Generic[T]):
                     self.entries[key] = (value, seq, ts)
                     self.changed(key, old[0] if old else None, value)
         self._advanced.set()
+        self._in_a_row += 1
+        if self._in_a_row >= YIELD_EVERY:
+            self._in_a_row = 0
+            await asyncio.sleep(0)
 
     # hooks for subclasses
     def changed(self, key: str, old: T | None, new: T) -> None: ...

@@ -140,3 +140,35 @@ async def test_with_facts_a_heartbeat_marks_a_node_only_when_its_facts_change(nc
         assert view.dirty.take() == {"a"} and "a" not in view.facts
     finally:
         await view.stop()
+
+
+async def test_a_burst_of_changes_gives_the_event_loop_back_every_few_messages(nc):
+    """nats-py hands a subscription's queued messages over without a pause: a view must
+    yield now and then (``views.YIELD_EVERY``) or a burst holds every request behind it."""
+    from gearshift.bus import views
+
+    kv = await nc.jetstream().key_value(subj.NODES_BUCKET)
+    n = 3 * views.YIELD_EVERY + 5
+    for i in range(n):
+        await kv.put(f"n{i}", report(f"n{i}", time.time()))
+    sub = await nc.jetstream().subscribe(f"$KV.{subj.NODES_BUCKET}.>", ordered_consumer=True)
+    msgs = [await sub.next_msg(timeout=5) for _ in range(n)]
+    await sub.unsubscribe()
+    view = NodesView(nc.jetstream(), subj.NODES_BUCKET)  # fed by hand: the burst in one go
+    ran = 0
+
+    async def other_work() -> None:
+        nonlocal ran
+        while True:
+            ran += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(other_work())
+    await asyncio.sleep(0)
+    before = ran
+    for m in msgs:
+        await view._on_msg(m)
+    during = ran - before
+    task.cancel()
+    assert len(view.entries) == n
+    assert during == n // views.YIELD_EVERY  # once per YIELD_EVERY messages, and only then
