@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 from gearshift.bus.clock import SYSTEM, Clock
-from gearshift.bus.kv import kv_snapshot
 from gearshift.bus.views import KvView
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import ACTIVE_STATES as ACTIVE
@@ -315,7 +314,7 @@ class LiveModels:
         from gearshift.policies.oracle import PerfModelOracle
 
         self.kv = models_kv
-        self.view: ModelsView | None = None  # the optimizer's view of gs_models (else the bucket is read)
+        self.view: ModelsView | None = None  # the optimizer's view of gs_models (``snapshot`` reads it)
         self.base = PerfModelOracle()
         # The fitted model priced by the topology a placement spans (``links``: the
         # optimizer's ``bandwidth``) with an nvlink-domain one NVLink island; the
@@ -347,15 +346,10 @@ class LiveModels:
         return tuple(Placement(p.node, len(p.gpus), p.cpus, self.node_type.get(p.node, "")) for p in rec.placement)
 
     async def snapshot(self, strict: bool = True) -> dict[str, tuple[bytes, int]]:
-        """``gs_models``: key -> (value, revision), made again only when the bucket
-        changed. From ``view`` where there is one (``strict``: synced with the server
-        first, a stream-info request; else as it is, no request); else from the
-        bucket (a stream-info request, and a pass when it changed)."""
-        if self.view is None:
-            last = (await self.kv._js.stream_info(self.kv._stream)).state.last_seq
-            if last != self._snap[0]:
-                self._snap = (last, await kv_snapshot(self.kv))
-            return self._snap[1]
+        """``gs_models``: key -> (value, revision), from ``view``, made again only when
+        the bucket changed (``strict``: the view synced with the server first, a
+        stream-info request; else as it is, no request)."""
+        assert self.view is not None, "the optimizer gives LiveModels its view of gs_models"
         if strict:
             await self.view.sync()
         if self.view.revision != self._snap[0]:
