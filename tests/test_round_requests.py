@@ -98,6 +98,8 @@ async def test_a_paced_round_asks_only_for_the_jobs_and_a_strict_round_for_every
         opt.reconcile_every = 3600.0  # one full round (the first as leader), then none
         first = await submit(nc, "a", 2)  # the first round as leader: a full one
         await wait_for(lambda: _scheduled(opt, first))
+        # ... and that round ended: its record is written before its gs_alloc sync
+        await wait_for(lambda: asyncio.sleep(0, time.monotonic() < opt._reconcile_at < float("inf")))
         asked, sub = await _count_stream_info(nc)
         rounds = opt.round_no
         second = await submit(nc, "b", 2)  # kicks a paced round, not a full one
