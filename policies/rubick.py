@@ -37,8 +37,14 @@ One round:
    target (the request's predicted throughput, or
    ``JobView.target_throughput``) by ``guarantee_margin`` (20%). Multi-node
    and 3D-parallel predictions err by more than any margin (the request does
-   not), so they never replace a request. Running guaranteed jobs are seeded
-   first and are never shrunk below their request; a pending one is admitted
+   not), so they never replace a request. The one-node growth is also offered
+   at the request's CPUs per GPU (the curve keeps the model's cheapest CPUs,
+   below what a guarantee trusts), and never to a 1-GPU request, whose
+   scaling past one GPU nothing at the request observes
+   (``rubick_problem.growth_at_request_cpus``). Running guaranteed jobs are
+   seeded first and are never shrunk below their request; one that grew is
+   seeded at its request, its growth competing with everyone else's in the
+   greedy step; a pending one is admitted
    (at its request when nothing else is trusted) only if it fits, so an
    accepted guarantee can be kept.
 4. Jobs that (re)started less than ``pin_restarts`` (10) times their own

@@ -91,19 +91,21 @@ class ProblemBuilder:
         return tab[1]
 
     def _with_request(self, job, perf, space, cpg_cluster, cands, tab):
-        """Guaranteed jobs: their exact request (own plan, GPUs, CPUs, compact) as a candidate."""
+        """Guaranteed jobs: their exact request (own plan, GPUs, CPUs, compact) as a candidate
+        (its row's index, -1 if none), and their growth at the request's CPUs per GPU."""
         key = ("req", self.cache.key(job, perf))
         got = self.tables.get(key)
         if got is None or got[0] is not cands:
-            extra = fixed_candidates(job, perf, space)
+            req = fixed_candidates(job, perf, space)
+            extra = req + growth_at_request_cpus(job, perf, space, cands)
             if extra:
-                c = extra[0]
-                row = np.array([[c.gpus, c.cpus_per_gpu, c.nodes, c.throughput, resource_cost(c, cpg_cluster)]])
-                got = (cands, cands + extra, np.vstack([tab, row]))
+                rows = np.array([[c.gpus, c.cpus_per_gpu, c.nodes, c.throughput, resource_cost(c, cpg_cluster)]
+                                 for c in extra])
+                got = (cands, cands + extra, np.vstack([tab, rows]), len(cands) if req else -1)
             else:
-                got = (cands, cands, tab)
+                got = (cands, cands, tab, -1)
             self.tables[key] = got
-        return got[1], got[2]
+        return got[1], got[2], got[3]
 
     def requested_throughput(self, job: JobView, perf: PerfOracle, space: CandidateSpace) -> float:
         """The job's own plan on its own GPUs and CPUs, compactly placed."""
@@ -131,14 +133,16 @@ class ProblemBuilder:
     def _trusted(self, job: JobView, cands: list[Candidate]) -> np.ndarray:
         """Which candidates of a guaranteed job lie where the model is trusted:
         one node, data-parallel family (no TP/PP), at least the request's GPUs
-        and CPUs per GPU (never a shrink)."""
+        and CPUs per GPU (never a shrink), and more GPUs only where the request
+        already has two or more (``growth_at_request_cpus``)."""
         key = ("trust", id(cands), job.spec.gpus, job.spec.cpus_per_gpu)
         got = self.tables.get(key)
         if got is not None and got[0] is cands:
             return got[1]
         cpg = job.spec.cpus_per_gpu or 0
         out = np.array(
-            [c.nodes == 1 and c.plan.tp == 1 and c.plan.pp == 1 and c.gpus >= job.spec.gpus and c.cpus_per_gpu >= cpg
+            [c.nodes == 1 and c.plan.tp == 1 and c.plan.pp == 1 and c.cpus_per_gpu >= cpg
+             and (c.gpus == job.spec.gpus or (c.gpus > job.spec.gpus and job.spec.gpus >= 2))
              for c in cands],
             bool,
         )
@@ -167,10 +171,7 @@ class ProblemBuilder:
         rows, req_k = cands, -1
         guar = j.spec.guaranteed
         if guar:
-            n0 = len(cands)
-            rows, tab = self._with_request(j, perf, space, cpg_cluster, cands, tab)
-            if len(rows) > n0:
-                req_k = len(rows) - 1
+            rows, tab, req_k = self._with_request(j, perf, space, cpg_cluster, cands, tab)
         ref = self.requested_throughput(j, perf, space)
         if ref <= 0:  # request infeasible under the model: best it could do at its size
             ref = max((c.throughput for c in rows if c.gpus <= j.spec.gpus), default=0.0) or (
@@ -364,7 +365,13 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
     g1 = np.flatnonzero((guar | prot) & ~pinned & (stay >= 0))
     g3 = np.flatnonzero(~guar & pinned)
     seed[g0] = stay[g0]
-    seed[g1] = np.where(u[g1, stay[g1]] >= 0, stay[g1], -1)
+    # A guaranteed job that grew past its request is seeded at its cheapest allowed
+    # candidate (its request), not where it runs: only the request is guaranteed, the
+    # growth competes with everyone else's in the greedy step (staying costs it nothing
+    # there), so idle GPUs it took are handed back when a waiting job has better use.
+    req_g = np.array([j.spec.gpus for j in jobs], np.int64)
+    grown = (stay[g1] >= 0) & (cg[g1, np.maximum(stay[g1], 0)] > req_g[g1]) & guar[g1]
+    seed[g1] = np.where((u[g1, stay[g1]] >= 0) & ~grown, stay[g1], -1)
     seed[g3] = stay[g3]
     # Pending guaranteed jobs: shortest predicted run at their request first
     # (fewest job-seconds spent waiting behind long ones), then by arrival.
@@ -443,6 +450,30 @@ def _node_arrays(nodes: list[NodeState]) -> tuple[dict[str, int], np.ndarray, np
 
 def space_cap(nodes: list[NodeState], what: str) -> np.ndarray:
     return np.array([n.gpus_total if what == "g" else n.cpus_total for n in nodes], np.int64)
+
+
+def growth_at_request_cpus(job: JobView, perf: PerfOracle, space: CandidateSpace,
+                           cands: list[Candidate]) -> list[Candidate]:
+    """A guaranteed job's one-node data-parallel candidates with more GPUs than it asked
+    for, at the CPUs per GPU it asked for. The curve keeps, per shape, the CPUs the model
+    finds cheapest (often 1 per GPU), and a guarantee trusts only allocations with at
+    least the request's CPUs per GPU (``ProblemBuilder._trusted``): without these rows a
+    guaranteed job could never grow, however many GPUs sat idle. A 1-GPU request gets
+    none: it does not communicate, so how the job scales past it is what the model knows
+    least (on rubick-mt, measured, two 1-GPU guarantees grown to 2 GPUs ran slower than
+    their request did)."""
+    cpg = job.spec.cpus_per_gpu or 0
+    out: list[Candidate] = []
+    seen = set()
+    for c in cands:
+        if (job.spec.gpus < 2 or c.nodes != 1 or c.plan.tp != 1 or c.plan.pp != 1 or c.gpus <= job.spec.gpus
+                or c.cpus_per_gpu >= cpg or c.gpus * cpg > space.cpus_per_node or (c.gpus, c.plan) in seen):
+            continue
+        seen.add((c.gpus, c.plan))
+        t = perf.throughput(job, c.plan, symmetric_shape(c.gpus, 1, cpg))
+        if t > 0:
+            out.append(Candidate(c.gpus, cpg, 1, c.plan, t))
+    return out
 
 
 def fixed_candidates(job: JobView, perf: PerfOracle, space: CandidateSpace) -> list[Candidate]:

@@ -309,6 +309,47 @@ def test_guaranteed_job_may_take_a_trusted_single_node_data_parallel_option():
     assert sum(p.gpus for p in a.placement) == 8 and a.plan.tp == a.plan.pp == 1
 
 
+def test_a_guarantee_asking_for_many_cpus_per_gpu_grows_at_those_cpus():
+    """The curve keeps the CPUs the model finds cheapest (1 per GPU where CPUs do not
+    matter to it), and a guarantee trusts only allocations with at least its request's
+    CPUs per GPU: on rubick-mt no guaranteed job asking for 8 CPUs per GPU could grow,
+    with 34 GPUs idle. Its growth is now also offered at the request's CPUs per GPU."""
+    ns = nodes(1)  # 8 GPUs, 64 CPUs
+    g = job("G", 2, guaranteed=True, curve="lin", steps=10**9, cpg=8)
+    d = decide(make_policy("rubick"), 0.0, ns, [g], CurveOracle({"lin": LIN}))
+    a = d.allocations["G"]
+    gpus, cpus = sum(p.gpus for p in a.placement), sum(p.cpus for p in a.placement)
+    assert gpus == 8 and cpus >= 8 * gpus and a.plan.tp == a.plan.pp == 1, a.reason
+
+
+def test_a_grown_guarantee_hands_its_growth_back_to_a_waiting_job():
+    """Only the request is guaranteed: a guaranteed job that grew into idle GPUs is
+    seeded at its request, and its growth competes with a waiting job's start like
+    any best-effort allocation (seeded where it ran, it kept the GPUs until it ended)."""
+    ns = nodes(1)
+    perf = CurveOracle({"lin": LIN, "four": {4: 4}})
+    g = job("G", 2, guaranteed=True, curve="lin", steps=10**9, cpg=8,
+            running_on=(Placement("n0", 8, 64),), since=0.0)
+    alone = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [g], perf)
+    assert alone.allocations["G"].placement == g.placement  # nobody waits: it keeps its growth
+    b = job("B", 4, t=5_000.0, curve="four", steps=10**4, cpg=2)
+    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [g, b], perf)
+    assert "B" in d.allocations, d.waiting.get("B")
+    a = d.allocations["G"]
+    assert 2 <= sum(p.gpus for p in a.placement) <= 4, a.reason
+    assert perf.throughput(g, a.plan, a.placement) >= 2
+
+
+def test_a_one_gpu_guarantee_keeps_its_one_gpu():
+    """A 1-GPU request does not communicate, so how the job scales past it is what the
+    model knows least (on rubick-mt, measured, two 1-GPU guarantees grown to 2 GPUs ran
+    slower than their request): such a guarantee runs its request, idle GPUs or not."""
+    ns = nodes(1)
+    g = job("G", 1, guaranteed=True, curve="lin", steps=10**9, cpg=1)
+    d = decide(make_policy("rubick"), 0.0, ns, [g], CurveOracle({"lin": LIN}))
+    assert sum(p.gpus for p in d.allocations["G"].placement) == 1
+
+
 def test_no_live_node_means_every_job_waits():
     """A round with every node gone (all agents restarting) used to fail in the kernel."""
     spec = JobSpec(name="a", model=LLAMA, global_batch=16, steps=100, gpus=2)
