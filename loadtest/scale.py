@@ -533,6 +533,7 @@ class Run:
             # what an operator sees: the CLI pages through every job
             listed, out["cli_get_jobs_all"] = await asyncio.to_thread(cli_list_all, env, server.monitor_url)
             states = {j["job_id"]: j["state"] for j in listed}
+            out["events"] = await terminal_events(nc.jetstream(), states)
             lost = [j for j in self.sent if j not in states]  # acknowledged, and gone
             unfinished = [j for j in self.sent if states.get(j) in ("pending", "scheduled", "running", "cancelling")]
             failed = [j for j in self.sent if states.get(j) in ("failed", "cancelled")]
@@ -578,7 +579,8 @@ class Run:
                     and out["round_cpu"]["within_budget_share"] >= FLOORS["round_cpu_within_budget_share"],
                 "heartbeat_lag_p99_le_1s": (out["heartbeat_lag_p99_s"] or 1e9) <= FLOORS["heartbeat_lag_p99_s"],
                 "no_lost_jobs": not lost and out["acked"] == a.jobs + sum(p["asked"] for p in out.get("probes", [])),
-                "all_completed": not unfinished and not failed,
+                # and each completed job's event is stored for the tools that follow them
+                "all_completed": not unfinished and not failed and out["events"]["completed_without_event"] == 0,
                 "cli_pages_through_all": len(listed) >= len(self.sent) and out["cli_get_jobs_all"]["rc"] == 0,
             }
             out["passed"] = all(v is not False for v in out["floors"].values())
@@ -588,6 +590,19 @@ class Run:
             if nc is not None:
                 await nc.close()
             server.stop()
+
+
+async def terminal_events(js: Any, states: dict[str, str]) -> dict:
+    """Whether each completed job's ``job.completed`` event is stored in GS_EVENTS, as
+    the records say it completed: one stream-info request, its subjects filtered (the
+    server's per-subject counts). A run whose events were not stored (a leader whose
+    publishes failed) used to pass on the records alone."""
+    info = await js.stream_info(subj.EVENTS_STREAM, subjects_filter="gs.evt.job.*.completed")
+    stored = info.state.subjects or {}
+    done = [j for j, s in states.items() if s == "completed"]
+    missing = [j for j in done if stored.get(subj.job_event(j, "job.completed"), 0) < 1]
+    return {"completed": len(done), "completed_events_stored": len(done) - len(missing),
+            "completed_without_event": len(missing), "completed_without_event_sample": missing[:5]}
 
 
 async def idle_cores(procs: Procs, pids: dict[str, int], seconds: float) -> dict[str, float] | None:

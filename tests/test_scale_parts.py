@@ -271,3 +271,18 @@ async def test_the_bus_account_counts_each_connections_messages_and_each_streams
         for c in (pub, sub):
             if c is not None:
                 await c.close()
+
+
+async def test_a_completed_job_without_its_stored_event_is_counted(nc):
+    """The run's ``all_completed`` floor reads the records and the events: a job the
+    records call completed but whose ``job.completed`` event GS_EVENTS never stored
+    (a leader whose publishes failed) is named, so such a run no longer passes."""
+    from loadtest.scale import terminal_events
+
+    js = nc.jetstream()
+    for j in ("a", "b"):
+        await js.publish(f"gs.evt.job.{j}.completed", b"{}")
+    await js.publish("gs.evt.job.c.running", b"{}")  # c ran, its completion was never stored
+    got = await terminal_events(js, {"a": "completed", "b": "completed", "c": "completed", "d": "failed"})
+    assert got["completed"] == 3 and got["completed_events_stored"] == 2
+    assert got["completed_without_event"] == 1 and got["completed_without_event_sample"] == ["c"]
