@@ -6,6 +6,13 @@ written (a crash before the ack redelivers it; applying twice is a no-op
 because stale generations and repeated kinds change nothing). A turn that
 fails (a write the server did not answer in time, say) is not acked: its
 reports are asked back (``nak``, after ``RETRY_S``) and the consumer goes on.
+A turn holding a report that failed before is applied one job at a time
+(``_one_job_at_a_time``): a report that fails every time (a bug, or data the
+code cannot take) is then asked back alone, later each time (``backoff``, up
+to ``RETRY_MAX_S``), instead of failing every turn it is fetched with and
+holding every other job's reports back. Nothing is dropped: it is logged each
+time, and applied once what failed is fixed. A failure of the bus itself (a
+timeout, a lost connection) stops the pass and asks the rest back at once.
 A deposed leader's turn ends it (``Deposed``)."""
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gearshift.bus.clock import SYSTEM, Clock
@@ -29,6 +37,23 @@ from gearshift.services.jobstore import JobStore
 
 log = get_logger(service="optimizer")
 RETRY_S = 1.0  # a failed turn's reports come back after this long
+RETRY_MAX_S = 60.0  # a report that keeps failing comes back at most this long after
+# the bus, not the report: what every job's apply would meet now
+BUS_ERRORS = (TimeoutError, nats.errors.NoRespondersError, nats.errors.StaleConnectionError,
+              nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+              nats.errors.OutboundBufferLimitError, ConnectionError)
+
+
+def backoff(delivered: int) -> float:
+    """How long a report that failed on its ``delivered``-th delivery waits to come back."""
+    return min(RETRY_MAX_S, RETRY_S * 2 ** max(0, delivered - 1))
+
+
+def _delivered(msg: Any) -> int:
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:  # not a JetStream message (tests' stand-ins)
+        return 1
 
 
 async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]], lock: asyncio.Lock,
@@ -68,8 +93,11 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
                     raise
                 except Exception:
                     pass
+                one = apply_many or (lambda reports: _in_order(reports, apply))
                 try:
-                    if apply_many is not None:
+                    if any(_delivered(m) > 1 for m in msgs):  # it failed before: one job at a time
+                        await _one_job_at_a_time(msgs, one)
+                    elif apply_many is not None:
                         await _apply_turn(msgs, apply_many)
                     else:
                         await _apply_all(msgs, apply, parallel)
@@ -94,6 +122,38 @@ async def _decoded(msgs: list) -> list[tuple[Any, RunReport]]:
             log.warning("dropping malformed run report", subject=msg.subject)
             await msg.term()
     return good
+
+
+async def _in_order(reports: list[RunReport], apply: Callable[[RunReport], Awaitable[None]]) -> None:
+    for r in reports:
+        await apply(r)
+
+
+async def _one_job_at_a_time(msgs: list, apply_many: Callable[[list[RunReport]], Awaitable[None]]) -> None:
+    """A turn that failed before, applied job by job: each job's reports acked once
+    applied, or asked back alone (``backoff``) when they fail. A bus failure asks back
+    every job not yet applied, at once, and ends the pass."""
+    by_job: dict[str, list] = {}
+    for msg, report in await _decoded(msgs):
+        by_job.setdefault(report.job_id, []).append((msg, report))
+    jobs = list(by_job.items())
+    for i, (job_id, items) in enumerate(jobs):
+        try:
+            await apply_many([r for _, r in items])
+        except (asyncio.CancelledError, Deposed):
+            raise
+        except BUS_ERRORS:
+            log.warning("report turn failed on the bus; the rest come back", jobs=len(jobs) - i, exc_info=True)
+            await asyncio.gather(*(m.nak(delay=RETRY_S) for _, rest in jobs[i:] for m, _ in rest),
+                                 return_exceptions=True)
+            return
+        except Exception:
+            delivered = max(_delivered(m) for m, _ in items)
+            log.exception("a job's reports failed again; they come back alone", job_id=job_id,
+                          reports=len(items), delivered=delivered, retry_s=backoff(delivered))
+            await asyncio.gather(*(m.nak(delay=backoff(delivered)) for m, _ in items), return_exceptions=True)
+            continue
+        await asyncio.gather(*(m.ack() for m, _ in items))
 
 
 async def _apply_turn(msgs: list, apply_many: Callable[[list[RunReport]], Awaitable[None]]) -> None:
