@@ -65,6 +65,10 @@ GPU_SECONDS = Counter("gearshift_gpu_seconds_total",
                       "GPU-seconds of finished jobs by tenant: held, and productive (held less switch downtime and "
                       "redone steps), counted as the job moves to the history store (bus_schema.usage)",
                       ["tenant", "kind"], registry=None)
+REPORT_RETRIES = Counter("gearshift_report_retries_total",
+                         "Agents' run reports asked back by the optimizer, by why: turn (a turn failed), "
+                         "job (a job's reports failed again, alone), bus (the bus failed meanwhile)",
+                         ["why"], registry=None)
 LEADER = Gauge("gearshift_optimizer_leader", "1 while this optimizer holds the leader lease", registry=None)
 JOB_EVENTS = Counter("gearshift_job_events_total", "Job events this process published, by kind", ["kind"],
                      registry=None)
@@ -96,7 +100,7 @@ _COMMON = [REQUESTS, REQUEST_SECONDS, BUS_ERRORS]
 ROLE_FAMILIES: dict[str, list[Any]] = {
     "admission": [*_COMMON, JOB_EVENTS],
     "optimizer": [*_COMMON, JOB_EVENTS, JOBS, ADMISSION_WAIT, ROUND_SECONDS, DECISIONS, SWITCH_SECONDS, STEPS_LOST,
-                  GPU_SECONDS, LEADER],
+                  GPU_SECONDS, LEADER, REPORT_RETRIES],
     "perfmodel": list(_COMMON),
     "profiler": [*_COMMON, JOB_EVENTS, PROFILE_RUNS],
     "agent": [*_COMMON, GPU_UTIL, FB_USED, FB_FREE, GPU_PROCS, RECONCILE_LAG, AGENT_RUNS],

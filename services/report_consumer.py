@@ -25,6 +25,7 @@ import msgspec
 import nats.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from gearshift.bus import observe
 from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.log import get_logger
 from gearshift.bus_schema import codec
@@ -105,6 +106,7 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
                     raise
                 except Exception:
                     log.exception("report turn failed; its reports come back", reports=len(msgs))
+                    observe.REPORT_RETRIES.labels("turn").inc(len(msgs))
                     await asyncio.gather(*(m.nak(delay=RETRY_S) for m in msgs), return_exceptions=True)
             if turn_gap > 0:
                 await asyncio.sleep(turn_gap)
@@ -144,13 +146,15 @@ async def _one_job_at_a_time(msgs: list, apply_many: Callable[[list[RunReport]],
             raise
         except BUS_ERRORS:
             log.warning("report turn failed on the bus; the rest come back", jobs=len(jobs) - i, exc_info=True)
-            await asyncio.gather(*(m.nak(delay=RETRY_S) for _, rest in jobs[i:] for m, _ in rest),
-                                 return_exceptions=True)
+            back = [m for _, rest in jobs[i:] for m, _ in rest]
+            observe.REPORT_RETRIES.labels("bus").inc(len(back))
+            await asyncio.gather(*(m.nak(delay=RETRY_S) for m in back), return_exceptions=True)
             return
         except Exception:
             delivered = max(_delivered(m) for m, _ in items)
             log.exception("a job's reports failed again; they come back alone", job_id=job_id,
                           reports=len(items), delivered=delivered, retry_s=backoff(delivered))
+            observe.REPORT_RETRIES.labels("job").inc(len(items))
             await asyncio.gather(*(m.nak(delay=backoff(delivered)) for m, _ in items), return_exceptions=True)
             continue
         await asyncio.gather(*(m.ack() for m, _ in items))

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from test_optimizer import report, wait_for
 
+from gearshift.bus import observe
 from gearshift.bus_schema.messages import RunReportKind
 from gearshift.services import report_consumer
 from gearshift.services.fencing import Deposed
@@ -65,6 +66,10 @@ async def test_a_report_that_always_fails_is_asked_back_alone_and_the_others_go_
         if any(r.job_id == "bad" for r in reports):
             raise ValueError("a report this code cannot take")
 
+    def asked_back(why):
+        return observe.REPORT_RETRIES.labels(why)._value.get()
+
+    before = {w: asked_back(w) for w in ("turn", "job")}
     for j in ("a", "bad", "b"):
         await report(nc, j, 1, "n0", RunReportKind.STARTED)
     running = True
@@ -75,6 +80,8 @@ async def test_a_report_that_always_fails_is_asked_back_alone_and_the_others_go_
         assert turns[0] == ["a:started", "b:started", "bad:started"]  # the whole turn failed once
         # then one job at a time: a and b applied (and acked: they never come again)
         assert turns.count(["a:started"]) == 1 and turns.count(["b:started"]) == 1
+        assert asked_back("turn") - before["turn"] == 3  # what an operator sees on /metrics
+        assert asked_back("job") - before["job"] >= 2
         await report(nc, "c", 1, "n0", RunReportKind.STARTED)  # new work is not held back
         await wait_for(lambda: asyncio.sleep(0, ["c:started"] in turns), timeout=10)
         assert not task.done()
