@@ -533,7 +533,7 @@ class Run:
             # what an operator sees: the CLI pages through every job
             listed, out["cli_get_jobs_all"] = await asyncio.to_thread(cli_list_all, env, server.monitor_url)
             states = {j["job_id"]: j["state"] for j in listed}
-            out["events"] = await terminal_events(nc.jetstream(), states)
+            out["events"] = await terminal_events(nc, states)
             lost = [j for j in self.sent if j not in states]  # acknowledged, and gone
             unfinished = [j for j in self.sent if states.get(j) in ("pending", "scheduled", "running", "cancelling")]
             failed = [j for j in self.sent if states.get(j) in ("failed", "cancelled")]
@@ -592,13 +592,19 @@ class Run:
             server.stop()
 
 
-async def terminal_events(js: Any, states: dict[str, str]) -> dict:
+async def terminal_events(nc: Any, states: dict[str, str]) -> dict:
     """Whether each completed job's ``job.completed`` event is stored in GS_EVENTS, as
-    the records say it completed: one stream-info request, its subjects filtered (the
-    server's per-subject counts). A run whose events were not stored (a leader whose
-    publishes failed) used to pass on the records alone."""
-    info = await js.stream_info(subj.EVENTS_STREAM, subjects_filter="gs.evt.job.*.completed")
-    stored = info.state.subjects or {}
+    the records say it completed: stream-info requests with the subjects filtered (the
+    server's per-subject counts, paged past its 100,000 a reply). A run whose events were
+    not stored (a leader whose publishes failed) used to pass on the records alone."""
+    stored: dict[str, int] = {}
+    while True:
+        body = json.dumps({"subjects_filter": "gs.evt.job.*.completed", "offset": len(stored)}).encode()
+        reply = json.loads((await nc.request(f"$JS.API.STREAM.INFO.{subj.EVENTS_STREAM}", body, timeout=30)).data)
+        page = (reply.get("state") or {}).get("subjects") or {}
+        stored.update(page)
+        if not page or len(stored) >= int(reply.get("total") or 0):
+            break
     done = [j for j, s in states.items() if s == "completed"]
     missing = [j for j in done if stored.get(subj.job_event(j, "job.completed"), 0) < 1]
     return {"completed": len(done), "completed_events_stored": len(done) - len(missing),

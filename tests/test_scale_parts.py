@@ -283,6 +283,6 @@ async def test_a_completed_job_without_its_stored_event_is_counted(nc):
     for j in ("a", "b"):
         await js.publish(f"gs.evt.job.{j}.completed", b"{}")
     await js.publish("gs.evt.job.c.running", b"{}")  # c ran, its completion was never stored
-    got = await terminal_events(js, {"a": "completed", "b": "completed", "c": "completed", "d": "failed"})
+    got = await terminal_events(nc, {"a": "completed", "b": "completed", "c": "completed", "d": "failed"})
     assert got["completed"] == 3 and got["completed_events_stored"] == 2
     assert got["completed_without_event"] == 1 and got["completed_without_event_sample"] == ["c"]
