@@ -303,7 +303,8 @@ class Rubick:
             j, k = jobs[i], int(level[i])
             if k == stay[i]:
                 plan = j.plan or default_plan(j.spec)
-                why = "kept (within minimum run time)" if pinned[i] else "kept: no better use of its resources net of the restart cost"
+                why = (f"kept (within minimum run time: pinned {self.pin_window(j):.0f} s after a switch)" if pinned[i]
+                       else "kept: no better use of its resources net of the restart cost")
                 d.allocations[j.job_id] = JobDecision(j.placement, plan, f"{self.name}: {why}", float(thr[i, k]), 0.0)
                 for p in j.placement:
                     used[p.node] = used.get(p.node, 0) + p.gpus
@@ -354,7 +355,7 @@ class Rubick:
                     d.waiting[j.job_id] = "waiting: no allocation in this cluster reaches its guaranteed throughput"
             elif not any_ and self._held_out(j, now):
                 d.waiting[j.job_id] = (
-                    f"waiting: preempted less than the minimum run time ({self.min_run_time:.0f} s) ago; "
+                    f"waiting: preempted less than its pin window ({self.pin_window(j):.0f} s) ago; "
                     "not restarted yet so it does not thrash"
                 )
             elif not any_:

@@ -148,7 +148,19 @@ def test_a_job_is_pinned_for_ten_of_its_own_restarts_at_most_min_run_time():
         assert d.allocations["a"].placement == a.placement and "minimum run time" in d.allocations["a"].reason
     d = decide(make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0),
                9_900.0, ns, [a], perf)  # 100 s < 150 s: still pinned
-    assert d.allocations["a"].placement == a.placement
+    assert d.allocations["a"].placement == a.placement and "pinned 150 s" in d.allocations["a"].reason
+
+
+def test_a_preempted_job_is_told_how_long_it_stays_out():
+    """A preempted best-effort job stays out for its own pin window, which its reason
+    names (it said the minimum run time, 600 s, where the job waited 150 s)."""
+    ns = nodes(1)
+    perf = CurveOracle({"lin": LIN})
+    pol = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0)
+    a = job("a", 8, curve="lin", t=0.0, steps=10**6)
+    a.started_at, a.last_switch_at = 9_000.0, 9_950.0  # ran, and was preempted 50 s ago
+    d = decide(pol, 10_000.0, ns, [a], perf)
+    assert "a" in d.waiting and "pin window (150 s)" in d.waiting["a"], d.waiting["a"]
 
 
 def test_no_job_switched_twice_within_min_run_time_over_many_rounds():
