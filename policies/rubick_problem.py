@@ -370,13 +370,12 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
     # growth competes with everyone else's in the greedy step (staying costs it nothing
     # there), so idle GPUs it took are handed back when a waiting job has better use.
     req_g = np.array([j.spec.gpus for j in jobs], np.int64)
-    grown = (stay[g1] >= 0) & (cg[g1, np.maximum(stay[g1], 0)] > req_g[g1]) & guar[g1]
+    grown = guar[g1] & (cg[g1, stay[g1]] > req_g[g1])  # g1 runs: stay[g1] >= 0
     seed[g1] = np.where((u[g1, stay[g1]] >= 0) & ~grown, stay[g1], -1)
     seed[g3] = stay[g3]
     # Pending guaranteed jobs: shortest predicted run at their request first
     # (fewest job-seconds spent waiting behind long ones), then by arrival.
-    qkey = queue_keys(pol.queue_key, left, np.where(guar, targets, refs), R,
-                      np.array([j.spec.gpus for j in jobs], float))
+    qkey = queue_keys(pol.queue_key, left, np.where(guar, targets, refs), R, req_g.astype(float))
     g2 = sorted(np.flatnonzero(guar & (stay < 0)).tolist(),
                 key=lambda i: (qkey[i], jobs[i].submitted_at, jobs[i].job_id))
     g2 = np.array(g2, np.int64)
@@ -464,9 +463,11 @@ def growth_at_request_cpus(job: JobView, perf: PerfOracle, space: CandidateSpace
     their request did)."""
     cpg = job.spec.cpus_per_gpu or 0
     out: list[Candidate] = []
+    if job.spec.gpus < 2:
+        return out
     seen = set()
     for c in cands:
-        if (job.spec.gpus < 2 or c.nodes != 1 or c.plan.tp != 1 or c.plan.pp != 1 or c.gpus <= job.spec.gpus
+        if (c.nodes != 1 or c.plan.tp != 1 or c.plan.pp != 1 or c.gpus <= job.spec.gpus
                 or c.cpus_per_gpu >= cpg or c.gpus * cpg > space.cpus_per_node or (c.gpus, c.plan) in seen):
             continue
         seen.add((c.gpus, c.plan))

@@ -74,6 +74,7 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
         stream=subj.REPORTS_STREAM,
         config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL, ack_wait=30),
     )
+    one = apply_many or (lambda reports: _in_order(reports, apply))  # a job's reports, when one at a time
     try:
         while running():  # nats-py's fetch can swallow a cancel: check a flag too
             try:
@@ -94,7 +95,6 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
                     raise
                 except Exception:
                     pass
-                one = apply_many or (lambda reports: _in_order(reports, apply))
                 try:
                     if any(_delivered(m) > 1 for m in msgs):  # it failed before: one job at a time
                         await _one_job_at_a_time(msgs, one)
@@ -106,8 +106,7 @@ async def consume_reports(js: Any, apply: Callable[[RunReport], Awaitable[None]]
                     raise
                 except Exception:
                     log.exception("report turn failed; its reports come back", reports=len(msgs))
-                    observe.REPORT_RETRIES.labels("turn").inc(len(msgs))
-                    await asyncio.gather(*(m.nak(delay=RETRY_S) for m in msgs), return_exceptions=True)
+                    await _ask_back(msgs, RETRY_S, "turn")
             if turn_gap > 0:
                 await asyncio.sleep(turn_gap)
     finally:
@@ -126,6 +125,20 @@ async def _decoded(msgs: list) -> list[tuple[Any, RunReport]]:
     return good
 
 
+def _by_job(decoded: list[tuple[Any, RunReport]]) -> dict[str, list[tuple[Any, RunReport]]]:
+    """(message, report) pairs grouped by job, each job's in the order they came."""
+    by_job: dict[str, list] = {}
+    for msg, report in decoded:
+        by_job.setdefault(report.job_id, []).append((msg, report))
+    return by_job
+
+
+async def _ask_back(msgs: list, delay: float, why: str) -> None:
+    """Not acked: the server delivers these again after ``delay`` s (counted by ``why``)."""
+    observe.REPORT_RETRIES.labels(why).inc(len(msgs))
+    await asyncio.gather(*(m.nak(delay=delay) for m in msgs), return_exceptions=True)
+
+
 async def _in_order(reports: list[RunReport], apply: Callable[[RunReport], Awaitable[None]]) -> None:
     for r in reports:
         await apply(r)
@@ -135,10 +148,7 @@ async def _one_job_at_a_time(msgs: list, apply_many: Callable[[list[RunReport]],
     """A turn that failed before, applied job by job: each job's reports acked once
     applied, or asked back alone (``backoff``) when they fail. A bus failure asks back
     every job not yet applied, at once, and ends the pass."""
-    by_job: dict[str, list] = {}
-    for msg, report in await _decoded(msgs):
-        by_job.setdefault(report.job_id, []).append((msg, report))
-    jobs = list(by_job.items())
+    jobs = list(_by_job(await _decoded(msgs)).items())
     for i, (job_id, items) in enumerate(jobs):
         try:
             await apply_many([r for _, r in items])
@@ -146,16 +156,13 @@ async def _one_job_at_a_time(msgs: list, apply_many: Callable[[list[RunReport]],
             raise
         except BUS_ERRORS:
             log.warning("report turn failed on the bus; the rest come back", jobs=len(jobs) - i, exc_info=True)
-            back = [m for _, rest in jobs[i:] for m, _ in rest]
-            observe.REPORT_RETRIES.labels("bus").inc(len(back))
-            await asyncio.gather(*(m.nak(delay=RETRY_S) for m in back), return_exceptions=True)
+            await _ask_back([m for _, rest in jobs[i:] for m, _ in rest], RETRY_S, "bus")
             return
         except Exception:
             delivered = max(_delivered(m) for m, _ in items)
             log.exception("a job's reports failed again; they come back alone", job_id=job_id,
                           reports=len(items), delivered=delivered, retry_s=backoff(delivered))
-            observe.REPORT_RETRIES.labels("job").inc(len(items))
-            await asyncio.gather(*(m.nak(delay=backoff(delivered)) for m, _ in items), return_exceptions=True)
+            await _ask_back([m for m, _ in items], backoff(delivered), "job")
             continue
         await asyncio.gather(*(m.ack() for m, _ in items))
 
@@ -169,9 +176,7 @@ async def _apply_turn(msgs: list, apply_many: Callable[[list[RunReport]], Awaita
 async def _apply_all(msgs: list, apply: Callable[[RunReport], Awaitable[None]], parallel: int) -> None:
     """Reports of one job in order, different jobs' concurrently (at most
     ``parallel`` at a time); each acked once applied."""
-    by_job: dict[str, list] = {}
-    for msg, report in await _decoded(msgs):
-        by_job.setdefault(report.job_id, []).append((msg, report))
+    by_job = _by_job(await _decoded(msgs))
     sem = asyncio.Semaphore(parallel)
 
     async def one_job(items: list) -> None:
