@@ -132,3 +132,28 @@ def test_regime_is_validated():
 
     with pytest.raises(ValueError, match="regime"):
         Simulator(Trace("t", [], parse_cluster("1x1")), None, config=SimConfig(regime="bent"))
+
+
+def test_the_beliefs_batch_answers_what_one_plan_at_a_time_answers():
+    """``BeliefOracle.throughput_many`` (one ``predict`` call for the plans it lacks) gives
+    bit for bit what ``throughput`` gives plan by plan, in both regimes: plans the measured
+    rule refuses and plans of another size answer 0, and a second ask is served from the cache."""
+    from gearshift.policies.api import JobView
+    from gearshift.policies.oracle import PerfModelOracle
+    from gearshift.sim.truth import BeliefOracle
+
+    spec = JobSpec(name="g", model=SPECS["gpt2"], global_batch=16, steps=10, gpus=8)
+    job = JobView("g", spec, 0.0)
+    where = (Placement("n0", 4, 16), Placement("n1", 4, 16))
+    plans = PerfModelOracle().plans(job, where)[:40] + [Plan(dp=4), Plan(dp=8, zero=2, micro_batch=2)]
+    assert len(plans) > 10 and any(p.gpus != 8 for p in plans)
+    measured = GroundTruth(8, 0.05, 0, find_predictor(8)).measured_config
+    for allowed in (None, measured):
+        one, many = (BeliefOracle(8, find_predictor(8), allowed=allowed) for _ in range(2))
+        expect = [one.throughput(job, p, where) for p in plans]
+        got = many.throughput_many(job, plans, where)
+        assert got == expect
+        assert any(t > 0 for t in got) and any(t == 0 for t in got)
+        assert many.throughput_many(job, plans[::-1], where) == expect[::-1]  # from its cache, in any order
+    analytic = BeliefOracle(8, None)
+    assert analytic.throughput_many(job, plans[:5], where) == [analytic.throughput(job, p, where) for p in plans[:5]]
