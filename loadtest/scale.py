@@ -221,39 +221,72 @@ def handling_summary(before: dict[float, float], after: dict[float, float], floo
 
 def bus_counts(monitor_url: str | None) -> dict | None:
     """What nats-server has handled so far (its monitoring endpoint): messages in
-    and out of each named connection, and the last sequence of each stream
+    and out of each named connection, what was delivered to each of its
+    subscriptions (``subscription_label``), and the last sequence of each stream
     (what was stored there, deletes and replaced KV values included)."""
     import urllib.request
 
     if not monitor_url:
         return None
     try:
-        with urllib.request.urlopen(f"{monitor_url}/connz?limit=4096", timeout=10) as resp:
+        with urllib.request.urlopen(f"{monitor_url}/connz?limit=4096&subs=detail", timeout=10) as resp:
             conns = json.loads(resp.read())["connections"]
-        with urllib.request.urlopen(f"{monitor_url}/jsz?streams=true", timeout=10) as resp:
+        with urllib.request.urlopen(f"{monitor_url}/jsz?streams=true&consumers=true&config=true", timeout=10) as resp:
             jsz = json.loads(resp.read())
     except (OSError, ValueError, KeyError):
         return None
+    streams, delivers = {}, {}
+    for a in jsz.get("account_details", []):
+        for st in a.get("stream_detail", []):
+            streams[st["name"]] = st["state"]["last_seq"]
+            for c in st.get("consumer_detail") or []:
+                d = (c.get("config") or {}).get("deliver_subject")
+                if d:
+                    delivers[d] = st["name"]
     by_conn: dict[str, list[int]] = {}
+    by_sub: dict[str, dict[str, int]] = {}
     for c in conns:
-        n = by_conn.setdefault(c.get("name") or "?", [0, 0])
+        name = c.get("name") or "?"
+        n = by_conn.setdefault(name, [0, 0])
         n[0] += c.get("in_msgs", 0)
         n[1] += c.get("out_msgs", 0)
-    streams = {s["name"]: s["state"]["last_seq"] for a in jsz.get("account_details", [])
-               for s in a.get("stream_detail", [])}
-    return {"connections": by_conn, "streams": streams}
+        subs = by_sub.setdefault(name, {})
+        for sd in c.get("subscriptions_list_detail") or []:
+            label = subscription_label(sd.get("subject", "?"), delivers)
+            subs[label] = subs.get(label, 0) + int(sd.get("msgs", 0))
+    return {"connections": by_conn, "subscriptions": by_sub, "streams": streams}
+
+
+def subscription_label(subject: str, delivers: dict[str, str]) -> str:
+    """A subscription, named for the breakdown: a push consumer's deliver subject
+    by its stream ("stream KV_gs_jobs"), any other inbox as "_INBOX" (replies),
+    and tokens with digits (job ids, node names) as "*"."""
+    if subject in delivers:
+        return f"stream {delivers[subject]}"
+    if subject.startswith("_INBOX."):
+        return "_INBOX"
+    return ".".join("*" if any(ch.isdigit() for ch in t) else t for t in subject.split("."))
 
 
 def bus_per_job(before: dict | None, after: dict | None, jobs: int) -> dict | None:
     """Messages per job between two ``bus_counts``: each connection's in and out
-    (what it published, what was delivered to it), and what each stream stored."""
+    (what it published, what was delivered to it), what was delivered to each of
+    its subscriptions (those with at least 0.01 a job), and what each stream stored."""
     if not before or not after or jobs <= 0:
         return None
     conns = {n: {"in": round((v[0] - before["connections"].get(n, [0, 0])[0]) / jobs, 2),
                  "out": round((v[1] - before["connections"].get(n, [0, 0])[1]) / jobs, 2)}
              for n, v in sorted(after["connections"].items())}
+    subs = {}
+    for n, labels in sorted(after.get("subscriptions", {}).items()):
+        was = before.get("subscriptions", {}).get(n, {})
+        per = {k: round((v - was.get(k, 0)) / jobs, 2) for k, v in labels.items()}
+        per = dict(sorted(((k, v) for k, v in per.items() if v >= 0.01), key=lambda kv: -kv[1]))
+        if per:
+            subs[n] = per
     stored = {n: round((v - before["streams"].get(n, 0)) / jobs, 2) for n, v in sorted(after["streams"].items())}
-    return {"by_connection": conns, "stored_by_stream": stored, "stored": round(sum(stored.values()), 2)}
+    return {"by_connection": conns, "by_subscription": subs, "stored_by_stream": stored,
+            "stored": round(sum(stored.values()), 2)}
 
 
 def cli_list_all(env: dict[str, str], monitor_url: str | None) -> tuple[list[dict], dict]:

@@ -9,10 +9,11 @@ from types import SimpleNamespace
 
 from test_live_learning import _rec
 
+from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import Plan, RunReport, RunReportKind
 from gearshift.services.alloc_writer import emulated_step_time
 from gearshift.services.policy_bridge import PROGRESS_EVERY_S, LiveModels
-from loadtest.scale import Run, growth_row, parse
+from loadtest.scale import Run, growth_row, parse, subscription_label
 
 
 def test_one_configuration_runs_equally_fast_in_every_job():
@@ -248,6 +249,9 @@ async def test_the_bus_account_counts_each_connections_messages_and_each_streams
             got.append(m)
 
         s = await sub.subscribe("t.x", cb=on)
+        kv = await sub.jetstream().key_value(subj.JOBS_BUCKET)
+        watcher = await kv.watchall()
+        pkv = await pub.jetstream().key_value(subj.JOBS_BUCKET)
         await sub.flush()
         before = bus_counts(server.monitor_url)
         for _ in range(10):
@@ -255,18 +259,27 @@ async def test_the_bus_account_counts_each_connections_messages_and_each_streams
         js = pub.jetstream()
         for i in range(4):
             await js.publish("gs.evt.job.j%d.submitted" % i, b"{}")
+        for i in range(6):
+            await pkv.put("j%d" % i, b"{}")
         await pub.flush()
         while len(got) < 10:
             await asyncio.sleep(0.01)
+        seen = 0
+        while seen < 6:
+            e = await watcher.updates(timeout=5)
+            seen += e is not None
         after = bus_counts(server.monitor_url)
         per = bus_per_job(before, after, 2)
         # 10 core publishes and 4 stream publishes from "pub", over 2 jobs; each stream
         # publish is acknowledged back to it; "sub" got the 10 core messages
-        assert per["by_connection"]["pub"] == {"in": 7.0, "out": 2.0}
-        assert per["by_connection"]["sub"]["out"] == 5.0
-        assert per["stored_by_stream"]["GS_EVENTS"] == 2.0 and per["stored"] == 2.0
+        assert per["by_connection"]["pub"] == {"in": 10.0, "out": 5.0}
+        # each delivery named for the subscription it went to: the KV watcher's by its stream
+        assert per["by_subscription"]["sub"] == {"t.x": 5.0, "stream KV_gs_jobs": 3.0}
+        assert per["by_connection"]["sub"]["out"] == 8.0
+        assert per["stored_by_stream"]["GS_EVENTS"] == 2.0 and per["stored"] == 5.0
         assert bus_per_job(None, after, 2) is None and bus_counts(None) is None
         await s.unsubscribe()
+        await watcher.stop()
     finally:
         for c in (pub, sub):
             if c is not None:
@@ -286,3 +299,11 @@ async def test_a_completed_job_without_its_stored_event_is_counted(nc):
     got = await terminal_events(nc, {"a": "completed", "b": "completed", "c": "completed", "d": "failed"})
     assert got["completed"] == 3 and got["completed_events_stored"] == 2
     assert got["completed_without_event"] == 1 and got["completed_without_event_sample"] == ["c"]
+
+
+def test_a_subscription_is_named_by_its_stream_or_its_subject_without_ids():
+    delivers = {"_INBOX.abc.1": "KV_gs_jobs"}
+    assert subscription_label("_INBOX.abc.1", delivers) == "stream KV_gs_jobs"
+    assert subscription_label("_INBOX.xyz.*", delivers) == "_INBOX"
+    assert subscription_label("gs.job.*.progress", delivers) == "gs.job.*.progress"
+    assert subscription_label("gs.node.n0042.alloc", delivers) == "gs.node.*.alloc"
