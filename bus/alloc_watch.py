@@ -21,7 +21,10 @@ from typing import Any
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from gearshift.bus.log import get_logger
 from gearshift.bus_schema import subjects as subj
+
+log = get_logger(component="alloc_watch")
 
 
 def node_key(node: str, job_id: str) -> str:
@@ -41,9 +44,15 @@ class AllocEntry:
 class NodeAllocWatch:
     """Watch ``<node>.*`` in ``gs_alloc`` through a named, filtered, ephemeral
     pull consumer. Yields the current values first (``None`` after them, like
-    ``kv.watch``), then changes. If the consumer disappears (a server restart
-    loses ephemeral consumers) it is made again from the current values,
-    which is a full resync: a deleted key's tombstone is its last value."""
+    ``kv.watch``), then changes. The consumer is made again from the current
+    values, a full resync (a deleted key's tombstone is its last value), when it
+    disappears (a server restart loses ephemeral consumers) and when it no
+    longer hands over what it holds (``stalled``): it delivered past what
+    reached this watch (sent to a connection that was going down: with no acks
+    they are gone), or it has messages pending that no fetch gets (a consumer
+    left stuck by a cluster server's restart). Either left the agent deaf to
+    its node's allocations while it went on heartbeating, and the optimizer's
+    drains of that node ended only at ``--drain-timeout``."""
 
     def __init__(self, js: Any, node: str, *, check_every: float = 5.0):
         self.js = js
@@ -55,6 +64,8 @@ class NodeAllocWatch:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._stopped = False
+        self._seen = 0  # the highest stream sequence the current consumer handed over
+        self.remade = 0  # consumers made again (tests, and the log says why)
 
     async def start(self) -> "NodeAllocWatch":
         await self._subscribe()
@@ -70,45 +81,84 @@ class NodeAllocWatch:
             ),
         )
 
+    async def _fetch(self) -> list:
+        if self._psub is None:  # the last one could not be made: the next check tries again
+            await asyncio.sleep(1.0)
+            return []
+        try:
+            return await self._psub.fetch(64, timeout=1)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            return []
+
+    def _hand_over(self, msgs: list) -> None:
+        for msg in msgs:
+            seq = msg.metadata.sequence.stream
+            self._seen = max(self._seen, seq)
+            op = (msg.headers or {}).get("KV-Operation")
+            self._queue.put_nowait(AllocEntry(key=msg.subject[len(self.prefix):], value=msg.data, operation=op,
+                                              revision=seq))
+
     async def _pump(self) -> None:
         initial_done = False
         last_check = time.monotonic()
         while not self._stopped:
-            try:
-                msgs = await self._psub.fetch(64, timeout=1)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                msgs = []
-            for msg in msgs:
-                op = (msg.headers or {}).get("KV-Operation")
-                self._queue.put_nowait(AllocEntry(
-                    key=msg.subject[len(self.prefix):], value=msg.data, operation=op,
-                    revision=msg.metadata.sequence.stream,
-                ))
-                if not initial_done and msg.metadata.num_pending == 0:
-                    initial_done = True
-                    self._queue.put_nowait(None)
+            msgs = await self._fetch()
+            self._hand_over(msgs)
+            if msgs and not initial_done and msgs[-1].metadata.num_pending == 0:
+                initial_done = True
+                self._queue.put_nowait(None)
             if not msgs and not initial_done:
                 initial_done = True
                 self._queue.put_nowait(None)
             if not msgs and time.monotonic() - last_check > self.check_every:
                 last_check = time.monotonic()
-                try:
-                    await self._psub.consumer_info()
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # gone (server restarted) or unreachable: make it again
-                    try:
-                        await self._psub.unsubscribe()
-                    except Exception:
-                        pass
-                    try:
-                        await self._subscribe()
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception:
-                        await asyncio.sleep(0.5)
+                why = await self._check()
+                if why is not None:
+                    await self._remake(why)
+
+    async def _check(self) -> str | None:
+        """Why the consumer must be made again, or None when it is sound."""
+        why = await self._why_not_sound()
+        if why is None or self._psub is None or why.startswith("consumer unreachable"):
+            return why
+        # what was on its way (a fetch that timed out just before it came) counts: fetch once more
+        self._hand_over(await self._fetch())
+        return await self._why_not_sound()
+
+    async def _why_not_sound(self) -> str | None:
+        if self._psub is None:
+            return "no consumer: making one failed"
+        try:
+            info = await self._psub.consumer_info()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # gone (server restarted) or unreachable
+            return f"consumer unreachable: {type(exc).__name__}"
+        return stalled(info, self._seen)
+
+    async def _remake(self, why: str) -> None:
+        """A new consumer from the current values. Until one is made there is none
+        (``_psub`` None), so the next check tries again: an unsubscribed one whose
+        consumer the server still answers for looked sound and was never made again,
+        and its fetches timed out for good."""
+        log.warning("allocation watch made again", node=self.node, why=why)
+        old, self._psub = self._psub, None
+        if old is not None:
+            try:  # the old consumer, asked for nothing more, expires (inactive_threshold)
+                await old.unsubscribe()
+            except Exception:
+                pass
+        try:
+            await self._subscribe()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("allocation watch not made", node=self.node, error=str(exc) or type(exc).__name__)
+            return
+        self._seen = 0
+        self.remade += 1
 
     def __aiter__(self) -> "NodeAllocWatch":
         return self
@@ -127,10 +177,23 @@ class NodeAllocWatch:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        try:
-            await self._psub.unsubscribe()
-        except Exception:
-            pass
+        if self._psub is not None:
+            try:
+                await self._psub.unsubscribe()
+            except Exception:
+                pass
+
+
+def stalled(info: Any, seen: int) -> str | None:
+    """Why a consumer (its ``consumer_info``) is not handing over what it holds, or
+    None: it delivered past ``seen`` (the highest stream sequence that reached the
+    watch), or it holds pending messages."""
+    delivered = info.delivered.stream_seq if info.delivered is not None else 0
+    if delivered is not None and delivered > seen:
+        return f"delivered up to sequence {delivered}, received up to {seen}"
+    if info.num_pending:
+        return f"{info.num_pending} pending that no fetch got"
+    return None
 
 
 async def node_alloc_watch(js: Any, node: str) -> NodeAllocWatch:
