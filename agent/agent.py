@@ -229,7 +229,9 @@ class Agent:
     def _apply_entry(self, key: str, value: bytes | None, op: str | None, revision: int = 0) -> None:
         self.heartbeat.applied_rev = max(self.heartbeat.applied_rev, revision)
         if op in ("DEL", "PURGE") or not value:
-            self.desired.pop(key, None)
+            gone = self.desired.pop(key, None)
+            if gone is not None and key not in self.runs and gone.generation > self.launched.get(key, 0):
+                self._never_started(gone)
             self._dirty.set()  # even for a key it never had (a tombstone): the heartbeat's alloc_rev follows
             return
         try:
@@ -242,6 +244,20 @@ class Agent:
         else:
             self.desired.pop(key, None)
         self._dirty.set()
+
+    def _never_started(self, alloc: Allocation) -> None:
+        """An allocation withdrawn before this agent started it (its change and its
+        withdrawal came in one batch, or a resynced watch replayed both): nothing of it
+        runs here, and only this agent can say so. Its end is reported at once (stopped
+        on request, exit 143, STARTED never sent), so a drain or a cancel waiting on this
+        node ends now rather than at ``--drain-timeout``; the generation is fenced."""
+        self.launched[alloc.job_id] = alloc.generation
+        run = self._new_run(alloc)
+        run.advance(RunPhase.EXITED)
+        run.stopped_by_agent = True
+        run.reason = "withdrawn before it started"
+        self.log.info("withdrawn before it started", job_id=alloc.job_id, generation=alloc.generation)
+        self._spawn(self._report_exit(run, 143))
 
     async def _reconcile_loop(self) -> None:
         self._dirty.set()  # what arrived while a predecessor's runs were recovered

@@ -44,8 +44,8 @@ class AllocEntry:
 class NodeAllocWatch:
     """Watch ``<node>.*`` in ``gs_alloc`` through a named, filtered, ephemeral
     pull consumer. Yields the current values first (``None`` after them, like
-    ``kv.watch``), then changes. The consumer is made again from the current
-    values, a full resync (a deleted key's tombstone is its last value), when it
+    ``kv.watch``), then changes. The consumer is made again, from the change
+    after the last one that reached the watch (``_subscribe``), when it
     disappears (a server restart loses ephemeral consumers) and when it no
     longer hands over what it holds (``stalled``): it delivered past what
     reached this watch (sent to a connection that was going down: with no acks
@@ -73,12 +73,17 @@ class NodeAllocWatch:
         return self
 
     async def _subscribe(self) -> None:
+        """A consumer of the current values (the first), or of every change after the
+        last one that reached the watch (a remade one): a write and its withdrawal
+        missed meanwhile come as both, not as a tombstone alone, so the agent can say it
+        never started that generation. Every key changed since keeps at least its last
+        value, so nothing is skipped however much of its history the bucket dropped."""
+        after = dict(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=self._seen + 1) \
+            if self._seen else dict(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT)
         self._psub = await self.js.pull_subscribe(
             self.prefix + ">",
             stream=self.stream,
-            config=ConsumerConfig(
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE, inactive_threshold=120.0,
-            ),
+            config=ConsumerConfig(**after, ack_policy=AckPolicy.NONE, inactive_threshold=120.0),
         )
 
     async def _fetch(self) -> list:
@@ -157,7 +162,6 @@ class NodeAllocWatch:
         except Exception as exc:
             log.warning("allocation watch not made", node=self.node, error=str(exc) or type(exc).__name__)
             return
-        self._seen = 0
         self.remade += 1
 
     def __aiter__(self) -> "NodeAllocWatch":

@@ -453,3 +453,51 @@ async def test_a_watch_the_server_does_not_answer_at_start_is_tried_again(nc, ag
     assert tries == ["n1"] * 3
     await put(nc, alloc("after", 1, [("n1", [0])], [PY, "-c", "pass"]))
     assert (await reports.wait("after", EXITED, 1)).exit_code == 0  # and it works
+
+
+class _HeldWatch:
+    """The agent's real watch, whose next ``n`` changes are handed over together (as one
+    fetch's batch is): the agent applies them all before its reconcile pass runs."""
+
+    def __init__(self, inner):
+        self.inner, self.hold_for, self.buf = inner, 0, []
+
+    def hold(self, n: int) -> None:
+        self.hold_for = n
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while not self.buf or self.hold_for:
+            self.buf.append(await self.inner.__anext__())
+            if len([e for e in self.buf if e is not None]) >= self.hold_for:
+                self.hold_for = 0
+        return self.buf.pop(0)
+
+    async def stop(self):
+        await self.inner.stop()
+
+
+async def test_an_allocation_withdrawn_before_the_agent_started_it_is_reported_at_once(nc, agents, reports, tmp_path):
+    """Its write and its withdrawal reach the agent together (one batch, or a resynced
+    watch replaying both): nothing of it ever runs, and only the agent can say so. It
+    reports that generation's end at once (stopped on request, 143), so a drain or a
+    cancel waiting on this node does not wait out --drain-timeout; the generation is
+    fenced, and the next one runs."""
+    watches = {}
+
+    async def held(js, node):
+        watches[node] = _HeldWatch(await alloc_watch.node_alloc_watch(js, node))
+        return watches[node]
+
+    await agents("n1", alloc_watch=held)
+    watches["n1"].hold(2)
+    await put(nc, alloc("quick", 1, [("n1", [0])], [PY, "-c", SLEEPER], env={"OUT_DIR": str(tmp_path)}))
+    await delete(nc, "quick")
+    r = await reports.wait("quick", EXITED, 1)
+    assert r.stopped and r.exit_code == 143 and r.node == "n1" and "withdrawn before it started" in r.message
+    assert not reports.find("quick", STARTED, 1) and not (tmp_path / "pid-1").exists()
+    await put(nc, alloc("quick", 2, [("n1", [0])], [PY, "-c", "pass"]))
+    assert (await reports.wait("quick", EXITED, 2)).exit_code == 0
+    assert reports.find("quick", STARTED, 2) and len(reports.find("quick", EXITED, 1)) == 1

@@ -114,6 +114,40 @@ async def test_a_consumer_that_delivered_what_never_arrived_is_made_again(nc):
         task.cancel()
 
 
+async def test_a_remade_watch_replays_a_write_and_its_withdrawal_it_missed(nc):
+    """The consumer is lost (a server restart loses ephemeral ones) while an allocation
+    is written and withdrawn. The new one starts after the last change that reached the
+    watch, so the agent hears both, not the tombstone alone, and can say it never
+    started that generation."""
+    js = nc.jetstream()
+    kv = await js.key_value(subj.ALLOC_BUCKET)
+    await kv.put("n1.a", b"1")
+    watch = await NodeAllocWatch(js, "n1", check_every=0.2).start()
+    seen: list = []
+
+    async def collect():
+        async for e in watch:
+            if e is not None:
+                seen.append((e.key, e.operation))
+
+    task = asyncio.create_task(collect())
+    try:
+        await eventually(lambda: ("a", None) in seen, timeout=10)
+        pump, watch._task = watch._task, None
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        await js.delete_consumer(f"KV_{subj.ALLOC_BUCKET}", (await watch._psub.consumer_info()).name)
+        await kv.put("n1.c", b"3")
+        await kv.delete("n1.c")
+        watch._task = asyncio.create_task(watch._pump())
+        await eventually(lambda: ("c", "DEL") in seen, timeout=20)
+        assert [op for k, op in seen if k == "c"] == [None, "DEL"]
+        assert seen.count(("a", None)) == 1  # what it had heard is not heard again
+    finally:
+        await watch.stop()
+        task.cancel()
+
+
 def test_a_consumer_is_sound_when_what_it_delivered_arrived_and_nothing_waits():
     def info(delivered, pending):
         return SimpleNamespace(delivered=SimpleNamespace(stream_seq=delivered), num_pending=pending)
