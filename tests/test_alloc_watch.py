@@ -7,6 +7,7 @@ are injected."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 
 from wait import eventually
@@ -47,10 +48,39 @@ class _Unreachable:
         return await self.psub.consumer_info()
 
 
-async def _collect(watch, got):
-    async for e in watch:
-        if e is not None:
-            got[e.key] = e
+@contextlib.asynccontextmanager
+async def _watching(js, nc):
+    """A watch of n1 that has heard its first allocation ("a"), with every change it
+    hands over in ``seen`` (key, operation) and the last per key in ``got``."""
+    kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
+    await kv.put("n1.a", b"1")
+    watch = await NodeAllocWatch(js, "n1", check_every=0.2).start()
+    w = SimpleNamespace(watch=watch, kv=kv, got={}, seen=[])
+
+    async def collect():
+        async for e in watch:
+            if e is not None:
+                w.got[e.key] = e
+                w.seen.append((e.key, e.operation))
+
+    task = asyncio.create_task(collect())
+    try:
+        await eventually(lambda: "a" in w.got, timeout=10)
+        yield w
+    finally:
+        await watch.stop()
+        task.cancel()
+
+
+async def _pause(watch):
+    """Stop the watch's pump (it fetches nothing until ``_resume``)."""
+    pump, watch._task = watch._task, None
+    pump.cancel()
+    await asyncio.gather(pump, return_exceptions=True)
+
+
+def _resume(watch):
+    watch._task = asyncio.create_task(watch._pump())
 
 
 async def test_a_watch_whose_consumer_could_not_be_made_again_tries_at_the_next_check(nc):
@@ -59,59 +89,38 @@ async def test_a_watch_whose_consumer_could_not_be_made_again_tries_at_the_next_
     sound from then on, every fetch timed out, and the agent never heard of its node's
     allocations again (a drain there ended only at --drain-timeout)."""
     js = _Flaky(nc.jetstream())
-    kv = await nc.jetstream().key_value(subj.ALLOC_BUCKET)
-    await kv.put("n1.a", b"1")
-    watch = await NodeAllocWatch(js, "n1", check_every=0.2).start()
-    got: dict = {}
-    task = asyncio.create_task(_collect(watch, got))
-    try:
-        await eventually(lambda: "a" in got, timeout=10)
-        watch._psub = _Unreachable(watch._psub)
+    async with _watching(js, nc) as w:
+        w.watch._psub = _Unreachable(w.watch._psub)
         js.fail = 1
-        await eventually(lambda: js.fail == 0 and watch._psub is not None and watch.remade >= 1, timeout=20)
-        await kv.put("n1.b", b"2")
-        await kv.delete("n1.a")
-        await eventually(lambda: "b" in got and got["a"].operation == "DEL", timeout=20)
-    finally:
-        await watch.stop()
-        task.cancel()
+        await eventually(lambda: js.fail == 0 and w.watch._psub is not None and w.watch.remade >= 1, timeout=20)
+        await w.kv.put("n1.b", b"2")
+        await w.kv.delete("n1.a")
+        await eventually(lambda: "b" in w.got and w.got["a"].operation == "DEL", timeout=20)
 
 
 async def test_a_consumer_that_delivered_what_never_arrived_is_made_again(nc):
     """What a consumer delivers with no acks is gone once sent: sent to a connection that
     was going down, it never reaches the watch. Here another subscriber takes a change
     from the watch's own consumer; the watch sees the consumer delivered past what it got
-    and reads the current values again."""
-    js = nc.jetstream()
-    kv = await js.key_value(subj.ALLOC_BUCKET)
-    await kv.put("n1.a", b"1")
-    watch = await NodeAllocWatch(js, "n1", check_every=0.2).start()
-    got: dict = {}
-    task = asyncio.create_task(_collect(watch, got))
-    try:
-        await eventually(lambda: "a" in got, timeout=10)
-        name = (await watch._psub.consumer_info()).name
-        pump, watch._task = watch._task, None
-        pump.cancel()  # the watch pauses; a stranger pulls from its consumer
-        await asyncio.gather(pump, return_exceptions=True)
+    and reads again from there."""
+    async with _watching(nc.jetstream(), nc) as w:
+        name = (await w.watch._psub.consumer_info()).name
+        await _pause(w.watch)  # a stranger pulls from its consumer meanwhile
 
         async def no_pull_waiting():
-            return (await watch._psub.consumer_info()).num_waiting == 0
+            return (await w.watch._psub.consumer_info()).num_waiting == 0
 
         await eventually(no_pull_waiting, timeout=10)  # the watch's last pull expired
-        await kv.put("n1.b", b"2")
+        await w.kv.put("n1.b", b"2")
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
         await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.KV_{subj.ALLOC_BUCKET}.{name}", b'{"batch": 1}', reply=inbox)
         taken = await sub.next_msg(timeout=5)
         assert taken.subject.endswith("n1.b")
         await sub.unsubscribe()
-        watch._task = asyncio.create_task(watch._pump())
-        await eventually(lambda: "b" in got, timeout=20)
-        assert watch.remade >= 1
-    finally:
-        await watch.stop()
-        task.cancel()
+        _resume(w.watch)
+        await eventually(lambda: "b" in w.got, timeout=20)
+        assert w.watch.remade >= 1
 
 
 async def test_a_remade_watch_replays_a_write_and_its_withdrawal_it_missed(nc):
@@ -120,32 +129,15 @@ async def test_a_remade_watch_replays_a_write_and_its_withdrawal_it_missed(nc):
     watch, so the agent hears both, not the tombstone alone, and can say it never
     started that generation."""
     js = nc.jetstream()
-    kv = await js.key_value(subj.ALLOC_BUCKET)
-    await kv.put("n1.a", b"1")
-    watch = await NodeAllocWatch(js, "n1", check_every=0.2).start()
-    seen: list = []
-
-    async def collect():
-        async for e in watch:
-            if e is not None:
-                seen.append((e.key, e.operation))
-
-    task = asyncio.create_task(collect())
-    try:
-        await eventually(lambda: ("a", None) in seen, timeout=10)
-        pump, watch._task = watch._task, None
-        pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
-        await js.delete_consumer(f"KV_{subj.ALLOC_BUCKET}", (await watch._psub.consumer_info()).name)
-        await kv.put("n1.c", b"3")
-        await kv.delete("n1.c")
-        watch._task = asyncio.create_task(watch._pump())
-        await eventually(lambda: ("c", "DEL") in seen, timeout=20)
-        assert [op for k, op in seen if k == "c"] == [None, "DEL"]
-        assert seen.count(("a", None)) == 1  # what it had heard is not heard again
-    finally:
-        await watch.stop()
-        task.cancel()
+    async with _watching(js, nc) as w:
+        await _pause(w.watch)
+        await js.delete_consumer(f"KV_{subj.ALLOC_BUCKET}", (await w.watch._psub.consumer_info()).name)
+        await w.kv.put("n1.c", b"3")
+        await w.kv.delete("n1.c")
+        _resume(w.watch)
+        await eventually(lambda: ("c", "DEL") in w.seen, timeout=20)
+        assert [op for k, op in w.seen if k == "c"] == [None, "DEL"]
+        assert w.seen.count(("a", None)) == 1  # what it had heard is not heard again
 
 
 def test_a_consumer_is_sound_when_what_it_delivered_arrived_and_nothing_waits():
