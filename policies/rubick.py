@@ -362,10 +362,10 @@ class Rubick:
                 d.waiting[j.job_id] = "waiting: no plan of this job fits this cluster's GPUs"
             else:
                 lead = "preempted" if j.running else "waiting"
-                if c.per_node > block:
+                if c.per_node > block or c.gpus > total_free:  # the smallest it may run on does not fit
                     d.waiting[j.job_id] = (
                         f"{lead}: needs {c.gpus} GPUs within {c.nodes} node(s) ({c.per_node} per node), "
-                        f"largest free block is {block}{note}"
+                        f"largest free block is {block} GPUs ({total_free} free){note}"
                     )
                 else:
                     d.waiting[j.job_id] = (

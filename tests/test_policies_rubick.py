@@ -223,7 +223,22 @@ def test_explains_fragmentation():
     big.spec = msgspec.structs.replace(big.spec, reconfigurable=False)  # needs exactly 16 GPUs
     d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [*blockers, big], perf)
     assert "big" in d.waiting
-    assert "needs 16 GPUs within 2 node(s)" in d.waiting["big"] and "largest free block is 2" in d.waiting["big"]
+    assert "needs 16 GPUs within 2 node(s)" in d.waiting["big"] and "largest free block is 2 GPUs (4 free)" in d.waiting["big"]
+
+
+def test_a_job_too_big_for_what_is_free_is_told_so_not_that_others_gain_more():
+    """Two whole nodes free, and a job whose smallest allocation is 24 GPUs on three: every
+    free node is a large enough block, but the GPUs free are too few. It used to be told
+    that the jobs given resources had a higher marginal gain (rubick-base: a 24-GPU
+    llama30 job waiting beside 16 idle GPUs)."""
+    ns = nodes(3)
+    perf = CurveOracle()
+    blocker = job("b0", 8, running_on=(Placement("n0", 8, 16),), since=9_999, steps=10**7)
+    big = job("big", 24, t=1, steps=10**7)
+    big.spec = msgspec.structs.replace(big.spec, reconfigurable=False)  # needs exactly 24 GPUs
+    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [blocker, big], perf)
+    assert "big" in d.waiting and "marginal gain" not in d.waiting["big"]
+    assert "needs 24 GPUs within 3 node(s) (8 per node), largest free block is 8 GPUs (16 free)" in d.waiting["big"]
 
 
 LLAMA = ModelSpec(name="llama7", params=6740, layers=32, hidden=4096, seq_len=2048)
