@@ -231,7 +231,7 @@ class Agent:
         if op in ("DEL", "PURGE") or not value:
             gone = self.desired.pop(key, None)
             if gone is not None and key not in self.runs and gone.generation > self.launched.get(key, 0):
-                self._never_started(gone)
+                never_started(self, gone)
             self._dirty.set()  # even for a key it never had (a tombstone): the heartbeat's alloc_rev follows
             return
         try:
@@ -244,20 +244,6 @@ class Agent:
         else:
             self.desired.pop(key, None)
         self._dirty.set()
-
-    def _never_started(self, alloc: Allocation) -> None:
-        """An allocation withdrawn before this agent started it (its change and its
-        withdrawal came in one batch, or a resynced watch replayed both): nothing of it
-        runs here, and only this agent can say so. Its end is reported at once (stopped
-        on request, exit 143, STARTED never sent), so a drain or a cancel waiting on this
-        node ends now rather than at ``--drain-timeout``; the generation is fenced."""
-        self.launched[alloc.job_id] = alloc.generation
-        run = self._new_run(alloc)
-        run.advance(RunPhase.EXITED)
-        run.stopped_by_agent = True
-        run.reason = "withdrawn before it started"
-        self.log.info("withdrawn before it started", job_id=alloc.job_id, generation=alloc.generation)
-        self._spawn(self._report_exit(run, 143))
 
     async def _reconcile_loop(self) -> None:
         self._dirty.set()  # what arrived while a predecessor's runs were recovered
@@ -415,6 +401,21 @@ async def _until_it_works(make: Any, what: str, wait: float = 60.0) -> Any:
                 raise RuntimeError(f"{what}: the server did not answer for {wait:g} s") from exc
             get_logger().warning("retrying", what=what, error=type(exc).__name__)
             await asyncio.sleep(0.5)
+
+
+def never_started(agent: "Agent", alloc: Allocation) -> None:
+    """An allocation withdrawn before ``agent`` started it (its change and its withdrawal
+    came in one batch, or a remade watch replayed both): nothing of it runs there, and
+    only that agent can say so. Its end is reported at once (stopped on request, exit
+    143, STARTED never sent), so a drain or a cancel waiting on the node ends now rather
+    than at ``--drain-timeout``; the generation is fenced."""
+    agent.launched[alloc.job_id] = alloc.generation
+    run = agent._new_run(alloc)
+    run.advance(RunPhase.EXITED)
+    run.stopped_by_agent = True
+    run.reason = "withdrawn before it started"
+    agent.log.info("withdrawn before it started", job_id=alloc.job_id, generation=alloc.generation)
+    agent._spawn(agent._report_exit(run, 143))
 
 
 async def terminate(agent: "Agent", run: Run) -> None:
