@@ -111,10 +111,7 @@ class NodeAllocWatch:
         while not self._stopped:
             msgs = await self._fetch()
             self._hand_over(msgs)
-            if msgs and not initial_done and msgs[-1].metadata.num_pending == 0:
-                initial_done = True
-                self._queue.put_nowait(None)
-            if not msgs and not initial_done:
+            if not initial_done and (not msgs or msgs[-1].metadata.num_pending == 0):
                 initial_done = True
                 self._queue.put_nowait(None)
             if not msgs and time.monotonic() - last_check > self.check_every:
@@ -125,26 +122,27 @@ class NodeAllocWatch:
 
     async def _check(self) -> str | None:
         """Why the consumer must be made again, or None when it is sound."""
-        why = await self._why_not_sound()
-        if why is None or self._psub is None or why.startswith("consumer unreachable"):
+        if self._psub is None:
+            return "no consumer: making one failed"
+        info, why = await self._info()
+        if why is not None or stalled(info, self._seen) is None:
             return why
         # what was on its way (a fetch that timed out just before it came) counts: fetch once more
         self._hand_over(await self._fetch())
-        return await self._why_not_sound()
+        info, why = await self._info()
+        return why if why is not None else stalled(info, self._seen)
 
-    async def _why_not_sound(self) -> str | None:
-        if self._psub is None:
-            return "no consumer: making one failed"
+    async def _info(self) -> tuple[Any, str | None]:
+        """The consumer's info, or why there is none (gone, or unreachable)."""
         try:
-            info = await self._psub.consumer_info()
+            return await self._psub.consumer_info(), None
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # gone (server restarted) or unreachable
-            return f"consumer unreachable: {type(exc).__name__}"
-        return stalled(info, self._seen)
+        except Exception as exc:
+            return None, f"consumer unreachable: {type(exc).__name__}"
 
     async def _remake(self, why: str) -> None:
-        """A new consumer from the current values. Until one is made there is none
+        """A new consumer (``_subscribe``). Until one is made there is none
         (``_psub`` None), so the next check tries again: an unsubscribed one whose
         consumer the server still answers for looked sound and was never made again,
         and its fetches timed out for good."""
@@ -192,8 +190,8 @@ def stalled(info: Any, seen: int) -> str | None:
     """Why a consumer (its ``consumer_info``) is not handing over what it holds, or
     None: it delivered past ``seen`` (the highest stream sequence that reached the
     watch), or it holds pending messages."""
-    delivered = info.delivered.stream_seq if info.delivered is not None else 0
-    if delivered is not None and delivered > seen:
+    delivered = (info.delivered.stream_seq or 0) if info.delivered is not None else 0
+    if delivered > seen:
         return f"delivered up to sequence {delivered}, received up to {seen}"
     if info.num_pending:
         return f"{info.num_pending} pending that no fetch got"

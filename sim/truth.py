@@ -337,6 +337,14 @@ class GroundTruth:
         return self.step_time(job, plan, pl)[0]
 
 
+def _answer_key(spec: JobSpec, plan: Plan, placement: tuple[Placement, ...], per_node: tuple[int, ...]) -> tuple:
+    """What a belief's answer depends on: ``BeliefOracle``'s cache key (one answer per key,
+    asked one plan at a time or many)."""
+    threads = sum(p.cpus for p in placement) // sum(per_node)
+    return (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node, threads,
+            placement_type(placement))
+
+
 class BeliefOracle:
     """The ``PerfOracle`` handed to policies: the fitted model, never the tables.
 
@@ -376,9 +384,7 @@ class BeliefOracle:
             if self.allowed is not None and not self.allowed(spec, plan, per_node):
                 return 0.0
             return self._analytic.throughput(job, plan, placement)
-        threads = sum(p.cpus for p in placement) // sum(per_node)
-        gtype = placement_type(placement)
-        ck = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node, threads, gtype)
+        ck = _answer_key(spec, plan, placement, per_node)
         v = self._cache.get(ck)
         if v is None:
             if self.allowed is not None and not self.allowed(spec, plan, per_node):
@@ -388,6 +394,7 @@ class BeliefOracle:
                 v = float(self._live.throughput(job, plan, placement))
             else:
                 v = self._compute(with_threads(spec, placement), plan, per_node)
+                gtype = placement_type(placement)
                 if gtype and v > 0:  # a model the fit does not know: the type's spec-based compute ratio
                     from gearshift.perfmodel.gputypes import compute_slowdown
 
@@ -404,15 +411,11 @@ class BeliefOracle:
         per_node = tuple(sorted(p.gpus for p in placement if p.gpus > 0))
         if self._analytic is not None or self._live is None or spec.model.name not in MODELS or not per_node:
             return [self.throughput(job, p, placement) for p in plans]
-        threads = sum(p.cpus for p in placement) // sum(per_node)
-        gtype = placement_type(placement)
-        head = (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan)
-        tail = (per_node, threads, gtype)
-        gpus = sum(p.gpus for p in placement)
+        gpus = sum(per_node)
         out: list[float] = [0.0] * len(plans)
         todo: list[tuple[int, tuple]] = []
         for i, plan in enumerate(plans):
-            ck = (*head, plan, *tail)
+            ck = _answer_key(spec, plan, placement, per_node)
             v = self._cache.get(ck)
             if v is None:
                 if plan.gpus != gpus or (self.allowed is not None and not self.allowed(spec, plan, per_node)):
