@@ -19,6 +19,11 @@ STREAMS = {
     # finished jobs' accounts, in the order they were archived: a window of time is a
     # range of the stream (read from its start time), kept as long as the history
     subj.USAGE_STREAM: dict(subjects=[subj.USAGE_SUBJECTS], duplicate_window=3600.0),
+    # lossy by design, as the lines themselves: in memory, the last line of each job, and
+    # a job's line goes PROGRESS_KEPT_S after its last one (services.progress_lines)
+    subj.PROGRESS_STREAM: dict(subjects=[subj.PROGRESS_SUBJECTS], storage=StorageType.MEMORY,
+                               max_msgs_per_subject=1, max_age=subj.PROGRESS_KEPT_S, duplicate_window=60.0,
+                               allow_direct=True),
 }
 RETAINED = (subj.USAGE_STREAM, subj.HISTORY_BUCKET)  # what GEARSHIFT_HISTORY_RETENTION_S sets
 
@@ -53,11 +58,10 @@ async def ensure_infra(nc: NATS, replicas: int | None = None) -> None:
         config = StreamConfig(
             name=name,
             retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
             num_replicas=replicas,
             max_msg_size=MAX_MESSAGE_BYTES,
             **({"max_age": retention_s()} if name in RETAINED else {}),
-            **cfg,
+            **{"storage": StorageType.FILE, **cfg},
         )
         try:
             await js.add_stream(config)

@@ -110,9 +110,11 @@ ROUTES: tuple[Route, ...] = (
     # what agents publish
     Route("gs.node.<node>.heartbeat", PUBLISH, m.NodeReport, senders=("agent",),
           doc="node heartbeat (NVML sample); also the KV entry gs_nodes.<node>"),
-    Route("gs.job.<job>.progress", PUBLISH, m.JobProgress, senders=("agent",),
-          receivers=("admission", "optimizer", "tools", "dashboard"),
-          doc="live steps and speed of a running job (the optimizer feeds the policy's view and the learning oracle)"),
+    Route("gs.job.<job>.progress", STREAM, m.JobProgress, senders=("agent",),
+          receivers=("admission", "optimizer", "tools", "dashboard"), stream=s.PROGRESS_STREAM,
+          doc="live steps and speed of a running job, a core publish (no ack) kept in GS_PROGRESS (the last line "
+              "of each job): the optimizer reads it in bulk for the policy's view and the learning oracle, the "
+              "admission by job for get and list; tools and the dashboard subscribe"),
     Route("gs.report.<node>.<job>", STREAM, m.RunReport, senders=("agent",), receivers=("optimizer",),
           stream=s.REPORTS_STREAM, doc="a rank started, stepped (first step of a generation) or exited"),
     # events
@@ -142,7 +144,7 @@ ROUTES: tuple[Route, ...] = (
 )
 
 STREAM_SUBJECTS = {s.EVENTS_STREAM: s.EVENTS_SUBJECTS, s.REPORTS_STREAM: s.REPORTS_SUBJECTS,
-                   s.USAGE_STREAM: s.USAGE_SUBJECTS}
+                   s.USAGE_STREAM: s.USAGE_SUBJECTS, s.PROGRESS_STREAM: s.PROGRESS_SUBJECTS}
 ROLES = ("admin", "tools", "dashboard", "tenant", "agent", "admission", "optimizer", "perfmodel", "profiler")
 
 _VAR = re.compile(r"<([a-z]+)>")

@@ -12,6 +12,12 @@ REPORTS_STREAM = "GS_REPORTS"
 REPORTS_SUBJECTS = "gs.report.>"
 USAGE_STREAM = "GS_USAGE"  # one UsageRow per finished job, by the time it was archived (bus_schema.usage)
 USAGE_SUBJECTS = "gs.usage.>"
+# each running job's latest progress line (the agents' core publishes, kept: the last
+# one per job, in memory, for PROGRESS_KEPT_S): read in bulk by the optimizer, by job
+# by the admission, instead of a delivery of every line to every service
+PROGRESS_STREAM = "GS_PROGRESS"
+PROGRESS_SUBJECTS = "gs.job.*.progress"
+PROGRESS_KEPT_S = 3600.0
 
 
 def usage_subject(tenant: str) -> str:

@@ -220,7 +220,7 @@ async def amain(args: argparse.Namespace, stop: asyncio.Event) -> dict:
     nc = await connect(args.server, name="gearshift-fleet", retry_for=10)
     t0 = time.monotonic()
     fleet = await Fleet(nc, args.nodes, args.gpus_per_node, heartbeat=args.heartbeat, prefix=args.prefix,
-                        refresh_beats=args.refresh_beats).start()
+                        refresh_beats=args.refresh_beats, progress_interval=args.progress_interval).start()
     started_s = time.monotonic() - t0
     # The agents' state lives as long as the fleet: out of the collector's way.
     # Otherwise each full collection walks 2,000 agents' objects (measured: 480 ms,
@@ -247,12 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat", type=float, default=2.0, help="seconds between each agent's heartbeats")
     ap.add_argument("--refresh-beats", type=int, default=None,
                     help="write each report to gs_nodes at least every this many beats (default: the agent's; 1: every beat)")
+    ap.add_argument("--progress-interval", type=float, default=5.0,
+                    help="seconds between each running job's progress lines (gs.job.<job>.progress)")
     ap.add_argument("--prefix", default="fleet", help="node names are <prefix>-00000 ...")
     ap.add_argument("--duration", type=float, default=None, help="seconds to run (default: until SIGINT/SIGTERM)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 0:
         ap.error("--nodes must be at least 1 and --gpus-per-node at least 0")
+    if not args.progress_interval > 0:
+        ap.error("--progress-interval must be above 0 seconds")
     from gearshift.bus.process import run_service
 
     result: dict = {}

@@ -323,7 +323,8 @@ def cores_during(cpu0: dict, cpu1: dict, box0: Any, box1: Any, dt: float) -> dic
 def fleet_args(a: argparse.Namespace, nodes: int) -> list[str]:
     """The fleet emulator's command line for ``nodes`` nodes."""
     return ["loadtest.fleet", "--nodes", str(nodes), "--gpus-per-node", str(a.gpus_per_node), "--heartbeat",
-            str(a.heartbeat), *(["--refresh-beats", str(a.refresh_beats)] if a.refresh_beats else [])]
+            str(a.heartbeat), "--progress-interval", str(a.progress_interval),
+            *(["--refresh-beats", str(a.refresh_beats)] if a.refresh_beats else [])]
 
 
 class Run:
@@ -812,6 +813,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--heartbeat", type=float, default=2.0, help="agents' heartbeat interval")
     ap.add_argument("--refresh-beats", type=int, default=None,
                     help="agents write their report to gs_nodes at least every this many beats (default: the agent's)")
+    ap.add_argument("--progress-interval", type=float, default=5.0,
+                    help="seconds between each running job's progress lines from its agent")
     ap.add_argument("--node-timeout", type=float, default=20.0)
     ap.add_argument("--interval", type=float, default=1.0, help="optimizer timer rounds")
     ap.add_argument("--probe-rates", default="auto",
@@ -846,6 +849,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--nodes and --probe-rates take numbers separated by commas")
     if not a.node_counts or min(a.node_counts) < 1 or a.jobs < 1 or a.rate <= 0 or a.gpus_per_node < 1:
         ap.error("--nodes, --jobs, --rate and --gpus-per-node must be positive")
+    if not a.progress_interval > 0:
+        ap.error("--progress-interval must be above 0 seconds")
     return a
 
 

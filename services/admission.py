@@ -35,7 +35,6 @@ from gearshift.bus_schema.messages import (
     JobCancelled,
     JobCancelRequested,
     JobList,
-    JobProgress,
     JobRecord,
     JobRef,
     JobSpec,
@@ -53,7 +52,7 @@ from gearshift.bus_schema.messages import (
 )
 from gearshift.bus_schema.validate import DEFAULT_MAX_CHECKPOINT_GRACE_S, SpecError, check_spec
 from gearshift.policies.queues import ShareConfig
-from gearshift.services import dependencies
+from gearshift.services import dependencies, progress_lines
 from gearshift.services.usage import usage as window_usage
 from gearshift.services.dependencies import bounded
 from gearshift.services.jobstore import JobStore, with_event
@@ -75,8 +74,6 @@ class AdmissionConfig(ServiceConfig):
 
 log = get_logger(service="admission")
 
-# latest progress reports kept (one per running job; more means ended jobs nobody listed)
-PROGRESS_KEPT = 20_000
 # a spec without ``tenant`` has this one
 DEFAULT_TENANT = next(f.default for f in msgspec.structs.fields(JobSpec) if f.name == "tenant")
 
@@ -190,9 +187,6 @@ class Admission:
         self.jobs_view: JobsView | None = None
         self.nodes_view: NodeCapacity | None = None
         self._created: dict[str, set[str]] = {}  # tenant -> ids created here, not yet in the view
-        # job -> its latest progress report (running jobs only; see with_live)
-        self.progress: dict[str, JobProgress] = {}
-        self._progress_sub: Any = None
         self.queues = QueueStore(nc)
         self.queues_view: KvView[QueueSpec] | None = None  # the submit check reads this, not the bucket
         self._share: tuple[int, Any] = (-1, None)  # (view revision, ShareConfig built from it)
@@ -207,7 +201,6 @@ class Admission:
         self.check = SpecCheck(self.nodes_view, self.max_gpus, self.max_checkpoint_grace)
         self.queues_view = await KvView(js, subj.QUEUES_BUCKET, lambda b: codec.decode(b, QueueSpec),
                                         skip=lambda k: k.startswith("_") or "." in k).start()
-        self._progress_sub = await self.nc.subscribe("gs.job.*.progress", cb=self._on_progress)
         return self
 
     async def close(self) -> None:
@@ -217,29 +210,12 @@ class Admission:
             if view is not None:
                 await view.stop()
 
-    async def _on_progress(self, msg: Any) -> None:
-        try:
-            p = codec.decode(msg.data, JobProgress)
-        except msgspec.MsgspecError:
-            return
-        have = self.progress.get(p.job_id)
-        if have is None or (p.generation, p.ts) >= (have.generation, have.ts):
-            self.progress[p.job_id] = p
-        if len(self.progress) > PROGRESS_KEPT:  # jobs that ended unseen: forget the oldest reports
-            for job_id, _ in sorted(self.progress.items(), key=lambda kv: kv[1].ts)[: len(self.progress) // 4]:
-                del self.progress[job_id]
+    async def with_live(self, records: list[JobRecord]) -> list[JobRecord]:
+        """The records, the running ones with their latest progress line (``GS_PROGRESS``)."""
+        return await progress_lines.with_live(self.nc.jetstream(), records)
 
-    def with_live(self, rec: JobRecord) -> JobRecord:
-        """The record with its latest progress report, if it runs that generation."""
-        p = self.progress.get(rec.job_id)
-        if p is None:
-            return rec
-        if rec.terminal:
-            self.progress.pop(rec.job_id, None)  # it ended: no report will come
-            return rec
-        if rec.state != JobState.RUNNING or p.generation != rec.generation:
-            return rec
-        return msgspec.structs.replace(rec, live=p)
+    async def _one_live(self, rec: JobRecord) -> JobRecord:
+        return (await self.with_live([rec]))[0]
 
     async def nodes(self) -> list[NodeReport]:
         assert self.nodes_view is not None
@@ -336,7 +312,7 @@ class Admission:
         got = await self.store.get(ref.job_id)
         if got is None:
             raise RequestError("404", f"no job {ref.job_id}", "job_id")
-        return self.with_live(got[0])
+        return await self._one_live(got[0])
 
     async def list(self, req: ListRequest) -> JobList:
         states = set(req.states or [])
@@ -350,7 +326,7 @@ class Admission:
             jobs, cursor = await list_page(self.nc.jetstream(), self.jobs_view, req)
         except BadCursor as err:
             raise bad_request(str(err), "cursor") from None
-        return JobList(jobs=[self.with_live(r) for r in jobs], next_cursor=cursor)
+        return JobList(jobs=await self.with_live(jobs), next_cursor=cursor)
 
     async def usage(self, req: UsageRequest) -> UsageReply:
         if req.until is not None and req.until < req.since:
@@ -409,7 +385,7 @@ class Admission:
         got = await self.store.get(job_id)
         if got is None or got[0].spec.tenant != tenant:
             raise RequestError("404", f"no job {job_id}", "job_id")
-        return self.with_live(got[0])
+        return await self._one_live(got[0])
 
     async def submit_as(self, req: SubmitRequest, subject: str) -> SubmitReply:
         tenant = self._tenant_of(subject)

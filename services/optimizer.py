@@ -67,7 +67,6 @@ from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus.server import Endpoint, RequestError, serve
 from gearshift.bus.views import JobsView, NodesView
-from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
     ACTIVE_STATES,
@@ -98,6 +97,7 @@ from gearshift.services.liveness import NodeLiveness
 from gearshift.services.outbox import OutboxFlusher
 from gearshift.services.pacing import RoundPacer
 from gearshift.services.policy_bridge import LiveModels, ModelsView, PolicyStep
+from gearshift.services.progress_lines import ProgressFeed, decode_lines
 from gearshift.services.queues import QueueStore
 from gearshift.services.record_writer import REASON_WRITES_PER_ROUND, RecordWriter, with_drain_agents  # noqa: F401
 from gearshift.services.report_consumer import ReportApplier, consume_reports
@@ -325,11 +325,13 @@ class Optimizer:
 
         self._subs = [  # (new jobs kick a round from the jobs view: _new_record)
             await self.nc.subscribe(subj.OPTIMIZER_KICK, cb=on_kick),
-            await self.nc.subscribe("gs.job.*.progress", cb=self.on_progress),
         ]
+        # progress lines in bulk from GS_PROGRESS, a fetch a second (services.progress_lines)
+        feed = ProgressFeed(self.js, self.on_progress_lines)
         self._tasks = [
             asyncio.create_task(self._consume_reports()),
             asyncio.create_task(round_loop(self)),
+            asyncio.create_task(feed.run(lambda: self.is_leader)),
         ]
         stop_w = asyncio.create_task(stop.wait())
         lost_w = asyncio.create_task(lost.wait())
@@ -338,6 +340,7 @@ class Optimizer:
         for t in (stop_w, lost_w, *self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await feed.stop()
         for s in self._subs:
             await s.unsubscribe()
         await self._svc.stop()
@@ -388,12 +391,13 @@ class Optimizer:
 
     # ------------------------------------------------------------ rounds
     async def on_progress(self, msg: Any) -> None:
+        """One progress line as a message (the parity harness delivers them so)."""
+        self.on_progress_lines(decode_lines([msg]))
+
+    def on_progress_lines(self, lines: list[JobProgress]) -> None:
         """Steps done between exits, for the policy's view (``PolicyInputs``)."""
-        try:
-            p = codec.decode(msg.data, JobProgress)
-        except msgspec.MsgspecError:
-            return
-        self.policy_step.on_progress(p)
+        for p in lines:
+            self.policy_step.on_progress(p)
 
     @property
     def progress(self) -> dict[str, tuple[int, int]]:
