@@ -1,18 +1,24 @@
 """Running jobs' progress lines as the services read them: from ``GS_PROGRESS``.
 
 An agent publishes each running job's ``JobProgress`` on core NATS every few
-seconds (``agent/progress.py``). Delivered to the admission and the optimizer
-line by line, they cost each service one wake-up a line: at 200 submits a
-second on 2,000 nodes, the lines were about 0.55 ms of control-plane CPU a job
-of 4.3 (``python -m loadtest.scale ... --progress-interval 60`` against 5), and
-an agent's default interval is 1 s. The stream keeps the last line of each job
-(in memory, ``bus.infra``), and each service reads it when it needs it:
+seconds (``agent/progress.py``; 1 s by default). Delivered line by line, every
+line reached the admission and the optimizer, so what each service took in grew
+with the running jobs times the lines' rate, whether anyone asked or not. The
+stream keeps the last line of each job (in memory, ``bus.infra``), and each
+service reads it when it needs it:
 
 - the optimizer's leader takes every line that came since, in one bulk fetch a
   second (``ProgressFeed``). A new leader starts from the last line of every
   job, where before it had none until each job's next line;
 - the admission reads the lines of the running jobs a ``get`` or a ``list``
-  answers, by direct get (``last_lines``).
+  answers, by direct get (``last_lines``), and keeps none in memory.
+
+Measured (``python -m loadtest.scale --nodes 2000 --gpus-per-node 8 --jobs 6000
+--rate 200 --job-seconds 40 --probe-rates none --progress-interval 1``, one run
+each, same box): the admission's CPU per job while submitting 0.997 -> 0.815 ms,
+the optimizer's and nats-server's unchanged within the runs' spread (2.20 ->
+2.26, 1.24 -> 1.29). At the scale harness's 5 s lines no change stands out of
+the spread.
 
 Tools and the dashboard still subscribe to the core subject: the stream does
 not change what is published.
