@@ -126,8 +126,15 @@ class ProgressFeed:
             await self.stop()
 
     async def run(self, running: Callable[[], bool], every: float = READ_EVERY_S) -> None:
+        """``take`` every ``every`` seconds while ``running()``; a take that fails for
+        a reason of its own is logged and the next one goes on (the lines are lossy)."""
         while running():
-            await self.take()
+            try:
+                await self.take()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("progress lines not taken")
             await asyncio.sleep(every)
 
     async def stop(self) -> None:

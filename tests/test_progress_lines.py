@@ -109,3 +109,26 @@ def test_live_keeps_the_record_else():
     rec = _rec("a", JobState.RUNNING, 3)
     assert live(rec, None) is rec
     assert live(rec, _line("a", 5, generation=3)) == msgspec.structs.replace(rec, live=_line("a", 5, generation=3))
+
+
+async def test_a_take_that_fails_is_logged_and_the_feed_goes_on(nc):
+    import asyncio
+
+    await _publish(nc, _line("a", 1))
+    calls: list[int] = []
+
+    def on_lines(lines):
+        calls.append(len(lines))
+        if len(calls) == 1:
+            raise RuntimeError("a bug in what takes the lines")
+
+    feed = ProgressFeed(nc.jetstream(), on_lines, wait=0.05)
+    rounds = iter(range(3))
+    task = asyncio.create_task(feed.run(lambda: next(rounds, None) is not None, every=0.0))
+    try:
+        await _publish(nc, _line("a", 2))
+        await eventually(lambda: task.done(), timeout=10)
+        assert task.exception() is None  # the failure did not end the feed
+        assert calls[0] >= 1
+    finally:
+        await feed.stop()
