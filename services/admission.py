@@ -212,7 +212,8 @@ class Admission:
 
     async def with_live(self, records: list[JobRecord]) -> list[JobRecord]:
         """The records, the running ones with their latest progress line (``GS_PROGRESS``)."""
-        return await progress_lines.with_live(self.nc.jetstream(), records)
+        # a short timeout: a server that does not answer (an election) delays a get by at most that
+        return await progress_lines.with_live(self.nc.jetstream(timeout=progress_lines.LOOKUP_TIMEOUT_S), records)
 
     async def _one_live(self, rec: JobRecord) -> JobRecord:
         return (await self.with_live([rec]))[0]

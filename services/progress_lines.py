@@ -47,6 +47,7 @@ FETCH_WAIT_S = 0.25  # how long a fetch waits when no line is there
 CHECK_EVERY_S = 30.0  # with nothing fetched, the consumer is asked whether it still exists this often
 BATCH = 2048
 INACTIVE_S = 60.0  # the server drops the consumer of a leader that stopped reading
+LOOKUP_TIMEOUT_S = 1.0  # a get's lookup of a line: past this, the record is answered without it
 LOOKUP_ERRORS = (nats.errors.Error, nats.js.errors.Error, TimeoutError, ConnectionError)
 
 
