@@ -188,6 +188,9 @@ class Admission:
         self.nodes_view: NodeCapacity | None = None
         self._created: dict[str, set[str]] = {}  # tenant -> ids created here, not yet in the view
         self.queues = QueueStore(nc)
+        # progress lines' lookups, with a short timeout: a server that does not answer (an
+        # election) delays a get by at most that, then the record is answered without them
+        self._lines_js = nc.jetstream(timeout=progress_lines.LOOKUP_TIMEOUT_S)
         self.queues_view: KvView[QueueSpec] | None = None  # the submit check reads this, not the bucket
         self._share: tuple[int, Any] = (-1, None)  # (view revision, ShareConfig built from it)
         self.check: SpecCheck | None = None  # specs against the cluster (set by open)
@@ -212,8 +215,7 @@ class Admission:
 
     async def with_live(self, records: list[JobRecord]) -> list[JobRecord]:
         """The records, the running ones with their latest progress line (``GS_PROGRESS``)."""
-        # a short timeout: a server that does not answer (an election) delays a get by at most that
-        return await progress_lines.with_live(self.nc.jetstream(timeout=progress_lines.LOOKUP_TIMEOUT_S), records)
+        return await progress_lines.with_live(self._lines_js, records)
 
     async def _one_live(self, rec: JobRecord) -> JobRecord:
         return (await self.with_live([rec]))[0]

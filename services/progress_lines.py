@@ -79,7 +79,6 @@ class ProgressFeed:
         self.check_every = check_every
         self._psub: Any = None
         self._checked = 0.0  # monotonic time of the last consumer check
-        self.taken = 0  # lines handed over
         self.made = 0  # consumers made
 
     async def _subscribe(self) -> Any:
@@ -100,14 +99,13 @@ class ProgressFeed:
             while True:
                 try:
                     msgs = await self._psub.fetch(self.batch, timeout=self.wait)
-                except (TimeoutError, nats.errors.TimeoutError):
+                except TimeoutError:  # nothing there (nats-py's is one too)
                     await self._check()
                     return n
                 lines = decode_lines(msgs)
                 if lines:
                     self.on_lines(lines)
                 n += len(lines)
-                self.taken += len(lines)
                 if len(msgs) < self.batch:
                     return n
         except LOOKUP_ERRORS as exc:

@@ -337,12 +337,16 @@ class GroundTruth:
         return self.step_time(job, plan, pl)[0]
 
 
-def _answer_key(spec: JobSpec, plan: Plan, placement: tuple[Placement, ...], per_node: tuple[int, ...]) -> tuple:
+def _where(placement: tuple[Placement, ...], per_node: tuple[int, ...]) -> tuple:
+    """The placement's part of a belief's cache key: GPUs per node, CPU threads per GPU
+    and the GPU type (worked out once for all the plans asked on one placement)."""
+    return per_node, sum(p.cpus for p in placement) // sum(per_node), placement_type(placement)
+
+
+def _answer_key(spec: JobSpec, plan: Plan, where: tuple) -> tuple:
     """What a belief's answer depends on: ``BeliefOracle``'s cache key (one answer per key,
-    asked one plan at a time or many)."""
-    threads = sum(p.cpus for p in placement) // sum(per_node)
-    return (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, per_node, threads,
-            placement_type(placement))
+    asked one plan at a time or many); ``where`` from ``_where``."""
+    return (spec.model.name, spec.global_batch, spec.step_time, spec.gpus, spec.plan, plan, *where)
 
 
 class BeliefOracle:
@@ -384,7 +388,8 @@ class BeliefOracle:
             if self.allowed is not None and not self.allowed(spec, plan, per_node):
                 return 0.0
             return self._analytic.throughput(job, plan, placement)
-        ck = _answer_key(spec, plan, placement, per_node)
+        where = _where(placement, per_node)
+        ck = _answer_key(spec, plan, where)
         v = self._cache.get(ck)
         if v is None:
             if self.allowed is not None and not self.allowed(spec, plan, per_node):
@@ -394,7 +399,7 @@ class BeliefOracle:
                 v = float(self._live.throughput(job, plan, placement))
             else:
                 v = self._compute(with_threads(spec, placement), plan, per_node)
-                gtype = placement_type(placement)
+                gtype = where[2]
                 if gtype and v > 0:  # a model the fit does not know: the type's spec-based compute ratio
                     from gearshift.perfmodel.gputypes import compute_slowdown
 
@@ -412,10 +417,11 @@ class BeliefOracle:
         if self._analytic is not None or self._live is None or spec.model.name not in MODELS or not per_node:
             return [self.throughput(job, p, placement) for p in plans]
         gpus = sum(per_node)
+        where = _where(placement, per_node)
         out: list[float] = [0.0] * len(plans)
         todo: list[tuple[int, tuple]] = []
         for i, plan in enumerate(plans):
-            ck = _answer_key(spec, plan, placement, per_node)
+            ck = _answer_key(spec, plan, where)
             v = self._cache.get(ck)
             if v is None:
                 if plan.gpus != gpus or (self.allowed is not None and not self.allowed(spec, plan, per_node)):
