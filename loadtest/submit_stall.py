@@ -47,6 +47,23 @@ cores, the processes started, and the CPU per submit of the cluster's processes,
 of the jobs' exited processes, and of the rest. Stop 38 then had the warm pool try
 one worker before filling a key (``agent.warm``) and made a rank lighter (55 -> 41 ms,
 ``agent.worker``): 8.2-10.5x with 1-second jobs, 4.9-5.0x with 60-second ones.
+
+Stop 45 measured what is left (ad-hoc experiments, none kept but the dashboard's):
+- ``--probe-streams``: writes to ``KV_gs_jobs`` had p99 73 ms against 8.8 ms for
+  another stream on the same server, and 69% of the slow ones had one of the
+  optimizer's atomic commits in flight (27% by chance). On an R1 file stream an atomic
+  batch commit is synced to disk, and under the jobs' own file writes a sync takes
+  tens of ms; every write to the stream waits behind it. With the store on tmpfs the
+  two streams' p99 were equal (8.9 and 7.9 ms), and p99/p50 was still 8.5x.
+- The dashboard decoded everything it watched with no page open (0.33 ms of CPU a
+  submit). It now reads the bus only while a page looks (0.00).
+- The best case: ranks in-process (``agent.emulated_runner``), the store on tmpfs, no
+  dashboard and no profiler gave 3.27x and 3.42x (p50 1.2 ms, 740-790 submits/s, 1.4
+  busy cores); the optimizer at nice 19 on top gave 2.84x, and without it 3.19x. A
+  closed loop of sequential submits runs the box as fast as the submits go, and the
+  submit's own path (client, nats-server, admission) is about 1.3 ms of CPU for a
+  1.2-ms p50: any other work that wants a core at that moment shows in p99. So 3x is
+  at the edge even with none of the jobs' processes, syncs or idle readers.
 """
 
 from __future__ import annotations
