@@ -93,7 +93,9 @@ FLOORS = {"submit_p99_ms": 50.0, "round_p99_ms": 1000.0, "round_live_jobs": 5000
           # issue 24: what the control plane costs. CPU time, not wall time: stable on a shared machine
           "control_plane_cpu_ms_per_job": 1.5,  # admission + optimizer + nats-server, while submitting
           "round_cpu_ms_per_changed_job": 1.0, "round_cpu_ms_per_live_job": 0.02,  # a round's budget
-          "round_cpu_within_budget_share": 0.99}  # rounds (with changes) that keep to it
+          "round_cpu_within_budget_share": 0.99,  # rounds (with changes) that keep to it
+          "submit_p99_ms_high_rate": 100.0}  # the 1,000/s run's line (``contract_floors``)
+HIGH_RATE = 1000.0  # from this rate on a run is held to the 1,000/s line
 CONTROL_PLANE = ("admission", "optimizer", "nats-server")
 
 
@@ -600,23 +602,12 @@ class Run:
             ok = [p["asked_rate"] for p in out.get("probes", []) + [out["submit"]]
                   if p["sustained"] and (p["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]]
             out["highest_sustained_rate"] = max(ok, default=None)
-            p99_big = out["round"]["p99_ms_with_5000_live"]
-            out["floors"] = {
-                "submit_p99_le_50ms_at_rate": bool(out["submit"]["sustained"]
-                                                   and (out["submit"]["p99_ms"] or 1e9) <= FLOORS["submit_p99_ms"]),
-                # None: no round saw 5,000 live jobs (a small run), so not measured here
-                "round_p99_le_1s_with_5000_live": None if p99_big is None else p99_big <= FLOORS["round_p99_ms"],
-                "control_plane_cpu_le_1_5ms_per_job_submitting":
-                    out["cpu"]["control_plane_ms_per_job_submitting"] <= FLOORS["control_plane_cpu_ms_per_job"],
-                "round_cpu_le_1ms_per_changed_plus_20us_per_live":
-                    out["round_cpu"]["within_budget_share"] is not None
-                    and out["round_cpu"]["within_budget_share"] >= FLOORS["round_cpu_within_budget_share"],
-                "heartbeat_lag_p99_le_1s": (out["heartbeat_lag_p99_s"] or 1e9) <= FLOORS["heartbeat_lag_p99_s"],
-                "no_lost_jobs": not lost and out["acked"] == a.jobs + sum(p["asked"] for p in out.get("probes", [])),
-                # and each completed job's event is stored for the tools that follow them
-                "all_completed": not unfinished and not failed and out["events"]["completed_without_event"] == 0,
-                "cli_pages_through_all": len(listed) >= len(self.sent) and out["cli_get_jobs_all"]["rc"] == 0,
-            }
+            out["floors"], measured = contract_floors(a.rate, out, none_lost=not lost and out["acked"] == a.jobs + sum(
+                p["asked"] for p in out.get("probes", [])), completed=not unfinished and not failed
+                and out["events"]["completed_without_event"] == 0,
+                listed=len(listed) >= len(self.sent) and out["cli_get_jobs_all"]["rc"] == 0)
+            if measured:
+                out["other_checks"] = measured  # the 200/s contract's floors, measured at this rate
             out["passed"] = all(v is not False for v in out["floors"].values())
             return out
         finally:
@@ -624,6 +615,37 @@ class Run:
             if nc is not None:
                 await nc.close()
             server.stop()
+
+
+def contract_floors(rate: float, out: dict, *, none_lost: bool, completed: bool, listed: bool) -> tuple[dict, dict]:
+    """(the floors of the contract line this run is, other checks measured). Issue 24 names
+    two runs: at 200 submits/s (submit p99 50 ms, the round and CPU floors) and at 1,000/s
+    (sustained, submit p99 at most 100 ms); ``passed`` is the line's own floors. At 1,000/s
+    the 200/s line's round and CPU floors are reported beside them, not counted. ``none_lost``,
+    ``completed``, ``listed``: no job lost, every job completed with its event stored, the
+    CLI paged through them all (every run's)."""
+    sub = out["submit"]
+    p99 = sub["p99_ms"] or 1e9
+    p99_big = out["round"]["p99_ms_with_5000_live"]
+    rounds_and_cpu = {
+        # None: no round saw 5,000 live jobs (a small run), so not measured here
+        "round_p99_le_1s_with_5000_live": None if p99_big is None else p99_big <= FLOORS["round_p99_ms"],
+        "control_plane_cpu_le_1_5ms_per_job_submitting":
+            out["cpu"]["control_plane_ms_per_job_submitting"] <= FLOORS["control_plane_cpu_ms_per_job"],
+        "round_cpu_le_1ms_per_changed_plus_20us_per_live":
+            out["round_cpu"]["within_budget_share"] is not None
+            and out["round_cpu"]["within_budget_share"] >= FLOORS["round_cpu_within_budget_share"],
+    }
+    every = {"heartbeat_lag_p99_le_1s": (out["heartbeat_lag_p99_s"] or 1e9) <= FLOORS["heartbeat_lag_p99_s"],
+             "no_lost_jobs": none_lost,
+             # and each completed job's event is stored for the tools that follow them
+             "all_completed": completed, "cli_pages_through_all": listed}
+    if rate >= HIGH_RATE:
+        line = {"sustained_at_rate": bool(sub["sustained"]),
+                "submit_p99_le_100ms_at_rate": bool(sub["sustained"] and p99 <= FLOORS["submit_p99_ms_high_rate"])}
+        return line | every, rounds_and_cpu | {"submit_p99_le_50ms_at_rate": p99 <= FLOORS["submit_p99_ms"]}
+    line = {"submit_p99_le_50ms_at_rate": bool(sub["sustained"] and p99 <= FLOORS["submit_p99_ms"])}
+    return line | rounds_and_cpu | every, {}
 
 
 async def terminal_events(nc: Any, states: dict[str, str]) -> dict:
