@@ -100,7 +100,6 @@ class Dashboard:
         self._tasks: list[asyncio.Task] = []
         self._subs: list[Any] = []
         self._following: asyncio.Task | None = None  # the bus followed: started by a page's request
-        self._loaded: list[asyncio.Event] = []  # the jobs' and the nodes' watches past their current values
         self._asked_at = 0.0  # the last request of a page (``clock``)
         self._idle: asyncio.Task | None = None
         self.started = False
@@ -142,11 +141,10 @@ class Dashboard:
         js = self.nc.jetstream()
         jobs_kv = await js.key_value(subj.JOBS_BUCKET)
         nodes_kv = await js.key_value(subj.NODES_BUCKET)
-        self._loaded = [asyncio.Event(), asyncio.Event()]
+        loaded = [asyncio.Event(), asyncio.Event()]  # the jobs' and the nodes' watches past their current values
         self._tasks = [
-            asyncio.create_task(self._watch(jobs_kv, JobRecord, self.view.put_job, self._loaded[0]), name="dash-jobs"),
-            asyncio.create_task(self._watch(nodes_kv, NodeReport, self.view.put_node, self._loaded[1]),
-                                name="dash-nodes"),
+            asyncio.create_task(self._watch(jobs_kv, JobRecord, self.view.put_job, loaded[0]), name="dash-jobs"),
+            asyncio.create_task(self._watch(nodes_kv, NodeReport, self.view.put_node, loaded[1]), name="dash-nodes"),
             asyncio.create_task(self._follow_events(js), name="dash-events"),
             asyncio.create_task(self._push_state(), name="dash-push"),
         ]
@@ -161,7 +159,7 @@ class Dashboard:
 
         self._subs.append(await self.nc.subscribe("gs.job.*.progress", cb=on_progress))
         log.info("following the bus: a page is open")
-        await asyncio.gather(*(e.wait() for e in self._loaded))
+        await asyncio.gather(*(e.wait() for e in loaded))
 
     def seen(self) -> None:
         self._asked_at = self.clock.now()
