@@ -16,8 +16,16 @@ from gearshift.sim.engine import SimResult
 from gearshift.sim.metrics import _tracked
 
 
-def _jcts(res: SimResult) -> dict[str, float]:
+def job_jcts(res: SimResult) -> dict[str, float]:
+    """Each finished tracked job's JCT (s)."""
     return {r.job.job_id: r.finish - r.job.submit for r in _tracked(res) if r.finish is not None}
+
+
+def geomean_ratio(base: dict[str, float], mine: dict[str, float]) -> float:
+    """The per-job geometric mean of ``base``'s JCT over ``mine`` (> 1: ``mine`` faster), over
+    the jobs both finished; nan when there are none."""
+    common = [j for j in mine if j in base and mine[j] > 0 and base[j] > 0]
+    return math.exp(statistics.mean(math.log(base[j] / mine[j]) for j in common)) if common else math.nan
 
 
 def model_class(rec) -> str:
@@ -33,13 +41,13 @@ def compare(results: list[SimResult], summaries: list[dict]) -> dict:
         return {}
     best = min(base, key=lambda p: by[p][1]["avg_jct_s"])
     bres, bsum = by[best]
-    bj = _jcts(bres)
+    bj = job_jcts(bres)
     classes = {r.job.job_id: model_class(r) for r in bres.records}
     out = {}
     for p, (res, s) in by.items():
         if p == best or s["unfinished"]:
             continue
-        pj = _jcts(res)
+        pj = job_jcts(res)
         common = [j for j in pj if j in bj and pj[j] > 0 and bj[j] > 0]
         per_model: dict[str, dict] = {}
         for m in sorted({classes.get(j, "") for j in common}):
@@ -50,8 +58,7 @@ def compare(results: list[SimResult], summaries: list[dict]) -> dict:
             "best_baseline": best,
             "avg_jct_ratio": bsum["avg_jct_s"] / s["avg_jct_s"] if s["avg_jct_s"] else math.nan,
             "median_jct_ratio": bsum["median_jct_s"] / s["median_jct_s"] if s["median_jct_s"] else math.nan,
-            "per_job_geomean_ratio": math.exp(statistics.mean(math.log(bj[j] / pj[j]) for j in common))
-            if common else math.nan,
+            "per_job_geomean_ratio": geomean_ratio(bj, pj),
             "jobs_faster": sum(pj[j] < bj[j] for j in common),
             "jobs_compared": len(common),
             "makespan_ratio": bsum["makespan_s"] / s["makespan_s"] if s["makespan_s"] else math.nan,

@@ -122,6 +122,11 @@ def _run(argv: list[str]):
     from gearshift.sim.compare import compare
 
     vs_best = compare(results, summaries)
+    return argv, summaries, rat, per_model_means(results), time.time() - t0, vs_best
+
+
+def per_model_means(results) -> dict[str, dict[str, tuple[float, int, float]]]:
+    """Per policy and model: (avg JCT, finished jobs, avg queueing delay), in seconds."""
     per_model = {}
     for res in results:
         by: dict[str, list[tuple[float, float]]] = {}
@@ -131,7 +136,7 @@ def _run(argv: list[str]):
                     (r.finish - r.job.submit, r.first_start - r.job.submit))
         per_model[res.policy] = {m: (sum(x for x, _ in v) / len(v), len(v), sum(q for _, q in v) / len(v))
                                  for m, v in by.items()}
-    return argv, summaries, rat, per_model, time.time() - t0, vs_best
+    return per_model
 
 
 def _slug(argv: list[str]) -> str:
@@ -174,7 +179,7 @@ def _table(summaries: list[dict], rat: dict) -> str:
 CLASS_FLOOR = 0.95  # issue 21: every model class at least 0.95x the best baseline's
 
 
-def _judge(summaries: list[dict], rat: dict, pm: dict, floor: float) -> dict | None:
+def judge(summaries: list[dict], rat: dict, pm: dict, floor: float) -> dict | None:
     """Issue 21's floors for one run: rubick's avg JCT >= ``floor`` x the best baseline's, its
     median no worse than the best baseline median, every model class >= 0.95x against the
     best baseline (by avg JCT), makespan no worse than the shortest, no unfinished job for
@@ -202,7 +207,7 @@ def _judge(summaries: list[dict], rat: dict, pm: dict, floor: float) -> dict | N
 
 
 def _verdict(summaries: list[dict], rat: dict, pm: dict, floor: float) -> str:
-    j = _judge(summaries, rat, pm, floor)
+    j = judge(summaries, rat, pm, floor)
     if j is None:
         return ""
     r = next(s for s in summaries if s["policy"] == "rubick")
@@ -243,7 +248,7 @@ def _floor_row(t: str, regime: str, r) -> str:
     by = {s["policy"]: s for s in summaries}
     ru = by["rubick"]
     floor = MEASURED_FLOOR if regime == "measured" else EXTENDED_FLOOR
-    j = _judge(summaries, rat, pm, floor)
+    j = judge(summaries, rat, pm, floor)
     unf = ", ".join(f"{p} {s['unfinished']}" for p, s in by.items())
     g = f"{ru['guarantees_kept']}/{ru['guaranteed_accepted']}" if ru["guaranteed_jobs"] else "-"
     mx = j["makespan_x"] if j else math.nan
