@@ -300,8 +300,20 @@ def stdout_to_stderr(on: bool):
         yield
     finally:
         sys.stdout.flush()
+        _flush_c_stdio()  # what native code buffered meanwhile goes where it was written: stderr
         os.dup2(saved, 1)
         os.close(saved)
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: the C library's buffered output, written out now (HiGHS prints
+    through it; flushed later, at a worker's exit, its notes landed on stdout)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask: nothing buffered there
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
