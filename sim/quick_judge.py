@@ -29,7 +29,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from gearshift.sim.compare import geomean_ratio
+from gearshift.sim.cli import _clean, build_parser, ratios, run, stdout_to_stderr
+from gearshift.sim.compare import geomean_ratio, job_jcts
 from gearshift.sim.evaluation import (
     CLASS_FLOOR, EXTENDED_FLOOR, MEASURED_FLOOR, PEERS, TRACES, _slug, command, judge, per_model_means,
 )
@@ -41,9 +42,6 @@ CACHE = Path(".sim_cache/quick_judge")
 def simulate(argv: list[str]) -> dict:
     """One ``gearshift simulate`` command: its summaries, per-model means and each policy's
     per-job JCTs (plain data, for a worker process and a JSON file)."""
-    from gearshift.sim.cli import build_parser, run, stdout_to_stderr
-    from gearshift.sim.compare import job_jcts
-
     t0 = time.time()
     with stdout_to_stderr(True):  # HiGHS (Sia's MILP) prints to descriptor 1: the output stays the table or JSON
         results, summaries, _ = run(build_parser().parse_args(argv))
@@ -69,24 +67,18 @@ def _row(row: str) -> tuple[str, str]:
 
 def verdict(row: str, base: dict, mine: dict) -> dict:
     """Issue 21's floors for rubick's run ``mine`` against the baselines' run ``base`` of one row."""
-    from gearshift.sim.cli import ratios
-
     summaries = [s for s in mine["summaries"] if s["policy"] == "rubick"] + [
         s for s in base["summaries"] if s["policy"] != "rubick"]
-    rat = ratios(summaries)
-    done = [s for s in summaries if s["policy"] in PEERS and s["unfinished"] == 0 and not math.isnan(s["avg_jct_s"])]
-    best = min(done, key=lambda s: s["avg_jct_s"])["policy"] if done else None
-    if best is not None and "rubick" in rat:
-        rat["rubick"]["geomean_x"] = geomean_ratio(base["jcts"][best], mine["jcts"]["rubick"])
     pm = {**base["per_model"], "rubick": mine["per_model"].get("rubick", {})}
     floor = MEASURED_FLOOR if _row(row)[1] == "measured" else EXTENDED_FLOOR
-    j = judge(summaries, rat, pm, floor)
+    j = judge(summaries, ratios(summaries), pm, floor)
     ru = next(s for s in summaries if s["policy"] == "rubick")
     out = {"row": row, "floor": floor, "baselines_rev": base.get("rev", "unknown"), "met": bool(j and j["ok"])}
-    if j is not None:
+    if j is not None:  # the geometric mean against the baseline ``judge`` found best (it reports, no floor)
         out.update(avg_x=j["jct_x"], median_x=j["median_x"], median_best=j["median_best"], best=j["best"],
                    worst_class=j["worst_class"][0], worst_class_x=j["worst_class"][1], makespan_x=j["makespan_x"],
-                   geomean_x=j["geomean_x"], unfinished=j["unfinished"])
+                   geomean_x=geomean_ratio(base["jcts"][j["best"]], mine["jcts"]["rubick"]),
+                   unfinished=j["unfinished"])
     if ru["guaranteed_jobs"]:
         out["guarantees"] = f"{ru['guarantees_kept']}/{ru['guaranteed_accepted']}"
     return out
@@ -117,12 +109,6 @@ def run_rows(rows: list[str], opts: str | None, seed: int, jobs: int | None, cac
             base = json.loads(files[row].read_text())
         out.append(verdict(row, base, got[tuple(mine_argv[row])]))
     return out
-
-
-def _clean(x):
-    from gearshift.sim.cli import _clean as clean  # NaN and inf as null: JSON an outside tool can read
-
-    return clean(x)
 
 
 def _x(v) -> str:
