@@ -6,6 +6,7 @@ nats-server."""
 from __future__ import annotations
 
 import msgspec
+import nats.js.errors
 from wait import eventually
 
 from gearshift.bus_schema import codec
@@ -19,9 +20,23 @@ def _line(job: str, steps: int, generation: int = 1) -> JobProgress:
 
 
 async def _publish(nc, *lines: JobProgress) -> None:
+    """Publish as the agents do (core NATS, no ack), then wait until the stream holds
+    the last of them: the server takes a core publish into the stream after it has
+    answered the flush, so a read straight after the flush can miss it (CI did). One
+    connection's publishes are stored in order, so the last one stored means all are."""
     for p in lines:
         await nc.publish(subj.job_progress(p.job_id), codec.encode(p))
     await nc.flush()
+    last, js = lines[-1], nc.jetstream()
+
+    async def stored() -> bool:
+        try:
+            raw = await js.get_last_msg(subj.PROGRESS_STREAM, subj.job_progress(last.job_id))
+        except nats.js.errors.NotFoundError:
+            return False
+        return codec.decode(raw.data, JobProgress) == last
+
+    await eventually(stored, timeout=10)
 
 
 def _feed(nc, got: list[list[JobProgress]], **kw) -> ProgressFeed:
