@@ -122,7 +122,7 @@ def test_no_switch_within_min_run_time():
     ns = nodes(1)
     perf = CurveOracle({"lin": LIN})
     a = job("a", 2, curve="lin", running_on=(Placement("n0", 2, 4),), since=9_940)
-    pol = make_policy("rubick", min_run_time=600, restart_cost=10)
+    pol = make_policy("rubick", min_run_time=600, restart_cost=10, pin_always=True)
     d = decide(pol, 10_000.0, ns, [a], perf)
     assert d.allocations["a"].placement == a.placement and "minimum run time" in d.allocations["a"].reason
     d = decide(pol, 10_600.0, ns, [a], perf)  # now it may grow into the free GPUs
@@ -137,16 +137,17 @@ def test_a_job_is_pinned_for_ten_of_its_own_restarts_at_most_min_run_time():
     ns = nodes(1)
     perf = CurveOracle({"lin": LIN})
     a = job("a", 2, curve="lin", running_on=(Placement("n0", 2, 4),), since=9_800)  # 200 s ago
-    quick = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0)
-    slow = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 100.0)
-    flat = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0, pin_restarts=0)
+    quick = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0, pin_always=True)
+    slow = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 100.0, pin_always=True)
+    flat = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0, pin_restarts=0,
+                       pin_always=True)
     assert quick.pin_window(a) == 150.0 and slow.pin_window(a) == 600.0 and flat.pin_window(a) == 600.0
     d = decide(quick, 10_000.0, ns, [a], perf)  # 200 s > 150 s: it may grow into the free GPUs
     assert d.allocations["a"].plan.gpus > 2 and "grew" in d.allocations["a"].reason
     for pol in (slow, flat):
         d = decide(pol, 10_000.0, ns, [a], perf)
         assert d.allocations["a"].placement == a.placement and "minimum run time" in d.allocations["a"].reason
-    d = decide(make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0),
+    d = decide(make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0, pin_always=True),
                9_900.0, ns, [a], perf)  # 100 s < 150 s: still pinned
     assert d.allocations["a"].placement == a.placement and "pinned 150 s" in d.allocations["a"].reason
 
@@ -156,7 +157,7 @@ def test_a_preempted_job_is_told_how_long_it_stays_out():
     names (it said the minimum run time, 600 s, where the job waited 150 s)."""
     ns = nodes(1)
     perf = CurveOracle({"lin": LIN})
-    pol = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0)
+    pol = make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0, pin_always=True)
     a = job("a", 8, curve="lin", t=0.0, steps=10**6)
     a.started_at, a.last_switch_at = 9_000.0, 9_950.0  # ran, and was preempted 50 s ago
     d = decide(pol, 10_000.0, ns, [a], perf)
@@ -167,7 +168,7 @@ def test_no_job_switched_twice_within_min_run_time_over_many_rounds():
     rng = random.Random(7)
     ns = nodes(2)
     perf = CurveOracle({"lin": LIN, "flat": FLAT4})
-    pol = make_policy("rubick", min_run_time=600, restart_cost=60)
+    pol = make_policy("rubick", min_run_time=600, restart_cost=60, pin_always=True)
     js, now = [], 0.0
     last_switch: dict[str, float] = {}
     for r in range(40):
@@ -221,7 +222,7 @@ def test_explains_fragmentation():
     blockers = [job(f"b{i}", 6, running_on=(Placement(f"n{i}", 6, 12),), since=9_999, steps=10**7) for i in range(2)]
     big = job("big", 16, t=1, steps=10**7)
     big.spec = msgspec.structs.replace(big.spec, reconfigurable=False)  # needs exactly 16 GPUs
-    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [*blockers, big], perf)
+    d = decide(make_policy("rubick", min_run_time=600, pin_always=True), 10_000.0, ns, [*blockers, big], perf)
     assert "big" in d.waiting
     assert "needs 16 GPUs within 2 node(s)" in d.waiting["big"] and "largest free block is 2 GPUs (4 free)" in d.waiting["big"]
 
@@ -236,7 +237,7 @@ def test_a_job_too_big_for_what_is_free_is_told_so_not_that_others_gain_more():
     blocker = job("b0", 8, running_on=(Placement("n0", 8, 16),), since=9_999, steps=10**7)
     big = job("big", 24, t=1, steps=10**7)
     big.spec = msgspec.structs.replace(big.spec, reconfigurable=False)  # needs exactly 24 GPUs
-    d = decide(make_policy("rubick", min_run_time=600), 10_000.0, ns, [blocker, big], perf)
+    d = decide(make_policy("rubick", min_run_time=600, pin_always=True), 10_000.0, ns, [blocker, big], perf)
     assert "big" in d.waiting and "marginal gain" not in d.waiting["big"]
     assert "needs 24 GPUs within 3 node(s) (8 per node), largest free block is 8 GPUs (16 free)" in d.waiting["big"]
 
@@ -464,3 +465,39 @@ def test_a_running_job_near_its_end_is_not_preempted_for_a_start():
     # and "far" pays one restart (it is not near its end, so the resume charge barely weighs)
     d = decide(make_policy("rubick", restart_cost=260, min_run_time=0), 10_000.0, ns, [far, new], perf)
     assert "far" in d.waiting and "new" in d.allocations
+
+
+def test_pins_only_where_something_may_outrank_a_running_job():
+    """``pins_needed``: a round pins jobs only with a guaranteed job in it or jobs of more
+    than one priority class; best-effort jobs of one class are left to the restart charges."""
+    from gearshift.policies.rubick import pins_needed
+
+    a, b = job("a", 2), job("b", 2)
+    assert not pins_needed([a, b]) and not pins_needed([])
+    assert pins_needed([a, job("g", 2, guaranteed=True)])
+    b.spec = msgspec.structs.replace(b.spec, priority=5)
+    assert pins_needed([a, b])
+
+
+def test_a_burst_of_short_jobs_takes_gpus_from_a_long_job_inside_its_pin_unless_pins_are_needed():
+    """rubick-base (measured): three long jobs switched less than 600 s before a burst of
+    short arrivals held all 64 GPUs while 25 jobs of a few minutes waited (pollux ran
+    them). With one class and no guarantee a pinned long job is now shrunk for them when
+    the utility, restart charges included, says so; a guaranteed job in the round,
+    ``pin_always``, or no resume charge (preempting would be free: without the pin a job was
+    displaced and restarted round after round, and rubick-base did not finish in minutes)
+    keeps the pin."""
+    ns = nodes(1)
+    perf = CurveOracle({"lin": LIN})
+    long = job("long", 8, curve="lin", steps=10**7, running_on=(Placement("n0", 8, 16),), since=9_900)
+    burst = [job(f"s{i}", 2, curve="lin", t=9_990, steps=20) for i in range(3)]
+    d = decide(make_policy("rubick", min_run_time=600, restart_cost=10), 10_000.0, ns, [long, *burst], perf)
+    assert all(s.job_id in d.allocations for s in burst), d.waiting
+    assert "long" in d.waiting or d.allocations["long"].plan.gpus < 8
+    for kept in ({"pin_always": True}, {"resume_charge": False}):
+        d = decide(make_policy("rubick", min_run_time=600, restart_cost=10, **kept), 10_000.0, ns, [long, *burst],
+                   perf)
+        assert d.allocations["long"].placement == long.placement and all(s.job_id in d.waiting for s in burst)
+    g = job("g", 8, curve="lin", guaranteed=True, t=9_995, steps=10**7)  # waits for the pinned job
+    d = decide(make_policy("rubick", min_run_time=600, restart_cost=10), 10_000.0, ns, [long, g, *burst], perf)
+    assert d.allocations["long"].placement == long.placement and "minimum run time" in d.allocations["long"].reason
