@@ -484,10 +484,9 @@ def test_a_burst_of_short_jobs_takes_gpus_from_a_long_job_inside_its_pin_unless_
     short arrivals held all 64 GPUs while 25 jobs of a few minutes waited (pollux ran
     them). With one class and no guarantee a pinned long job is now shrunk for them when
     the utility, restart charges included, says so; a guaranteed job in the round,
-    ``pin_always``, or no resume charge (preempting would be free: without the pin a job was
-    displaced and restarted round after round: rubick-base's first 150 jobs ran past 2 minutes, where the
-    whole trace takes 11 s with pins)
-    keeps the pin."""
+    ``pin_always``, or no resume charge keeps the pin (without the resume charge preempting is
+    free, and without the pin jobs were displaced and restarted round after round: rubick-base's
+    first 150 jobs ran past 2 minutes, where the whole trace takes 11 s with pins)."""
     ns = nodes(1)
     perf = CurveOracle({"lin": LIN})
     long = job("long", 8, curve="lin", steps=10**7, running_on=(Placement("n0", 8, 16),), since=9_900)
