@@ -147,8 +147,8 @@ def test_a_job_is_pinned_for_ten_of_its_own_restarts_at_most_min_run_time():
     for pol in (slow, flat):
         d = decide(pol, 10_000.0, ns, [a], perf)
         assert d.allocations["a"].placement == a.placement and "minimum run time" in d.allocations["a"].reason
-    d = decide(make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0, pin_always=True),
-               9_900.0, ns, [a], perf)  # 100 s < 150 s: still pinned
+    d = decide(make_policy("rubick", min_run_time=600, restart_cost=50, restart_model=lambda spec: 15.0,
+                           pin_always=True), 9_900.0, ns, [a], perf)  # 100 s < 150 s: still pinned
     assert d.allocations["a"].placement == a.placement and "pinned 150 s" in d.allocations["a"].reason
 
 

@@ -6,7 +6,6 @@ nats-server."""
 from __future__ import annotations
 
 import msgspec
-import nats.js.errors
 from wait import eventually
 
 from gearshift.bus_schema import codec
@@ -30,11 +29,7 @@ async def _publish(nc, *lines: JobProgress) -> None:
     last, js = lines[-1], nc.jetstream()
 
     async def stored() -> bool:
-        try:
-            raw = await js.get_last_msg(subj.PROGRESS_STREAM, subj.job_progress(last.job_id))
-        except nats.js.errors.NotFoundError:
-            return False
-        return codec.decode(raw.data, JobProgress) == last
+        return (await last_lines(js, [last.job_id])).get(last.job_id) == last
 
     await eventually(stored, timeout=10)
 
