@@ -12,6 +12,8 @@ Algorithm:
 1. Seeds, in the given order: pinned jobs keep their placement; guaranteed
    jobs get their seed candidate or, failing that, the cheapest allowed one
    that fits (``seed_any``; ties in cost go to the lower row). Seeded jobs marked ``fixed`` never change again.
+   Jobs marked ``unseat`` then give back what they were seeded on and enter the greedy
+   from nothing, like any running job: they held it only against the seeds after them.
 2. Greedy by normalised marginal gain: repeatedly take the job whose next
    step up its curve (any candidate with higher utility) has the best
    utility gained per unit of cost; move it there if it fits (its own
@@ -253,7 +255,7 @@ def _hpop(hr, hj, hv, size):
 
 @njit(cache=True)
 def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-               seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget, room_g0, room_c0, bf):
+               seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget, room_g0, room_c0, bf, unseat):
     J, K = u.shape
     N = cap_g.shape[0]
     room_g = room_g0.copy()
@@ -314,6 +316,22 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
             frozen[j] = seed_any[j]
         elif group[j] >= 0:  # a seed counts against its group's budget, never blocked by it
             gused[group[j]] += cg[j, level[j]]
+    # unseated seeds: they kept their place while the seeds after them were placed, and
+    # now compete in the greedy like any running job (from nothing, staying free of charge)
+    for j in range(J):
+        if unseat[j]:
+            if level[j] >= 0:
+                if group[j] >= 0:
+                    gused[group[j]] -= cg[j, level[j]]
+                _release(j, level, stay, cg, cc, cm, out_nodes, hold_ptr, hold_node, hold_g, hold_c, free_g, free_c,
+                         1, hist, room_g, room_c, bf)
+                level[j] = -1
+            if decided[j]:
+                for t in range(hold_ptr[j], hold_ptr[j + 1]):
+                    res_g[hold_node[t]] += hold_g[t]
+                    res_c[hold_node[t]] += hold_c[t]
+                decided[j] = False
+            frozen[j] = False
     # 2. greedy by marginal gain per cost; a lazy max-heap of (ratio, -job)
     # replaces the argmax scan (stale entries are skipped by version), with
     # the same tie-break as the reference's argmax: the lowest job index.
@@ -355,7 +373,7 @@ def _greedy_nb(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_
 
 # ---------------------------------------------------------------- numpy reference
 def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
-                 seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget, room_g0, room_c0, bf):
+                 seed_order, seed, seed_any, fixed, cap_g, cap_c, group, budget, room_g0, room_c0, bf, unseat):
     J, K = u.shape
     room_g = room_g0.astype(np.int64).copy()
     room_c = room_c0.astype(np.int64).copy()
@@ -467,6 +485,18 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
             frozen[j] = seed_any[j]
         elif group[j] >= 0:
             gused[group[j]] += cg[j, level[j]]
+    for j in np.flatnonzero(unseat).tolist():
+        if level[j] >= 0:
+            if group[j] >= 0:
+                gused[group[j]] -= cg[j, level[j]]
+            release(j, 1)
+            level[j] = -1
+        if decided[j]:
+            hn, hg, hc = hold(j)
+            np.add.at(res_g, hn, hg)
+            np.add.at(res_c, hn, hc)
+            decided[j] = False
+        frozen[j] = False
     ratio = np.full(J, -1.0)
     step = np.full(J, -1, np.int64)
     for j in range(J):
@@ -492,7 +522,7 @@ def greedy_numpy(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hol
 
 def greedy_allocate(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, hold_c,
                     seed_order, seed, seed_any, fixed, cap_g, cap_c, group=None, budget=None,
-                    room_g=None, room_c=None, backfill=None, *, use_numba: bool = True):
+                    room_g=None, room_c=None, backfill=None, *, unseat=None, use_numba: bool = True):
     """Dtype-fixing front door; returns (chosen candidate per job or -1,
     nodes per job padded with -1). ``group`` (per job, -1: none) and ``budget`` (GPUs
     per group): the greedy never takes a group's jobs past its budget (seeds count
@@ -510,6 +540,7 @@ def greedy_allocate(cg, cc, cm, u, cost, nk, stay, hold_ptr, hold_node, hold_g, 
         _as(hold_ptr, i8), _as(hold_node, i8), _as(hold_g, i8), _as(hold_c, i8),
         _as(seed_order, i8), _as(seed, i8), _as(seed_any, b1), _as(fixed, b1), _as(cap_g, i8), _as(cap_c, i8),
         _as(group, i8), _as(budget, f8), _as(room_g, i8), _as(room_c, i8), _as(backfill, b1),
+        _as(np.zeros(len(nk), bool) if unseat is None else unseat, b1),
     )
     if use_numba:
         return _greedy_nb(*args)

@@ -361,6 +361,16 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
     seed = np.full(J, -1, np.int64)
     # best-effort jobs admitted as starved keep their place like guarantees (rubick_rules.py)
     prot = np.array([j.job_id in pol.protected for j in jobs], bool) & (stay >= 0) & ~guar
+    # A pinned best-effort job in a round of one class holds its place against the guarantees
+    # seeded after it only within its pin window from its last (re)start, and then competes in
+    # the greedy like any running job (``Rubick.guards_only``): the kernel's ``unseat``
+    unseat = np.zeros(J, bool)
+    if pol.guards_only:
+        for i in np.flatnonzero(~guar & pinned & ~prot).tolist():
+            if now - pol.run_from(jobs[i]) < pol.pin_window(jobs[i]):
+                unseat[i] = True
+            else:  # resized since, but (re)started longer ago than its window: no guard
+                pinned[i] = False
     g0 = np.flatnonzero(guar & pinned)
     g1 = np.flatnonzero((guar | prot) & ~pinned & (stay >= 0))
     g3 = np.flatnonzero(~guar & pinned)
@@ -394,6 +404,7 @@ def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.nd
         seed_order=np.concatenate(groups).astype(np.int64), seed=seed, seed_any=seed_any, pinned=pinned,
         cap_g=caps[0], cap_c=caps[1], rows=[r.rows for r in got], thr=thr, refs=refs,
         targets=targets, guaranteed=guar, running=running, nrows=nrows, left=left, restarts=R, protected=prot,
+        unseat=unseat,
     )
 
 
@@ -430,6 +441,7 @@ class Problem:
     left: np.ndarray | None = None  # samples left per job (steps left x global batch)
     restarts: np.ndarray | None = None  # each job's restart cost, seconds
     protected: np.ndarray | None = None  # running best-effort jobs kept like guarantees (``rubick_rules``)
+    unseat: np.ndarray | None = None  # seeded jobs that then compete in the greedy (``kernels``)
 
     def kernel_args(self) -> tuple:
         return (
@@ -437,6 +449,23 @@ class Problem:
             self.hold_g, self.hold_c, self.seed_order, self.seed, self.seed_any, self.pinned, self.cap_g, self.cap_c,
             self.group, self.budget,
         )
+
+    def unguard_losers(self, level: np.ndarray) -> bool:
+        """Guarded jobs (``unseat``) that the greedy shrank or preempted lose their guard: the
+        seeds after them (guarantees) could not take what they held, and other jobs did. They
+        are then neither pinned nor seeded, so a search again seeds those first. Whether any did."""
+        if self.unseat is None or not self.unseat.any():
+            return False
+        i = np.flatnonzero(self.unseat)
+        lv = level[i]
+        lost = i[(lv < 0) | (self.cg[i, np.maximum(lv, 0)] < self.cg[i, self.stay[i]])]
+        if not len(lost):
+            return False
+        self.unseat[lost] = False
+        self.pinned[lost] = False
+        self.seed[lost] = -1
+        self.seed_order = self.seed_order[~np.isin(self.seed_order, lost)]
+        return True
 
     def objective(self, level: np.ndarray) -> float:
         i = np.flatnonzero(level >= 0)

@@ -156,8 +156,9 @@ def reserve_room(pol, pb, level: np.ndarray, out_nodes: np.ndarray, jobs, now: f
     for i in np.flatnonzero(pb.stay >= 0).tolist():
         since = jobs[i].switched_at if jobs[i].switched_at is not None else now
         restart_left[i] = max(0.0, since + pb.restarts[i] - now)
-        if pb.pinned[i]:
-            pinned_left[i] = max(0.0, since + pol.pin_window(jobs[i]) - now)
+        if pb.pinned[i]:  # a guarded job's window runs from its last (re)start
+            start = pol.run_from(jobs[i]) if pb.unseat is not None and pb.unseat[i] else since
+            pinned_left[i] = max(0.0, start + pol.pin_window(jobs[i]) - now)
     protected = pb.protected if pb.protected is not None else np.zeros(J, bool)
     got = reservation(pb, head, blockers(pb, level, out_nodes, head, pinned_left, restart_left, protected),
                       pb.cap_g, pb.cap_c)

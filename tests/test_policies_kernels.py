@@ -68,6 +68,40 @@ def test_numba_equals_numpy_on_random_problems(seed):
     assert np.array_equal(a_nodes, b_nodes)
 
 
+@pytest.mark.parametrize("seed", range(15))
+def test_numba_equals_numpy_with_unseated_seeds(seed):
+    rng = random.Random(100 + seed)
+    args = random_problem(rng, J=rng.randint(1, 60), N=rng.randint(1, 12))
+    pinned = args[14]
+    unseat = pinned & np.array([rng.random() < 0.6 for _ in range(len(pinned))], bool)
+    a_level, a_nodes = greedy_allocate(*args, unseat=unseat, use_numba=True)
+    b_level, b_nodes = greedy_allocate(*args, unseat=unseat, use_numba=False)
+    assert np.array_equal(a_level, b_level)
+    assert np.array_equal(a_nodes, b_nodes)
+
+
+def test_an_unseated_seed_holds_its_place_against_later_seeds_only():
+    """One 8-GPU node. A runs on 4 GPUs and is seeded first (pinned); B, a guarantee
+    needing all 8, is seeded after it and does not fit; C, waiting, gains more from the
+    whole node than A from its 4. Seated, A keeps its GPUs against both; unseated, it
+    keeps them against B (B is still not admitted: a seed that failed never enters the
+    greedy) and competes with C in the greedy, which gives C the node."""
+    cg = np.array([[4, 0], [8, 0], [4, 8]])
+    u = np.array([[1.0, -1.0], [1.0, -1.0], [3.0, 5.0]])
+    cost = cg.astype(float)
+    nk = np.array([1, 1, 2])
+    stay = np.array([0, -1, -1])
+    ones = np.ones((3, 2), np.int64)
+    args = (cg, ones, ones, u, cost, nk, stay, np.array([0, 1, 1, 1]), np.array([0]), np.array([4]),
+            np.array([4]), np.array([0, 1]), np.array([0, 0, -1]), np.array([False, True, False]),
+            np.array([True, False, False]), np.array([8]), np.array([64]))
+    for numba in (True, False):
+        seated, _ = greedy_allocate(*args, use_numba=numba)
+        assert list(seated) == [0, -1, 0]  # A kept, B not admitted, C on the 4 left
+        unseated, _ = greedy_allocate(*args, unseat=np.array([True, False, False]), use_numba=numba)
+        assert list(unseated) == [-1, -1, 1]  # C on all 8: 5.0 beats 1.0 + 3.0; B still out
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_numba_equals_numpy_on_rubick_rounds(seed):
     nodes, jobs, perf = random_instance(random.Random(seed), max_jobs=30, max_nodes=6)

@@ -4,6 +4,7 @@ shrinking, plan choice, explanations."""
 import random
 
 import msgspec
+import pytest
 from policy_helpers import CurveOracle, apply, job, nodes
 
 from gearshift.bus_schema.messages import JobSpec, ModelSpec, Plan
@@ -498,6 +499,44 @@ def test_a_burst_of_short_jobs_takes_gpus_from_a_long_job_inside_its_pin_unless_
         d = decide(make_policy("rubick", min_run_time=600, restart_cost=10, **kept), 10_000.0, ns, [long, *burst],
                    perf)
         assert d.allocations["long"].placement == long.placement and all(s.job_id in d.waiting for s in burst)
-    g = job("g", 8, curve="lin", guaranteed=True, t=9_995, steps=10**7)  # waits for the pinned job
+    # with a guarantee in the round the pin guards the long job against the guarantee only; the
+    # burst would take its GPUs, so the guard goes, and the guarantee, seeded first, takes the node
+    # (pin_scope="all", as before: the pinned job keeps it all and everyone else waits)
+    g = job("g", 8, curve="lin", guaranteed=True, t=9_995, steps=10**7)
     d = decide(make_policy("rubick", min_run_time=600, restart_cost=10), 10_000.0, ns, [long, g, *burst], perf)
+    assert "g" in d.allocations and "long" in d.waiting, d.waiting
+    d = decide(make_policy("rubick", min_run_time=600, restart_cost=10, pin_scope="all"), 10_000.0, ns,
+               [long, g, *burst], perf)
     assert d.allocations["long"].placement == long.placement and "minimum run time" in d.allocations["long"].reason
+    assert "g" in d.waiting and all(s.job_id in d.waiting for s in burst)
+
+
+def test_a_pin_guards_a_best_effort_job_against_a_guarantee_from_its_start_not_its_last_resize():
+    """Pins are on in rounds with a guaranteed job: a best-effort job (re)started less than its
+    pin window ago keeps its place against a pending guarantee (which waits), and keeps it by
+    the restart charges against other best-effort jobs. A resize does not renew the guard: on
+    rubick-mt, small jobs resized every few minutes kept 40- and 48-GPU guarantees out for
+    hours. ``pin_scope="all"`` (as before) pins it from its last switch, against every job."""
+    ns = nodes(1)
+    perf = CurveOracle({"lin": LIN})
+    pol = make_policy("rubick", min_run_time=600, restart_cost=10)
+    be = job("be", 8, curve="lin", t=9_000, steps=10**7)
+    d = decide(pol, 9_000.0, ns, [be], perf)  # the policy starts it at 9,000 s
+    assert d.allocations["be"].plan.gpus == 8
+    be.placement, be.plan = d.allocations["be"].placement, d.allocations["be"].plan
+    be.started_at = be.last_switch_at = 9_000.0
+    g = job("g", 8, curve="lin", guaranteed=True, t=9_300, steps=10**7)
+    d = decide(pol, 9_300.0, ns, [be, g], perf)  # 300 s after its start: guarded
+    assert "be" in d.allocations and "g" in d.waiting
+    assert "held against guarantees" in d.allocations["be"].reason
+    be.last_switch_at = 9_500.0  # resized at 9,500 s (the same 8 GPUs stand for it here)
+    d = decide(pol, 9_700.0, ns, [be, g], perf)  # 700 s after its start, 200 s after the resize
+    assert "g" in d.allocations and "be" in d.waiting
+    old = make_policy("rubick", min_run_time=600, restart_cost=10, pin_scope="all")
+    d = decide(old, 9_700.0, ns, [be, g], perf)
+    assert "be" in d.allocations and "g" in d.waiting and "minimum run time" in d.allocations["be"].reason
+
+
+def test_pin_scope_is_checked():
+    with pytest.raises(ValueError, match="pin_scope"):
+        make_policy("rubick", pin_scope="some")

@@ -110,7 +110,12 @@ def _blocked_guarantee(short_steps=50):
 
 def test_a_waiting_guarantee_keeps_its_nodes_from_work_that_would_outlast_the_wait():
     ns, perf = nodes(2), CurveOracle()
-    pol = lambda **o: make_policy("rubick", restart_cost=30, min_run_time=600, starved_seed=0, **o)
+    # pinned jobs fixed against every job (pin_scope="all"), so that p holds n0 for 500 s more:
+    # by default the short job would take p's node, and then g, first in line, takes both
+    pol = lambda **o: make_policy("rubick", restart_cost=30, min_run_time=600, starved_seed=0, pin_scope="all", **o)
+    d = decide(make_policy("rubick", restart_cost=30, min_run_time=600, starved_seed=0), 10_000.0, ns,
+               _blocked_guarantee(), perf)
+    assert "g" in d.allocations and "p" in d.waiting
     d = decide(pol(), 10_000.0, ns, _blocked_guarantee(), perf)
     assert "g" in d.waiting and "long" in d.waiting  # n1 is held for g, which can start in 500 s
     assert d.allocations["short"].placement[0].node == "n1"  # done in 430 s: it backfills
