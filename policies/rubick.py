@@ -263,13 +263,14 @@ class Rubick:
     def _pinned(self, j: JobView, now: float) -> bool:
         return j.running and j.switched_at is not None and now - j.switched_at < self.pin_window(j)
 
-    def run_from(self, j: JobView) -> float:
+    def run_from(self, j: JobView, unknown: float = -math.inf) -> float:
         """When running job ``j`` last (re)started: as this policy started it, else (a job it
-        did not start, e.g. under a new leader) its last switch, which a resize also moves."""
+        did not start, e.g. under a new leader) its last switch, which a resize also moves;
+        ``unknown`` for a job shown running with neither (``Shared``'s room for a job)."""
         t = self._run_from.get(j.job_id)
         if t is None:
             t = j.switched_at
-        return t if t is not None else -math.inf
+        return t if t is not None else unknown
 
     def _held_out(self, j: JobView, now: float) -> bool:
         """A best-effort job preempted less than its pin window (``pin_window``) ago stays
@@ -301,7 +302,7 @@ class Rubick:
             self._preempted = {k: v for k, v in self._preempted.items() if k in live and now - v < self.min_run_time}
         for i in np.flatnonzero(pb.running & (level < 0)).tolist():
             self._preempted[jobs[i].job_id] = now
-        self._run_from = {jobs[i].job_id: self.run_from(jobs[i]) if pb.running[i] else now
+        self._run_from = {jobs[i].job_id: self.run_from(jobs[i], now) if pb.running[i] else now
                           for i in np.flatnonzero(level >= 0).tolist()}
         self.last_stats = {"jobs": len(jobs), "candidates": int(pb.nk.sum()), "objective": pb.objective(level)}
         d = self._decide(jobs, nodes, pb, level, out_nodes, now)

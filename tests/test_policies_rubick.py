@@ -537,6 +537,21 @@ def test_a_pin_guards_a_best_effort_job_against_a_guarantee_from_its_start_not_i
     assert "be" in d.allocations and "g" in d.waiting and "minimum run time" in d.allocations["be"].reason
 
 
+def test_a_job_shown_running_without_a_start_is_guarded_from_that_round():
+    """``Shared`` shows a job it made room for as running, with no start or switch time; the
+    policy counts its run from that round, so the next round guards it against a guarantee."""
+    ns = nodes(1)
+    perf = CurveOracle({"lin": LIN})
+    pol = make_policy("rubick", min_run_time=600, restart_cost=10)
+    shown = job("r", 8, curve="lin", steps=10**7, running_on=(Placement("n0", 8, 16),))
+    shown.started_at = shown.last_switch_at = None
+    decide(pol, 1_000.0, ns, [shown], perf)
+    r = job("r", 8, curve="lin", steps=10**7, running_on=(Placement("n0", 8, 16),), since=1_000.0)
+    g = job("g", 8, curve="lin", guaranteed=True, t=1_050, steps=10**7)
+    d = decide(pol, 1_100.0, ns, [r, g], perf)
+    assert "r" in d.allocations and "g" in d.waiting
+
+
 def test_pin_scope_is_checked():
     with pytest.raises(ValueError, match="pin_scope"):
         make_policy("rubick", pin_scope="some")
