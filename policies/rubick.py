@@ -318,11 +318,7 @@ class Rubick:
     def solve(self, pb: "Problem", jobs: list[JobView] | None = None, now: float = 0.0):
         """The kernel's search; with ``reserve``, searched again keeping room for the head of
         the seed queue when it waits (``rubick_reserve.py``)."""
-        got = greedy_allocate(*pb.kernel_args(), unseat=pb.unseat, use_numba=self.use_numba)
-        for _ in range(GUARD_PASSES):  # guarded jobs that lost their place in the greedy lose the guard
-            if not pb.unguard_losers(got[0]):
-                break
-            got = greedy_allocate(*pb.kernel_args(), unseat=pb.unseat, use_numba=self.use_numba)
+        got = search(pb, use_numba=self.use_numba)
         self.held_for = None
         if not self.reserve or jobs is None:
             return got
@@ -331,7 +327,7 @@ class Rubick:
             return got
         *args, head, T = room
         self.held_for = (jobs[head].job_id, T)
-        return greedy_allocate(*pb.kernel_args(), *args, unseat=pb.unseat, use_numba=self.use_numba)
+        return search(pb, *args, use_numba=self.use_numba)
 
     def build_problem(self, now: float, nodes: list[NodeState], jobs: list[JobView], perf: PerfOracle | None) -> Problem:
         """The round as arrays: candidates, utilities, costs, holdings, seeds (``rubick_problem.py``)."""
@@ -453,6 +449,17 @@ def pins_needed(jobs: list[JobView]) -> bool:
         elif j.spec.priority != prio:
             return True
     return False
+
+
+def search(pb: Problem, *room, use_numba: bool = True):
+    """One kernel search; again while guarded jobs lost their place in it, without their
+    guard (``Problem.unguard_losers``), at most ``GUARD_PASSES`` more times."""
+    got = greedy_allocate(*pb.kernel_args(), *room, unseat=pb.unseat, use_numba=use_numba)
+    for _ in range(GUARD_PASSES):
+        if not pb.unguard_losers(got[0]):
+            break
+        got = greedy_allocate(*pb.kernel_args(), *room, unseat=pb.unseat, use_numba=use_numba)
+    return got
 
 
 def one_class(jobs: list[JobView]) -> bool:
