@@ -1,7 +1,7 @@
 """rubick alone against cached baseline runs, judged by issue 21's floors.
 
     python -m sim.quick_judge [--rows rubick-base:measured,...] [--policy-options JSON]
-                              [--seed N] [--jobs N] [--cache DIR] [--refresh] [--json]
+                              [--seed N] [--jobs N] [--cache DIR] [--refresh] [--explain] [--json]
 
 Changing one of rubick's rules and seeing what it does to the evaluation's six rows
 (rubick-base, rubick-bp and rubick-mt, measured and extended) took a run of every
@@ -13,6 +13,11 @@ summaries, ratios and per-model means a full run of the row's command would give
 rubick's per-job geometric mean against the best baseline is ``sim.compare``'s
 (``tests/test_sim_quick_judge.py`` checks both against a full run).
 
+``--explain`` says where each row's figures come from: rubick's mean JCT against the best
+baseline's per model class and guarantee, and the jobs on the other side of the median
+from the baseline with the lowest median (what scratch scripts of stops 43-48 each did
+again).
+
 Cached runs are reused whatever changed since; ``--refresh`` runs the baselines again
 (do it after changing a baseline, the simulator or the truth). Each row's cache file
 names the revision its baselines ran at.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -30,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from gearshift.sim.cli import _clean, build_parser, ratios, run, stdout_to_stderr
-from gearshift.sim.compare import geomean_ratio, job_jcts
+from gearshift.sim.compare import geomean_ratio, job_jcts, model_class
 from gearshift.sim.evaluation import (
     CLASS_FLOOR, EXTENDED_FLOOR, MEASURED_FLOOR, PEERS, TRACES, _slug, command, judge, per_model_means,
 )
@@ -45,8 +51,36 @@ def simulate(argv: list[str]) -> dict:
     t0 = time.time()
     with stdout_to_stderr(True):  # HiGHS (Sia's MILP) prints to descriptor 1: the output stays the table or JSON
         results, summaries, _ = run(build_parser().parse_args(argv))
+    jobs = {r.job.job_id: [model_class(r), bool(r.job.spec.guaranteed)] for r in results[0].records} if results else {}
     return {"argv": argv, "summaries": summaries, "per_model": per_model_means(results),
-            "jcts": {res.policy: job_jcts(res) for res in results}, "wall_s": time.time() - t0}
+            "jcts": {res.policy: job_jcts(res) for res in results}, "jobs": jobs, "wall_s": time.time() - t0}
+
+
+def explain(mine: dict[str, float], best: dict[str, float], median_base: dict[str, float], jobs: dict,
+            names: tuple[str, str], top: int = 10) -> dict:
+    """Where a row's figures come from: per (model class, guaranteed), rubick's and the best
+    baseline's mean JCT over the jobs both finished, and the jobs on the other side of the
+    median from ``median_base`` (the baseline of the lowest median), worst first."""
+    groups: dict[tuple, list] = {}
+    for j, t in mine.items():
+        if j in best and j in jobs:
+            groups.setdefault(tuple(jobs[j]), []).append((t, best[j]))
+    classes = [{"model": m, "guaranteed": g, "jobs": len(v), "rubick_mean_s": sum(a for a, _ in v) / len(v),
+                f"{names[0]}_mean_s": sum(b for _, b in v) / len(v),
+                "ratio": sum(b for _, b in v) / max(sum(a for a, _ in v), 1e-9)}
+               for (m, g), v in sorted(groups.items())]
+    out: dict = {"best": names[0], "classes": classes}
+    if mine and median_base:
+        mm, bm = statistics.median(mine.values()), statistics.median(median_base.values())
+        common = [j for j in mine if j in median_base]
+        above = sorted((j for j in common if mine[j] > mm and median_base[j] <= bm),
+                       key=lambda j: median_base[j] - mine[j])
+        below = [j for j in common if mine[j] <= mm and median_base[j] > bm]
+        out["median"] = {"baseline": names[1], "rubick_s": mm, "baseline_s": bm, "rubick_above_only": len(above),
+                         "rubick_below_only": len(below),
+                         "worst": [{"job": j, "model": jobs.get(j, ["?"])[0], "guaranteed": jobs.get(j, ["?", False])[1],
+                                    "rubick_s": mine[j], "baseline_s": median_base[j]} for j in above[:top]]}
+    return out
 
 
 def _rev() -> str:
@@ -65,7 +99,7 @@ def _row(row: str) -> tuple[str, str]:
     return trace, regime
 
 
-def verdict(row: str, base: dict, mine: dict) -> dict:
+def verdict(row: str, base: dict, mine: dict, why: bool = False) -> dict:
     """Issue 21's floors for rubick's run ``mine`` against the baselines' run ``base`` of one row."""
     summaries = [s for s in mine["summaries"] if s["policy"] == "rubick"] + [
         s for s in base["summaries"] if s["policy"] != "rubick"]
@@ -81,11 +115,14 @@ def verdict(row: str, base: dict, mine: dict) -> dict:
                    unfinished=j["unfinished"])
     if ru["guaranteed_jobs"]:
         out["guarantees"] = f"{ru['guarantees_kept']}/{ru['guaranteed_accepted']}"
+    if why and j is not None:
+        out["explain"] = explain(mine["jcts"]["rubick"], base["jcts"][j["best"]], base["jcts"][j["median_best"]],
+                                 mine.get("jobs", {}), (j["best"], j["median_best"]))
     return out
 
 
 def run_rows(rows: list[str], opts: str | None, seed: int, jobs: int | None, cache: Path, refresh: bool,
-             workers: int = 2, log=print) -> list[dict]:
+             workers: int = 2, log=print, why: bool = False) -> list[dict]:
     extra = (("--seed", str(seed)) if seed else ()) + (("--jobs", str(jobs)) if jobs else ())
     mine_extra = extra + (("--policy-options", opts) if opts else ())
     base_argv = {row: command(*_row(row), ",".join(PEERS), extra) for row in rows}
@@ -107,7 +144,7 @@ def run_rows(rows: list[str], opts: str | None, seed: int, jobs: int | None, cac
             files[row].write_text(json.dumps(base))
         else:
             base = json.loads(files[row].read_text())
-        out.append(verdict(row, base, got[tuple(mine_argv[row])]))
+        out.append(verdict(row, base, got[tuple(mine_argv[row])], why))
     return out
 
 
@@ -126,6 +163,26 @@ def table(verdicts: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def explained(v: dict) -> str:
+    """``--explain``'s text for one verdict."""
+    e = v.get("explain")
+    if not e:
+        return ""
+    b = e["best"]
+    lines = [f"\n{v['row']}: rubick against {b}, per model class and guarantee (mean JCT, s)",
+             f"| model | guaranteed | jobs | rubick | {b} | ratio |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {c['model']} | {'yes' if c['guaranteed'] else 'no'} | {c['jobs']} | {c['rubick_mean_s']:.0f} | "
+              f"{c[b + '_mean_s']:.0f} | {c['ratio']:.2f} |" for c in e["classes"]]
+    m = e.get("median")
+    if m:
+        lines.append(f"median {m['rubick_s']:.1f} s against {m['baseline']}'s {m['baseline_s']:.1f} s: "
+                     f"{m['rubick_above_only']} jobs above rubick's median and at or below {m['baseline']}'s, "
+                     f"{m['rubick_below_only']} the other way; the worst:")
+        lines += [f"  {w['job']} ({w['model']}{', guaranteed' if w['guaranteed'] else ''}): rubick {w['rubick_s']:.0f} s, "
+                  f"{m['baseline']} {w['baseline_s']:.0f} s" for w in m["worst"]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sim.quick_judge", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(ROWS), help="TRACE:REGIME,... (default: the evaluation's six rows)")
@@ -135,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=Path, default=CACHE, help="where the baselines' runs are kept")
     ap.add_argument("--refresh", action="store_true", help="run the baselines again")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--explain", action="store_true",
+                    help="per model class and guarantee, and the jobs on the other side of the median")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()]
@@ -153,12 +212,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.jobs is not None and a.jobs < 1:
         ap.error("--jobs must be at least 1")
     verdicts = run_rows(rows, a.policy_options, a.seed, a.jobs, a.cache, a.refresh, a.workers,
-                        log=(lambda *_: None) if a.json else lambda m: print(m, file=sys.stderr, flush=True))
+                        log=(lambda *_: None) if a.json else lambda m: print(m, file=sys.stderr, flush=True),
+                        why=a.explain)
     if a.json:
         print(json.dumps(_clean({"verdicts": verdicts, "met": sum(v["met"] for v in verdicts), "rows": len(verdicts)})))
     else:
         print(table(verdicts))
         print(f"{sum(v['met'] for v in verdicts)} of {len(verdicts)} rows meet every floor")
+        for v in verdicts:
+            if v.get("explain"):
+                print(explained(v))
     return 0
 
 

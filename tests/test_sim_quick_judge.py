@@ -59,3 +59,33 @@ def test_bad_arguments_name_the_field_and_run_nothing(args, field, tmp_path, cap
     err = capsys.readouterr().err
     assert field in err and "Traceback" not in err
     assert not (tmp_path / "c").exists()
+
+
+def test_explain_agrees_with_a_full_runs_per_model_ratios_and_medians(tmp_path):
+    """``--explain``'s classes, put back together per model, give ``sim.compare``'s per-model
+    ratios of a full run, and its medians are the full run's summaries'."""
+    _, summaries, _, _, _, vs_best = evaluation._run(
+        evaluation.command("rubick-mt", "measured", evaluation.POLICIES, ("--jobs", str(JOBS))))
+    (got,) = qj.run_rows([ROW], None, 0, JOBS, tmp_path, refresh=False, workers=2, log=lambda *_: None, why=True)
+    e = got["explain"]
+    best = e["best"]
+    assert best == vs_best["rubick"]["best_baseline"]
+    sums: dict[str, list[float]] = {}
+    for c in e["classes"]:
+        s = sums.setdefault(c["model"], [0.0, 0.0, 0])
+        s[0] += c["rubick_mean_s"] * c["jobs"]
+        s[1] += c[f"{best}_mean_s"] * c["jobs"]
+        s[2] += c["jobs"]
+    full = vs_best["rubick"]["per_model"]
+    assert set(sums) == set(full)
+    for m, (mine, theirs, n) in sums.items():
+        assert n == full[m]["jobs"]
+        assert theirs / mine == pytest.approx(full[m]["ratio"], rel=1e-9)
+    by = {s["policy"]: s for s in summaries}
+    m = e["median"]
+    assert m["rubick_s"] == pytest.approx(by["rubick"]["median_jct_s"])
+    assert m["baseline"] == got["median_best"] and m["baseline_s"] == pytest.approx(by[m["baseline"]]["median_jct_s"])
+    assert len(m["worst"]) == min(10, m["rubick_above_only"])
+    assert all(w["rubick_s"] > m["rubick_s"] and w["baseline_s"] <= m["baseline_s"] for w in m["worst"])
+    text = qj.explained(got)
+    assert f"rubick against {best}" in text and "median" in text
