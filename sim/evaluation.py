@@ -50,11 +50,13 @@ FLAT_PIN = '{"pin_restarts": 0, "pin_always": true}'
 PIN_ALWAYS = '{"pin_always": true}'
 # pinned jobs fixed against every job, as before pins guarded against guarantees only (pin_scope)
 PIN_ALL = '{"pin_scope": "all"}'
+# a running job's utilities without the restart it pays to resume (rubick_rules.resume_weights)
+NO_RESUME = '{"resume_charge": false}'
 ABLATIONS = [("rubick as before issue 10's start fix: a pending job's start charged the restart relative to its "
               "whole run (and no resume charge, which came later)", '{"start_unavoidable": false, "resume_charge": false}'),
              ("rubick without the completion weight (Smith's rule, beta = 1 by default)", '{"completion_weight": 0}'),
              ("rubick without the resume charge (preempting a job free of the restart it pays to resume)",
-              '{"resume_charge": false}'),
+              NO_RESUME),
              ("rubick with pins in every round, as before: a job switched less than 10 of its own restarts ago "
               "(at most 600 s) keeps its allocation with no guarantee and one priority class too", PIN_ALWAYS),
              ("rubick with one pin for every job in every round, the minimum run time (600 s), instead of 10 of "
@@ -67,7 +69,7 @@ MT_ABLATIONS = [("with the bounded guarantee wait (an option, off)", '{"guarante
                 ("without keeping admitted starved jobs", '{"keep_starved": false}'),
                 ("with the queue by run time, not GPU-time", '{"queue_key": "time"}'),
                 ("without the efficiency floor for best-effort shrinks", '{"min_efficiency": 0}'),
-                ("without the resume charge", '{"resume_charge": false}'),
+                ("without the resume charge", NO_RESUME),
                 ("with one 600 s pin for every job, not 10 of its own restarts", FLAT_PIN),
                 ("with pinned best-effort jobs fixed against every job from their last switch, as before, not "
                  "guarded against guarantees from their last (re)start", PIN_ALL)]
@@ -358,7 +360,7 @@ def _learned(res) -> list[str]:
                        "the makespan is set by how those last jobs pack, which rubick's greedy allocation does not "
                        "plan ahead for.")
         else:
-            before = res(_ablation('{"resume_charge": false}', "rubick-mt"))
+            before = res(_ablation(NO_RESUME, "rubick-mt"))
             was_mt = (f"{bm['makespan_s'] / before[0][0]['makespan_s']:.4f}x without it" if before is not None
                       and before[0][0]["unfinished"] == 0 else "0.9986x (commit a7a0409, before it)")
             out.append(f"- **rubick-mt's makespan.** rubick's is {_h(ru['makespan_s'])} h against {bm['policy']}'s "

@@ -78,8 +78,8 @@ def explain(mine: dict[str, float], best: dict[str, float], median_base: dict[st
         below = [j for j in common if mine[j] <= mm and median_base[j] > bm]
         out["median"] = {"baseline": names[1], "rubick_s": mm, "baseline_s": bm, "rubick_above_only": len(above),
                          "rubick_below_only": len(below),
-                         "worst": [{"job": j, "model": jobs.get(j, ["?"])[0], "guaranteed": jobs.get(j, ["?", False])[1],
-                                    "rubick_s": mine[j], "baseline_s": median_base[j]} for j in above[:top]]}
+                         "worst": [dict(zip(("model", "guaranteed"), jobs.get(j, ("?", False))), job=j,
+                                        rubick_s=mine[j], baseline_s=median_base[j]) for j in above[:top]]}
     return out
 
 
