@@ -89,7 +89,8 @@ One round:
    waited ``starved_seed`` (1) times its own predicted run (restart included)
    joins the pending guarantees' queue at its cheapest allowed candidate
    (``rubick_rules.starved_first``; 0: off) and, admitted, is kept like a
-   guarantee until it ends (``keep_starved``). The queue goes by predicted
+   guarantee until it ends (``keep_starved``): at its request, its growth past
+   that competing in the greedy as a guarantee's does. The queue goes by predicted
    GPU-time, GPUs x (run at the request + restart), least first
    (``queue_key="area"``; "time": the run alone, as before). When its head
    cannot start, the GPUs it will need are held for it: only work predicted
