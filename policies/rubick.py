@@ -132,6 +132,7 @@ from gearshift.policies.kernels import greedy_allocate
 from gearshift.policies.oracle import AnalyticOracle
 from gearshift.policies.placement import describe
 from gearshift.policies.rubick_declared import DeclaredSteps
+from gearshift.policies.rubick_moves import give_back_moves
 from gearshift.policies.rubick_problem import Problem, ProblemBuilder
 from gearshift.policies.rubick_reserve import reserve_room
 
@@ -170,6 +171,7 @@ class Rubick:
         pin_restarts: float = 10.0,
         pin_always: bool = False,
         pin_scope: str = "guarantees",
+        give_back: bool = True,
     ):
         self.name = name
         self.vary_plan = vary_plan
@@ -217,6 +219,7 @@ class Rubick:
         if pin_scope not in ("guarantees", "all"):
             raise ValueError(f"pin_scope: {pin_scope!r} is not 'guarantees' or 'all'")
         self.pin_scope = pin_scope
+        self.give_back = give_back  # rubick_moves.py: moves that buy nothing, undone
         self._pins_on = True  # this round's
         self.guards_only = False  # this round's (``schedule``)
         self.held_for: tuple | None = None  # the last round's reservation: (job, seconds to its start)
@@ -295,6 +298,8 @@ class Rubick:
                             and self.resume_charge and one_class(jobs))
         pb = self.build_problem(now, nodes, jobs, perf)
         level, out_nodes = self.solve(pb, jobs, now)
+        if self.give_back:  # rubick_moves.py: a move with no change of shape, undone
+            give_back_moves(pb, level, out_nodes, jobs, nodes)
         if self.keep_starved:  # kept while they run: admitted as starved now, or before and still running
             keep = ~pb.guaranteed & (level >= 0) & (pb.seed_any | (pb.protected & (pb.stay >= 0)))
             self.protected = {jobs[i].job_id for i in np.flatnonzero(keep).tolist()}

@@ -60,7 +60,10 @@ ABLATIONS = [("rubick as before issue 10's start fix: a pending job's start char
              ("rubick with pins in every round, as before: a job switched less than 10 of its own restarts ago "
               "(at most 600 s) keeps its allocation with no guarantee and one priority class too", PIN_ALWAYS),
              ("rubick with one pin for every job in every round, the minimum run time (600 s), instead of 10 of "
-              "its own restarts", FLAT_PIN)]
+              "its own restarts", FLAT_PIN),
+             ("rubick without giving moves back: a running job sent with the same plan and shape to a node like "
+              "its own stays sent, and the job that took its node keeps it (policies/rubick_moves.py)",
+              '{"give_back": false}')]
 # rubick-mt (measured): policies/rubick_rules.py's rules, one changed at a time
 MT_ABLATIONS = [("with the bounded guarantee wait (an option, off)", '{"guarantee_wait_bound": true}'),
                 ("with the bounded wait, without the resume charge", '{"guarantee_wait_bound": true, "resume_charge": false}'),
