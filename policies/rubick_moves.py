@@ -5,7 +5,9 @@ climbs back to its own allocation only when its turn comes: by then a job that
 starts or switches may have taken one of its nodes, and the running job is
 sent, with the same plan and the same GPUs and CPUs per node, to another node
 of the same kind. That move changes no speed and costs a restart. On
-rubick-base (measured) 142 of rubick's decisions in a day were such moves.
+rubick-base (measured) 162 of the 884 changes rubick made to running jobs were
+such moves; with them given back, 68 of 764 remain (the job that took the node
+stays where it ran, or does not fit where the moved job was sent).
 
 ``give_back_moves`` undoes them after the search: a job moved with no change
 of shape gets back each node it lost, and the jobs that took it go where the
