@@ -27,10 +27,16 @@ import numpy as np
 from gearshift.policies.api import JobView, NodeState
 
 
+def _part(c) -> tuple[int, int]:
+    """(GPUs, CPUs) candidate ``c`` takes on each of its nodes (``Candidate.placement_shape``)."""
+    p = c.placement_shape()[0]
+    return p.gpus, p.cpus
+
+
 def _same_shape(c, j: JobView) -> bool:
     """Candidate ``c`` is ``j``'s own plan with the same GPUs and CPUs on each of as many nodes."""
     return (c.plan == j.plan and c.nodes == len(j.placement)
-            and all(p.gpus == c.per_node and p.cpus == c.per_node * c.cpus_per_gpu for p in j.placement))
+            and all((p.gpus, p.cpus) == _part(c) for p in j.placement))
 
 
 def give_back_moves(pb, level: np.ndarray, out_nodes: np.ndarray, jobs: list[JobView],
@@ -54,11 +60,9 @@ def give_back_moves(pb, level: np.ndarray, out_nodes: np.ndarray, jobs: list[Job
         else:
             c = rows[i][int(level[i])]
             for q in range(c.nodes):
-                parts[int(out_nodes[i, q])][i] = (c.per_node, c.per_node * c.cpus_per_gpu)
+                parts[int(out_nodes[i, q])][i] = _part(c)
     given = 0
     for i in moved:
-        if level[i] == stay[i]:
-            continue
         c = rows[i][int(level[i])]
         held = [ix[p.node] for p in jobs[i].placement]
         sent = [int(out_nodes[i, q]) for q in range(c.nodes)]
@@ -81,7 +85,7 @@ def give_back_moves(pb, level: np.ndarray, out_nodes: np.ndarray, jobs: list[Job
 def _pairs(i, lost, spare, parts, kind, level, stay, cap_g, cap_c):
     """For each node ``i`` lost, a node it was sent to and the jobs on the lost node,
     so that they can trade places; None when one of the lost nodes has none."""
-    out, taken, into = [], set(), defaultdict(set)  # into: job -> nodes it would move to
+    out, taken = [], set()
     for o in lost:
         others = [k for k in parts[o] if k != i]
         if any(level[k] == stay[k] for k in others):  # a job kept there would have to move
@@ -91,7 +95,7 @@ def _pairs(i, lost, spare, parts, kind, level, stay, cap_g, cap_c):
         for m in spare:
             if m in taken or kind[m] != kind[o]:
                 continue
-            if any(k in parts[m] or m in into[k] for k in others):  # a job holds one part a node
+            if any(k in parts[m] for k in others):  # a job holds one part a node
                 continue
             used_g = sum(v[0] for v in parts[m].values()) - parts[m][i][0]
             used_c = sum(v[1] for v in parts[m].values()) - parts[m][i][1]
@@ -99,8 +103,6 @@ def _pairs(i, lost, spare, parts, kind, level, stay, cap_g, cap_c):
                 continue
             out.append((o, m, others))
             taken.add(m)
-            for k in others:
-                into[k].add(m)
             break
         else:
             return None
