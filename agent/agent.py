@@ -58,6 +58,7 @@ from gearshift.bus import observe
 from gearshift.bus.alloc_watch import node_alloc_watch
 from gearshift.bus.log import get_logger
 from gearshift.bus.server import Endpoint, serve
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
@@ -192,7 +193,7 @@ class Agent:
             except Exception:
                 pass
         if len(self._tasks) > 1:  # absent when start() failed half-way
-            self._tasks[0].cancel()
+            await cancel_and_wait([self._tasks[0]])
             self._dirty.set()  # the reconciler finishes its pass (a launch in flight included) and ends
             await asyncio.gather(self._tasks[1], return_exceptions=True)
         self.runner.close()
@@ -200,9 +201,7 @@ class Agent:
             self._begin_stop(run, "agent stopping", by_agent=True)
         while self._side_tasks:  # supervisors publish the EXITED reports
             await asyncio.gather(*list(self._side_tasks), return_exceptions=True)
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         if self._svc is not None:
             try:
                 await self._svc.stop()

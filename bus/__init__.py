@@ -13,6 +13,7 @@ Below ``services/`` and ``agent/`` (which are peers over it), above
 - ``config``: one YAML file per process, with environment and flags on top;
 - ``kv``/``views``: KV snapshots and materialised views fed by watches;
 - ``alloc_watch``: an agent's watch of its node's allocations;
+- ``tasks``: ending background tasks (a cancellation Python 3.11 may swallow);
 - ``natsd``: a local ``nats-server`` (tests, ``gearshift up``).
 """
 

@@ -22,6 +22,7 @@ from typing import Any
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gearshift.bus.log import get_logger
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema import subjects as subj
 
 log = get_logger(component="alloc_watch")
@@ -176,9 +177,7 @@ class NodeAllocWatch:
     async def stop(self) -> None:
         self._stopped = True
         self._queue.put_nowait(StopAsyncIteration)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
         if self._psub is not None:
             try:
                 await self._psub.unsubscribe()

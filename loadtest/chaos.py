@@ -66,6 +66,7 @@ from typing import Any
 import msgspec
 
 from gearshift.bus.natsd import NatsServer
+from gearshift.bus.tasks import cancel_and_wait
 from loadtest.usage_check import CounterScraper, compare, wait_archived
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
@@ -746,8 +747,7 @@ class ChaosRun:
             await asyncio.gather(tasks[0], tasks[1])
             recs = await self.wait_terminal(nc)
             self.done = True
-            tasks[2].cancel()
-            await asyncio.gather(tasks[2], return_exceptions=True)
+            await cancel_and_wait([tasks[2]])
             events = await read_events(nc)
             if await wait_archived(nc, list(recs)):  # the accounts are written as jobs are archived
                 creds = str(self.auth.creds("admin")) if self.auth is not None else None

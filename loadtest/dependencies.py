@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema import subjects as subj
 from gearshift.cluster import LocalCluster
 from gearshift.services.admission import job_id_for
@@ -217,8 +218,7 @@ async def scenario(run: Run) -> dict[str, Any]:
         out["jobs"] = len(everything)
         out["cli_calls"] = run.cli_calls
     finally:
-        follower.cancel()
-        await asyncio.gather(follower, return_exceptions=True)
+        await cancel_and_wait([follower])
         await admin.close()
     out["ok"] = all(checks.values())
     return out

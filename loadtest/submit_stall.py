@@ -80,6 +80,7 @@ from typing import Any
 
 import psutil
 
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema.messages import JobSpec
 from loadtest.optimality_gap import BATCH, MODELS
 from loadtest.scale import cpu_seconds, handling_summary, request_buckets
@@ -139,12 +140,7 @@ class StreamProbe:
             await asyncio.sleep(self.every)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait([self._task])
         if self._nc is not None:
             try:
                 await self._nc.jetstream().delete_key_value(self.SCRATCH)

@@ -36,6 +36,7 @@ from gearshift.bus.clock import SYSTEM, Clock
 from gearshift.bus.config import ServiceConfig, load, option
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema import codec
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import JobProgress, JobRecord, NodeReport
@@ -181,11 +182,7 @@ class Dashboard:
 
     async def _unfollow(self) -> None:
         following, self._following = self._following, None
-        if following is not None:
-            following.cancel()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, *([following] if following is not None else []), return_exceptions=True)
+        await cancel_and_wait([following, *self._tasks])
         self._tasks = []
         subs, self._subs = self._subs, []
         for s in subs:
@@ -253,9 +250,7 @@ class Dashboard:
                 q.put_nowait((kind, data))
 
     async def close(self) -> None:
-        if self._idle is not None:
-            self._idle.cancel()
-            await asyncio.gather(self._idle, return_exceptions=True)
+        await cancel_and_wait([self._idle])
         await self._unfollow()
         for sess in self.sessions.values():
             await _close_quietly(sess.nc)

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gearshift.bus.log import get_logger
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema import subjects as subj
 from gearshift.services.fencing import Deposed, Fence
 from gearshift.services.lease import Lease
@@ -45,8 +46,7 @@ class Leadership:
                 try:
                     await lead(self.lost)
                 finally:
-                    hold.cancel()
-                    await asyncio.gather(hold, return_exceptions=True)
+                    await cancel_and_wait([hold])
                 if stop.is_set():
                     break
                 log.warning("lease lost; back to standby", instance=self.instance)

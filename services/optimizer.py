@@ -66,6 +66,7 @@ from gearshift.bus.infra import ensure_infra
 from gearshift.bus.log import get_logger
 from gearshift.bus.process import run_service
 from gearshift.bus.server import Endpoint, RequestError, serve
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus.views import JobsView, NodesView
 from gearshift.bus_schema import subjects as subj
 from gearshift.bus_schema.messages import (
@@ -337,9 +338,7 @@ class Optimizer:
         lost_w = asyncio.create_task(lost.wait())
         await asyncio.wait([stop_w, lost_w], return_when=asyncio.FIRST_COMPLETED)
         self.is_leader = False
-        for t in (stop_w, lost_w, *self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait([stop_w, lost_w, *self._tasks])
         await feed.stop()
         for s in self._subs:
             await s.unsubscribe()

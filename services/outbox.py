@@ -21,9 +21,9 @@ publishes every outbox of a list of records (a flusher's start-up).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from gearshift.bus.log import get_logger
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema.messages import JobRecord
 from gearshift.services.alloc_writer import bounded
 from gearshift.services.jobstore import JobStore
@@ -87,6 +87,4 @@ class OutboxFlusher:
         except asyncio.TimeoutError:
             log.warning("outbox flusher stopped with records queued; their next writer publishes them",
                         queued=self.queue.qsize())
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])
