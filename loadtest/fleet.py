@@ -45,6 +45,7 @@ from gearshift.agent.agent import Agent
 from gearshift.agent.emulated_runner import CheckpointStore, EmulatedRunner
 from gearshift.agent.probe import FakeProbe
 from gearshift.bus.alloc_watch import AllocEntry
+from gearshift.bus.tasks import cancel_and_wait
 from gearshift.bus_schema import subjects as subj
 
 
@@ -202,7 +203,7 @@ class Fleet:
                 await agent._svc.stop()  # a dead process answers nothing
             except Exception:
                 pass
-        await asyncio.gather(*agent._tasks, *agent._side_tasks, return_exceptions=True)
+        await cancel_and_wait([*agent._tasks, *agent._side_tasks])  # again where a cancellation was swallowed
         return len(runs)
 
     async def stop(self) -> None:
