@@ -279,8 +279,9 @@ class Dashboard:
                                                  error_cb=on_error, **opts))
         done, _ = await asyncio.wait({connecting, refused}, timeout=15, return_when=asyncio.FIRST_COMPLETED)
         if connecting not in done:
-            connecting.cancel()
-            await asyncio.gather(connecting, return_exceptions=True)
+            await cancel_and_wait([connecting])
+            if not connecting.cancelled() and connecting.exception() is None:  # connected as it was cancelled
+                await _close_quietly(connecting.result())
             if refused in done:
                 raise Refused(401, "sign-in refused by the server: unknown identity or wrong key")
             raise Refused(504, "the NATS server did not answer the sign-in in time")

@@ -56,3 +56,49 @@ async def test_ended_tasks_and_none_are_taken_and_their_exceptions_retrieved():
     sleeper = asyncio.create_task(asyncio.sleep(60))
     await cancel_and_wait([failed, None, sleeper])
     assert sleeper.cancelled() and isinstance(failed.exception(), ValueError)
+
+
+def _cancel_then_gather(tree) -> list[int]:
+    """Lines where a function awaits ``asyncio.gather`` on what it cancelled (a task, or
+    the tasks of a collection it looped over calling ``cancel()``): what hangs for good
+    when the cancellation is swallowed."""
+    import ast
+
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        cancelled: set[str] = set()
+        for node in ast.walk(fn):
+            if isinstance(node, ast.For) and isinstance(node.target, ast.Name):
+                for sub in ast.walk(node):
+                    if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "cancel"
+                            and isinstance(sub.func.value, ast.Name) and sub.func.value.id == node.target.id):
+                        cancelled.add(ast.unparse(node.iter))
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cancel"
+                    and not node.args):
+                cancelled.add(ast.unparse(node.func.value))
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "asyncio.gather":
+                args = {ast.unparse(a.value if isinstance(a, ast.Starred) else a) for a in node.args}
+                if args & cancelled:
+                    found.append(node.lineno)
+    return found
+
+
+def test_no_background_task_is_cancelled_once_and_then_awaited():
+    """Services, the agent, the bus and the harness end their loops with ``cancel_and_wait``."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bad = [f"{p.relative_to(root)}:{line}"
+           for folder in ("services", "agent", "bus", "loadtest", "gearshift")
+           for p in sorted((root / folder).rglob("*.py"))
+           for line in _cancel_then_gather(ast.parse(p.read_text()))]
+    assert not bad, f"cancel() then gather() on the same tasks: use bus.tasks.cancel_and_wait: {bad}"
+    # the check sees the pattern it forbids
+    sample = ("async def stop(self):\n    for t in self._tasks:\n        t.cancel()\n"
+              "    await asyncio.gather(*self._tasks, return_exceptions=True)\n"
+              "async def stop2(self):\n    self._task.cancel()\n    await asyncio.gather(self._task)\n")
+    assert _cancel_then_gather(ast.parse(sample)) == [4, 7]
