@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import sys
+from pathlib import Path
 
 from gearshift.bus.tasks import cancel_and_wait
 
@@ -62,8 +64,6 @@ def _cancel_then_gather(tree) -> list[int]:
     """Lines where a function awaits ``asyncio.gather`` on what it cancelled (a task, or
     the tasks of a collection it looped over calling ``cancel()``): what hangs for good
     when the cancellation is swallowed."""
-    import ast
-
     found = []
     for fn in ast.walk(tree):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -88,9 +88,6 @@ def _cancel_then_gather(tree) -> list[int]:
 
 def test_no_background_task_is_cancelled_once_and_then_awaited():
     """Services, the agent, the bus and the harness end their loops with ``cancel_and_wait``."""
-    import ast
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     bad = [f"{p.relative_to(root)}:{line}"
            for folder in ("services", "agent", "bus", "loadtest", "gearshift")
