@@ -69,6 +69,13 @@ REPORT_RETRIES = Counter("gearshift_report_retries_total",
                          "Agents' run reports asked back by the optimizer, by why: turn (a turn failed), "
                          "job (a job's reports failed again, alone), bus (the bus failed meanwhile)",
                          ["why"], registry=None)
+ATOMIC_COMMITS = Counter("gearshift_atomic_commits_total",
+                         "Atomic batches this process committed, by stream: each costs the server a disk sync "
+                         "(about ten acknowledged publishes' CPU: python -m loadtest.bus_costs)", ["stream"],
+                         registry=None)
+ATOMIC_MESSAGES = Counter("gearshift_atomic_messages_total",
+                          "Messages stored by this process's atomic batches, by stream (the commit's marker included)",
+                          ["stream"], registry=None)
 LEADER = Gauge("gearshift_optimizer_leader", "1 while this optimizer holds the leader lease", registry=None)
 JOB_EVENTS = Counter("gearshift_job_events_total", "Job events this process published, by kind", ["kind"],
                      registry=None)
@@ -100,7 +107,7 @@ _COMMON = [REQUESTS, REQUEST_SECONDS, BUS_ERRORS]
 ROLE_FAMILIES: dict[str, list[Any]] = {
     "admission": [*_COMMON, JOB_EVENTS],
     "optimizer": [*_COMMON, JOB_EVENTS, JOBS, ADMISSION_WAIT, ROUND_SECONDS, DECISIONS, SWITCH_SECONDS, STEPS_LOST,
-                  GPU_SECONDS, LEADER, REPORT_RETRIES],
+                  GPU_SECONDS, LEADER, REPORT_RETRIES, ATOMIC_COMMITS, ATOMIC_MESSAGES],
     "perfmodel": list(_COMMON),
     "profiler": [*_COMMON, JOB_EVENTS, PROFILE_RUNS],
     "agent": [*_COMMON, GPU_UTIL, FB_USED, FB_FREE, GPU_PROCS, RECONCILE_LAG, AGENT_RUNS],
@@ -145,6 +152,12 @@ def job_events(rec: Any, events: Iterable[Any]) -> None:
             # resumes from its checkpoint: what it had done past it is redone
             STEPS_LOST.labels("requeue").inc(max(0, rec.steps_done - ev.checkpoint_step))
 
+
+
+def atomic_commit(stream: str, messages: int) -> None:
+    """An atomic batch of ``messages`` committed to ``stream`` (``services.fencing``)."""
+    ATOMIC_COMMITS.labels(stream).inc()
+    ATOMIC_MESSAGES.labels(stream).inc(messages)
 
 
 def usage_rows(rows: Iterable[Any]) -> None:

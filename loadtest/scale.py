@@ -185,10 +185,8 @@ class Procs:
                 p.wait()
 
 
-def request_buckets(observe_dir: Path, process: str, endpoint: str) -> dict[float, float]:
-    """The process's own time to answer ``endpoint`` (its
-    ``gearshift_request_duration_seconds`` histogram): upper bound -> count so
-    far. Empty where the process announced no metrics URL."""
+def _samples(observe_dir: Path, process: str) -> list:
+    """The samples of the process's metrics now; empty where it announced no metrics URL."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -198,10 +196,40 @@ def request_buckets(observe_dir: Path, process: str, endpoint: str) -> dict[floa
         with urllib.request.urlopen(url, timeout=5) as resp:
             text = resp.read().decode()
     except (OSError, ValueError, KeyError):
-        return {}
-    return {float(s.labels["le"]): s.value for f in text_string_to_metric_families(text)
-            if f.name == "gearshift_request_duration_seconds" for s in f.samples
-            if s.name.endswith("_bucket") and s.labels.get("endpoint") == endpoint}
+        return []
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def request_buckets(observe_dir: Path, process: str, endpoint: str) -> dict[float, float]:
+    """The process's own time to answer ``endpoint`` (its
+    ``gearshift_request_duration_seconds`` histogram): upper bound -> count so
+    far. Empty where the process announced no metrics URL."""
+    return {float(s.labels["le"]): s.value for s in _samples(observe_dir, process)
+            if s.name == "gearshift_request_duration_seconds_bucket" and s.labels.get("endpoint") == endpoint}
+
+
+def atomic_commits(observe_dir: Path, process: str = "optimizer") -> dict[str, list[float]]:
+    """stream -> [atomic batches committed, messages they stored] by the process so far
+    (``gearshift_atomic_commits_total``): each commit costs the server a disk sync."""
+    out: dict[str, list[float]] = {}
+    for s in _samples(observe_dir, process):
+        i = {"gearshift_atomic_commits_total": 0, "gearshift_atomic_messages_total": 1}.get(s.name)
+        if i is not None:
+            out.setdefault(s.labels["stream"], [0.0, 0.0])[i] = s.value
+    return out
+
+
+def commits_per_job(before: dict[str, list[float]], after: dict[str, list[float]], jobs: int) -> dict | None:
+    """Atomic commits per job between two ``atomic_commits``, by stream, with the
+    messages per commit (a commit's disk sync is paid once, whatever its size)."""
+    if not after or jobs <= 0:
+        return None
+    out = {}
+    for stream, (c, m) in sorted(after.items()):
+        c0, m0 = before.get(stream, [0.0, 0.0])
+        if c > c0:
+            out[stream] = {"per_job": round((c - c0) / jobs, 3), "messages_per_commit": round((m - m0) / (c - c0), 1)}
+    return {"by_stream": out, "per_job": round(sum(v["per_job"] for v in out.values()), 3)}
 
 
 def handling_summary(before: dict[float, float], after: dict[float, float], floor_s: float) -> dict | None:
@@ -541,6 +569,7 @@ class Run:
             bus0 = await asyncio.to_thread(bus_counts, server.monitor_url)
             cpu0, box0, t0 = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic()
             hist0 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
+            commits0 = await asyncio.to_thread(atomic_commits, observe_dir)
             watch = asyncio.create_task(self._watch_loop())
             out["submit"] = await self.submit_burst(nc, a.jobs, a.rate, a.job_seconds)
             watch.cancel()
@@ -551,6 +580,7 @@ class Run:
             out["admission_submit_handling"] = handling_summary(hist0, hist1, FLOORS["submit_p99_ms"] / 1e3)
             cpu1, box1, dt = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic() - t0
             bus1 = await asyncio.to_thread(bus_counts, server.monitor_url)
+            commits1 = await asyncio.to_thread(atomic_commits, observe_dir)
             out["cpu_cores_during_submit"] = cores_during(cpu0, cpu1, box0, box1, dt)
             # every acknowledged job must finish
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
@@ -558,6 +588,10 @@ class Run:
             out["cpu"] = cpu_cost(cpu0, cpu1, cpu2, len(self.sent) or a.jobs)
             bus2 = await asyncio.to_thread(bus_counts, server.monitor_url)
             out["messages_per_job"] = messages_per_job(bus0, bus1, bus2, len(self.sent) or a.jobs)
+            commits2 = await asyncio.to_thread(atomic_commits, observe_dir)
+            out["atomic_commits_per_job"] = {  # the optimizer's: each a disk sync on the server
+                "submitting": commits_per_job(commits0, commits1, len(self.sent) or a.jobs),
+                "whole_life": commits_per_job(commits0, commits2, len(self.sent) or a.jobs)}
             main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])

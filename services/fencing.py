@@ -38,6 +38,7 @@ from typing import Any
 from nats.js.api import Header
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError
 
+from gearshift.bus import observe
 from gearshift.bus.publish import publisher
 from gearshift.bus_schema import subjects as subj
 
@@ -181,6 +182,7 @@ class Fence:
             err = body.get("error")
             if err is None:
                 self._stored(bucket, int(body.get("seq", 0)))
+                observe.atomic_commit(f"KV_{bucket}", len(writes) + 1)
                 return
             if err.get("err_code") not in WRONG_LAST:
                 raise RuntimeError(f"batch of {len(writes)} writes to {bucket} failed: {err}")
@@ -209,6 +211,7 @@ class Fence:
         body = json.loads(reply.data)
         err = body.get("error")
         if err is None:
+            observe.atomic_commit(f"KV_{bucket}", len(items) + 1)
             first = self._stored(bucket, int(body["seq"])) - len(items)  # stored in order, the marker last
             return [first + i for i in range(len(items))]
         if err.get("err_code") in WRONG_LAST:
@@ -230,6 +233,7 @@ class Fence:
         body = json.loads(reply.data)
         err = body.get("error")
         if err is None:
+            observe.atomic_commit(f"KV_{bucket}", 2)
             return self._stored(bucket, int(body["seq"])) - 1  # the record is the batch's first message
         if err.get("err_code") in WRONG_LAST:
             if await self._epoch_moved(bucket):

@@ -332,3 +332,29 @@ def test_each_contract_line_is_judged_by_its_own_floors():
     floors = contract_floors(1000, _measured(50, sustained=False), **ok)[0]
     assert floors["sustained_at_rate"] is False and floors["submit_p99_le_100ms_at_rate"] is False
     assert contract_floors(1000, _measured(50), none_lost=False, completed=True, listed=True)[0]["no_lost_jobs"] is False
+
+
+async def test_atomic_commits_are_counted_by_the_fence_and_read_per_job_from_two_scrapes(nc, tmp_path, monkeypatch):
+    """A fenced batch counts one commit and the messages it stored (its marker too);
+    the harness reads the optimizer's served counters and divides by the jobs."""
+    from gearshift.bus import observe
+    from gearshift.services.fencing import Fence
+    from loadtest.scale import atomic_commits, commits_per_job
+
+    monkeypatch.setenv("GEARSHIFT_OBSERVE_DIR", str(tmp_path))
+    obs = await observe.Observer("optimizer", "optimizer").start("127.0.0.1", 0)
+    try:
+        fence = Fence(nc, [subj.ALLOC_BUCKET], "leader")
+        await fence.take()
+        before = await asyncio.to_thread(atomic_commits, tmp_path)
+        await fence.batch(subj.ALLOC_BUCKET, [("j1", b"a"), ("n0.j1", b"a"), ("n1.j1", b"a")])
+        await fence.batch(subj.ALLOC_BUCKET, [("j1", None), ("n0.j1", None), ("n1.j1", None)])
+        after = await asyncio.to_thread(atomic_commits, tmp_path)
+    finally:
+        await obs.close()
+    stream = f"KV_{subj.ALLOC_BUCKET}"
+    assert after[stream][0] - before.get(stream, [0, 0])[0] == 2
+    assert after[stream][1] - before.get(stream, [0, 0])[1] == 8  # 3 keys and the marker, twice
+    got = commits_per_job(before, after, 4)
+    assert got == {"by_stream": {stream: {"per_job": 0.5, "messages_per_commit": 4.0}}, "per_job": 0.5}
+    assert commits_per_job(before, {}, 4) is None  # no metrics announced
