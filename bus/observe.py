@@ -153,7 +153,6 @@ def job_events(rec: Any, events: Iterable[Any]) -> None:
             STEPS_LOST.labels("requeue").inc(max(0, rec.steps_done - ev.checkpoint_step))
 
 
-
 def atomic_commit(stream: str, messages: int) -> None:
     """An atomic batch of ``messages`` committed to ``stream`` (``services.fencing``)."""
     ATOMIC_COMMITS.labels(stream).inc()

@@ -38,9 +38,9 @@ from gearshift.bus.publish import publisher
 from gearshift.services.fencing import enable_atomic
 
 BODY = b"x" * 400  # about a job record's allocation; records are 1-3 KB
-# An atomic commit costs the server a disk sync whatever the batch's size (here ~1.5 ms
-# of CPU, ~1.1 ms of it in the kernel): a batch pays for itself from about 10-20
-# messages, and a batch of one costs ten acknowledged publishes. Measured at each size.
+# An atomic commit costs the server a disk sync whatever the batch's size (here about
+# 1.2 ms of CPU, most of it in the kernel): a batch pays for itself from about 10-20
+# messages, and a batch of one costs about ten acknowledged publishes. Measured at each size.
 BATCH_SIZES = (1, 5, 20, 100)
 
 
