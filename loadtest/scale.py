@@ -585,13 +585,14 @@ class Run:
             # every acknowledged job must finish
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
             cpu2 = procs.cpu_seconds(pids)  # the main run's jobs' whole life: submit to the last finish
-            out["cpu"] = cpu_cost(cpu0, cpu1, cpu2, len(self.sent) or a.jobs)
+            jobs = len(self.sent) or a.jobs
+            out["cpu"] = cpu_cost(cpu0, cpu1, cpu2, jobs)
             bus2 = await asyncio.to_thread(bus_counts, server.monitor_url)
-            out["messages_per_job"] = messages_per_job(bus0, bus1, bus2, len(self.sent) or a.jobs)
+            out["messages_per_job"] = messages_per_job(bus0, bus1, bus2, jobs)
             commits2 = await asyncio.to_thread(atomic_commits, observe_dir)
             out["atomic_commits_per_job"] = {  # the optimizer's: each a disk sync on the server
-                "submitting": commits_per_job(commits0, commits1, len(self.sent) or a.jobs),
-                "whole_life": commits_per_job(commits0, commits2, len(self.sent) or a.jobs)}
+                "submitting": commits_per_job(commits0, commits1, jobs),
+                "whole_life": commits_per_job(commits0, commits2, jobs)}
             main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])
