@@ -838,6 +838,9 @@ class RoundCompleted(Event, tag="round.completed", kw_only=True, frozen=True):
     duration_ms: float
     cpu_ms: float = 0.0  # the optimizer process's CPU time over the round (time.process_time, all threads)
     changed_jobs: int = 0  # live jobs whose record moved since the last round began, or that this round wrote
+    # the round's own CPU: its steps on the optimizer's event-loop thread (``bus.process.OwnCpu``)
+    # plus its policy's thread, without what the loop's other tasks did while the round waited
+    own_cpu_ms: float = 0.0
 
 
 AnyJobEvent = (

@@ -29,6 +29,7 @@ from gearshift.bus_schema.messages import (
     JobRecord,
     JobState,
     NodeReport,
+    RoundCompleted,
     RoundReply,
     RunReport,
     RunReportKind,
@@ -129,6 +130,24 @@ async def test_fifo_schedules_in_order_and_reports_move_states(nc, cluster):
     await wait_for(lambda: _state(nc, c, JobState.SCHEDULED)) if False else None
     snap = await kv_snapshot(alloc_kv)
     assert a not in snap and b in snap
+
+
+async def test_a_round_reports_its_own_cpu_within_the_process_s(nc, cluster):
+    """``round.completed`` carries the round's own CPU (its steps and its policy's
+    thread, ``bus.process.OwnCpu``) beside the process's over the round: a part of it."""
+    seen: list[RoundCompleted] = []
+
+    async def on(msg):
+        seen.append(codec.decode(msg.data, RoundCompleted))
+
+    sub = await nc.subscribe(subj.round_event("round.completed"), cb=on)
+    try:
+        await submit(nc, "a", 4)
+        await wait_for(lambda: asyncio.sleep(0, seen))
+    finally:
+        await sub.unsubscribe()
+    ev = seen[0]
+    assert ev.changes >= 1 and 0 < ev.own_cpu_ms <= ev.cpu_ms + 0.1  # 0.1: the two clocks' rounding
 
 
 async def test_stale_generation_report_is_ignored_and_crash_fails_job(nc, cluster):
