@@ -161,11 +161,32 @@ def test_round_cpu_is_fitted_per_band_of_live_jobs():
 def test_growth_check_says_whether_per_job_cpu_stays_flat():
     from loadtest.scale import growth_check
 
-    rows = [{"nodes": n, "control_plane_ms_per_job_submitting": c, "round_cpu_ms_per_live_job_p50": p}
-            for n, c, p in [(250, 1.0, 0.01), (4000, 1.4, 0.012)]]
+    rows = [{"nodes": n, "control_plane_ms_per_job_submitting": c, "round_cpu_ms_per_live_job_p50": p,
+             "round_cpu_fit": {"ms_per_changed_job": 0.2, "ms_per_live_job": b}}
+            for n, c, p, b in [(250, 1.0, 0.01, 0.03), (4000, 1.4, 0.012, 0.02)]]
     assert growth_check(rows)["cpu_per_job_flat"] and growth_check(rows)["round_cpu_grows_no_faster_than_live"]
     rows[1]["control_plane_ms_per_job_submitting"] = 2.0
     assert not growth_check(rows)["cpu_per_job_flat"]
+
+
+def test_a_rounds_cost_per_live_job_is_judged_by_the_fit_and_only_its_growth():
+    """The fitted per-live coefficient, not cpu / live: rounds on a larger cluster
+    that start more jobs cost more per live job without a live job costing more."""
+    from loadtest.scale import growth_check
+
+    def rows(fits, p50s=(0.03, 0.03, 0.03)):
+        return [{"nodes": n, "control_plane_ms_per_job_submitting": 4.0, "round_cpu_ms_per_live_job_p50": p,
+                 "round_cpu_fit": None if b is None else {"ms_per_changed_job": 0.15, "ms_per_live_job": b}}
+                for n, b, p in zip((1000, 250, 4000), fits, p50s)]  # given out of order: sorted by nodes
+
+    got = growth_check(rows([0.03, 0.034, 0.017], p50s=(0.04, 0.037, 0.103)))
+    assert got["nodes"] == [250, 1000, 4000] and got["round_cpu_ms_per_live_job_fit"] == [0.034, 0.03, 0.017]
+    assert got["round_cpu_per_live_job_growth"] == 0.88  # 0.03 after 0.034 at fewer nodes: no growth above 1
+    assert got["round_cpu_grows_no_faster_than_live"] and got["round_cpu_per_live_job_p50_max_over_min"] == 2.78
+    got = growth_check(rows([0.02, 0.01, 0.016]))  # 250: 0.01, then 0.02 at 1,000
+    assert got["round_cpu_per_live_job_growth"] == 2.0 and not got["round_cpu_grows_no_faster_than_live"]
+    got = growth_check(rows([0.02, None, 0.016]))  # a size too small to fit: not measured, not passed
+    assert got["round_cpu_per_live_job_growth"] is None and not got["round_cpu_grows_no_faster_than_live"]
 
 
 def test_the_stream_probe_counts_slow_writes_with_a_commit_in_flight_against_chance():
