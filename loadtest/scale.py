@@ -734,9 +734,10 @@ def cpu_cost(cpu0: dict[str, float], cpu1: dict[str, float], cpu2: dict[str, flo
 
 def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
     """The optimizer's CPU per round (the round's own, ``own_cpu_ms`` of
-    ``round.completed``: its steps on the loop's thread and its policy's thread) against the live jobs and the jobs that changed: the
-    share of rounds within the budget (1 ms per changed job + 20 us per live
-    one), the worst round against its budget, and a least-squares fit
+    ``round.completed``: its steps on the loop's thread and its policy's thread)
+    against the live jobs and the jobs that changed: the share of rounds within
+    the budget (1 ms per changed job + 20 us per live one), the worst round
+    against its budget, and a least-squares fit
     ``cpu_ms = a * changed + b * live`` (through 0) -- what a round costs per
     changed and per live job."""
     if not rows:

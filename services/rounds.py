@@ -203,7 +203,8 @@ class Rounds:
         cpu_ms = (time.process_time() - cpu_started) * 1e3
         # its own: its steps on the loop's thread and its policy's thread, not the heartbeats
         # and reports the loop handled while the round waited (those grow with the nodes)
-        own_cpu_ms = (self._meter.so_far() + opt.policy_step.policy_cpu) * 1e3
+        steps_cpu = self._meter.so_far() if self._meter is not None else 0.0
+        own_cpu_ms = (steps_cpu + opt.policy_step.policy_cpu) * 1e3
         observe.ROUND_SECONDS.labels(opt.policy.name).observe(ms / 1e3)
         log.debug("round", round=opt.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
                   policy_cpu_ms=round(opt.policy_step.policy_cpu * 1e3, 1), learned=opt.policy_step.learned,
