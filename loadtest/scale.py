@@ -744,11 +744,10 @@ def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
         return {"rounds": 0, "within_budget_share": None}
     budget = [FLOORS["round_cpu_ms_per_changed_job"] * c + FLOORS["round_cpu_ms_per_live_job"] * n for _, c, n in rows]
     ratio = [cpu / max(b, 1e-9) for (cpu, _, _), b in zip(rows, budget)]
-    cpus = [cpu for cpu, _, _ in rows]
-    return {"rounds": len(rows), "cpu_ms_p50": r(pct(cpus, 50), 2), "cpu_ms_p99": r(pct(cpus, 99), 2),
+    return {**process_cpu_summary(rows),
             "changed_jobs_p50": pct([c for _, c, _ in rows], 50), "live_jobs_max": max(n for *_, n in rows),
             "within_budget_share": round(sum(1 for x in ratio if x <= 1.0) / len(rows), 4),
-            "worst_against_budget": r(max(ratio), 2), "fit": cpu_fit(rows),
+            "worst_against_budget": r(max(ratio), 2),
             # which rounds missed it: the k-th round with changes (of ``rounds``), so a
             # start-up round (cold caches) tells itself from one in the drain
             "over_budget": [{"kth": i + 1, "cpu_ms": r(rows[i][0], 1), "changed": rows[i][1], "live": rows[i][2],
@@ -757,14 +756,15 @@ def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
             # the same fit over the rounds of each band of live jobs (N, 2N, 4N, ...): does a
             # round's cost per live job grow with the live jobs?
             "fit_by_live_jobs": {f"{lo}-{hi}": {"rounds": len(band), "fit": cpu_fit(band)}
-                                 for lo, hi, band in live_bands(rows) if band},
-            "cpu_ms_per_live_job_p50": r(pct([cpu / max(1, n) for cpu, _, n in rows], 50), 4)}
+                                 for lo, hi, band in live_bands(rows) if band}}
 
 
 def process_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
-    """The optimizer process's CPU over each round (``cpu_ms`` of ``round.completed``,
-    all its threads and tasks): beside the round's own (``round_cpu``), what the loop's
-    other work while a round waited adds -- the nodes' heartbeats, which grow with the nodes."""
+    """CPU per round: its median, p99, fit and median per live job. Of the optimizer
+    process over each round (``cpu_ms`` of ``round.completed``, all its threads and
+    tasks), it is ``round_process_cpu``: beside the round's own (``round_cpu``), what the
+    loop's other work while a round waited adds -- the nodes' heartbeats, which grow
+    with the nodes."""
     if not rows:
         return {"rounds": 0}
     cpus = [cpu for cpu, _, _ in rows]
