@@ -116,13 +116,17 @@ class CandidateCache:
     _seen: set = field(default_factory=set)  # keys asked for since the last sweep
     _intern: dict = field(default_factory=dict)  # key -> the one object for equal keys
     slack: int = 1000  # unused entries tolerated beyond twice the used ones
+    # (oracle, does it learn): asked once per oracle, not once per job and round (1-1.5 us each)
+    _learns: tuple = (None, False)
 
     def key(self, job: JobView, perf: PerfOracle | None = None) -> object:
         """An oracle may say what its answers depend on (``perf.spec_key(spec)``);
         jobs with equal keys share candidates."""
         hit = self._keys.get(id(job.spec))
         # An oracle that learns says so with ``revision``: its keys change with it.
-        rev = perf.revision if supports(perf, RevisedOracle) else 0
+        if self._learns[0] is not perf:
+            self._learns = (perf, supports(perf, RevisedOracle))
+        rev = perf.revision if self._learns[1] else 0
         if hit is not None and hit[0] is job.spec and hit[1] is perf:
             if hit[3] == rev:
                 return hit[2]
