@@ -138,8 +138,7 @@ class WarmPool:
             self.ready[key].append(proc)
             self._write_status()
             return
-        if proc.returncode is None:
-            _kill(proc)
+        _kill(proc)
         self._idle.discard(proc)
         code = await proc.wait()
         if not self._closed:
@@ -192,20 +191,29 @@ class WarmPool:
         """Kill the warm workers (starting ones too); no more are started."""
         self._closed = True
         for p in self._idle:
-            if p.returncode is None:
-                _kill(p)
+            _kill(p)
         self._idle.clear()
         self.ready.clear()
         self._write_status()
 
 
 def _kill(proc: Any) -> None:
+    """Kill a warm worker's group, and close its pipes while the loop runs: left open,
+    they are closed when the process object is collected, after the loop may have
+    closed (CI: "Event loop is closed" raised in ``__del__``, reported inside a later
+    test's ``ast.parse``, whose traceback formatting then failed in CPython 3.11's parser
+    with "AST constructor recursion depth mismatch"). asyncio's ``Process`` has no
+    public close; its transport's ``close`` is the one that closes the pipes."""
     import signal
 
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own group (start_new_session)
-    except OSError:
-        pass
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own group (start_new_session)
+        except OSError:
+            pass
+    transport = getattr(proc, "_transport", None)
+    if transport is not None:
+        transport.close()
 
 
 # ---------------------------------------------------------------- the warm process
