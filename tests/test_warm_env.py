@@ -121,7 +121,7 @@ async def test_a_new_module_gets_one_warm_worker_first_and_the_rest_only_once_it
     assert len(pool.ready[warm_key(cmd, env)]) == 4
     workers = list(pool.ready[warm_key(cmd, env)])
     pool.close()
-    # killed with their stdin pipes closed while the loop runs (left open, a pipe is closed
+    # killed with their pipes closed while the loop runs (left open, a pipe is closed
     # when its process object is collected, maybe after the loop: "Event loop is closed")
     assert all(p.stdin.is_closing() and p._transport.get_pipe_transport(1).is_closing() for p in workers)
     assert [await asyncio.wait_for(p.wait(), 30) for p in workers] == [-9] * 4
