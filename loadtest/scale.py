@@ -615,7 +615,7 @@ class Run:
             out["unfinished_detail"] = unfinished_detail([j for j in listed if j["job_id"] in set(unfinished)])
             out["tail"] = tail_detail([j for j in listed if j["job_id"] in main_jobs])
             out["round_cpu"] = round_cpu_summary(self.round_cpu)
-            out["round_process_cpu"] = process_cpu_summary(self.round_process_cpu)
+            out["round_process_cpu"] = cpu_stats(self.round_process_cpu)
             rounds = [d for d, _ in self.rounds]
             big = [d for d, live in self.rounds if live >= FLOORS["round_live_jobs"]]
             out |= {
@@ -744,7 +744,7 @@ def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
         return {"rounds": 0, "within_budget_share": None}
     budget = [FLOORS["round_cpu_ms_per_changed_job"] * c + FLOORS["round_cpu_ms_per_live_job"] * n for _, c, n in rows]
     ratio = [cpu / max(b, 1e-9) for (cpu, _, _), b in zip(rows, budget)]
-    return {**process_cpu_summary(rows),
+    return {**cpu_stats(rows),
             "changed_jobs_p50": pct([c for _, c, _ in rows], 50), "live_jobs_max": max(n for *_, n in rows),
             "within_budget_share": round(sum(1 for x in ratio if x <= 1.0) / len(rows), 4),
             "worst_against_budget": r(max(ratio), 2),
@@ -759,7 +759,7 @@ def round_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
                                  for lo, hi, band in live_bands(rows) if band}}
 
 
-def process_cpu_summary(rows: list[tuple[float, int, int]]) -> dict:
+def cpu_stats(rows: list[tuple[float, int, int]]) -> dict:
     """CPU per round: its median, p99, fit and median per live job. Of the optimizer
     process over each round (``cpu_ms`` of ``round.completed``, all its threads and
     tasks), it is ``round_process_cpu``: beside the round's own (``round_cpu``), what the
@@ -886,9 +886,10 @@ def growth_check(rows: list[dict]) -> dict:
 
     rows = sorted(rows, key=lambda row: row["nodes"])
     per_job, per_live_p50 = spread("control_plane_ms_per_job_submitting"), spread("round_cpu_ms_per_live_job_p50")
-    per_live = growth([(row.get("round_cpu_fit") or {}).get("ms_per_live_job") for row in rows])
+    fits = [(row.get("round_cpu_fit") or {}).get("ms_per_live_job") for row in rows]
+    per_live = growth(fits)
     return {"nodes": [row["nodes"] for row in rows], "cpu_per_job_max_over_min": per_job,
-            "round_cpu_ms_per_live_job_fit": [(row.get("round_cpu_fit") or {}).get("ms_per_live_job") for row in rows],
+            "round_cpu_ms_per_live_job_fit": fits,
             "round_cpu_per_live_job_growth": per_live,
             "round_cpu_per_live_job_p50_max_over_min": per_live_p50,
             "cpu_per_job_flat": per_job is not None and per_job <= 1.5,
