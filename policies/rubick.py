@@ -281,7 +281,11 @@ class Rubick:
         out: preempting and restarting it would be two switches in that window."""
         if j.running or j.spec.guaranteed:
             return False
-        last = max(self._preempted.get(j.job_id, -math.inf), j.last_switch_at if j.started_at is not None and j.last_switch_at is not None else -math.inf)
+        out = self._preempted.get(j.job_id)
+        if out is None and j.started_at is None:  # never ran, never preempted (a queue's jobs): no pin
+            return False
+        last = max(-math.inf if out is None else out,
+                   j.last_switch_at if j.started_at is not None and j.last_switch_at is not None else -math.inf)
         return now - last < self.pin_window(j)
 
     # ---------------------------------------------------------------- round

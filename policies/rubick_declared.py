@@ -49,13 +49,18 @@ class DeclaredSteps:
 
     def remember(self, now: float, jobs, decision) -> None:
         """After the round: each job's steps now and its predicted speed from here."""
+        last, allocs = self._last, decision.allocations
         for j in jobs:
-            a = decision.allocations.get(j.job_id)
+            a = allocs.get(j.job_id)
+            if a is None:  # not running after the round: its rate is 0, so ``observe`` reads only its steps
+                m = last.get(j.job_id)
+                if m is not None and m[3] == 0.0 and m[1] == j.steps_done and m[2] == j.spec.steps:
+                    continue  # (a queue's jobs: the same entry as last round's but for times it never reads)
             thr = (a.predicted_throughput or 0.0) if a is not None else 0.0
             rate = thr / max(j.spec.global_batch, 1)
             changed = a is not None and (a.placement != j.placement or a.plan != j.plan)
             since = now if changed else (j.switched_at if j.switched_at is not None else now)
-            self._last[j.job_id] = (now, j.steps_done, float(j.spec.steps), rate, since + self._restart_of(j))
+            last[j.job_id] = (now, j.steps_done, float(j.spec.steps), rate, since + self._restart_of(j))
 
     def remaining(self, j) -> float:
         left = max(j.spec.steps - j.steps_done, 0.0)

@@ -29,8 +29,8 @@ from gearshift.policies.api import JobView, NodeState
 
 def _part(c) -> tuple[int, int]:
     """(GPUs, CPUs) candidate ``c`` takes on each of its nodes (``Candidate.placement_shape``)."""
-    p = c.placement_shape()[0]
-    return p.gpus, p.cpus
+    per = c.per_node  # the first part of its shape (``placement.symmetric_shape``), not built
+    return per, per * c.cpus_per_gpu
 
 
 def _same_shape(c, j: JobView) -> bool:

@@ -555,3 +555,33 @@ def test_a_job_shown_running_without_a_start_is_guarded_from_that_round():
 def test_pin_scope_is_checked():
     with pytest.raises(ValueError, match="pin_scope"):
         make_policy("rubick", pin_scope="some")
+
+
+def test_the_rounds_pins_as_one_array_are_each_jobs_own():
+    """``rubick_problem.pinned_mask`` (the problem's pins, as one array) says of every running job
+    what ``_pinned`` says of it alone: with pins on and off, each job's own restart or one
+    flat price, a window's edge exactly, and a job with no switch known."""
+    import numpy as np
+
+    from gearshift.policies.rubick import Rubick
+    from gearshift.policies.rubick_problem import pinned_mask
+
+    rng = random.Random(3)
+    pols = [Rubick(min_run_time=600, restart_model=lambda spec: 3.0 + spec.gpus * 11.0),
+            Rubick(min_run_time=600, restart_model=lambda spec: 40.0, pin_restarts=0), Rubick(min_run_time=300)]
+    now = 10_000.0
+    for k in range(200):
+        pol = pols[k % 3]
+        pol._pins_on = k % 4 != 0
+        js = []
+        for i in range(6):
+            g = rng.choice([1, 2, 4, 8])
+            since = now - rng.choice([0.0, 10.0, 33.0, 47.0, 300.0, 599.0, 600.0, 601.0, 5_000.0])
+            j = job(f"j{i}", g, running_on=(Placement("n0", g, 2 * g),), since=since)
+            if rng.random() < 0.15:
+                j.started_at = j.last_switch_at = None
+            js.append(j)
+        restarts = np.array([pol.restart_of(j) for j in js], float)
+        assert pinned_mask(pol, js, restarts, now).tolist() == [pol._pinned(j, now) for j in js]
+    assert any(pols[0]._pinned(job("e", 1, running_on=(Placement("n0", 1, 2),), since=now - s), now)
+               for s in (10.0, 100.0))  # (the windows above are not all empty)

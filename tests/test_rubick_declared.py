@@ -36,3 +36,21 @@ def test_exact_declarations_are_believed():
         _round(ds, 0.0, [j])
         _round(ds, 60.0, [])  # 95 + 0.125 x 60 > 100: capped at the declaration
     assert ds.ratio == 1.0 and ds.remaining(job("p", 1, steps=100, done=10)) == 90
+
+
+def test_a_job_left_waiting_round_after_round_teaches_what_it_ran():
+    """``remember`` leaves a waiting job's entry as it was while its steps do not move
+    (its rate is 0: ``observe`` reads only its steps); when it leaves, it is learned from
+    as if written every round: it ran the steps it had."""
+    ds = DeclaredSteps(min_samples=1)
+    waiting = job("w", 1, steps=1000, done=100)
+    for t in (0.0, 30.0, 60.0):
+        ds.observe(t, [waiting], lambda j: 0.0)
+        ds.remember(t, [waiting], Decision())
+        assert ds._last["w"][:4] == (0.0, 100, 1000.0, 0.0)  # written once, at its first round
+    waiting.steps_done = 150  # (it ran in between, as a preempted job had)
+    ds.observe(90.0, [waiting], lambda j: 0.0)
+    ds.remember(90.0, [waiting], Decision())
+    assert ds._last["w"][:4] == (90.0, 150, 1000.0, 0.0)
+    ds.observe(120.0, [], lambda j: 0.0)  # gone
+    assert math.isclose(math.exp(ds.ratios[-1]), 0.15)
