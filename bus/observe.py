@@ -76,6 +76,11 @@ ATOMIC_COMMITS = Counter("gearshift_atomic_commits_total",
 ATOMIC_MESSAGES = Counter("gearshift_atomic_messages_total",
                           "Messages stored by this process's atomic batches, by stream (the commit's marker included)",
                           ["stream"], registry=None)
+ROUND_CPU = Counter("gearshift_round_cpu_seconds_total",
+                    "Scheduling rounds' own CPU (their steps on the event loop's thread and their policy's thread), "
+                    "by whether the round changed anything (wrote a record)", ["changed"], registry=None)
+ROUNDS = Counter("gearshift_rounds_total", "Scheduling rounds, by whether they changed anything (wrote a record)",
+                 ["changed"], registry=None)
 LEADER = Gauge("gearshift_optimizer_leader", "1 while this optimizer holds the leader lease", registry=None)
 JOB_EVENTS = Counter("gearshift_job_events_total", "Job events this process published, by kind", ["kind"],
                      registry=None)
@@ -107,7 +112,7 @@ _COMMON = [REQUESTS, REQUEST_SECONDS, BUS_ERRORS]
 ROLE_FAMILIES: dict[str, list[Any]] = {
     "admission": [*_COMMON, JOB_EVENTS],
     "optimizer": [*_COMMON, JOB_EVENTS, JOBS, ADMISSION_WAIT, ROUND_SECONDS, DECISIONS, SWITCH_SECONDS, STEPS_LOST,
-                  GPU_SECONDS, LEADER, REPORT_RETRIES, ATOMIC_COMMITS, ATOMIC_MESSAGES],
+                  GPU_SECONDS, LEADER, REPORT_RETRIES, ATOMIC_COMMITS, ATOMIC_MESSAGES, ROUND_CPU, ROUNDS],
     "perfmodel": list(_COMMON),
     "profiler": [*_COMMON, JOB_EVENTS, PROFILE_RUNS],
     "agent": [*_COMMON, GPU_UTIL, FB_USED, FB_FREE, GPU_PROCS, RECONCILE_LAG, AGENT_RUNS],
@@ -157,6 +162,14 @@ def atomic_commit(stream: str, messages: int) -> None:
     """An atomic batch of ``messages`` committed to ``stream`` (``services.fencing``)."""
     ATOMIC_COMMITS.labels(stream).inc()
     ATOMIC_MESSAGES.labels(stream).inc(messages)
+
+
+def round_cpu(seconds: float, changed: bool) -> None:
+    """A scheduling round's own CPU (``services.rounds``), and whether it changed anything:
+    a round that changes nothing publishes no ``round.completed``, so its cost shows here only."""
+    label = "true" if changed else "false"
+    ROUNDS.labels(label).inc()
+    ROUND_CPU.labels(label).inc(max(0.0, seconds))
 
 
 def usage_rows(rows: Iterable[Any]) -> None:

@@ -219,6 +219,30 @@ def atomic_commits(observe_dir: Path, process: str = "optimizer") -> dict[str, l
     return out
 
 
+def round_counts(observe_dir: Path, process: str = "optimizer") -> dict[str, list[float]]:
+    """changed ("true"/"false") -> [rounds, their own CPU seconds] of the process so far
+    (``gearshift_rounds_total``, ``gearshift_round_cpu_seconds_total``): every round,
+    those that changed nothing too (they publish no ``round.completed``)."""
+    out: dict[str, list[float]] = {}
+    for s in _samples(observe_dir, process):
+        i = {"gearshift_rounds_total": 0, "gearshift_round_cpu_seconds_total": 1}.get(s.name)
+        if i is not None:
+            out.setdefault(s.labels["changed"], [0.0, 0.0])[i] = s.value
+    return out
+
+
+def rounds_per_job(before: dict[str, list[float]], after: dict[str, list[float]], jobs: int) -> dict | None:
+    """Every round between two ``round_counts``: how many, their own CPU per job, and the
+    part of both in rounds that changed nothing (a cost outside ``round_cpu``'s rounds)."""
+    if not after or jobs <= 0:
+        return None
+    d = {k: [a - b for a, b in zip(after.get(k, [0.0, 0.0]), before.get(k, [0.0, 0.0]))] for k in ("true", "false")}
+    n, cpu = d["true"][0] + d["false"][0], d["true"][1] + d["false"][1]
+    return {"rounds": int(n), "changing_nothing": int(d["false"][0]), "own_cpu_s": round(cpu, 2),
+            "own_cpu_ms_per_job": round(cpu * 1e3 / jobs, 3),
+            "share_of_cpu_changing_nothing": round(d["false"][1] / cpu, 3) if cpu > 0 else None}
+
+
 def commits_per_job(before: dict[str, list[float]], after: dict[str, list[float]], jobs: int) -> dict | None:
     """Atomic commits per job between two ``atomic_commits``, by stream, with the
     messages per commit (a commit's disk sync is paid once, whatever its size)."""
@@ -574,6 +598,7 @@ class Run:
             cpu0, box0, t0 = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic()
             hist0 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
             commits0 = await asyncio.to_thread(atomic_commits, observe_dir)
+            rounds0 = await asyncio.to_thread(round_counts, observe_dir)
             watch = asyncio.create_task(self._watch_loop())
             out["submit"] = await self.submit_burst(nc, a.jobs, a.rate, a.job_seconds)
             watch.cancel()
@@ -585,6 +610,7 @@ class Run:
             cpu1, box1, dt = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic() - t0
             bus1 = await asyncio.to_thread(bus_counts, server.monitor_url)
             commits1 = await asyncio.to_thread(atomic_commits, observe_dir)
+            rounds1 = await asyncio.to_thread(round_counts, observe_dir)
             out["cpu_cores_during_submit"] = cores_during(cpu0, cpu1, box0, box1, dt)
             # every acknowledged job must finish
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
@@ -597,6 +623,9 @@ class Run:
             out["atomic_commits_per_job"] = {  # the optimizer's: each a disk sync on the server
                 "submitting": commits_per_job(commits0, commits1, jobs),
                 "whole_life": commits_per_job(commits0, commits2, jobs)}
+            rounds2 = await asyncio.to_thread(round_counts, observe_dir)
+            out["rounds_all"] = {"submitting": rounds_per_job(rounds0, rounds1, jobs),
+                                 "whole_life": rounds_per_job(rounds0, rounds2, jobs)}
             main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])

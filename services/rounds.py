@@ -206,6 +206,7 @@ class Rounds:
         steps_cpu = self._meter.so_far() if self._meter is not None else 0.0
         own_cpu_ms = (steps_cpu + opt.policy_step.policy_cpu) * 1e3
         observe.ROUND_SECONDS.labels(opt.policy.name).observe(ms / 1e3)
+        observe.round_cpu(own_cpu_ms / 1e3, changes > 0)
         log.debug("round", round=opt.round_no, ms=round(ms, 1), policy_ms=round(t_policy * 1e3, 1),
                   policy_cpu_ms=round(opt.policy_step.policy_cpu * 1e3, 1), learned=opt.policy_step.learned,
                   write_ms=round(t_write * 1e3, 1), after_ms=round(t_rest * 1e3, 1),

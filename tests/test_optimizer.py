@@ -134,7 +134,12 @@ async def test_fifo_schedules_in_order_and_reports_move_states(nc, cluster):
 
 async def test_a_round_reports_its_own_cpu_within_the_process_s(nc, cluster):
     """``round.completed`` carries the round's own CPU (its steps and its policy's
-    thread, ``bus.process.OwnCpu``) beside the process's over the round: a part of it."""
+    thread, ``bus.process.OwnCpu``) beside the process's over the round: a part of it.
+    Every round's own CPU is also counted, by whether it changed anything
+    (``gearshift_round_cpu_seconds_total{changed}``, ``gearshift_rounds_total{changed}``,
+    read as the harness reads them): a round asked for with nothing new changes nothing,
+    publishes no event, and is counted as such."""
+    before = _round_counts()
     seen: list[RoundCompleted] = []
 
     async def on(msg):
@@ -144,10 +149,32 @@ async def test_a_round_reports_its_own_cpu_within_the_process_s(nc, cluster):
     try:
         await submit(nc, "a", 4)
         await wait_for(lambda: asyncio.sleep(0, seen))
+        ev = seen[0]
+        assert ev.changes >= 1 and 0 < ev.own_cpu_ms <= ev.cpu_ms + 0.1  # 0.1: the two clocks' rounding
+        mid = _round_counts()
+        assert mid["gearshift_rounds_total", "true"] > before.get(("gearshift_rounds_total", "true"), 0)
+        assert mid["gearshift_round_cpu_seconds_total", "true"] >= ev.own_cpu_ms / 1e3 - 1e-9
+        n = len(seen)
+        await call(nc, subj.OPTIMIZER_ROUND, None, RoundReply)  # nothing new: it changes nothing
+        await nc.flush()
+        after = _round_counts()
+        assert after["gearshift_rounds_total", "false"] >= mid.get(("gearshift_rounds_total", "false"), 0) + 1
+        assert after["gearshift_round_cpu_seconds_total", "false"] > \
+            mid.get(("gearshift_round_cpu_seconds_total", "false"), 0)
+        assert len(seen) == n
     finally:
         await sub.unsubscribe()
-    ev = seen[0]
-    assert ev.changes >= 1 and 0 < ev.own_cpu_ms <= ev.cpu_ms + 0.1  # 0.1: the two clocks' rounding
+
+
+def _round_counts() -> dict:
+    """(family sample, changed) -> value of the optimizer's round counters, from the text it serves."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gearshift.bus import observe
+
+    return {(smp.name, smp.labels["changed"]): smp.value
+            for f in text_string_to_metric_families(observe.generate_latest_for("optimizer")) for smp in f.samples
+            if smp.name in ("gearshift_rounds_total", "gearshift_round_cpu_seconds_total")}
 
 
 async def test_stale_generation_report_is_ignored_and_crash_fails_job(nc, cluster):

@@ -379,3 +379,26 @@ async def test_atomic_commits_are_counted_by_the_fence_and_read_per_job_from_two
     got = commits_per_job(before, after, 4)
     assert got == {"by_stream": {stream: {"per_job": 0.5, "messages_per_commit": 4.0}}, "per_job": 0.5}
     assert commits_per_job(before, {}, 4) is None  # no metrics announced
+
+
+async def test_every_rounds_cpu_is_read_per_job_from_two_scrapes_quiet_ones_apart(tmp_path, monkeypatch):
+    """The harness reads the optimizer's served round counters (``observe.round_cpu``) and
+    reports every round's own CPU per job, and the share of it in rounds that changed nothing."""
+    from gearshift.bus import observe
+    from loadtest.scale import round_counts, rounds_per_job
+
+    monkeypatch.setenv("GEARSHIFT_OBSERVE_DIR", str(tmp_path))
+    obs = await observe.Observer("optimizer", "optimizer").start("127.0.0.1", 0)
+    try:
+        before = await asyncio.to_thread(round_counts, tmp_path)
+        observe.round_cpu(0.25, True)
+        for _ in range(3):
+            observe.round_cpu(0.25, False)
+        observe.round_cpu(-1.0, False)  # (a clock's rounding: never counted as negative)
+        after = await asyncio.to_thread(round_counts, tmp_path)
+    finally:
+        await obs.close()
+    got = rounds_per_job(before, after, 10)
+    assert got == {"rounds": 5, "changing_nothing": 4, "own_cpu_s": 1.0, "own_cpu_ms_per_job": 100.0,
+                   "share_of_cpu_changing_nothing": 0.75}
+    assert rounds_per_job(before, {}, 10) is None  # no metrics announced
