@@ -243,6 +243,21 @@ def rounds_per_job(before: dict[str, list[float]], after: dict[str, list[float]]
             "share_of_cpu_changing_nothing": round(d["false"][1] / cpu, 3) if cpu > 0 else None}
 
 
+def optimizer_counts(observe_dir: Path) -> tuple[dict, dict]:
+    """The optimizer's counters so far: (``atomic_commits``, ``round_counts``)."""
+    return atomic_commits(observe_dir), round_counts(observe_dir)
+
+
+def per_job_counts(start: tuple, submitted: tuple, ended: tuple, jobs: int) -> dict:
+    """Per job, over the submit phase and the jobs' whole life (``optimizer_counts`` at the
+    start, when submitting ended and when the last job ended): the optimizer's atomic commits
+    (each a disk sync on the server) and every round's own CPU."""
+    return {"atomic_commits_per_job": {"submitting": commits_per_job(start[0], submitted[0], jobs),
+                                       "whole_life": commits_per_job(start[0], ended[0], jobs)},
+            "rounds_all": {"submitting": rounds_per_job(start[1], submitted[1], jobs),
+                           "whole_life": rounds_per_job(start[1], ended[1], jobs)}}
+
+
 def commits_per_job(before: dict[str, list[float]], after: dict[str, list[float]], jobs: int) -> dict | None:
     """Atomic commits per job between two ``atomic_commits``, by stream, with the
     messages per commit (a commit's disk sync is paid once, whatever its size)."""
@@ -597,8 +612,7 @@ class Run:
             bus0 = await asyncio.to_thread(bus_counts, server.monitor_url)
             cpu0, box0, t0 = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic()
             hist0 = await asyncio.to_thread(request_buckets, observe_dir, "admission", "submit")
-            commits0 = await asyncio.to_thread(atomic_commits, observe_dir)
-            rounds0 = await asyncio.to_thread(round_counts, observe_dir)
+            counted0 = await asyncio.to_thread(optimizer_counts, observe_dir)
             watch = asyncio.create_task(self._watch_loop())
             out["submit"] = await self.submit_burst(nc, a.jobs, a.rate, a.job_seconds)
             watch.cancel()
@@ -609,8 +623,7 @@ class Run:
             out["admission_submit_handling"] = handling_summary(hist0, hist1, FLOORS["submit_p99_ms"] / 1e3)
             cpu1, box1, dt = procs.cpu_seconds(pids), psutil.cpu_times(), time.monotonic() - t0
             bus1 = await asyncio.to_thread(bus_counts, server.monitor_url)
-            commits1 = await asyncio.to_thread(atomic_commits, observe_dir)
-            rounds1 = await asyncio.to_thread(round_counts, observe_dir)
+            counted1 = await asyncio.to_thread(optimizer_counts, observe_dir)
             out["cpu_cores_during_submit"] = cores_during(cpu0, cpu1, box0, box1, dt)
             # every acknowledged job must finish
             out["drain"] = await self.drain(a.drain_timeout, a.stall_timeout)
@@ -619,13 +632,7 @@ class Run:
             out["cpu"] = cpu_cost(cpu0, cpu1, cpu2, jobs)
             bus2 = await asyncio.to_thread(bus_counts, server.monitor_url)
             out["messages_per_job"] = messages_per_job(bus0, bus1, bus2, jobs)
-            commits2 = await asyncio.to_thread(atomic_commits, observe_dir)
-            out["atomic_commits_per_job"] = {  # the optimizer's: each a disk sync on the server
-                "submitting": commits_per_job(commits0, commits1, jobs),
-                "whole_life": commits_per_job(commits0, commits2, jobs)}
-            rounds2 = await asyncio.to_thread(round_counts, observe_dir)
-            out["rounds_all"] = {"submitting": rounds_per_job(rounds0, rounds1, jobs),
-                                 "whole_life": rounds_per_job(rounds0, rounds2, jobs)}
+            out.update(per_job_counts(counted0, counted1, await asyncio.to_thread(optimizer_counts, observe_dir), jobs))
             main_jobs = set(self.sent)  # the probes' short jobs come after
             out["drain_s"] = r(time.monotonic() - t_start)
             probes = await self.probe(nc, out["submit"])

@@ -279,13 +279,10 @@ class Rubick:
     def _held_out(self, j: JobView, now: float) -> bool:
         """A best-effort job preempted less than its pin window (``pin_window``) ago stays
         out: preempting and restarting it would be two switches in that window."""
-        if j.running or j.spec.guaranteed:
-            return False
         out = self._preempted.get(j.job_id)
-        if out is None and j.started_at is None:  # never ran, never preempted (a queue's jobs): no pin
+        if j.running or j.spec.guaranteed or (out is None and j.started_at is None):  # (never ran nor preempted)
             return False
-        last = max(-math.inf if out is None else out,
-                   j.last_switch_at if j.started_at is not None and j.last_switch_at is not None else -math.inf)
+        last = max(-math.inf if out is None else out, j.last_switch_at if j.started_at is not None and j.last_switch_at is not None else -math.inf)
         return now - last < self.pin_window(j)
 
     # ---------------------------------------------------------------- round
