@@ -100,13 +100,25 @@ def node_types(nodes: list[NodeState]) -> list[str]:
 
 
 def typed_oracle(perf: PerfOracle | None, gpu_type: str):
+    """``perf`` answering for ``gpu_type`` (itself for no type): one ``TypedOracle`` per oracle
+    and type, kept, so what policies cache by their oracle's identity (candidate keys,
+    ``rubick_problem``'s memo) holds from round to round on typed nodes too (a new wrapper
+    every round made every job's candidate key be asked again every round)."""
     if not gpu_type:
         return perf
     if perf is None:
         from gearshift.policies.oracle import AnalyticOracle
 
         perf = AnalyticOracle()
-    return TypedOracle(perf, gpu_type)
+    hit = _TYPED.get((id(perf), gpu_type))
+    if hit is None or hit[0] is not perf:
+        if len(_TYPED) > 256:  # oracles come and go (a simulator's runs): keep the recent ones
+            _TYPED.clear()
+        hit = _TYPED[id(perf), gpu_type] = (perf, TypedOracle(perf, gpu_type))
+    return hit[1]
+
+
+_TYPED: dict[tuple[int, str], tuple] = {}  # (id(oracle), type) -> (oracle, its TypedOracle): ``typed_oracle``
 
 
 def best_speed(job: JobView, perf, gpus: int, gpn: int, cpg: int, gpu_type: str) -> float:

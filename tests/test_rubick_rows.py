@@ -181,3 +181,29 @@ def test_live_rounds_benchmark_refuses_bad_input(capsys):
     with pytest.raises(SystemExit):
         live_rounds.main(["--live", "many"])
     assert "--live" in capsys.readouterr().err
+
+
+def test_on_typed_nodes_the_oracle_is_one_object_round_after_round_and_the_memo_holds():
+    """On nodes that report a GPU type the policy is handed ``typed_oracle(perf, type)``: one
+    wrapper per oracle and type, kept, so the rows' memo (and the candidate keys, asked by
+    the oracle's identity) hold from round to round; the decision is the same as a cold one's."""
+    from gearshift.policies import make_policy
+    from gearshift.policies.hetero import typed_oracle
+
+    perf = LearningOracle(PerfModelOracle())
+    assert typed_oracle(perf, "a100") is typed_oracle(perf, "a100")
+    assert typed_oracle(perf, "h100") is not typed_oracle(perf, "a100")
+    assert typed_oracle(LearningOracle(PerfModelOracle()), "a100") is not typed_oracle(perf, "a100")
+    assert typed_oracle(perf, "") is perf
+    rng = random.Random(3)
+    cluster = [NodeState(f"n{i}", 8, 8, 64, 64, gpu_type="a100") for i in range(4)]
+    views = [JobView(f"j{n}", msgspec.structs.replace(_spec(rng, n), guaranteed=False), submitted_at=float(n))
+             for n in range(12)]
+    warm, cold = make_policy("rubick"), make_policy("rubick")
+    for r in range(3):
+        d = warm.schedule(1000.0 + 60 * r, cluster, views, perf)
+        inner = warm.inner("a100")
+        _cold(cold.inner("a100"))
+        assert _digest(inner, d) == _digest(cold.inner("a100"), cold.schedule(1000.0 + 60 * r, cluster, views, perf))
+        if r:
+            assert inner.problems.from_memo == len(views)  # nothing ran, nothing moved: every job from the memo
