@@ -208,27 +208,27 @@ def request_buckets(observe_dir: Path, process: str, endpoint: str) -> dict[floa
             if s.name == "gearshift_request_duration_seconds_bucket" and s.labels.get("endpoint") == endpoint}
 
 
+def _paired(observe_dir: Path, process: str, first: str, second: str, label: str) -> dict[str, list[float]]:
+    """label value -> [counter ``first``, counter ``second``] of the process so far."""
+    out: dict[str, list[float]] = {}
+    for s in _samples(observe_dir, process):
+        i = {first: 0, second: 1}.get(s.name)
+        if i is not None:
+            out.setdefault(s.labels[label], [0.0, 0.0])[i] = s.value
+    return out
+
+
 def atomic_commits(observe_dir: Path, process: str = "optimizer") -> dict[str, list[float]]:
     """stream -> [atomic batches committed, messages they stored] by the process so far
     (``gearshift_atomic_commits_total``): each commit costs the server a disk sync."""
-    out: dict[str, list[float]] = {}
-    for s in _samples(observe_dir, process):
-        i = {"gearshift_atomic_commits_total": 0, "gearshift_atomic_messages_total": 1}.get(s.name)
-        if i is not None:
-            out.setdefault(s.labels["stream"], [0.0, 0.0])[i] = s.value
-    return out
+    return _paired(observe_dir, process, "gearshift_atomic_commits_total", "gearshift_atomic_messages_total", "stream")
 
 
 def round_counts(observe_dir: Path, process: str = "optimizer") -> dict[str, list[float]]:
     """changed ("true"/"false") -> [rounds, their own CPU seconds] of the process so far
     (``gearshift_rounds_total``, ``gearshift_round_cpu_seconds_total``): every round,
     those that changed nothing too (they publish no ``round.completed``)."""
-    out: dict[str, list[float]] = {}
-    for s in _samples(observe_dir, process):
-        i = {"gearshift_rounds_total": 0, "gearshift_round_cpu_seconds_total": 1}.get(s.name)
-        if i is not None:
-            out.setdefault(s.labels["changed"], [0.0, 0.0])[i] = s.value
-    return out
+    return _paired(observe_dir, process, "gearshift_rounds_total", "gearshift_round_cpu_seconds_total", "changed")
 
 
 def rounds_per_job(before: dict[str, list[float]], after: dict[str, list[float]], jobs: int) -> dict | None:
