@@ -112,7 +112,7 @@ def typed_oracle(perf: PerfOracle | None, gpu_type: str):
         perf = AnalyticOracle()
     hit = _TYPED.get((id(perf), gpu_type))
     if hit is None or hit[0] is not perf:
-        if len(_TYPED) > 256:  # oracles come and go (a simulator's runs): keep the recent ones
+        if len(_TYPED) > 32:  # oracles come and go (a simulator's runs, each holding its caches): not kept alive
             _TYPED.clear()
         hit = _TYPED[id(perf), gpu_type] = (perf, TypedOracle(perf, gpu_type))
     return hit[1]
