@@ -170,6 +170,11 @@ class CandidateCache:
         self._intern = {k: k for k in self._intern if k in seen}
         return True
 
+    def asked(self, key: object) -> None:
+        """A key asked for again by a caller that kept its candidates (``get`` notes its own):
+        ``sweep`` keeps its entry."""
+        self._seen.add(key)
+
     def get(self, job: JobView, perf: PerfOracle) -> list[Candidate]:
         k = self.key(job, perf)
         self._seen.add(k)

@@ -255,7 +255,6 @@ class ProblemBuilder:
         # steps left as last round's while the learned ratio of steps run to declared holds
         ratio = pol.declared.ratio if getattr(pol, "declared", None) is not None else 1.0
         same_ratio, self._ratio = ratio == self._ratio, ratio
-        seen = self.cache._seen if self.cache is not None else set()
         got: list[_Row] = []
         held, left, restarts = [False] * J, [0.0] * J, [0.0] * J
         taken = 0
@@ -263,12 +262,11 @@ class ProblemBuilder:
         for i, j in enumerate(jobs):
             m = memo.get(j.job_id)
             if m is not None and m[0] is j and m[6] is j.spec:  # as last round: its candidates, restart
-                cands, k = m[1], m[2]
+                cands, k, R = m[1], m[2], m[5]
+                lf = m[4] if same_ratio and j.steps_done == m[3] else None
                 taken += 1
                 if k is not None:
-                    seen.add(k)  # asked for, as ``CandidateCache.get`` notes (its ``sweep`` keeps it)
-                lf = m[4] if same_ratio and j.steps_done == m[3] else max(pol.steps_left(j), 1.0) * j.spec.global_batch
-                R = m[5]
+                    self.cache.asked(k)  # as ``CandidateCache.get`` would note it: its ``sweep`` keeps it
             else:
                 k = None
                 if j.spec.reconfigurable:
@@ -279,8 +277,9 @@ class ProblemBuilder:
                     cands = hit[1]
                 else:
                     cands = self._candidates(j, perf, space)
+                lf, R = None, pol.restart_of(j)
+            if lf is None:
                 lf = max(pol.steps_left(j), 1.0) * j.spec.global_batch
-                R = pol.restart_of(j)
             memo_now[j.job_id] = (j, cands, k, j.steps_done, lf, R, j.spec)
             r = old.get(j.job_id)
             if (r is None or r.spec is not j.spec or r.placement is not j.placement or r.plan is not j.plan
@@ -305,11 +304,9 @@ class ProblemBuilder:
         its spec; its steps left are a function of its steps done while the learned ratio of
         steps holds (``rubick_declared``; ``build`` checks both)."""
         rev = perf.revision if supports(perf, RevisedOracle) else 0
-        now_of = (pol, perf, rev, self.cache)
-        same = (not swept and len(self._memo_of) == len(now_of)
-                and all(a is b or (type(a) in (int, float) and a == b) for a, b in zip(self._memo_of, now_of)))
-        self._memo_of = now_of
-        return same
+        last, self._memo_of = self._memo_of, (pol, perf, self.cache, rev)
+        return (not swept and bool(last) and last[0] is pol and last[1] is perf and last[2] is self.cache
+                and last[3] == rev)
 
 
 def _assemble(pol, now: float, jobs: list[JobView], got: list[_Row], held: np.ndarray, left: np.ndarray,
