@@ -17,6 +17,8 @@ Definitions (all over the tracked jobs; every job unless the trace names a windo
   worst ground-truth speed over its allocations / the speed of its own request on
   its natural placement; ``kept`` = rate ratio >= 0.99 and never preempted after it
   started; ``jct ratio`` = JCT / (its request's run time + one restart cost).
+  Where any job is guaranteed, ``by_guarantee`` gives the finished guaranteed and
+  best-effort jobs' count, average and median JCT apart.
 """
 
 from __future__ import annotations
@@ -107,11 +109,20 @@ def summarize(res: SimResult) -> dict:
         "sim_end_s": res.end_time,
         "wall_s": res.wall_s,
     }
+    if guar:  # guaranteed and best-effort jobs apart: a policy may buy one with the other
+        out["by_guarantee"] = {name: _jcts([r for r in fin if bool(r.job.spec.guaranteed) == g])
+                               for name, g in (("guaranteed", True), ("best_effort", False))}
     if res.topology_spans is not None:  # grants by the topology level their nodes span (sim.topology)
         out["topology_spans"] = dict(sorted(res.topology_spans.items()))
         # GPU-hours its grants lost to links slower than the fitted ones (held x (1 - 1/slowdown))
         out["topology_slow_gpu_h"] = res.topology.slow_gpu_s / 3600
     return out
+
+
+def _jcts(fin: list) -> dict:
+    """Finished jobs' count, average and median JCT (s)."""
+    jct = [r.finish - r.job.submit for r in fin]
+    return {"finished": len(jct), "avg_jct_s": sum(jct) / len(jct) if jct else math.nan, "median_jct_s": _pct(jct, 0.5)}
 
 
 def _integral(timeline, t0: float, t1: float) -> float:

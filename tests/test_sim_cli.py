@@ -118,6 +118,17 @@ def test_evaluation_page_rebuilds_from_saved_runs(tmp_path):
             assert d["command"] in text
     rows = [line for line in text.splitlines() if line.startswith("| rubick-")]
     assert rows and all(line.rstrip(" |").endswith(("met", "**not met**")) for line in rows)
+    # where jobs are guaranteed, each policy's guarantees kept and rubick against it on the
+    # guaranteed and the best-effort jobs apart, from the saved summaries
+    split = [d for d in saved if "sia" in d["command"] and "by_guarantee" in d["results"][0]]
+    assert split
+    for d in split:
+        by = {s["policy"]: s for s in d["results"]}
+        ru, sia = by["rubick"]["by_guarantee"], by["sia"]["by_guarantee"]
+        x = [f"{sia[c]['avg_jct_s'] / ru[c]['avg_jct_s']:.2f}x / {sia[c]['median_jct_s'] / ru[c]['median_jct_s']:.2f}x"
+             for c in ("guaranteed", "best_effort")]
+        assert f"| sia | {by['sia']['guarantees_kept']}/{by['sia']['guaranteed_accepted']} | " in text
+        assert f"| {x[0]} | {x[1]} |" in text
 
 
 def test_evaluation_check_reruns_a_saved_run_and_tells_a_changed_one(tmp_path, capsys):

@@ -212,6 +212,21 @@ def test_guaranteed_job_kept_when_run_as_requested():
     assert s["guaranteed_avg_jct_ratio"] == pytest.approx(1.0)
 
 
+def test_guaranteed_and_best_effort_jobs_are_summarised_apart():
+    # 1 node x 2 GPUs, FIFO: A (guaranteed, 100 s) runs 0-110 with a 10 s restart, B
+    # (best effort, 100 s) waits for it and runs 110-220, C (best effort, 50 s) 220-280.
+    t = trace(job("A", 0, 2, 100, guaranteed=True), job("B", 0, 2, 100), job("C", 0, 2, 50), cluster="1x2")
+    s = summarize(simulate(t, make_policy("fifo"), config=SimConfig(restart_cost=10, noise=0)))
+    g, b = s["by_guarantee"]["guaranteed"], s["by_guarantee"]["best_effort"]
+    assert (g["finished"], b["finished"]) == (1, 2)
+    assert g["avg_jct_s"] == pytest.approx(110) and g["median_jct_s"] == pytest.approx(110)
+    assert b["avg_jct_s"] == pytest.approx((220 + 280) / 2) and b["median_jct_s"] == pytest.approx(250)
+    assert (g["avg_jct_s"] + 2 * b["avg_jct_s"]) / 3 == pytest.approx(s["avg_jct_s"])
+    # with no guaranteed job there is nothing to split (and the summary keeps its keys)
+    t = trace(job("B", 0, 2, 100), cluster="1x2")
+    assert "by_guarantee" not in summarize(simulate(t, make_policy("fifo"), config=SimConfig(noise=0)))
+
+
 # ---------------------------------------------------------------- Tiresias by hand
 @pytest.mark.parametrize("restart, expect", [
     # 1 node x 2 GPUs, queue threshold 200 GPU-s, rounds every 60 s and on events.
