@@ -257,6 +257,11 @@ def _per_model(per_model: dict, summaries: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _over(a, b) -> float:
+    """a / b, nan where either is missing (a class with no finished job: NaN, saved as null) or b is 0."""
+    return a / b if a is not None and b and not math.isnan(a) else math.nan
+
+
 def _by_guarantee(summaries: list[dict]) -> str:
     """Where jobs are guaranteed: each policy's guarantees kept, and rubick's avg and median JCT
     against it over every job, the guaranteed ones and the best-effort ones (``by_guarantee``,
@@ -271,7 +276,7 @@ def _by_guarantee(summaries: list[dict]) -> str:
             "| policy | guarantees kept | all jobs | guaranteed jobs | best-effort jobs |", "|---|---:|---:|---:|---:|"]
 
     def pair(mine: dict, theirs: dict) -> str:
-        return f"{_x(theirs['avg_jct_s'] / mine['avg_jct_s'])} / {_x(theirs['median_jct_s'] / mine['median_jct_s'])}"
+        return f"{_x(_over(theirs['avg_jct_s'], mine['avg_jct_s']))} / {_x(_over(theirs['median_jct_s'], mine['median_jct_s']))}"
 
     for s in summaries:
         if s["policy"] == "rubick" or "by_guarantee" not in s or s["unfinished"]:
@@ -296,7 +301,7 @@ def _guarantee_split(res) -> list[str]:
         keep = max(peers, key=lambda s: (s["guarantees_kept"], -s["avg_jct_s"]))
 
         def vs(s: dict, c: str) -> str:
-            return f"{_x(s['by_guarantee'][c]['avg_jct_s'] / ru['by_guarantee'][c]['avg_jct_s'])}"
+            return _x(_over(s["by_guarantee"][c]["avg_jct_s"], ru["by_guarantee"][c]["avg_jct_s"]))
 
         parts.append(f"{regime.capitalize()}: against {b['policy']} (keeps {b['guarantees_kept']}/{b['guaranteed_accepted']}) "
                      f"rubick's avg JCT is {vs(b, 'guaranteed')} on the guaranteed jobs and {vs(b, 'best_effort')} on "

@@ -154,3 +154,21 @@ def test_evaluation_check_reruns_a_saved_run_and_tells_a_changed_one(tmp_path, c
     assert evaluation(["--check", "--json-dir", str(tmp_path), "--only", only, "--workers", "1"]) == 1
     got = json.loads(capsys.readouterr().out)
     assert got["differ"] == [d["command"]] and not got["ok"]
+
+
+def test_guarantee_split_table_reads_a_class_with_no_finished_job():
+    """The evaluation page's guaranteed / best-effort table (``sim.evaluation._by_guarantee``):
+    ratios are the other policy's JCT over rubick's; a class rubick finished no job of (saved
+    as null) reads "-", not an error."""
+    from gearshift.sim.evaluation import _by_guarantee
+
+    def summary(policy, kept, g, b):
+        return {"policy": policy, "unfinished": 0, "guarantees_kept": kept, "guaranteed_accepted": 1,
+                "avg_jct_s": 10.0 if policy == "rubick" else 20.0, "median_jct_s": 10.0 if policy == "rubick" else 20.0,
+                "by_guarantee": {"guaranteed": {"finished": int(g is not None), "avg_jct_s": g, "median_jct_s": g},
+                                 "best_effort": {"finished": 2, "avg_jct_s": b, "median_jct_s": b}}}
+
+    text = _by_guarantee([summary("rubick", 1, None, 10.0), summary("sia", 0, 5.0, 30.0)])
+    assert "(0 guaranteed, 2 best-effort jobs finished by rubick)" in text
+    assert "| sia | 0/1 | 2.00x / 2.00x | - / - | 3.00x / 3.00x |" in text
+    assert _by_guarantee([{k: v for k, v in summary("rubick", 1, 1.0, 1.0).items() if k != "by_guarantee"}]) == ""
