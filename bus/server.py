@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.client import Client as NATS
 from nats.micro import add_service
@@ -36,6 +38,21 @@ class RequestError(Exception):
 
 def bad_request(message: str, field: str | None = None) -> RequestError:
     return RequestError("400", message, field)
+
+
+# What a handler meets when the bus, not the request, is at fault for a moment: JetStream
+# with no leader (an election after a server of a cluster went down, or a restart), its API
+# not answering, a publish with no acknowledgement. Answered 503 / 504, not 500 "internal
+# error", so a caller knows that the same request may work a moment later
+# (``gearshift.client.Client`` retries its reads on them).
+TRANSIENT = (nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError,
+             nats.errors.NoRespondersError, nats.errors.TimeoutError)
+
+
+def transient_error(exc: Exception) -> RequestError:
+    if isinstance(exc, nats.errors.TimeoutError):
+        return RequestError("504", "timed out waiting for the bus (JetStream did not answer in time); retry")
+    return RequestError("503", f"the bus is briefly unavailable (JetStream: {type(exc).__name__}); retry")
 
 
 async def respond_error(req: Request, err: RequestError) -> None:
@@ -84,6 +101,11 @@ def _wrap(ep: Endpoint, log: Any) -> Callable[[Request], Awaitable[None]]:
                 observe.request(ep.name, "200", time.perf_counter() - started)
             except RequestError as err:
                 log.info("request rejected", code=err.code, error=err.message, field=err.field)
+                observe.request(ep.name, err.code, time.perf_counter() - started)
+                await respond_error(req, err)
+            except TRANSIENT as exc:  # the bus itself, briefly: a clear 503/504 the caller may retry
+                err = transient_error(exc)
+                log.warning("request failed: the bus is briefly unavailable", code=err.code, error=str(exc))
                 observe.request(ep.name, err.code, time.perf_counter() - started)
                 await respond_error(req, err)
             except Exception as exc:  # a bug must not kill the service

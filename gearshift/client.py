@@ -12,7 +12,10 @@ use it; it speaks only the bus contract (``bus_schema.contract``, printed by
         await ev.ack()
 
 Every call is typed (``msgspec`` structs of ``bus_schema``). A refusal by a
-service raises ``ServiceCallError`` (``code``, ``message``, ``field``); a
+service raises ``ServiceCallError`` (``code``, ``message``, ``field``). A read
+(get, list, usage, nodes, queues, explain) answered 503 or 504 (no service
+answers, JetStream without a leader for a moment, a time-out) is asked again
+for up to ``read_retry_s`` (10 s); a write never is. A
 subject the identity may not use raises ``ServiceCallError`` with code
 ``"403"`` at once (the server's permission error, not a time-out); no server
 raises ``ServerUnavailable`` and bad credentials ``NotAuthorized``.
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import tenacity
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from gearshift.bus.auth import current_creds, load_creds, tenant_subject
@@ -82,14 +86,26 @@ class DeliveredEvent:
         self.acked = True
 
 
+READ_RETRY_S = 10.0  # how long a read is tried again while the bus or its service is briefly away
+RETRY_CODES = frozenset(("503", "504"))  # no service answers, JetStream without a leader, timed out
+
+
 class Client:
-    def __init__(self, nc: Any, timeout: float = 5.0, tenant: str | None = None, user: str | None = None):
+    def __init__(self, nc: Any, timeout: float = 5.0, tenant: str | None = None, user: str | None = None,
+                 read_retry_s: float = READ_RETRY_S, sleep: Any = asyncio.sleep):
         self.nc = nc
         self.timeout = timeout
         # a tenant identity asks on gs.admission.<verb>.<tenant> (services.auth)
         self.tenant = tenant
         self.user = user
         self._refused: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        # Reads (get, list, usage, nodes, queues, explain, logs) answered 503/504 are asked again
+        # for up to ``read_retry_s`` (a service restarting, JetStream electing a leader after a
+        # server of a cluster went down); writes are not, as a retried write could act twice.
+        # ``sleep``: how the waits between tries are spent (tests pass one that returns at once).
+        self.read_retry_s = read_retry_s
+        self._sleep = sleep
+        self.retries = 0  # reads asked again
 
     @classmethod
     async def connect(cls, url: str | None = None, retry_for: float = 3.0, creds: str | Path | None = None,
@@ -148,6 +164,24 @@ class Client:
     async def _call(self, subject: str, request: Any, reply_type: Any, what: str) -> Any:
         return await self._guard(call(self.nc, subject, request, reply_type, self.timeout), what)
 
+    async def _read(self, subject: str, request: Any, reply_type: Any, what: str) -> Any:
+        """``_call`` for a request that changes nothing: tried again on 503/504 for up to
+        ``read_retry_s`` (waits from 0.1 s doubling to 1 s, and at most 30 tries)."""
+        if self.read_retry_s <= 0:
+            return await self._call(subject, request, reply_type, what)
+
+        def again(exc: BaseException) -> bool:
+            return isinstance(exc, ServiceCallError) and exc.code in RETRY_CODES
+
+        def count(_state: Any) -> None:
+            self.retries += 1
+
+        retrying = tenacity.AsyncRetrying(
+            retry=tenacity.retry_if_exception(again), reraise=True, sleep=self._sleep, before_sleep=count,
+            stop=tenacity.stop_after_delay(self.read_retry_s) | tenacity.stop_after_attempt(30),
+            wait=tenacity.wait_exponential(multiplier=0.1, max=1.0))
+        return await retrying(self._call, subject, request, reply_type, what)
+
     # ------------------------------------------------------------ jobs
     async def submit(self, spec: JobSpec, token: str | None = None) -> SubmitReply:
         return await self._call(self._subject(subj.ADMISSION_SUBMIT), SubmitRequest(spec=spec, token=token),
@@ -172,7 +206,7 @@ class Client:
             req = ListRequest(tenant=tenant, states=states or None, cursor=cursor, **filters)
             if limit is not None:
                 req = msgspec.structs.replace(req, limit=max(1, limit - got_n))
-            page = await self._call(self._subject(subj.ADMISSION_LIST), req, JobList, "list jobs")
+            page = await self._read(self._subject(subj.ADMISSION_LIST), req, JobList, "list jobs")
             got_n += len(page.jobs)
             yield page.jobs
             if page.next_cursor is None or (limit is not None and got_n >= limit):
@@ -180,7 +214,7 @@ class Client:
             cursor = page.next_cursor
 
     async def job(self, job_id: str) -> JobRecord:
-        return await self._call(self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, "read jobs")
+        return await self._read(self._subject(subj.ADMISSION_GET), {"job_id": job_id}, JobRecord, "read jobs")
 
     async def cancel(self, job_id: str, cascade: bool = True) -> JobRecord:
         """Cancel a job; with ``cascade`` the jobs that wait on it too (``services.dependencies``)."""
@@ -191,14 +225,14 @@ class Client:
                     tenant: str | None = None) -> UsageReply:
         """What jobs used: those that finished in ``[since, until]`` (and the live ones, if ``until`` is None)."""
         req = UsageRequest(since=since, until=until, by=by, tenant=tenant)
-        return await self._call(self._subject(subj.ADMISSION_USAGE), req, UsageReply, "read usage")
+        return await self._read(self._subject(subj.ADMISSION_USAGE), req, UsageReply, "read usage")
 
     async def nodes(self) -> NodeList:
-        return await self._call(subj.ADMISSION_NODES, None, NodeList, "list nodes")
+        return await self._read(subj.ADMISSION_NODES, None, NodeList, "list nodes")
 
     # ------------------------------------------------------------ operators
     async def explain(self) -> ExplainReply:
-        return await self._call(subj.OPTIMIZER_EXPLAIN, None, ExplainReply, "ask the optimizer")
+        return await self._read(subj.OPTIMIZER_EXPLAIN, None, ExplainReply, "ask the optimizer")
 
     async def reconfigure(self, job_id: str, plan: Plan | None, placement: list[NodeShare] | None = None,
                           reason: str = "") -> ReconfigureReply:
@@ -218,7 +252,7 @@ class Client:
         return await self._call(subj.agent_command(node, "logs"), req, LogsReply, "read logs")
 
     async def queues(self):
-        return (await self._call(subj.ADMISSION_QUEUES, None, QueueList, "list queues")).queues
+        return (await self._read(subj.ADMISSION_QUEUES, None, QueueList, "list queues")).queues
 
     async def set_queue(self, queue: dict):
         """``queue``: QueueSpec fields (admission decodes and checks them)."""
