@@ -99,9 +99,10 @@ class Client:
         self.tenant = tenant
         self.user = user
         self._refused: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
-        # Reads (get, list, usage, nodes, queues, explain, logs) answered 503/504 are asked again
+        # Reads (get, list, usage, nodes, queues, explain) answered 503/504 are asked again
         # for up to ``read_retry_s`` (a service restarting, JetStream electing a leader after a
-        # server of a cluster went down); writes are not, as a retried write could act twice.
+        # server of a cluster went down); writes are not, as a retried write could act twice, nor
+        # an agent's logs, whose 503 says that agent is gone (``cli_ops`` asks the next node).
         # ``sleep``: how the waits between tries are spent (tests pass one that returns at once).
         self.read_retry_s = read_retry_s
         self._sleep = sleep
