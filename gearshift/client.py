@@ -90,6 +90,10 @@ READ_RETRY_S = 10.0  # how long a read is tried again while the bus or its servi
 RETRY_CODES = frozenset(("503", "504"))  # no service answers, JetStream without a leader, timed out
 
 
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, ServiceCallError) and exc.code in RETRY_CODES
+
+
 class Client:
     def __init__(self, nc: Any, timeout: float = 5.0, tenant: str | None = None, user: str | None = None,
                  read_retry_s: float = READ_RETRY_S, sleep: Any = asyncio.sleep):
@@ -167,18 +171,13 @@ class Client:
 
     async def _read(self, subject: str, request: Any, reply_type: Any, what: str) -> Any:
         """``_call`` for a request that changes nothing: tried again on 503/504 for up to
-        ``read_retry_s`` (waits from 0.1 s doubling to 1 s, and at most 30 tries)."""
-        if self.read_retry_s <= 0:
-            return await self._call(subject, request, reply_type, what)
-
-        def again(exc: BaseException) -> bool:
-            return isinstance(exc, ServiceCallError) and exc.code in RETRY_CODES
+        ``read_retry_s`` (waits from 0.1 s doubling to 1 s, and at most 30 tries; 0: one try)."""
 
         def count(_state: Any) -> None:
             self.retries += 1
 
         retrying = tenacity.AsyncRetrying(
-            retry=tenacity.retry_if_exception(again), reraise=True, sleep=self._sleep, before_sleep=count,
+            retry=tenacity.retry_if_exception(_retryable), reraise=True, sleep=self._sleep, before_sleep=count,
             stop=tenacity.stop_after_delay(self.read_retry_s) | tenacity.stop_after_attempt(30),
             wait=tenacity.wait_exponential(multiplier=0.1, max=1.0))
         return await retrying(self._call, subject, request, reply_type, what)
